@@ -1,0 +1,389 @@
+"""Layout: the plan every rank executes.
+
+A layout assigns each rank of one context-parallel domain (the ranks that share one sequence)
+an A2A group, a set of token segments of the global sequence, and a set of query heads.
+
+Rules (checked in ``__post_init__``; messages carry the numbers):
+- every rank ``0..world_size-1`` appears exactly once, in order;
+- groups partition the ranks; each group lists its ranks in ascending order and each rank
+  names the group that lists it;
+- the segments of all ranks partition ``[0, seq_length)`` exactly; a rank's segments are sorted,
+  non-empty half-open ``[start, end)`` intervals;
+- inside each group, the ranks' query heads partition ``0..num_attention_heads-1``;
+- ``num_attention_heads`` is a multiple of ``num_query_groups`` (GQA/MQA);
+- a rank may hold 0 tokens or 0 heads, not both (it would do nothing); every group owns at
+  least one token (a group without tokens has nothing to attend with). The attention runtime
+  supports both edge cases (see docs/layout.md).
+
+Token order on a rank is segment order. Inside a group, the "group sequence" after the head
+all-to-all is the concatenation of the member ranks' tokens in ascending rank order.
+
+JSON form: ``format: "megatron-hexiseq/layout"``, ``version: 1``; the JSON Schema lives in
+``megatron_hexiseq/schema/layout.schema.json``. ``Layout.from_json(layout.to_json())`` is exact.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import resources
+from typing import Any, Mapping, Sequence
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import read_json, write_json_atomic
+
+FORMAT = "megatron-hexiseq/layout"
+VERSION = 1
+
+Segment = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """What one rank does: its host/GPU, its group, its token segments and its query heads."""
+
+    rank: int
+    host: str
+    gpu: str
+    group: int
+    segments: tuple[Segment, ...]
+    heads: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e - s for s, e in self.segments)
+
+    def positions(self) -> list[int]:
+        """Global token positions of this rank, in segment order."""
+        return [p for s, e in self.segments for p in range(s, e)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """An A2A (head-parallel) group: ranks that exchange heads by ragged all-to-all."""
+
+    id: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A frozen, validated plan. Build with keywords, or load with ``Layout.load``."""
+
+    seq_length: int
+    num_attention_heads: int
+    num_query_groups: int
+    world_size: int
+    groups: tuple[Group, ...]
+    ranks: tuple[RankPlan, ...]
+    predicted: Mapping[str, Any] | None = field(default=None, compare=False)
+    baselines: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)
+    planner: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived views -------------------------------------------------------------------
+    @cached_property
+    def _group_index(self) -> dict[int, Group]:
+        return {g.id: g for g in self.groups}
+
+    def group(self, group_id: int) -> Group:
+        return self._group_index[group_id]
+
+    def group_of(self, rank: int) -> Group:
+        return self._group_index[self.ranks[rank].group]
+
+    @property
+    def heads_per_query_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def kv_heads(self, rank: int) -> tuple[int, ...]:
+        """Sorted K/V heads (query groups) that rank's query heads need."""
+        hpg = self.heads_per_query_group
+        return tuple(sorted({h // hpg for h in self.ranks[rank].heads}))
+
+    def group_segments(self, group_id: int) -> tuple[Segment, ...]:
+        """Segments of a group's sequence, in group order (member ranks ascending)."""
+        return tuple(seg for r in self.group(group_id).ranks for seg in self.ranks[r].segments)
+
+    def group_num_tokens(self, group_id: int) -> int:
+        return sum(self.ranks[r].num_tokens for r in self.group(group_id).ranks)
+
+    def is_symmetric(self) -> bool:
+        """True when every rank holds the same number of tokens and heads, all groups equal."""
+        tokens = {r.num_tokens for r in self.ranks}
+        heads = {len(r.heads) for r in self.ranks}
+        sizes = {len(g.ranks) for g in self.groups}
+        return len(tokens) == len(heads) == len(sizes) == 1
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "seq_length": self.seq_length,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups,
+            "world_size": self.world_size,
+            "groups": [{"id": g.id, "ranks": list(g.ranks)} for g in self.groups],
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "host": r.host,
+                    "gpu": r.gpu,
+                    "group": r.group,
+                    "segments": [list(s) for s in r.segments],
+                    "heads": list(r.heads),
+                }
+                for r in self.ranks
+            ],
+            "predicted": _plain(self.predicted),
+            "baselines": [_plain(b) for b in self.baselines],
+            "planner": _plain(self.planner),
+            "meta": _plain(self.meta),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: no half-written layout is ever left behind."""
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "layout") -> "Layout":
+        _check_schema(data, source)
+        try:
+            return cls(
+                seq_length=data["seq_length"],
+                num_attention_heads=data["num_attention_heads"],
+                num_query_groups=data["num_query_groups"],
+                world_size=data["world_size"],
+                groups=tuple(Group(id=g["id"], ranks=tuple(g["ranks"])) for g in data["groups"]),
+                ranks=tuple(
+                    RankPlan(
+                        rank=r["rank"],
+                        host=r["host"],
+                        gpu=r["gpu"],
+                        group=r["group"],
+                        segments=tuple((s[0], s[1]) for s in r["segments"]),
+                        heads=tuple(r["heads"]),
+                    )
+                    for r in data["ranks"]
+                ),
+                predicted=data["predicted"],
+                baselines=tuple(data["baselines"]),
+                planner=data["planner"],
+                meta=data.get("meta", {}),
+            )
+        except HexiSeqError as e:
+            raise HexiSeqError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "layout") -> "Layout":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HexiSeqError(f"{source} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Layout":
+        return cls.from_dict(read_json(path, "layout"), source=f"layout {path}")
+
+
+# ---- construction helpers -------------------------------------------------------------------
+def make_layout(
+    *,
+    seq_length: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    group_sizes: Sequence[int],
+    segments: Sequence[Sequence[Segment]],
+    heads: Sequence[Sequence[int]],
+    hosts: Sequence[str] | None = None,
+    gpus: Sequence[str] | None = None,
+    **extra: Any,
+) -> Layout:
+    """Build a Layout from per-rank lists; groups are consecutive runs of ``group_sizes`` ranks."""
+    world = sum(group_sizes)
+    if len(segments) != world or len(heads) != world:
+        raise HexiSeqError(
+            f"need segments and heads for {world} ranks, got {len(segments)} and {len(heads)}"
+        )
+    groups, rank_group, start = [], [], 0
+    for gid, size in enumerate(group_sizes):
+        groups.append(Group(id=gid, ranks=tuple(range(start, start + size))))
+        rank_group += [gid] * size
+        start += size
+    ranks = tuple(
+        RankPlan(
+            rank=r,
+            host=hosts[r] if hosts else f"node{rank_group[r]}",
+            gpu=gpus[r] if gpus else "CPU",
+            group=rank_group[r],
+            segments=tuple((int(s), int(e)) for s, e in segments[r]),
+            heads=tuple(int(h) for h in heads[r]),
+        )
+        for r in range(world)
+    )
+    return Layout(
+        seq_length=seq_length,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        world_size=world,
+        groups=tuple(groups),
+        ranks=ranks,
+        **extra,
+    )
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` integers differing by at most one (larger ones first)."""
+    q, r = divmod(total, parts)
+    return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+def zigzag_segments(seq_length: int, cp: int) -> list[list[Segment]]:
+    """Megatron's even 2xCP load-balanced split: rank i holds chunks i and 2*cp-1-i.
+
+    Matches ``megatron.core.utils.get_batch_on_this_cp_rank`` (requires seq_length % (2*cp) == 0).
+    """
+    if seq_length % (2 * cp):
+        raise HexiSeqError(f"zig-zag split needs seq_length divisible by 2*cp={2 * cp}, got {seq_length}")
+    c = seq_length // (2 * cp)
+    return [[(i * c, (i + 1) * c), ((2 * cp - 1 - i) * c, (2 * cp - i) * c)] for i in range(cp)]
+
+
+# ---- validation -----------------------------------------------------------------------------
+def _fail(msg: str) -> None:
+    raise HexiSeqError(msg)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _validate(lay: Layout) -> None:
+    for name in ("seq_length", "num_attention_heads", "num_query_groups", "world_size"):
+        v = getattr(lay, name)
+        if not _is_int(v) or v <= 0:
+            _fail(f"{name} must be a positive integer, got {v!r}")
+    H, G, S, W = lay.num_attention_heads, lay.num_query_groups, lay.seq_length, lay.world_size
+    if H % G:
+        _fail(f"num_attention_heads={H} is not a multiple of num_query_groups={G}")
+    if len(lay.ranks) != W:
+        _fail(f"world_size is {W} but {len(lay.ranks)} ranks are listed")
+    for i, r in enumerate(lay.ranks):
+        if r.rank != i:
+            _fail(f"ranks must be listed in order 0..{W - 1}: entry {i} is rank {r.rank}")
+    # groups partition the ranks
+    gids = [g.id for g in lay.groups]
+    if not lay.groups:
+        _fail("a layout needs at least one group")
+    if len(set(gids)) != len(gids):
+        _fail(f"group ids repeat: {gids}")
+    seen: dict[int, int] = {}
+    for g in lay.groups:
+        if not g.ranks:
+            _fail(f"group {g.id} has no ranks")
+        if list(g.ranks) != sorted(g.ranks):
+            _fail(f"group {g.id} must list its ranks in ascending order, got {list(g.ranks)}")
+        for r in g.ranks:
+            if not _is_int(r) or not 0 <= r < W:
+                _fail(f"group {g.id} lists rank {r}, outside 0..{W - 1}")
+            if r in seen:
+                _fail(f"rank {r} is in group {seen[r]} and group {g.id}")
+            seen[r] = g.id
+    for r in lay.ranks:
+        if r.rank not in seen:
+            _fail(f"rank {r.rank} is in no group")
+        if seen[r.rank] != r.group:
+            _fail(f"rank {r.rank} says group {r.group} but group {seen[r.rank]} lists it")
+    # segments partition [0, S)
+    owned: list[tuple[int, int, int]] = []
+    for r in lay.ranks:
+        prev_end = -1
+        for seg in r.segments:
+            if len(seg) != 2 or not all(_is_int(x) for x in seg):
+                _fail(f"rank {r.rank}: segment {list(seg)} must be two integers [start, end)")
+            s, e = seg
+            if not 0 <= s < e <= S:
+                _fail(f"rank {r.rank}: segment [{s}, {e}) must satisfy 0 <= start < end <= seq_length={S}")
+            if s < prev_end:
+                _fail(f"rank {r.rank}: segments must be sorted and disjoint, [{s}, {e}) comes after one ending at {prev_end}")
+            prev_end = e
+            owned.append((s, e, r.rank))
+    owned.sort()
+    pos, pos_owner = 0, -1
+    for s, e, rk in owned:
+        if s > pos:
+            _fail(f"tokens [{pos}, {s}) belong to no rank; the segments must cover [0, {S})")
+        if s < pos:
+            _fail(f"segments of rank {pos_owner} overlap rank {rk} at [{s}, {min(pos, e)})")
+        pos, pos_owner = e, rk
+    if pos != S:
+        _fail(f"tokens [{pos}, {S}) belong to no rank; the segments must cover [0, {S})")
+    # heads partition 0..H-1 inside each group
+    for g in lay.groups:
+        holder: dict[int, int] = {}
+        for r in g.ranks:
+            for h in lay.ranks[r].heads:
+                if not _is_int(h) or not 0 <= h < H:
+                    _fail(f"rank {r}: head {h} outside 0..{H - 1}")
+                if h in holder:
+                    _fail(f"group {g.id}: head {h} is held by rank {holder[h]} and rank {r}")
+                holder[h] = r
+        missing = sorted(set(range(H)) - set(holder))
+        if missing:
+            _fail(f"group {g.id}: heads {_ranges(missing)} are held by no rank; each group must hold all {H} heads")
+        if sum(lay.ranks[r].num_tokens for r in g.ranks) == 0:
+            _fail(f"group {g.id} owns no tokens; give it a segment or remove the group")
+    for r in lay.ranks:
+        if list(r.heads) != sorted(r.heads):
+            _fail(f"rank {r.rank}: heads must be sorted ascending, got {list(r.heads)}")
+        if r.num_tokens == 0 and not r.heads:
+            _fail(f"rank {r.rank} holds neither tokens nor heads; drop it or give it work")
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5' for compact messages."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(f"{xs[i]}-{xs[j]}" if j > i else f"{xs[i]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _plain(x: Any) -> Any:
+    """Mapping/tuple trees to plain dict/list for JSON."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _check_schema(data: Any, source: str) -> None:
+    """Structural check with the packaged JSON Schema; one-line message naming the path."""
+    import jsonschema
+
+    if not isinstance(data, dict):
+        raise HexiSeqError(f"{source}: expected a JSON object at the top level")
+    if data.get("format") != FORMAT:
+        raise HexiSeqError(f"{source}: 'format' must be {FORMAT!r}, got {data.get('format')!r}; is this a layout file?")
+    if data.get("version") != VERSION:
+        raise HexiSeqError(
+            f"{source}: layout version {data.get('version')!r} is not supported (this release reads version {VERSION})"
+        )
+    schema = json.loads(resources.files("megatron_hexiseq").joinpath("schema/layout.schema.json").read_text())
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    if err is not None:
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise HexiSeqError(f"{source}: at {where}: {err.message}")

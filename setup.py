@@ -1,0 +1,28 @@
+"""megatron-hexiseq: heterogeneous long-context training for Megatron-LM."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-hexiseq",
+    version="0.1.0",
+    description="Uneven context/head parallelism for Megatron-LM on heterogeneous GPU clusters",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_hexiseq", "megatron_hexiseq.*"]),
+    package_data={"megatron_hexiseq": ["schema/*.json", "data/*.yaml"]},
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "ortools>=9.10",
+        "numpy",
+        "pyyaml",
+        "jsonschema",
+        "rich",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine", "flash-attn", "nvidia-ml-py"],
+        "test": ["pytest"],
+    },
+    entry_points={"console_scripts": ["megatron-hexiseq=megatron_hexiseq.cli:main"]},
+)
