@@ -1,0 +1,122 @@
+"""``megatron-hexiseq profile``: measure ranks and write a cluster spec that ``plan`` accepts."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from megatron_hexiseq.errors import HexiSeqError
+
+EXAMPLES = """examples:
+  # on GPUs, one process per GPU:
+  torchrun --nnodes 2 --nproc-per-node 8 -m megatron_hexiseq.cli profile -o cluster.yaml
+  # the heterogeneous CPU testbed: rank 0 alone on a core, ranks 1-2 sharing the next core
+  megatron-hexiseq profile --testbed 1+2 --memory-gib 4 -o results/cluster.yaml
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure compute, bandwidth and memory of every rank; write a cluster spec",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-o", "--output", required=True, help="cluster spec YAML to write")
+    p.add_argument("--raw", help="raw measurements JSON (default: OUTPUT with .raw.json)")
+    p.add_argument("--testbed", default=None,
+                   help="spawn a CPU testbed of this shape (ranks per core, e.g. 1+2) instead of using torchrun's ranks")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory budget per rank on CPU (default 4)")
+    p.add_argument("--name", default=None, help="cluster name in the spec (default: profiled-<shape or world>)")
+    p.add_argument("--seconds", type=float, default=0.5, help="seconds per compute measurement (default 0.5)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(run=run)
+
+
+def _check_output(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise HexiSeqError(f"cannot write {path}: folder {folder} does not exist; create it first")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.profiler import ProfileOptions
+
+    _check_output(args.output)
+    raw_path = args.raw or (os.path.splitext(args.output)[0] + ".raw.json")
+    _check_output(raw_path)
+    if args.seconds <= 0:
+        raise HexiSeqError(f"--seconds must be positive, got {args.seconds}")
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        raise HexiSeqError(f"--memory-gib must be positive, got {args.memory_gib}")
+    opts = ProfileOptions(seconds_per_test=args.seconds, memory_gib=args.memory_gib)
+    if args.testbed is not None:
+        spec, raw = profile_testbed(args.testbed, opts, quiet=args.quiet)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        result = _profile_torchrun(opts, quiet=args.quiet)
+        if result is None:
+            return 0  # not rank 0: nothing to write
+        spec, raw = result
+    else:
+        raise HexiSeqError("no ranks to profile: run under torchrun, or pass --testbed SHAPE (e.g. 1+2) on CPU")
+    spec["name"] = args.name or spec["name"]
+    write_profile(spec, raw, args.output, raw_path)
+    if not args.quiet:
+        print(f"wrote {args.output} and {raw_path}")
+        for node in spec["nodes"]:
+            t = spec["gpus"][node["gpu"]]
+            print(f"  {node['name']}: {node['count']} rank(s), {t['bf16_tflops'] * 1e3:.1f} GFLOP/s matmul, "
+                  f"{t['attention_tflops'] * 1e3:.1f} GFLOP/s attention, intra {node['nvlink_GBps']:.2f} GB/s, "
+                  f"inter {node['network_GBps']:.2f} GB/s")
+    return 0
+
+
+def write_profile(spec: dict[str, Any], raw: dict[str, Any], spec_path: str, raw_path: str) -> None:
+    """Validate the spec with the cluster loader, then write both files atomically."""
+    import yaml
+
+    from megatron_hexiseq.cluster import cluster_from_dict
+    from megatron_hexiseq.io import write_json_atomic, write_text_atomic
+
+    cluster_from_dict(spec, source="profiled cluster spec")
+    write_text_atomic(spec_path, "# measured by megatron-hexiseq profile\n" + yaml.safe_dump(spec, sort_keys=False))
+    write_json_atomic(raw_path, raw)
+
+
+def _progress(quiet: bool):
+    return None if quiet else (lambda msg: print(f"[profile] {msg}", flush=True))
+
+
+def _profile_rank(rank: int, world: int, opts: Any, quiet: bool):
+    from megatron_hexiseq.profiler import run_profile
+
+    return run_profile(opts, progress=_progress(quiet))
+
+
+def profile_testbed(shape_text: str, opts: Any, *, quiet: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Spawn the CPU testbed ranks pinned to their cores and profile them."""
+    import dataclasses
+
+    from megatron_hexiseq.testbed import TestbedShape, cpu_sets, node_names
+    from megatron_hexiseq.testing import run_ranks
+
+    shape = TestbedShape.parse(shape_text)
+    sets = cpu_sets(shape)
+    opts = dataclasses.replace(opts, node_names=tuple(node_names(shape)),
+                               memory_gib=opts.memory_gib if opts.memory_gib is not None else 4.0)
+    results = run_ranks(_profile_rank, shape.world_size, opts, quiet, cpu_sets=sets)
+    spec, raw = results[0]
+    spec["name"] = f"cpu-testbed-{shape}"
+    raw["testbed"] = {"shape": str(shape), "cpu_sets": sets}
+    return spec, raw
+
+
+def _profile_torchrun(opts: Any, *, quiet: bool):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hexiseq.profiler import run_profile
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        return run_profile(opts, progress=_progress(quiet))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,206 @@
+"""``profile``: measure every rank, write a cluster spec whose numbers are measured.
+
+Runs on an initialised default process group (torchrun, or the CPU testbed's spawned ranks).
+All ranks measure compute *at the same time*, so ranks that share a core (the CPU testbed) or a
+power/thermal budget see the speed they will see in training. Measurements:
+
+- matmul throughput (GPU: BF16; CPU: float32, the dtype the CPU testbed trains in);
+- causal attention forward+backward throughput (same dtype, PyTorch SDPA);
+- bandwidth of every pair of ranks (one pair at a time, ping-pong of ``message_bytes``);
+- the all-to-all bandwidth of all ranks together;
+- memory capacity (GPU: free memory; CPU: the configured budget).
+
+Output: a cluster spec dict in the format of :mod:`megatron_hexiseq.cluster` (one custom GPU
+type per node, efficiency 1.0 because the throughput *is* the measurement) and a raw dict of
+every number measured.
+"""
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    matmul_size: int = 512
+    attention_seq: int = 512
+    attention_heads: int = 4
+    head_dim: int = 64
+    seconds_per_test: float = 0.5
+    message_bytes: int = 4 << 20
+    repeats: int = 5
+    memory_gib: float | None = None  # CPU budget; GPU uses free memory when None
+    node_names: Sequence[str] | None = None  # logical node of each rank (CPU testbed); else hostname
+
+
+def _timed_rate(work: Callable[[], None], work_units: float, seconds: float) -> float:
+    """Units per second of ``work`` run repeatedly for about ``seconds`` (after one warm-up)."""
+    work()
+    n, start = 0, time.perf_counter()
+    while True:
+        work()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return n * work_units / elapsed
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
+    n = opts.matmul_size
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def work() -> None:
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return _timed_rate(work, 2.0 * n**3, opts.seconds_per_test)
+
+
+def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
+    """Causal attention fwd+bwd FLOP/s counting only visible (q, k) pairs: 4*d fwd, 8*d bwd per pair-head."""
+    s, h, d = opts.attention_seq, opts.attention_heads, opts.head_dim
+    q = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
+    pairs = s * (s + 1) // 2
+
+    def work() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return _timed_rate(work, 12.0 * d * pairs * h, opts.seconds_per_test)
+
+
+def measure_pair_bandwidth(a: int, b: int, device: torch.device, opts: ProfileOptions) -> float | None:
+    """Bytes/s between ranks a and b by ping-pong (median of repeats); None on other ranks."""
+    me = dist.get_rank()
+    if me not in (a, b):
+        return None
+    buf = torch.empty(opts.message_bytes // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(opts.repeats + 1):
+        start = time.perf_counter()
+        if me == a:
+            dist.send(buf, b)
+            dist.recv(buf, b)
+        else:
+            dist.recv(buf, a)
+            dist.send(buf, a)
+        times.append(time.perf_counter() - start)
+    return 2 * opts.message_bytes / statistics.median(times[1:])
+
+
+def measure_alltoall_bandwidth(device: torch.device, opts: ProfileOptions) -> float:
+    """Per-rank bytes/s sent by an all-to-all of ``message_bytes`` per rank (median)."""
+    world = dist.get_world_size()
+    n = max(world, opts.message_bytes // 4 // world * world)
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(opts.repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(dst, src)
+        times.append(time.perf_counter() - start)
+    return n * 4 * (world - 1) / world / statistics.median(times[1:])
+
+
+def _memory_gib(device: torch.device, opts: ProfileOptions) -> float:
+    if opts.memory_gib is not None:
+        return float(opts.memory_gib)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / 2**30
+    return 4.0
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str], None] | None = None
+                ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Measure all ranks; rank 0 returns ``(cluster_spec_dict, raw_dict)``, other ranks None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    say = progress if (progress and rank == 0) else (lambda _msg: None)
+    node = opts.node_names[rank] if opts.node_names else socket.gethostname()
+
+    say("matmul throughput (all ranks at once)")
+    dist.barrier()
+    mm = measure_matmul_flops(device, dtype, opts)
+    say("attention throughput (all ranks at once)")
+    dist.barrier()
+    attn = measure_attention_flops(device, dtype, opts)
+    pair_bw: dict[str, float] = {}
+    for a in range(world):
+        for b in range(a + 1, world):
+            say(f"bandwidth {a}<->{b}")
+            dist.barrier()
+            bw = measure_pair_bandwidth(a, b, device, opts)
+            if rank == a:
+                pair_bw[f"{a}-{b}"] = bw
+    say("all-to-all bandwidth")
+    a2a = measure_alltoall_bandwidth(device, opts) if world > 1 else None
+    mine = {"rank": rank, "node": node, "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
+            "matmul_flops": mm, "attention_flops": attn, "alltoall_Bps": a2a, "pair_Bps": pair_bw,
+            "memory_gib": _memory_gib(device, opts)}
+    everyone: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return None
+    raw = {"ranks": everyone, "options": opts.__dict__ | {"node_names": list(opts.node_names or [])},
+           "world_size": world}
+    return cluster_spec_from_measurements(everyone), raw
+
+
+def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "profiled") -> dict[str, Any]:
+    """Turn per-rank measurements into the cluster spec format (one GPU type per node).
+
+    Ranks must be listed node by node (the rank order the layout will use). Node type numbers are
+    the mean over its ranks; intra-node bandwidth is the mean pair bandwidth inside the node, the
+    network bandwidth the mean pair bandwidth to other nodes (falling back to each other's values
+    for single-rank nodes or single-node clusters).
+    """
+    pair: dict[tuple[int, int], float] = {}
+    for r in per_rank:
+        for key, bw in r["pair_Bps"].items():
+            a, b = (int(x) for x in key.split("-"))
+            pair[(a, b)] = pair[(b, a)] = bw
+    order: list[str] = []
+    for r in per_rank:
+        if order and r["node"] != order[-1] and r["node"] in order:
+            raise ValueError(f"rank {r['rank']} on node {r['node']} is not next to the other ranks of that node")
+        if not order or r["node"] != order[-1]:
+            order.append(r["node"])
+    gpus, nodes = {}, []
+    all_bw = list(pair.values()) or [per_rank[0]["alltoall_Bps"] or 1e9]
+    for node in order:
+        members = [r for r in per_rank if r["node"] == node]
+        ids = [r["rank"] for r in members]
+        inside = [pair[(a, b)] for a in ids for b in ids if a < b]
+        outside = [pair[(a, b)] for a in ids for b in range(len(per_rank)) if b not in ids]
+        intra = statistics.mean(inside) if inside else statistics.mean(all_bw)
+        inter = statistics.mean(outside) if outside else intra
+        type_name = f"{members[0]['device']}-{node}".replace(" ", "-")
+        gpus[type_name] = {
+            "bf16_tflops": round(statistics.mean(r["matmul_flops"] for r in members) / 1e12, 6),
+            "attention_tflops": round(statistics.mean(r["attention_flops"] for r in members) / 1e12, 6),
+            "memory_gib": round(min(r["memory_gib"] for r in members), 3),
+            "nvlink_GBps": round(intra / 1e9, 4),
+            "efficiency": 1.0,
+        }
+        nodes.append({"name": node, "gpu": type_name, "count": len(members),
+                      "nvlink_GBps": round(intra / 1e9, 4), "network_GBps": round(inter / 1e9, 4)})
+    return {"name": name, "gpus": gpus, "nodes": nodes}
