@@ -1,0 +1,308 @@
+"""Cluster spec (YAML) and the built-in GPU catalog.
+
+A cluster is a list of nodes; each node holds ``count`` GPUs of one type. Devices (one per GPU)
+are numbered node by node in file order, local index ascending: layout rank ``r`` runs on
+``cluster.devices[r]``.
+
+Units: TFLOP/s (dense BF16 tensor-core peak, 1e12 FLOP/s), GiB (2**30 bytes) of memory, GB/s
+(1e9 bytes/s) of bandwidth. Every bandwidth here is **per GPU, one direction**: ``nvlink_GBps``
+is what one GPU can send (and at the same time receive) to the other GPUs of its node,
+``network_GBps`` what it can send to GPUs of other nodes. Vendor datasheets quote NVLink as a
+bidirectional aggregate (H100: "900 GB/s"), so the catalog holds half of that number (450), the
+figure the HexiSeq paper uses for its H100 nodes.
+
+YAML format (see docs/specs.md)::
+
+    name: mixed-h100-a100
+    gpus:                     # optional: custom types, or overrides of catalog entries
+      MY-GPU: {bf16_tflops: 200, memory_gib: 48, nvlink_GBps: 300}
+    nodes:
+      - name: node0           # hostname as the scheduler reports it
+        gpu: H100-SXM-80GB    # catalog key or a key of `gpus`
+        count: 8
+        nvlink_GBps: 450      # optional (default: the GPU type's)
+        network_GBps: 25      # per-GPU inter-node bandwidth (required)
+        memory_gib: 60        # optional per-node memory budget (default: the GPU type's)
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import read_yaml
+
+DEFAULT_EFFICIENCY = 0.5
+"""Achievable fraction of the datasheet's dense BF16 peak for the transformer's matmuls and
+attention kernels (large-model training reaches roughly 40-55% MFU on H100/A100; the HexiSeq
+and Megatron papers report numbers in that range). ``profile`` replaces it with a measurement."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuType:
+    """One kind of accelerator.
+
+    ``bf16_tflops``: dense BF16 tensor-core peak (no sparsity); ``efficiency``: the achievable
+    fraction of it; ``attention_tflops``: optional separate peak for the attention kernel (same
+    efficiency scale; ``profile`` measures it), default = ``bf16_tflops``.
+    """
+
+    name: str
+    bf16_tflops: float
+    memory_gib: float
+    nvlink_GBps: float
+    efficiency: float = DEFAULT_EFFICIENCY
+    source: str = ""
+    attention_tflops: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """A host with ``count`` GPUs of one type; bandwidths per GPU, one direction."""
+
+    name: str
+    gpu: GpuType
+    count: int
+    nvlink_GBps: float
+    network_GBps: float
+    memory_gib: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One GPU. ``index`` is its global number (= the layout rank that runs on it)."""
+
+    index: int
+    node: str
+    local_index: int
+    gpu: GpuType
+    nvlink_GBps: float
+    network_GBps: float
+    memory_gib: float
+
+    @property
+    def flops_per_s(self) -> float:
+        """Achievable matmul FLOP/s: ``bf16_tflops * 1e12 * efficiency``."""
+        return self.gpu.bf16_tflops * 1e12 * self.gpu.efficiency
+
+    @property
+    def attention_flops_per_s(self) -> float:
+        """Achievable attention-kernel FLOP/s (``attention_tflops`` or ``bf16_tflops``, times efficiency)."""
+        peak = self.gpu.attention_tflops if self.gpu.attention_tflops is not None else self.gpu.bf16_tflops
+        return peak * 1e12 * self.gpu.efficiency
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Nodes in file order and their devices, numbered node by node."""
+
+    name: str
+    nodes: tuple[Node, ...]
+    devices: tuple[Device, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.devices[a].node == self.devices[b].node
+
+    def link_GBps(self, a: int, b: int) -> float:
+        """Bandwidth (GB/s, one direction) from device ``a`` to device ``b``.
+
+        Same node: the smaller NVLink bandwidth of the two; different nodes: the smaller network
+        bandwidth of the two. ``a == b`` is a local copy: ``math.inf``.
+        """
+        if a == b:
+            return math.inf
+        da, db = self.devices[a], self.devices[b]
+        if da.node == db.node:
+            return min(da.nvlink_GBps, db.nvlink_GBps)
+        return min(da.network_GBps, db.network_GBps)
+
+
+# ---- catalog ----------------------------------------------------------------------------------
+def _gpu(name: str, bf16_tflops: float, memory_gib: float, nvlink_GBps: float, source: str,
+         efficiency: float = DEFAULT_EFFICIENCY) -> GpuType:
+    return GpuType(name=name, bf16_tflops=bf16_tflops, memory_gib=memory_gib, nvlink_GBps=nvlink_GBps,
+                   efficiency=efficiency, source=source)
+
+
+# Dense BF16 (no sparsity) peak, memory, and per-GPU one-direction NVLink = half the datasheet's
+# bidirectional aggregate. GPUs without NVLink get their PCIe link (one direction).
+GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType({g.name: g for g in (
+    _gpu("H100-SXM-80GB", 989.4, 80, 450,
+         "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity -> 989 dense; "
+         "80 GB HBM3; NVLink 900 GB/s bidirectional"),
+    _gpu("H100-PCIe-80GB", 756.5, 80, 64,
+         "NVIDIA H100 datasheet (PCIe): BF16 1,513 TFLOPS with sparsity -> 756 dense; 80 GB HBM2e; "
+         "NVLink bridge joins only pairs, so intra-node uses PCIe Gen5 x16 (128 GB/s bidirectional)"),
+    _gpu("H200-141GB", 989.4, 141, 450,
+         "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity -> 989 dense; "
+         "141 GB HBM3e; NVLink 900 GB/s bidirectional"),
+    _gpu("B200-192GB", 2250, 180, 900,
+         "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity per 8 GPUs -> 2.25 PFLOPS dense "
+         "per GPU; 192 GB HBM3e of which HGX exposes 180 GB (1,440 GB per 8 GPUs); NVLink 5 1.8 TB/s "
+         "bidirectional"),
+    _gpu("A100-SXM-80GB", 312, 80, 300,
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 80 GB HBM2e; "
+         "NVLink 600 GB/s bidirectional"),
+    _gpu("A100-SXM-40GB", 312, 40, 300,
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 40 GB HBM2; "
+         "NVLink 600 GB/s bidirectional"),
+    _gpu("A800-80GB", 312, 80, 200,
+         "NVIDIA A800 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 80 GB HBM2e; "
+         "NVLink 400 GB/s bidirectional"),
+    _gpu("L40S-48GB", 362.05, 48, 32,
+         "NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity -> 362 dense; 48 GB GDDR6; no NVLink, "
+         "PCIe Gen4 x16 (64 GB/s bidirectional)"),
+    _gpu("V100-SXM-32GB", 125, 32, 150,
+         "NVIDIA V100 datasheet (SXM2): no BF16 -- FP16 tensor 125 TFLOPS used instead (trains in FP16); "
+         "32 GB HBM2; NVLink 300 GB/s bidirectional"),
+    _gpu("CPU", 0.1, 8, 5,
+         "placeholder for the CPU testbed (gloo ranks); run `megatron-hexiseq profile` to measure",
+         efficiency=1.0),
+)})
+
+_GPU_KEYS = {"bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "source", "attention_tflops"}
+_GPU_REQUIRED = ("bf16_tflops", "memory_gib", "nvlink_GBps")
+_NODE_KEYS = {"name", "gpu", "count", "nvlink_GBps", "network_GBps", "memory_gib"}
+_TOP_KEYS = {"name", "gpus", "nodes"}
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def load_cluster(path: str | os.PathLike) -> Cluster:
+    """Read a cluster spec YAML; any problem raises HexiSeqError naming the file."""
+    return cluster_from_dict(read_yaml(path, "cluster spec"), source=f"cluster spec {path}")
+
+
+def cluster_from_dict(data: Any, *, source: str = "cluster spec") -> Cluster:
+    """Validate a parsed cluster spec and build the Cluster (see module docstring for the format)."""
+    try:
+        return _build(data, source)
+    except HexiSeqError as e:
+        raise HexiSeqError(f"{source}: {e}") from None
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """Plain dict that ``cluster_from_dict`` turns back into an equal Cluster.
+
+    Every GPU type used is written out in full under ``gpus`` and every node field is explicit,
+    so the file does not depend on the catalog of the release that reads it.
+    """
+    gpus: dict[str, dict[str, Any]] = {}
+    for node in cluster.nodes:
+        g = node.gpu
+        entry: dict[str, Any] = {"bf16_tflops": g.bf16_tflops, "memory_gib": g.memory_gib,
+                                 "nvlink_GBps": g.nvlink_GBps, "efficiency": g.efficiency, "source": g.source}
+        if g.attention_tflops is not None:
+            entry["attention_tflops"] = g.attention_tflops
+        gpus[g.name] = entry
+    nodes = [{"name": n.name, "gpu": n.gpu.name, "count": n.count, "nvlink_GBps": n.nvlink_GBps,
+              "network_GBps": n.network_GBps, "memory_gib": n.memory_gib} for n in cluster.nodes]
+    return {"name": cluster.name, "gpus": gpus, "nodes": nodes}
+
+
+def _build(data: Any, source: str) -> Cluster:
+    if not isinstance(data, Mapping):
+        raise HexiSeqError(f"expected a mapping with keys 'name' and 'nodes' at the top level, got {_kind(data)}")
+    _no_unknown(data, _TOP_KEYS, "top level")
+    name = data.get("name", "cluster")
+    if not isinstance(name, str) or not name:
+        raise HexiSeqError(f"'name' must be a non-empty string, got {name!r}")
+    types = dict(GPU_CATALOG)
+    custom = data.get("gpus") or {}
+    if not isinstance(custom, Mapping):
+        raise HexiSeqError(f"'gpus' must map GPU type names to their numbers, got {_kind(custom)}")
+    for gname, spec in custom.items():
+        types[str(gname)] = _gpu_type(str(gname), spec, GPU_CATALOG.get(str(gname)), source)
+    raw_nodes = data.get("nodes")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise HexiSeqError("'nodes' must be a non-empty list of nodes")
+    nodes: list[Node] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_nodes):
+        node = _node(i, raw, types)
+        if node.name in seen:
+            raise HexiSeqError(f"node name {node.name!r} appears twice; node names must be unique hostnames")
+        seen.add(node.name)
+        nodes.append(node)
+    devices = tuple(
+        Device(index=idx, node=n.name, local_index=local, gpu=n.gpu, nvlink_GBps=n.nvlink_GBps,
+               network_GBps=n.network_GBps, memory_gib=n.memory_gib)
+        for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
+    )
+    return Cluster(name=name, nodes=tuple(nodes), devices=devices)
+
+
+def _gpu_type(name: str, spec: Any, base: GpuType | None, source: str) -> GpuType:
+    where = f"gpus.{name}"
+    if not isinstance(spec, Mapping):
+        raise HexiSeqError(f"{where} must be a mapping like {{bf16_tflops: 200, memory_gib: 48, nvlink_GBps: 300}}")
+    _no_unknown(spec, _GPU_KEYS, where)
+    if base is None:
+        missing = [k for k in _GPU_REQUIRED if k not in spec]
+        if missing:
+            raise HexiSeqError(f"{where} is not in the catalog, so it needs {', '.join(missing)}")
+        base = GpuType(name=name, bf16_tflops=1.0, memory_gib=1.0, nvlink_GBps=1.0, source=source)
+    fields: dict[str, Any] = {}
+    for key in ("bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "attention_tflops"):
+        if key in spec:
+            fields[key] = _positive(spec[key], f"{where}.{key}")
+    if "efficiency" in fields and fields["efficiency"] > 1:
+        raise HexiSeqError(f"{where}.efficiency must be in (0, 1], got {fields['efficiency']}")
+    if "source" in spec:
+        if not isinstance(spec["source"], str):
+            raise HexiSeqError(f"{where}.source must be a string")
+        fields["source"] = spec["source"]
+    return replace(base, **fields)
+
+
+def _node(i: int, raw: Any, types: Mapping[str, GpuType]) -> Node:
+    where = f"nodes[{i}]"
+    if not isinstance(raw, Mapping):
+        raise HexiSeqError(f"{where} must be a mapping with name, gpu, count, network_GBps")
+    _no_unknown(raw, _NODE_KEYS, where)
+    for key in ("name", "gpu", "count", "network_GBps"):
+        if key not in raw:
+            raise HexiSeqError(f"{where} is missing '{key}'")
+    name, gpu_name = raw["name"], raw["gpu"]
+    if not isinstance(name, str) or not name:
+        raise HexiSeqError(f"{where}.name must be a non-empty string, got {name!r}")
+    where = f"node {name!r}"
+    if not isinstance(gpu_name, str) or gpu_name not in types:
+        raise HexiSeqError(f"{where}: unknown GPU {gpu_name!r}; known: {', '.join(sorted(types))} "
+                           "(or describe it under 'gpus')")
+    gpu = types[gpu_name]
+    count = raw["count"]
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        raise HexiSeqError(f"{where}: count must be a positive integer, got {count!r}")
+    return Node(
+        name=name, gpu=gpu, count=count,
+        nvlink_GBps=_positive(raw.get("nvlink_GBps", gpu.nvlink_GBps), f"{where}: nvlink_GBps"),
+        network_GBps=_positive(raw["network_GBps"], f"{where}: network_GBps"),
+        memory_gib=_positive(raw.get("memory_gib", gpu.memory_gib), f"{where}: memory_gib"),
+    )
+
+
+def _positive(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise HexiSeqError(f"{what} must be a positive number, got {x!r}")
+    return x
+
+
+def _no_unknown(d: Mapping, allowed: set[str], where: str) -> None:
+    unknown = sorted(str(k) for k in d if k not in allowed)
+    if unknown:
+        raise HexiSeqError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _kind(x: Any) -> str:
+    return "nothing (empty file?)" if x is None else type(x).__name__

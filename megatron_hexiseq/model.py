@@ -1,0 +1,206 @@
+"""Model spec with Megatron's field names, and the bundled presets.
+
+A ``ModelSpec`` describes a decoder-only GPT in the terms of Megatron's ``TransformerConfig`` /
+command line (``--num-layers``, ``--hidden-size``, ``--num-attention-heads``,
+``--num-query-groups``, ``--ffn-hidden-size``, ``--kv-channels``, ``--swiglu``,
+``--normalization``, ``--add-bias-linear``, ``--seq-length``, ``--micro-batch-size``).
+Position embeddings are rotary (no parameters) for every preset; embeddings and the output layer
+are untied (``--untie-embeddings-and-output-weights``).
+
+YAML form (``--model-config M.yaml``): the fields below; ``kv_channels`` defaults to
+``hidden_size // num_attention_heads``, ``num_query_groups`` to ``num_attention_heads``. A YAML
+may start from a preset with ``preset: llama2-7b`` and override fields.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import read_yaml
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A GPT-style decoder. Shapes: h = hidden_size, a = num_attention_heads, g = num_query_groups,
+    d = kv_channels, f = ffn_hidden_size, V = vocab_size, L = num_layers."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    kv_channels: int
+    swiglu: bool
+    seq_length: int
+    micro_batch_size: int = 1
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                  "vocab_size", "kv_channels", "seq_length", "micro_batch_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise HexiSeqError(f"model {self.name!r}: {f} must be a positive integer, got {v!r}")
+        for f in ("swiglu", "add_bias_linear"):
+            if not isinstance(getattr(self, f), bool):
+                raise HexiSeqError(f"model {self.name!r}: {f} must be true or false, got {getattr(self, f)!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise HexiSeqError(f"model {self.name!r}: num_attention_heads={self.num_attention_heads} is not a "
+                               f"multiple of num_query_groups={self.num_query_groups}")
+        if self.normalization not in NORMALIZATIONS:
+            raise HexiSeqError(f"model {self.name!r}: normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                               f"got {self.normalization!r}")
+
+    @property
+    def heads_per_query_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one transformer layer (see :attr:`num_parameters`)."""
+        h, d, a, g, f = self.hidden_size, self.kv_channels, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
+        bias = self.add_bias_linear
+        qkv_out = (a + 2 * g) * d
+        fc1_out = f * (2 if self.swiglu else 1)
+        attn = h * qkv_out + a * d * h + (qkv_out + h if bias else 0)
+        mlp = h * fc1_out + f * h + (fc1_out + h if bias else 0)
+        return attn + mlp + 2 * self._norm_parameters
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact parameter count of Megatron's GPTModel with untied embeddings and rotary positions.
+
+        ``V*h`` (word embeddings) + ``L * layer`` + final norm + ``V*h`` (output layer, no bias), with
+        ``layer = h*(a+2g)*d`` (QKV) ``+ a*d*h`` (projection) ``+ h*f*m + f*h`` (MLP, m = 2 with SwiGLU
+        else 1) ``+ 2 norms`` (LayerNorm 2h each: weight and bias; RMSNorm h) ``+ biases`` when
+        ``add_bias_linear`` (``(a+2g)*d + h + f*m + h``).
+        """
+        return 2 * self.vocab_size * self.hidden_size + self.num_layers * self.layer_parameters + self._norm_parameters
+
+    @property
+    def _norm_parameters(self) -> int:
+        return self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, seq: int = 2048) -> ModelSpec:
+    # GPT-2 BPE vocabulary 50,257 padded by Megatron to a multiple of 128 -> 50,304.
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     num_query_groups=heads, ffn_hidden_size=4 * hidden, vocab_size=50304,
+                     kv_channels=hidden // heads, swiglu=False, seq_length=seq)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab, kv_channels=hidden // heads,
+                     swiglu=True, seq_length=seq, normalization="RMSNorm", add_bias_linear=False)
+
+
+MODEL_PRESETS: Mapping[str, ModelSpec] = MappingProxyType({m.name: m for m in (
+    # GPT-3 family shapes (Brown et al. 2020, Table 2.1: "2.7B", "6.7B", "13B"), the sizes Megatron's
+    # GPT-3 examples (examples/gpt3) and the HexiSeq paper's "GPT-style 3B/7B/13B" use; ffn = 4h, GELU.
+    _gpt("gpt-3b", 32, 2560, 32),
+    _gpt("gpt-7b", 32, 4096, 32),
+    _gpt("gpt-13b", 40, 5120, 40),
+    # Llama 2 (Touvron et al. 2023; HF meta-llama/Llama-2-7b-hf and -13b-hf config.json).
+    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    # Llama 3 (Dubey et al. 2024, Table 3; HF meta-llama/Meta-Llama-3-8B and -70B config.json), GQA 8 groups.
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    # A tiny GPT for the CPU testbed (gloo ranks): 2 layers, 8 heads in 4 query groups (exercises GQA).
+    ModelSpec(name="gpt-tiny", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+              ffn_hidden_size=256, vocab_size=256, kv_channels=8, swiglu=False, seq_length=256),
+)})
+
+_FIELDS = tuple(f.name for f in fields(ModelSpec))
+
+
+def get_model(name: str | None = None, *, config_path: str | os.PathLike | None = None,
+              overrides: Mapping[str, Any] = MappingProxyType({})) -> ModelSpec:
+    """A preset by ``name`` or a YAML spec at ``config_path`` (exactly one), then ``overrides``.
+
+    ``overrides`` uses the same field names (the CLI passes ``{"seq_length": N}`` for
+    ``--seq-length``); ``None`` values are ignored so the CLI can pass unset flags through.
+    """
+    if (name is None) == (config_path is None):
+        raise HexiSeqError("give a model preset name (--model NAME) or a model YAML (--model-config M.yaml), "
+                           f"not {'both' if name else 'neither'}; presets: {', '.join(MODEL_PRESETS)}")
+    if name is not None:
+        spec = _preset(name).to_dict()
+        where = f"model {name!r}"
+    else:
+        data = read_yaml(config_path, "model spec")
+        where = f"model spec {config_path}"
+        spec = _spec_from_yaml(data, where)
+    extra = {k: v for k, v in overrides.items() if v is not None}
+    _no_unknown(extra, where + " overrides")
+    return _build(spec | extra, where)
+
+
+def model_from_dict(data: Any, *, source: str = "model spec") -> ModelSpec:
+    """Validate a parsed model spec (same rules as a ``--model-config`` YAML)."""
+    return _build(_spec_from_yaml(data, source), source)
+
+
+def _preset(name: str) -> ModelSpec:
+    if name not in MODEL_PRESETS:
+        raise HexiSeqError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)} "
+                           "(or describe it in a YAML and pass --model-config)")
+    return MODEL_PRESETS[name]
+
+
+def _spec_from_yaml(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        kind = "nothing (empty file?)" if data is None else type(data).__name__
+        raise HexiSeqError(f"{where}: expected a mapping of model fields, got {kind}")
+    data = dict(data)
+    base: dict[str, Any] = {}
+    if "preset" in data:
+        base = _preset(str(data.pop("preset"))).to_dict()
+    _no_unknown(data, where)
+    spec = base | data
+    spec.setdefault("name", "custom")
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                           "seq_length") if k not in spec]
+    if missing:
+        raise HexiSeqError(f"{where}: missing {', '.join(missing)}")
+    for k in ("hidden_size", "num_attention_heads"):
+        if not _pos_int(spec[k]):
+            raise HexiSeqError(f"{where}: {k} must be a positive integer, got {spec[k]!r}")
+    heads, hidden = spec["num_attention_heads"], spec["hidden_size"]
+    if "kv_channels" not in spec:
+        if hidden % heads:
+            raise HexiSeqError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                               "set kv_channels explicitly")
+        spec["kv_channels"] = hidden // heads
+    spec.setdefault("num_query_groups", heads)
+    spec.setdefault("swiglu", False)
+    return spec
+
+
+def _build(spec: Mapping[str, Any], where: str) -> ModelSpec:
+    try:
+        return ModelSpec(**spec)
+    except HexiSeqError as e:
+        raise HexiSeqError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _no_unknown(d: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(str(k) for k in d if k not in _FIELDS)
+    if unknown:
+        raise HexiSeqError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_FIELDS)}")
+
+
+def _pos_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
