@@ -1,0 +1,106 @@
+"""The ``--hexiseq-*`` flags: one frozen dataclass is the source of truth.
+
+``HexiSeqArgs`` declares every flag (name, type, default, help) as field metadata;
+``add_hexiseq_args(parser)`` (Megatron's ``extra_args_provider``) registers them and
+``HexiSeqArgs.from_namespace(args)`` reads them back after Megatron parsed its arguments.
+``tests/test_megatron_args.py`` pins the flag set.
+
+The plugin also requires the stock Megatron flags ``--cp-comm-type hexiseq`` (Megatron declares
+``--cp-comm-type`` without ``choices``; the value reaches the core attention as ``cp_comm_type``)
+and ``--calculate-per-token-loss`` (checked at start-up, see ``parallel_state.check_args``).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+#: Value of Megatron's ``--cp-comm-type`` that selects HexiSeq attention.
+CP_COMM_TYPE = "hexiseq"
+
+#: Attention kernels the flag accepts; ``megatron_hexiseq.attention`` implements them.
+KERNELS = ("sdpa", "reference")
+
+
+def _flag(help: str, **argparse_kwargs: Any) -> Any:
+    return field(metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass(frozen=True, kw_only=True)
+class HexiSeqArgs:
+    """Every ``--hexiseq-*`` flag; the attribute name is the flag without ``--hexiseq-``."""
+
+    layout: str | None = _flag(
+        "Layout JSON (from 'megatron-hexiseq plan') that every context-parallel domain runs; "
+        "enables HexiSeq together with --cp-comm-type hexiseq.", metavar="PATH", default=None)
+    kernel: str = _flag(
+        "Attention block kernel: 'sdpa' (torch fused attention) or 'reference' (pure torch, "
+        "the numerical oracle; slow).", choices=KERNELS, default="sdpa")
+    comm_chunks: int = _flag(
+        "How finely HexiSeq's head all-to-all / sub-ring K/V exchange is split and overlapped "
+        "with attention compute (an overlap-tuner knob; integer >= 1).", metavar="N", default=1)
+    allow_mismatch: bool = _flag(
+        "Downgrade the start-up check of each rank's GPU name against the layout's 'gpu' to a "
+        "warning (e.g. a layout planned for another GPU model). Structural mismatches (world "
+        "size, context-parallel size, sequence length, heads) always fail.", default=False)
+    overlap_tune: bool = _flag(
+        "Tune communication/computation overlap knobs online in the first iterations "
+        "(megatron_hexiseq.overlap) and save the result.", default=False)
+    overlap_config: str | None = _flag(
+        "Apply a saved overlap-tuning result (JSON from 'megatron-hexiseq tune').",
+        metavar="PATH", default=None)
+
+    def __post_init__(self) -> None:
+        from megatron_hexiseq.errors import HexiSeqError
+
+        if self.comm_chunks < 1:
+            raise HexiSeqError(f"--hexiseq-comm-chunks must be >= 1, got {self.comm_chunks}")
+        if self.overlap_tune and self.overlap_config:
+            raise HexiSeqError("use either --hexiseq-overlap-tune or --hexiseq-overlap-config, not both")
+
+    @property
+    def enabled(self) -> bool:
+        """True when a layout was given (HexiSeq replaces Megatron's context parallelism)."""
+        return self.layout is not None
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> "HexiSeqArgs":
+        """Read the flags back from Megatron's parsed ``args`` (missing ones take defaults)."""
+        values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
+        return cls(**values)
+
+
+def flag(name: str) -> str:
+    """``'comm_chunks'`` -> ``'--hexiseq-comm-chunks'``."""
+    return "--hexiseq-" + name.replace("_", "-")
+
+
+def dest(name: str) -> str:
+    """``'comm_chunks'`` -> ``'hexiseq_comm_chunks'`` (the attribute on Megatron's args)."""
+    return "hexiseq_" + name
+
+
+def flag_names() -> tuple[str, ...]:
+    """All ``--hexiseq-*`` flags, in declaration order."""
+    return tuple(flag(f.name) for f in fields(HexiSeqArgs))
+
+
+def add_hexiseq_args(parser: argparse.ArgumentParser,
+                     chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
+                     ) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: add the ``--hexiseq-*`` flags (then ``chain``'s, if any).
+
+    ``chain`` lets ``pretrain_gpt.py`` keep its own provider (ModelOpt's ``add_modelopt_args``).
+    """
+    group = parser.add_argument_group(title="hexiseq", description="Uneven context/head parallelism "
+                                      "for heterogeneous GPUs (megatron-hexiseq)")
+    for f in fields(HexiSeqArgs):
+        meta = dict(f.metadata)
+        kwargs: dict[str, Any] = {"dest": dest(f.name), "default": f.default, "help": meta.pop("help")}
+        if f.type in ("bool", bool):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = int if f.type in ("int", int) else str
+        kwargs.update(meta)
+        group.add_argument(flag(f.name), **kwargs)
+    return chain(parser) if chain is not None else parser

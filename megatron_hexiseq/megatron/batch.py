@@ -1,0 +1,64 @@
+"""Batch slicing by layout: the replacement for Megatron's ``get_batch_on_this_cp_rank``.
+
+Megatron views the sequence as 2 x CP equal chunks and keeps chunks ``cp_rank`` and
+``2*cp - cp_rank - 1``. Under a HexiSeq layout a rank keeps its own segments instead (uneven,
+possibly non-contiguous), concatenated in segment order, which is the token order the attention
+and RoPE expect.
+
+Shapes: ``tokens/labels/loss_mask/position_ids [b, S] -> [b, s_r]``;
+``attention_mask [b, 1, S, S] -> [b, 1, s_r, S]`` (query rows only, as Megatron does).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from megatron_hexiseq.errors import HexiSeqError
+
+Segment = tuple[int, int]
+
+
+def slice_sequence(x: torch.Tensor, segments: Sequence[Segment], *, dim: int = 1) -> torch.Tensor:
+    """Keep ``segments`` of dimension ``dim`` of ``x``, concatenated in order."""
+    parts = [x.narrow(dim, s, e - s) for s, e in segments]
+    if len(parts) == 1:
+        return parts[0].contiguous()
+    if not parts:
+        return x.narrow(dim, 0, 0).contiguous()
+    return torch.cat(parts, dim=dim)
+
+
+def slice_batch(batch: dict[str, Any], *, segments: Sequence[Segment], seq_length: int) -> dict[str, Any]:
+    """Slice every tensor of a Megatron batch dict to this rank's segments (None entries kept).
+
+    Sequence dimension: 2 for ``attention_mask``, 1 for everything else (Megatron's convention).
+    """
+    out: dict[str, Any] = {}
+    for key, val in batch.items():
+        if val is None or not isinstance(val, torch.Tensor):
+            out[key] = val
+            continue
+        dim = 2 if key == "attention_mask" else 1
+        if val.dim() <= dim or val.size(dim) != seq_length:
+            raise HexiSeqError(f"batch '{key}' has shape {tuple(val.shape)}; expected the full sequence "
+                               f"of {seq_length} tokens in dimension {dim} (is --seq-length the layout's?)")
+        out[key] = slice_sequence(val, segments, dim=dim)
+    return out
+
+
+class LayoutBatchSlicer:
+    """Callable with ``get_batch_on_this_cp_rank``'s signature, bound to one rank's segments.
+
+    ``pretrain_gpt.get_batch_on_this_cp_rank = LayoutBatchSlicer(segments, seq_length)``.
+    """
+
+    def __init__(self, segments: Sequence[Segment], seq_length: int) -> None:
+        self.segments = tuple((int(s), int(e)) for s, e in segments)
+        self.seq_length = seq_length
+
+    def __call__(self, batch: dict[str, Any], cp_group: Any = None) -> dict[str, Any]:
+        return slice_batch(batch, segments=self.segments, seq_length=self.seq_length)
+
+    def __repr__(self) -> str:
+        return f"LayoutBatchSlicer(segments={list(self.segments)}, seq_length={self.seq_length})"

@@ -1,0 +1,46 @@
+"""``LocalCausalAttention``: a single-device causal core attention for the CPU oracle.
+
+Megatron's stock ``DotProductAttention`` allocates through the global memory buffer on
+``torch.cuda.current_device()``, so it cannot run on a CPU-only torch. This module fills the same
+core-attention slot (same constructor/forward protocol) with plain fp32-exact math, independent of
+``megatron_hexiseq.attention``: the unsharded reference that ``train_cpu.train_reference`` uses.
+
+Shapes: ``query [S, b, H, d]``, ``key/value [S, b, G, d]`` -> ``[S, b, H*d]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class LocalCausalAttention(MegatronModule):
+    """Causal GQA attention over the whole (unsharded) sequence with explicit matmul + softmax."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None) -> None:
+        super().__init__(config=config)
+        assert attn_mask_type == AttnMaskType.causal and attention_type == "self"
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params=None) -> Tensor:
+        S, b, H, d = query.shape
+        rep = H // key.size(2)
+        q_BHSD = query.permute(1, 2, 0, 3)
+        k_BHSD = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+        v_BHSD = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+        scores = torch.matmul(q_BHSD, k_BHSD.transpose(-1, -2)) * self.softmax_scale  # [b, H, S, S]
+        future = torch.ones(S, S, dtype=torch.bool, device=query.device).triu(1)
+        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")), dim=-1).to(query.dtype)
+        out_BHSD = torch.matmul(probs, v_BHSD)
+        return out_BHSD.permute(2, 0, 1, 3).reshape(S, b, H * d)  # [S, b, H*d]

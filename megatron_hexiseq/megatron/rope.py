@@ -1,0 +1,70 @@
+"""RoPE from each rank's global token positions.
+
+``GPTModel`` computes rotary frequencies for ``local_len x CP`` positions and keeps Megatron's
+even 2 x CP zig-zag slice of them; under an uneven layout that slice is wrong. ``install_rope``
+replaces ``model.rotary_pos_emb`` with ``LayoutRotaryEmbedding``, which returns the frequencies
+of exactly this rank's global positions (segment order), computed once at construction with the
+original module's ``inv_freq`` / interpolation / interleaving and kept as a non-persistent buffer
+(it follows ``model.cuda()``/``.to()``; no ``torch.cuda.current_device()``; not in checkpoints).
+
+Shape: ``forward(...) -> emb [s_r, 1, 1, rotary_dim]`` (float32), as ``RotaryEmbedding.forward``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from megatron_hexiseq.errors import HexiSeqError
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *, interleaved: bool = False,
+                interpolation_factor: float | None = None) -> torch.Tensor:
+    """Megatron ``RotaryEmbedding.get_emb`` evaluated at ``positions [s]`` -> ``[s, 1, 1, 2*len(inv_freq)]``."""
+    seq = positions.to(dtype=inv_freq.dtype, device=inv_freq.device)
+    if interpolation_factor is not None:
+        seq = seq * (1 / interpolation_factor)
+    freqs = torch.outer(seq, inv_freq)  # [s, dim/2]
+    if not interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
+class LayoutRotaryEmbedding(nn.Module):
+    """Drop-in for ``model.rotary_pos_emb``: this rank's frequencies, whatever length is asked."""
+
+    def __init__(self, original: nn.Module, positions: Sequence[int]) -> None:
+        super().__init__()
+        for name in ("inv_freq", "rotary_interleaved", "seq_len_interpolation_factor"):
+            if not hasattr(original, name):
+                raise HexiSeqError(f"cannot replace {type(original).__name__}: it has no '{name}' "
+                                   "(only standard RoPE is supported with HexiSeq)")
+        self.num_tokens = len(positions)
+        self.rotary_interleaved = original.rotary_interleaved
+        emb = rope_angles(torch.tensor(list(positions), dtype=torch.int64), original.inv_freq.float(),
+                          interleaved=original.rotary_interleaved,
+                          interpolation_factor=original.seq_len_interpolation_factor)
+        self.register_buffer("emb", emb, persistent=False)
+
+    def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
+        """GPTModel asks for a length before calling forward; ours is fixed by the layout."""
+        return self.num_tokens
+
+    def forward(self, max_seq_len: int | None = None, offset: int = 0, packed_seq: bool = False,
+                cp_group: Any = None) -> torch.Tensor:
+        if packed_seq or offset:
+            raise HexiSeqError("HexiSeq RoPE supports neither packed sequences nor position offsets")
+        return self.emb
+
+
+def install_rope(model: nn.Module, positions: Sequence[int]) -> None:
+    """Replace ``model.rotary_pos_emb`` (a megatron-core ``GPTModel`` using RoPE) in place."""
+    original = getattr(model, "rotary_pos_emb", None)
+    if original is None:
+        return  # learned absolute or no position embedding: sliced position_ids already suffice
+    if isinstance(original, LayoutRotaryEmbedding):
+        return
+    model.rotary_pos_emb = LayoutRotaryEmbedding(original, positions)

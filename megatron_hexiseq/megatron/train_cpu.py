@@ -1,0 +1,258 @@
+"""A small CPU training driver: tiny megatron-core GPT + Megatron DDP + AdamW over gloo.
+
+It drives by hand what Megatron's training loop does on GPU (the loop itself does not run on CPU,
+see /work/shared/MEGATRON_NOTES.md): slice each replica's batch by the layout, forward, per-token
+loss sum, backward with Megatron ``DistributedDataParallel`` (``overlap_grad_reduce``, small
+buckets), ``finalize_model_grads(num_tokens=...)``, ``torch.optim.AdamW`` on the gradient buffers.
+
+Use it from any ``run_ranks`` worker::
+
+    from megatron_hexiseq.testing import run_ranks
+    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, train_rank
+    cfg = TrainConfig(model=TinyGPT(), layout=layout, steps=3)
+    results = run_ranks(train_rank, layout.world_size * cfg.data_parallel, cfg)
+    results[0].losses, results[0].step_times_s
+
+``train_reference(cfg)`` trains the same model (same seed, same data) in ONE process over the
+unsharded sequences (every replica's batch at once, plain autograd, stock-free local attention):
+the oracle the parallel run must match. World size = ``layout.world_size x data_parallel``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron.batch import slice_batch
+from megatron_hexiseq.megatron.loss import per_token_loss
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyGPT:
+    """Model fields (Megatron names). Defaults: 4 layers, GQA 8/2 heads, RoPE, SwiGLU, RMSNorm."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 96
+    vocab_size: int = 128
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    position_embedding_type: str = "rope"
+
+    def transformer_config(self, *, context_parallel_size: int = 1):
+        """The megatron-core ``TransformerConfig`` (fp32, CPU init, no dropout, no bias)."""
+        import torch.nn.functional as F
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig(
+            num_layers=self.num_layers, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size, gated_linear_unit=self.swiglu,
+            activation_func=F.silu if self.swiglu else F.gelu, normalization=self.normalization,
+            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=True, context_parallel_size=context_parallel_size,
+            cp_comm_type="hexiseq" if context_parallel_size > 1 else None,
+            calculate_per_token_loss=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run: model, layout (one CP domain), DP replicas, optimizer, data, DDP knobs."""
+
+    model: TinyGPT = field(default_factory=TinyGPT)
+    layout: Layout
+    data_parallel: int = 1
+    micro_batch_size: int = 1
+    steps: int = 3
+    lr: float = 1e-3
+    seed: int = 1234
+    data_seed: int = 99
+    bucket_size: int | None = 2_000  # parameters per DDP bucket (small: several buckets)
+    overlap_grad_reduce: bool = True
+    kernel: str = "reference"
+    comm_chunks: int = 1
+    return_grads: bool = False  # rank 0 returns the gradients of step 0 (for equivalence tests)
+    return_params: bool = False  # rank 0 returns the parameters after the last step
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Per rank: global per-token loss of each step, wall time of each step (s), optional tensors."""
+
+    losses: list[float]
+    step_times_s: list[float]
+    grads: dict[str, torch.Tensor] | None = None
+    params: dict[str, torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def cpu_device_shim() -> Iterator[None]:
+    """Let Megatron code that allocates on ``torch.cuda.current_device()`` allocate on CPU.
+
+    Megatron DDP's gradient buffers do that; on a CPU-only torch the call raises. Used only around
+    construction in this CPU driver; a no-op when CUDA is available.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+def make_batch(cfg: TrainConfig, step: int, replica: int) -> dict[str, torch.Tensor]:
+    """Deterministic synthetic batch of one DP replica: tokens/labels/loss_mask/position_ids [b, S].
+
+    About 1 in 8 tokens is masked out of the loss, so per-token weighting matters.
+    """
+    S, b = cfg.layout.seq_length, cfg.micro_batch_size
+    g = torch.Generator().manual_seed(cfg.data_seed * 1_000_003 + step * 1009 + replica)
+    text = torch.randint(0, cfg.model.vocab_size, (b, S + 1), generator=g)
+    loss_mask = (torch.rand(b, S, generator=g) > 0.125).float()
+    return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
+            "loss_mask": loss_mask, "position_ids": torch.arange(S).expand(b, S).contiguous()}
+
+
+def build_gpt(cfg: TrainConfig, *, runtime=None, pg_collection=None):
+    """The tiny ``GPTModel`` with the same weights on every process (seeded CPU init).
+
+    With ``runtime`` (a ``HexiSeqRuntime``) the core attention is HexiSeq's and RoPE follows the
+    layout; without it, a single-device causal attention (the reference).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_hexiseq.megatron.rope import install_rope
+    from megatron_hexiseq.megatron.spec import hexiseq_spec
+
+    cp = cfg.layout.world_size if runtime is not None else 1
+    config = cfg.model.transformer_config(context_parallel_size=cp)
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    if runtime is not None:
+        spec = hexiseq_spec(spec, runtime)
+    else:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=LocalCausalAttention)
+    torch.manual_seed(cfg.seed)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
+                     max_sequence_length=cfg.layout.seq_length, pre_process=True, post_process=True,
+                     share_embeddings_and_output_weights=False,
+                     position_embedding_type=cfg.model.position_embedding_type, pg_collection=pg_collection)
+    if runtime is not None:
+        positions = [p for s, e in runtime.segments for p in range(s, e)]
+        install_rope(model, positions)
+    return model
+
+
+def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
+    """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel`` ranks."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
+
+    W = cfg.layout.world_size
+    assert world_size == W * cfg.data_parallel, (world_size, W, cfg.data_parallel)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
+    try:
+        run = RunShape(world_size=world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                       context_parallel_size=W, seq_length=cfg.layout.seq_length,
+                       num_attention_heads=cfg.model.num_attention_heads,
+                       num_query_groups=cfg.model.num_query_groups)
+        runtime = build_runtime(cfg.layout, run, cp_group=mpu.get_context_parallel_group(),
+                                kernel=cfg.kernel, comm_chunks=cfg.comm_chunks)
+        model = build_gpt(cfg, runtime=runtime)
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.bucket_size,
+            grad_reduce_in_fp32=True)  # per-token loss: config.calculate_per_token_loss
+        with cpu_device_shim():
+            ddp = DistributedDataParallel(model.config, ddp_config, model)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr)
+        replica = mpu.get_data_parallel_rank()
+        dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
+        losses, times, grads = [], [], None
+        for step in range(cfg.steps):
+            start = time.perf_counter()
+            ddp.zero_grad_buffer()
+            opt.zero_grad(set_to_none=True)
+            batch = slice_batch(make_batch(cfg, step, replica), segments=runtime.segments,
+                                seq_length=cfg.layout.seq_length)
+            out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
+            loss_sum.backward()
+            report = torch.stack([loss_sum.detach(), num_tokens.float()])
+            finalize_model_grads([ddp], num_tokens=num_tokens.clone())  # sums grads, / global tokens
+            for p in params:
+                p.grad = p.main_grad
+            if step == 0 and cfg.return_grads and rank == 0:
+                grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            dist.all_reduce(report, group=dp_cp)
+            times.append(time.perf_counter() - start)
+            losses.append(float(report[0] / report[1]))
+        final = ({n: p.detach().clone() for n, p in model.named_parameters()}
+                 if cfg.return_params and rank == 0 else None)
+        return TrainResult(losses, times, grads, final)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def train_reference(cfg: TrainConfig) -> TrainResult:
+    """The single-process oracle: same weights and data, every replica's batch at once, full sequence.
+
+    Needs a default process group of size 1 (call it inside ``run_ranks(..., 1)``) because
+    megatron-core modules read their (trivial) tensor-parallel group.
+    """
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    try:
+        with cpu_device_shim():  # stock RoPE moves its frequencies to torch.cuda.current_device()
+            return _train_reference(cfg)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _train_reference(cfg: TrainConfig) -> TrainResult:
+    if True:
+        model = build_gpt(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        losses, times, grads = [], [], None
+        for step in range(cfg.steps):
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            parts = [make_batch(cfg, step, r) for r in range(cfg.data_parallel)]
+            batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
+            (loss_sum / num_tokens).backward()
+            if step == 0 and cfg.return_grads:
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss_sum.detach() / num_tokens))
+        final = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
+        return TrainResult(losses, times, grads, final)
+
+
+def reference_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
+    """``run_ranks(reference_rank, 1, cfg)``: ``train_reference`` in a fresh process."""
+    assert world_size == 1
+    return train_reference(cfg)
