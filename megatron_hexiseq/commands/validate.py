@@ -1,0 +1,47 @@
+"""``megatron-hexiseq validate``: check a layout file (and, with --cluster, that it fits the cluster)."""
+from __future__ import annotations
+
+import argparse
+
+from megatron_hexiseq.errors import HexiSeqError
+
+EXAMPLES = """examples:
+  megatron-hexiseq validate layout.json
+  megatron-hexiseq validate layout.json --cluster examples/clusters/mixed-h100-a100.yaml
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check a layout file", description=__doc__, epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("layout", help="layout JSON file")
+    p.add_argument("--cluster", metavar="C.yaml", help="also check ranks, hosts and GPU types against this cluster")
+    p.set_defaults(run=run)
+
+
+def check_against_cluster(layout, cluster) -> None:
+    """Rank r of the layout must run on cluster.devices[r]: same count, host and GPU type."""
+    if layout.world_size != cluster.world_size:
+        raise HexiSeqError(f"layout has {layout.world_size} ranks but cluster {cluster.name!r} has "
+                           f"{cluster.world_size} GPUs; plan again for this cluster")
+    for r, d in zip(layout.ranks, cluster.devices):
+        if r.host != d.node or r.gpu != d.gpu.name:
+            raise HexiSeqError(f"rank {r.rank} is planned for {r.gpu} on {r.host} but cluster {cluster.name!r} "
+                               f"has {d.gpu.name} on {d.node} there; plan again for this cluster")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.layout import Layout
+
+    layout = Layout.load(args.layout)
+    where = ""
+    if args.cluster:
+        from megatron_hexiseq.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+        check_against_cluster(layout, cluster)
+        where = f", matches cluster {cluster.name!r}"
+    sizes = sorted({len(g.ranks) for g in layout.groups})
+    print(f"ok: {args.layout}: {layout.world_size} ranks in {len(layout.groups)} groups (sizes {sizes}), "
+          f"seq_length {layout.seq_length}, {layout.num_attention_heads} heads{where}")
+    return 0

@@ -1,0 +1,209 @@
+"""The planner: Stage I (groups) -> Stage II (split between groups) -> Stage III (per rank), scored by ``estimate``.
+
+``plan(cluster, model, seq_length, options)`` returns a complete Layout (``predicted``,
+``baselines``, ``planner``, ``meta``). The surrogate (``planner.surrogate``) is how the stages
+search; the final choice is the fastest *feasible* candidate by ``costmodel.estimate`` among the
+planner's candidates AND every baseline, so the result is never worse than the best baseline.
+
+Memory feedback: when ``estimate`` finds a rank over capacity (terms the surrogate does not model),
+that rank's token cap is lowered by the overflow and the stages run again (at most 4 rounds).
+
+Memory modes (``memory_mode="auto"``): tried in order of modelled cost until one is feasible:
+distributed optimizer, fsdp, distributed optimizer + recompute, fsdp + recompute. An explicit mode
+or ``--recompute`` pins that choice. The chosen mode is in ``meta.options`` with the Megatron flags
+it maps to (``megatron_flags``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, evaluate_baselines, hosts_and_gpus
+from megatron_hexiseq.planner.build import build_layout, with_fields
+from megatron_hexiseq.planner.stage1_groups import Grouping, candidate_groupings
+from megatron_hexiseq.planner.stage2_split import GroupCoef, Split
+from megatron_hexiseq.planner.stage3_refine import refine_group
+from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
+
+MEMORY_FLAGS = {
+    "distributed_optimizer": ["--use-distributed-optimizer"],
+    "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+}
+RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+AUTO_MODES = (("distributed_optimizer", False), ("fsdp", False), ("distributed_optimizer", True), ("fsdp", True))
+
+
+def megatron_flags(options: Any) -> list[str]:
+    """Megatron-LM flags that realise a memory mode (see docs/planner.md)."""
+    return MEMORY_FLAGS[options.memory_mode] + (RECOMPUTE_FLAGS if options.recompute else [])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A planner layout with its estimate and how it was found."""
+
+    layout: Layout
+    estimate: Any
+    info: dict[str, Any]
+
+
+def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], split: Split,
+                   time_limit_s: float) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Stage III on every group; per-rank (tokens, heads) indexed by rank, and solver info."""
+    W = sum(len(g) for g in grouping)
+    tokens, heads = [0] * W, [0] * W
+    statuses: dict[str, int] = {}
+    z_ns, bound_ns = 0, 0
+    per_group_limit = max(0.05, time_limit_s / max(1, len(set(zip(coefs, split.units)))))
+    for members, coef, T in zip(grouping, coefs, split.units):
+        sol = refine_group(coef, T, per_group_limit)
+        statuses[sol.status] = statuses.get(sol.status, 0) + 1
+        if sol.status == "INFEASIBLE":
+            return [], [], {"status": "INFEASIBLE"}
+        for r, t, h in zip(members, sol.tokens, sol.heads):
+            tokens[r], heads[r] = t * sur.unit, h
+        z_ns, bound_ns = max(z_ns, sol.time_ns), max(bound_ns, sol.bound_ns)
+    status = "OPTIMAL" if set(statuses) == {"OPTIMAL"} else "FEASIBLE"
+    lower = max(split.z_relaxed_ns, bound_ns) if status != "OPTIMAL" else split.z_relaxed_ns
+    return tokens, heads, {"status": status, "group_statuses": statuses, "surrogate_time_s": z_ns * 1e-9,
+                           "surrogate_bound_s": lower * 1e-9,
+                           "surrogate_gap": (z_ns - lower) / z_ns if z_ns else 0.0}
+
+
+def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, score: Callable[[Layout], Any],
+                       *, time_limit_s: float, method: str = "hierarchical", top_k: int = 3) -> list[Candidate]:
+    """Stages I-III (with memory feedback); every candidate scored by ``score``. Empty when nothing fits."""
+    k_lin, k_att = calibrate(cluster, model, options, seq_length)
+    sur = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)
+    hosts, gpus = hosts_and_gpus(cluster)
+    out: list[Candidate] = []
+    for round_ in range(4):
+        groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
+        over: dict[int, int] = {}
+        for grouping, coefs, split in groupings:
+            tokens, heads, info = solve_grouping(sur, grouping, coefs, split, time_limit_s / max(1, len(groupings)))
+            if info["status"] == "INFEASIBLE":
+                continue
+            layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
+                                  num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
+                                  rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
+            est = score(layout)
+            info.update(group_sizes=[len(g) for g in grouping], stage2_units=list(split.units),
+                        stage2_relaxed_s=split.z_relaxed_ns * 1e-9, memory_round=round_,
+                        granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
+            out.append(Candidate(layout, est, info))
+            if not est.feasible:
+                for pr in est.per_rank:
+                    if pr.memory_bytes > pr.capacity_bytes:
+                        over[pr.rank] = max(over.get(pr.rank, 0), pr.memory_bytes - pr.capacity_bytes)
+        if any(c.estimate.feasible for c in out) or not over:
+            break
+        free = [d.free_bytes for d in sur.devices]
+        for r, extra in over.items():
+            free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
+        sur = sur.with_free(free)
+    return out
+
+
+def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
+         modes: Sequence[tuple[str, bool]] | None = None, time_limit_s: float = 10.0,
+         method: str = "hierarchical", reproducible: bool = False) -> Layout:
+    """The full planner. ``modes``: (memory_mode, recompute) pairs tried in order until one is
+    feasible (default: ``options``' own mode only); ``inputs.load_problem`` builds it from the flags.
+
+    ``method``: "hierarchical" (Stages I-III), "node" (one group per node: the first planner) or
+    "exact" (one CP-SAT model over all decisions; clusters of at most 16 GPUs).
+    ``reproducible``: write 0 for wall-clock fields so the same inputs give a byte-identical file.
+    """
+    from megatron_hexiseq import costmodel
+
+    if seq_length < cluster.world_size:
+        raise HexiSeqError(f"seq_length {seq_length} is shorter than the {cluster.world_size} GPUs; "
+                           "every A2A group needs tokens: use a longer --seq-length or fewer GPUs")
+    t0 = time.perf_counter()
+    modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
+    tried = []
+    for mode, recompute in modes:
+        opts = replace(options, memory_mode=mode, recompute=recompute)
+        tried.append(opts)
+
+        def score(layout: Layout, _o=opts) -> Any:
+            return costmodel.estimate(layout, cluster, model, _o)
+
+        baselines = baseline_layouts(cluster, model, seq_length)
+        records = evaluate_baselines(baselines, score)
+        if method == "exact":
+            from megatron_hexiseq.planner.exact import exact_candidates
+
+            cands = exact_candidates(cluster, model, seq_length, opts, score, time_limit_s=time_limit_s)
+        else:
+            cands = planner_candidates(cluster, model, seq_length, opts, score, time_limit_s=time_limit_s, method=method)
+        feasible = [c for c in cands if c.estimate.feasible]
+        best_c = min(feasible, key=lambda c: c.estimate.iteration_time_s, default=None)
+        best_b = best_baseline(records)
+        if best_c is None and best_b is None:
+            continue
+        solve_s = 0.0 if reproducible else round(time.perf_counter() - t0, 4)
+        if best_c is not None and (best_b is None or best_c.estimate.iteration_time_s <= best_b["iteration_time_s"]):
+            chosen, layout, est, info = "hexiseq", best_c.layout, best_c.estimate, dict(best_c.info)
+        else:
+            b = next(b for b in baselines if b.layout is not None and b.name == best_b["name"] and b.config == best_b["config"])
+            chosen, layout, est = b.label, b.layout, score(b.layout)
+            info = dict(best_c.info) if best_c else {"status": "NO_PLANNER_SOLUTION"}
+            info["note"] = f"baseline {b.label} is faster than the planner's best candidate by the cost model"
+        planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
+                   "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
+                   "candidates_evaluated": len(cands), "stages": info}
+        meta = {"cluster": cluster.name, "model": model.name, "chosen": chosen,
+                "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
+                            "memory_mode": opts.memory_mode, "data_parallel_size": opts.data_parallel_size,
+                            "capacity_fraction": opts.capacity_fraction,
+                            "memory_modes_tried": [f"{o.memory_mode}{'+recompute' if o.recompute else ''}" for o in tried],
+                            "megatron_flags": megatron_flags(opts)}}
+        return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
+    raise HexiSeqError(explain_infeasible(cluster, model, seq_length, tried))
+
+
+def explain_infeasible(cluster: Any, model: Any, seq_length: int, tried: list[Any]) -> str:
+    """One line: which GPU type runs out of memory, by how much, and what would help."""
+    from megatron_hexiseq import costmodel
+
+    opts = tried[-1]  # the most memory-frugal mode tried
+    W = cluster.world_size
+    static = costmodel.static_memory_bytes(model, opts, W * opts.data_parallel_size)
+    act = max(1, costmodel.activation_bytes_per_token(model, opts))
+    usable = [opts.capacity_fraction * d.memory_bytes for d in cluster.devices]
+    free = [max(0.0, u - static) for u in usable]
+    gib = 2.0 ** 30
+    modes = ", ".join(f"{o.memory_mode}{'+recompute' if o.recompute else ''}" for o in tried)
+    helps = ["more GPUs"]
+    if not any(o.recompute for o in tried):
+        helps.append("--recompute")
+    if not any(o.memory_mode == "fsdp" for o in tried):
+        helps.append("--memory-mode fsdp")
+    helps.append("a shorter --seq-length")
+    worst: tuple[float, str, float] = (0.0, "", 0.0)
+    if any(f == 0 for f in free):
+        for d, u in zip(cluster.devices, usable):
+            short = static - u
+            if short > worst[0]:
+                worst = (short, d.gpu.name, u)
+        if worst[1]:
+            return (f"{model.name} does not fit ({modes}): each {worst[1]} needs {static / gib:.1f} GiB for parameters, "
+                    f"gradients and optimizer states before any tokens but has {worst[2] / gib:.1f} GiB usable "
+                    f"({opts.capacity_fraction:.0%} of capacity), short by {worst[0] / gib:.1f} GiB; try {', '.join(helps)}")
+    total_free = sum(free)
+    for d, u, f in zip(cluster.devices, usable, free):
+        need = static + seq_length * act * (f / total_free if total_free else 1 / W)
+        if need - u > worst[0]:
+            worst = (need - u, d.gpu.name, u)
+    if worst[1]:
+        return (f"seq_length {seq_length} does not fit in memory under any layout ({modes}): even with tokens spread by "
+                f"free memory each {worst[1]} needs {(worst[0] + worst[2]) / gib:.1f} GiB but has {worst[2] / gib:.1f} GiB "
+                f"usable ({opts.capacity_fraction:.0%} of capacity), short by {worst[0] / gib:.1f} GiB; try {', '.join(helps)}")
+    return (f"seq_length {seq_length} does not fit in memory under any layout ({modes}): the attention working set "
+            f"and buffers exceed capacity on some GPUs; try {', '.join(helps)}")

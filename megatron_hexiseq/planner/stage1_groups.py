@@ -1,0 +1,100 @@
+"""Stage I: A2A group formation inside high-bandwidth domains (nodes).
+
+Topology-aware by construction: a group never spans nodes, so the ragged all-to-all (the heavy,
+per-layer traffic) stays on NVLink/PCIe inside a node, and only the overlapped K/V sub-ring
+traffic crosses the slow network. Groups spanning nodes are not generated (the per-GPU network is
+5-20x slower than NVLink on every cluster we target; documented in docs/planner.md).
+
+Candidates: nodes are grouped into *classes* (same GPU type, count, bandwidths, memory); each class
+splits its nodes into equal groups of a size ``s`` dividing the GPU count (``s = count``: one group per
+node, the [Foundation] planner; ``s = 1``: ring-like). Different classes may pick different sizes, so
+groups of different sizes coexist. Search: coordinate descent over the classes, starting from one
+group per node, each grouping scored by Stage II's continuous optimum (``stage2_split``) — the
+surrogate cost model prunes; the ``top_k`` best groupings go on to Stages II/III and ``estimate``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from megatron_hexiseq.planner.stage2_split import GroupCoef, Split, split_sequence
+from megatron_hexiseq.planner.surrogate import Surrogate
+
+Grouping = tuple[tuple[int, ...], ...]
+
+
+def node_blocks(cluster: Any) -> list[list[int]]:
+    """Ranks of each node, in node order."""
+    blocks: dict[str, list[int]] = {}
+    for d in cluster.devices:
+        blocks.setdefault(d.node, []).append(d.index)
+    return list(blocks.values())
+
+
+def _node_class(cluster: Any, ranks: Sequence[int]) -> tuple:
+    d = cluster.devices[ranks[0]]
+    return (d.gpu.name, len(ranks), d.nvlink_GBps, d.network_GBps, d.memory_gib)
+
+
+def divisors(n: int) -> list[int]:
+    return [s for s in range(n, 0, -1) if n % s == 0]
+
+
+def make_grouping(blocks: Sequence[Sequence[int]], sizes: Sequence[int]) -> Grouping:
+    """Split block i into consecutive groups of sizes[i] ranks."""
+    out = []
+    for ranks, s in zip(blocks, sizes):
+        out += [tuple(ranks[j:j + s]) for j in range(0, len(ranks), s)]
+    return tuple(out)
+
+
+def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int) -> GroupCoef:
+    """Integer-ns coefficients of one group (see ``planner.surrogate``)."""
+    cols = [sur.rank_coef_ns(r, len(members), num_groups) for r in members]
+    return GroupCoef(a=tuple(c[0] for c in cols), b=tuple(c[1] for c in cols), c=tuple(c[2] for c in cols),
+                     e=tuple(c[3] for c in cols), free=tuple(sur.devices[r].free_bytes for r in members),
+                     mt=tuple(sur.devices[r].mem_tok_bytes for r in members),
+                     mh=tuple(sur.devices[r].mem_head_bytes for r in members),
+                     heads=sur.heads, num_units=sur.num_units)
+
+
+def score_grouping(sur: Surrogate, grouping: Grouping) -> tuple[list[GroupCoef], Split | None]:
+    coefs = [group_coef(sur, g, len(grouping)) for g in grouping]
+    return coefs, split_sequence(coefs, sur.num_units)
+
+
+def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
+                        fixed_size: str | None = None) -> list[tuple[Grouping, list[GroupCoef], Split]]:
+    """Best ``top_k`` groupings by Stage II's continuous time (fastest first).
+
+    ``fixed_size="node"`` gives only one group per node (the [Foundation] planner).
+    """
+    blocks = node_blocks(cluster)
+    classes = [_node_class(cluster, b) for b in blocks]
+    keys = sorted(set(classes), key=classes.index)
+    choice = {k: k[1] for k in keys}  # start: one group per node
+    seen: dict[Grouping, tuple[list[GroupCoef], Split | None]] = {}
+
+    def evaluate(ch: dict) -> float:
+        grouping = make_grouping(blocks, [ch[c] for c in classes])
+        if grouping not in seen:
+            seen[grouping] = score_grouping(sur, grouping)
+        split = seen[grouping][1]
+        return split.z_rounded_ns if split else float("inf")
+
+    best = evaluate(choice)
+    if fixed_size != "node":
+        for _ in range(2):  # coordinate-descent passes
+            improved = False
+            for k in keys:
+                for s in divisors(k[1]):
+                    if s == choice[k]:
+                        continue
+                    trial = {**choice, k: s}
+                    z = evaluate(trial)
+                    if z < best:
+                        best, choice, improved = z, trial, True
+            if not improved:
+                break
+    ranked = sorted(((g, c, s) for g, (c, s) in seen.items() if s is not None),
+                    key=lambda x: (x[2].z_rounded_ns, len(x[0])))
+    return ranked[:top_k]

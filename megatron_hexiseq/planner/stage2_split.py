@@ -1,0 +1,194 @@
+"""Stage II: split the sequence between A2A groups by capability (continuous model + integer rounding).
+
+A group's capability is its surrogate time as a function of its token count ``T`` (in units; see
+``planner.surrogate``), with tokens and heads inside the group split optimally *continuously*:
+
+    f_g(T) = min z  s.t.  t_r*a_r + h_r*beta_r(T) <= z,  sum t_r = T,  sum h_r = H,  0 <= t_r <= cap_r.
+
+For fixed ``T`` and ``z`` this is a fractional knapsack: the most heads fit when tokens go first to
+ranks with the smallest ``a_r / beta_r`` (``max_heads`` below), so feasibility is exact and cheap.
+``T_g(z)`` = the most units group g can take within ``z`` (bisection on integers). The split is the
+smallest ``z*`` with ``sum_g T_g(z*) >= N`` (bisection), then units are trimmed from the slowest groups
+until they sum to ``N`` exactly. Groups with identical coefficients share every evaluation (cache),
+so thousands of GPUs of a few types cost about as much as a few groups.
+
+Causal balance is handled by the arrangement (``planner.build``: mirrored head+tail chunks), which
+makes a group's attention work proportional to ``T_g``; the compute-proportional rule is the special
+case of this model with free communication and memory.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Sequence
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class GroupCoef:
+    """Integer coefficients of a group's members (order = member order).
+
+    Time (ns): a (per own unit), b, c, e (per head; see ``beta``). Memory (bytes): free, mt (per own
+    unit), mh (per head per group unit). ``cap`` = units that fit with no heads.
+    """
+
+    a: tuple[int, ...]
+    b: tuple[int, ...]
+    c: tuple[int, ...]
+    e: tuple[int, ...]
+    free: tuple[int, ...]
+    mt: tuple[int, ...]
+    mh: tuple[int, ...]
+    heads: int
+    num_units: int
+
+    @cached_property
+    def cap(self) -> tuple[int, ...]:
+        return tuple(f // m if m else 1 << 40 for f, m in zip(self.free, self.mt))
+
+    def head_mem_cap(self, i: int, T: int, t: float) -> float:
+        """Most heads member i can hold in memory with t own units while the group holds T units."""
+        per = T * self.mh[i]
+        return (self.free[i] - t * self.mt[i]) / per if per else INF
+
+    def beta(self, i: int, T: int) -> int:
+        """Per-head time coefficient of member i when the group holds T units (ns)."""
+        return max(T * self.b[i], (self.num_units - T) * self.c[i]) + T * self.e[i]
+
+    @property
+    def size(self) -> int:
+        return len(self.a)
+
+
+def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
+    """Most heads (continuous) the group can hold at time ``z`` with ``T`` units; -inf if the tokens don't fit.
+
+    Member i can hold ``h_i(t) = min((z - a_i t)/beta_i, (free_i - mt_i t)/(T mh_i))`` heads with t own
+    units: concave, piecewise linear with at most two slopes. Maximising ``sum h_i(t_i)`` subject to
+    ``sum t_i = T`` is separable concave, so filling the flattest slope pieces first is exact.
+    Returns (heads, token allocation).
+    """
+    n = g.size
+    pieces: list[tuple[float, int, float]] = []  # (slope, member, length)
+    heads0 = 0.0
+    room = 0.0
+    for i in range(n):
+        beta = g.beta(i, T)
+        per = T * g.mh[i]
+        a0, sa = (z / beta, g.a[i] / beta) if beta > 0 else (INF, 0.0)
+        m0, sm = (g.free[i] / per, g.mt[i] / per) if per > 0 else (INF, 0.0)
+        tmax = min(g.cap[i], z / g.a[i] if g.a[i] > 0 else INF)
+        if tmax <= 0:
+            heads0 += max(0.0, min(a0, m0))
+            continue
+        room += tmax
+        first, second = ((a0, sa), (m0, sm)) if a0 <= m0 else ((m0, sm), (a0, sa))
+        heads0 += first[0]
+        # the lines cross where first[0] - first[1] t == second[0] - second[1] t
+        cross = (second[0] - first[0]) / (second[1] - first[1]) if second[1] > first[1] else INF
+        if cross >= tmax:
+            pieces.append((first[1], i, tmax))
+        else:
+            pieces.append((first[1], i, cross))
+            pieces.append((second[1], i, tmax - cross))
+    if room < T:
+        return -INF, []
+    pieces.sort(key=lambda p: (p[0], p[1]))
+    t, left, heads = [0.0] * n, float(T), heads0
+    for slope, i, length in pieces:
+        take = min(left, length)
+        t[i] += take
+        heads -= slope * take
+        left -= take
+        if left <= 0:
+            break
+    return heads, t
+
+
+def feasible(g: GroupCoef, T: int, z: float) -> bool:
+    return max_heads(g, T, z)[0] >= g.heads - 1e-9
+
+
+@lru_cache(maxsize=200_000)
+def group_time(g: GroupCoef, T: int) -> float:
+    """f_g(T): the group's continuous optimal time (ns) for T units; inf when T exceeds its memory."""
+    if T > sum(g.cap):
+        return INF
+    hi = T * max(g.a) + g.heads * max(g.beta(i, T) for i in range(g.size)) + 1.0
+    if not feasible(g, T, hi):  # the heads' attention memory does not fit
+        return INF
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if feasible(g, T, mid):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-6 * hi:
+            break
+    return hi
+
+
+@lru_cache(maxsize=200_000)
+def max_units(g: GroupCoef, z: float) -> int:
+    """T_g(z): most units the group can take within z (assumes feasibility monotone in T)."""
+    lo, hi = 0, min(g.num_units, sum(g.cap))
+    if not feasible(g, 0, z):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if feasible(g, mid, z):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class Split:
+    """Units per group, the continuous optimum z* (a relaxation estimate), and the rounded max."""
+
+    units: tuple[int, ...]
+    z_relaxed_ns: float
+    z_rounded_ns: float
+
+
+def split_sequence(groups: Sequence[GroupCoef], num_units: int) -> Split | None:
+    """Stage II: units per group summing to ``num_units`` (every group >= 1); None if memory can't hold it."""
+    if sum(min(num_units, sum(g.cap)) for g in groups) < num_units or len(groups) > num_units:
+        return None
+    lo, hi = 0.0, 1e6
+    while sum(max_units(g, hi) for g in groups) < num_units:  # find a feasible upper end by doubling
+        lo, hi = hi, hi * 2
+        if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
+            return None
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if sum(max_units(g, mid) for g in groups) >= num_units:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    units = [max(1, max_units(g, hi)) for g in groups]
+    # trim the excess from the slowest groups (keep >= 1 unit each), add any deficit to the fastest
+    heap = [(-group_time(g, u), i) for i, (g, u) in enumerate(zip(groups, units))]
+    heapq.heapify(heap)
+    while sum(units) > num_units:
+        _, i = heapq.heappop(heap)
+        if units[i] > 1:
+            units[i] -= 1
+            heapq.heappush(heap, (-group_time(groups[i], units[i]), i))
+    add = [(group_time(g, u + 1), i) for i, (g, u) in enumerate(zip(groups, units))]
+    heapq.heapify(add)
+    while sum(units) < num_units:
+        t, i = heapq.heappop(add)
+        if not math.isfinite(t):
+            return None
+        units[i] += 1
+        heapq.heappush(add, (group_time(groups[i], units[i] + 1), i))
+    z_round = max(group_time(g, u) for g, u in zip(groups, units))
+    return Split(units=tuple(units), z_relaxed_ns=hi, z_rounded_ns=z_round)

@@ -1,0 +1,189 @@
+"""The planner's linear surrogate of the cost model: integer coefficients that CP-SAT can use.
+
+The final score of every candidate is ``costmodel.estimate``; this surrogate is only how the
+planner *searches*. It keeps the parts of the cost model that decide a good split and makes them
+linear in the decision variables once a group's token count ``T_g`` is fixed:
+
+Units: tokens are counted in **units** of ``unit`` tokens (the granularity: the largest power of
+two dividing ``seq_length`` that is at most ``seq_length / (64 * world_size)``, at least 1, so
+every rank's share is resolved to within ~1/64 of an even share); time is **integer nanoseconds**
+(µs would round away the per-unit cost of small models at thousands of GPUs).
+
+For rank ``r`` holding ``t_r`` units and ``h_r`` of ``H`` query heads in group ``g`` (``T_g``
+units; ``N`` units in the whole sequence)::
+
+    time_r = t_r * a_r  +  h_r * beta_r(T_g)
+    a_r         = unit * (k_lin * linear_flops_per_token / F_r  +  [|g|>1] a2a_bytes_per_token / nvlink_r)
+    beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped)
+    b_r         = unit * k_att * attention_flops_per_pair_head * (S+1)/2 / F^att_r
+    c_r         = unit * kv_bytes_per_token_per_head / bw_r              [more than one group]
+    e_r         = unit * a2a_bytes_per_token / H / nvlink_r              [|g|>1]
+
+- Linear work is proportional to the rank's own tokens (cost model, linear term).
+- With the mirrored head+tail arrangement (``planner.build``) a group's causal pairs are
+  ``T_g*unit*(S+1)/2``, and every member computes them for its own heads.
+- A2A bytes per token: Q, K, V and the output in forward, and their gradients in backward:
+  ``layers * 2 * (2H + 2G) * d * 2`` bytes (bf16). The rank's own share is bounded linearly by
+  ``t_r * bytes`` (send) plus ``T_g * h_r/H * bytes`` (receive).
+- K/V from other groups: ``layers * 2 (fwd K,V + bwd dK,dV) * 2 * d * 2 * G/H`` bytes per token and
+  query head, over the network (NVLink when the whole cluster is one node), overlapped with the
+  attention compute (hence the max).
+- ``k_lin``/``k_att`` calibrate the FLOP terms against ``estimate`` on one probe layout (one group,
+  rank 0 holding all heads), so recompute and the cost model's own constants carry over.
+
+Memory: ``t_r * mt_r + h_r * T_g * mh_r <= free_r`` (bytes) with ``free_r = capacity_fraction * memory
+- static`` (``costmodel.static_memory_bytes``), ``mt_r = unit * activation_bytes_per_token`` and
+``mh_r = unit * attention_bytes_per_group_token(H, G) / H`` (the attention core kept per group token
+and head); terms the surrogate misses (buffers, K/V blocks) are caught by ``estimate`` and fed back
+by lowering ``free_r``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+BYTES_PER_ELEMENT = 2  # bf16 activations
+
+
+@dataclass(frozen=True)
+class DeviceCoef:
+    """Per-device surrogate coefficients (floats, seconds); turned into integer ns per group."""
+
+    lin_s: float      # linear-layer seconds per unit
+    att_s: float      # attention seconds per head per group unit (b_r)
+    a2a_tok_s: float  # A2A seconds per unit of own tokens (inside a group of >1)
+    a2a_head_s: float  # A2A seconds per head per group unit (e_r)
+    kv_s: float       # K/V ring seconds per head per unit of other groups' tokens (c_r)
+    free_bytes: int   # usable memory minus parameters/gradients/optimizer states
+    mem_tok_bytes: int  # activation bytes per own token unit
+    mem_head_bytes: int  # attention-core bytes per head per group token unit
+
+    @property
+    def cap_units(self) -> int:
+        """Token units that fit with no heads."""
+        return max(0, self.free_bytes // self.mem_tok_bytes) if self.mem_tok_bytes else 1 << 40
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """Everything the planner stages need about the cluster, in integer-friendly form."""
+
+    seq_length: int
+    unit: int
+    num_units: int
+    heads: int
+    devices: tuple[DeviceCoef, ...]
+    k_lin: float = 1.0
+    k_att: float = 1.0
+
+    def rank_coef_ns(self, r: int, group_size: int, num_groups: int) -> tuple[int, int, int, int]:
+        """(a_r, b_r, c_r, e_r) in integer ns for rank r inside a group of ``group_size`` of ``num_groups``."""
+        d = self.devices[r]
+        a = d.lin_s + (d.a2a_tok_s if group_size > 1 else 0.0)
+        c = d.kv_s if num_groups > 1 else 0.0
+        e = d.a2a_head_s if group_size > 1 else 0.0
+        return _ns(a), _ns(d.att_s), _ns(c), _ns(e)
+
+    def with_free(self, free: Sequence[int]) -> "Surrogate":
+        return replace(self, devices=tuple(replace(d, free_bytes=int(f)) for d, f in zip(self.devices, free)))
+
+
+def _ns(seconds: float) -> int:
+    """Seconds -> integer ns, at least 1 for a positive cost so no term vanishes."""
+    if seconds <= 0:
+        return 0
+    return max(1, round(seconds * 1e9))
+
+
+def granularity(seq_length: int, world_size: int) -> int:
+    """Tokens per unit: largest power of two dividing S with unit <= S / (64 * W); at least 1."""
+    limit = max(1, seq_length // (64 * world_size))
+    unit = 1
+    while seq_length % (unit * 2) == 0 and unit * 2 <= limit:
+        unit *= 2
+    return unit
+
+
+def a2a_bytes_per_token(model: Any) -> int:
+    """All-to-all bytes per token, all layers, forward + backward (Q, K, V, out and their grads)."""
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    return model.num_layers * 2 * (2 * H + 2 * G) * d * BYTES_PER_ELEMENT
+
+
+def kv_bytes_per_token_per_head(model: Any) -> float:
+    """K/V ring bytes per token per *query* head, all layers, forward (K, V) + backward (dK, dV)."""
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    return model.num_layers * 2 * 2 * d * BYTES_PER_ELEMENT * G / H
+
+
+def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
+                    *, k_lin: float = 1.0, k_att: float = 1.0) -> Surrogate:
+    """Surrogate coefficients for every device (see module docstring for the formulas)."""
+    from megatron_hexiseq import costmodel
+
+    W, H = cluster.world_size, model.num_attention_heads
+    unit = granularity(seq_length, W)
+    lin_flops = costmodel.linear_flops_per_token(model)
+    att_flops = costmodel.attention_flops_per_pair_head(model)
+    a2a_b = a2a_bytes_per_token(model)
+    kv_b = kv_bytes_per_token_per_head(model)
+    domain = W * getattr(options, "data_parallel_size", 1)
+    static = costmodel.static_memory_bytes(model, options, domain)
+    act = costmodel.activation_bytes_per_token(model, options)
+    G = model.num_query_groups
+    att_mem = costmodel.attention_bytes_per_group_token(model, options, H, G) / H  # per head, kv shared
+    frac = getattr(options, "capacity_fraction", 0.95)
+    multi_node = len({d.node for d in cluster.devices}) > 1
+    devs = []
+    for dev in cluster.devices:
+        nv = dev.nvlink_GBps * 1e9
+        ring_bw = (dev.network_GBps if multi_node else dev.nvlink_GBps) * 1e9
+        att_fps = getattr(dev, "attention_flops_per_s", dev.flops_per_s)
+        free = frac * dev.memory_bytes - static
+        devs.append(DeviceCoef(
+            lin_s=unit * k_lin * lin_flops / dev.flops_per_s,
+            att_s=unit * k_att * att_flops * (seq_length + 1) / 2 / att_fps,
+            a2a_tok_s=unit * a2a_b / nv,
+            a2a_head_s=unit * a2a_b / H / nv,
+            kv_s=unit * kv_b / ring_bw,
+            free_bytes=max(0, math.floor(free)),
+            mem_tok_bytes=act * unit,
+            mem_head_bytes=math.ceil(att_mem * unit),
+        ))
+    return Surrogate(seq_length=seq_length, unit=unit, num_units=seq_length // unit, heads=H,
+                     devices=tuple(devs), k_lin=k_lin, k_att=k_att)
+
+
+def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[float, float]:
+    """Fit (k_lin, k_att) so the surrogate's FLOP terms match ``estimate``'s per-rank compute_s.
+
+    Probe: one group of all ranks, even tokens, rank 0 holds every head. Ranks 1.. do linear work
+    only (-> k_lin); rank 0 adds the whole attention (-> k_att). Falls back to 1.0 when the probe
+    cannot separate the terms (one rank) or gives a non-positive factor.
+    """
+    from megatron_hexiseq import costmodel
+    from megatron_hexiseq.layout import split_evenly
+    from megatron_hexiseq.planner.baselines import hosts_and_gpus
+    from megatron_hexiseq.planner.build import build_layout
+
+    W, H = cluster.world_size, model.num_attention_heads
+    if W < 2 or seq_length < W:
+        return 1.0, 1.0
+    hosts, gpus = hosts_and_gpus(cluster)
+    tokens = split_evenly(seq_length, W)
+    probe = build_layout(seq_length=seq_length, num_attention_heads=H, num_query_groups=model.num_query_groups,
+                         groups=[list(range(W))], rank_tokens=tokens, rank_heads=[H] + [0] * (W - 1),
+                         hosts=hosts, gpus=gpus)
+    est = costmodel.estimate(probe, cluster, model, options)
+    lin = costmodel.linear_flops_per_token(model)
+    ks = sorted(est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin) for r in range(1, W))
+    k_lin = ks[len(ks) // 2]
+    dev0 = cluster.devices[0]
+    att_fps = getattr(dev0, "attention_flops_per_s", dev0.flops_per_s)
+    att_s = est.per_rank[0].compute_s - k_lin * tokens[0] * lin / dev0.flops_per_s
+    pairs = seq_length * (seq_length + 1) // 2
+    k_att = att_s * att_fps / (pairs * H * costmodel.attention_flops_per_pair_head(model))
+    k_lin = k_lin if k_lin > 0 and math.isfinite(k_lin) else 1.0
+    k_att = k_att if k_att > 0 and math.isfinite(k_att) else 1.0
+    return k_lin, k_att
