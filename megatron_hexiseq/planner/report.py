@@ -54,8 +54,14 @@ def baselines_table(layout: Layout) -> Table:
     return table
 
 
+def make_console() -> Console:
+    """A console as wide as the terminal, or 160 columns when output is piped (tables stay readable)."""
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
 def print_layout(layout: Layout, *, console: Console | None = None, title: str = "") -> None:
-    console = console or Console()
+    console = console or make_console()
     console.print(layout_table(layout, title or f"layout: {layout.world_size} ranks, {len(layout.groups)} groups, "
                                                 f"seq_length {layout.seq_length:,}"))
     if layout.baselines:

@@ -1,0 +1,166 @@
+"""Exact reference: one CP-SAT model over all surrogate decisions, for clusters of at most 16 GPUs.
+
+Decisions: the grouping (every node split into groups of any sizes — all integer partitions of its
+GPU count, not only the equal splits Stage I tries), every group's token count ``T_g``, and every
+rank's tokens ``t_r`` and heads ``h_r``; the same surrogate model as the stages
+(``planner.surrogate``) with the bilinear term ``w_r = h_r * T_g`` modelled exactly
+(``AddMultiplicationEquality``). Groupings are enumerated (nodes of one type are interchangeable,
+so only size multisets are enumerated per node) and pruned with Stage II's continuous value as an
+estimate; for each surviving grouping one joint CP-SAT model over (T, t, h) is solved to optimality.
+The result is the proven optimum of the surrogate over all decisions up to the enumerated set
+(reported as ``bound``); ``bench/optimality_gap.py`` compares the hierarchical planner against it.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+from ortools.sat.python import cp_model
+
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.planner.baselines import hosts_and_gpus
+from megatron_hexiseq.planner.build import build_layout
+from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_grouping
+from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
+
+MAX_EXACT_GPUS = 16
+
+
+def partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
+    """Integer partitions of n, parts non-increasing: 4 -> (4), (3,1), (2,2), (2,1,1), (1,1,1,1)."""
+    largest = n if largest is None else largest
+    if n == 0:
+        return [()]
+    return [(k,) + rest for k in range(min(n, largest), 0, -1) for rest in partitions(n - k, k)]
+
+
+def all_groupings(cluster: Any) -> list[Grouping]:
+    out = []
+    blocks = node_blocks(cluster)
+    for choice in itertools.product(*[partitions(len(b)) for b in blocks]):
+        groups = []
+        for ranks, parts in zip(blocks, choice):
+            start = 0
+            for p in parts:
+                groups.append(tuple(ranks[start:start + p]))
+                start += p
+        out.append(tuple(groups))
+    return out
+
+
+def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float,
+                upper_ns: int | None = None) -> tuple[str, int, int, list[int], list[int]] | None:
+    """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping. Returns (status, z, bound, t, h) in units."""
+    N, H = sur.num_units, sur.heads
+    coefs = [group_coef(sur, g, len(grouping)) for g in grouping]
+    model = cp_model.CpModel()
+    T = {g: model.new_int_var(1, N, f"T_{g}") for g in range(len(grouping))}
+    horizon = upper_ns if upper_ns is not None else 10**15
+    z = model.new_int_var(0, horizon, "z")
+    t, h = {}, {}
+    model.add(sum(T.values()) == N)  # the groups partition the sequence
+    for gi, (members, co) in enumerate(zip(grouping, coefs)):
+        for k, r in enumerate(members):
+            t[r] = model.new_int_var(0, min(co.cap[k], N), f"t_{r}")
+            h[r] = model.new_int_var(0, H, f"h_{r}")
+            w = model.new_int_var(0, H * N, f"w_{r}")  # heads x group units (attention work)
+            model.add_multiplication_equality(w, [h[r], T[gi]])
+            model.add(t[r] + h[r] >= 1)  # every rank does something
+            # memory: own activations + attention core of the group's tokens for own heads
+            model.add(t[r] * co.mt[k] + w * co.mh[k] <= co.free[k])
+            # time: linear + max(attention, K/V ring) + A2A
+            att = model.new_int_var(0, horizon, f"att_{r}")
+            model.add(att >= w * co.b[k])
+            model.add(att >= (h[r] * N - w) * co.c[k])
+            model.add(t[r] * co.a[k] + att + w * co.e[k] <= z)
+        model.add(sum(t[r] for r in members) == T[gi])  # a group's tokens are its members'
+        model.add(sum(h[r] for r in members) == H)      # each group holds every head
+    # symmetry: identical members of a group hold non-increasing tokens
+    for members, co in zip(grouping, coefs):
+        for k in range(len(members) - 1):
+            if _same(co, k, k + 1):
+                model.add(t[members[k]] >= t[members[k + 1]])
+    model.minimize(z)
+    # hint: the hierarchical solution for this grouping (Stage II split + Stage III per group)
+    hint = _hierarchical_point(sur, grouping, coefs)
+    if hint is not None:
+        units, th, hh = hint
+        for gi, u in enumerate(units):
+            model.add_hint(T[gi], u)
+        for r in t:
+            model.add_hint(t[r], th[r])
+            model.add_hint(h[r], hh[r])
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        assert status != cp_model.MODEL_INVALID, model.validate()
+        return None  # INFEASIBLE (memory) or UNKNOWN (no solution in time)
+    W = len(t)
+    return ("OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE", int(solver.objective_value),
+            int(solver.best_objective_bound), [solver.value(t[r]) for r in range(W)], [solver.value(h[r]) for r in range(W)])
+
+
+def _same(co: Any, i: int, j: int) -> bool:
+    return all(getattr(co, f)[i] == getattr(co, f)[j] for f in ("a", "b", "c", "e", "free", "mt", "mh"))
+
+
+def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tuple[list[int], dict, dict] | None:
+    from megatron_hexiseq.planner.stage2_split import split_sequence
+    from megatron_hexiseq.planner.stage3_refine import refine_group
+
+    split = split_sequence(coefs, sur.num_units)
+    if split is None:
+        return None
+    th, hh = {}, {}
+    for members, co, u in zip(grouping, coefs, split.units):
+        sol = refine_group(co, u, 1.0)
+        if sol.status == "INFEASIBLE":
+            return None
+        for r, x, y in zip(members, sol.tokens, sol.heads):
+            th[r], hh[r] = x, y
+    return list(split.units), th, hh
+
+
+def exact_surrogate(cluster: Any, sur: Surrogate, *, time_limit_s: float = 60.0):
+    """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None."""
+    scored = []
+    for grouping in all_groupings(cluster):
+        _, split = score_grouping(sur, grouping)
+        if split is not None:
+            scored.append((split.z_rounded_ns, len(grouping), grouping))
+    scored.sort()
+    best = None
+    per = max(0.5, time_limit_s / max(1, len(scored)))
+    for est_ns, _, grouping in scored:
+        # continuous Stage II value is a near-bound: skip groupings clearly worse than the incumbent
+        if best is not None and est_ns > best[2] * 1.02:
+            continue
+        res = solve_joint(sur, grouping, per, upper_ns=best[2] if best else None)
+        if res is not None and (best is None or res[1] < best[2]):
+            best = (grouping, *res)
+    return best
+
+
+def exact_candidates(cluster: Any, model: Any, seq_length: int, options: Any, score: Callable[[Layout], Any],
+                     *, time_limit_s: float = 60.0) -> list:
+    """The exact optimum as a planner candidate (``hierarchical.Candidate``)."""
+    from megatron_hexiseq.planner.hierarchical import Candidate
+
+    assert cluster.world_size <= MAX_EXACT_GPUS, "exact reference is for <= 16 GPUs"
+    k_lin, k_att = calibrate(cluster, model, options, seq_length)
+    sur = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)
+    best = exact_surrogate(cluster, sur, time_limit_s=time_limit_s)
+    if best is None:
+        return []
+    grouping, status, z, bound, t, h = best
+    hosts, gpus = hosts_and_gpus(cluster)
+    layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
+                          num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
+                          rank_tokens=[x * sur.unit for x in t], rank_heads=h, hosts=hosts, gpus=gpus)
+    info = {"status": status, "surrogate_time_s": z * 1e-9, "surrogate_bound_s": bound * 1e-9,
+            "surrogate_gap": (z - bound) / z if z else 0.0, "group_sizes": [len(g) for g in grouping],
+            "granularity_tokens": sur.unit, "k_lin": k_lin, "k_att": k_att}
+    return [Candidate(layout, score(layout), info)]
