@@ -50,7 +50,7 @@ def test_zigzag_matches_megatron():
     (lambda d: d["ranks"][0]["heads"].append(9), "outside"),
     (lambda d: d["ranks"][0]["heads"].reverse(), "sorted"),
     (lambda d: d["groups"][1].__setitem__("ranks", [1, 2]), "is in group 0 and group 1"),
-    (lambda d: d["groups"][1]["ranks"].insert(0, 9), "outside"),
+    (lambda d: d["groups"][1]["ranks"].append(9), "outside"),
     (lambda d: d.__setitem__("world_size", 4), "world_size is 4"),
     (lambda d: d["ranks"][2].__setitem__("group", 0), "says group 0"),
     (lambda d: d.__setitem__("num_query_groups", 3), "not a multiple"),
