@@ -1,0 +1,107 @@
+"""HexiSeq attention: ragged head all-to-all inside the A2A group + sub-ring K/V exchange across groups.
+
+Legend: s = my tokens, S = my group's tokens (group sequence), B = micro-batch, D = head dim,
+H_all / G_all = all query / K/V heads, H / G = my query / K/V heads (``layout.ranks[r].heads``,
+``layout.kv_heads(r)``); member j of my A2A group has s_j tokens, H_j query heads, G_j K/V heads.
+
+    q [s, B, H_all, D], k/v [s, B, G_all, D]                     (my tokens, every head)
+      -- pack: for each member j: q[:, :, H_j], k[:, :, G_j], v[:, :, G_j], flattened, concatenated
+      -- uneven_all_to_all (one collective for q, k and v)
+      -- unpack: from member i: [s_i, B, H, D], [s_i, B, G, D] x2; concatenate over i on dim 0
+    q [S, B, H, D], k/v [S, B, G, D]                            (my group's tokens, my heads)
+      -- subring_attn_func (K/V of other groups in rounds, LSE merge)
+    out [S, B, H, D]
+      -- for each member j: rows of j's tokens, flattened; uneven_all_to_all
+      -- from member i: [s, B, H_i, D]; concatenate on dim 2 (member order), reorder heads to 0..H_all-1
+    out [s, B, H_all * D]
+
+A K/V head needed by several members is packed once per member (backward sums their gradients).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from megatron_hexiseq.attention.comm import CommStats, uneven_all_to_all
+from megatron_hexiseq.attention.groups import HexiSeqGroups
+from megatron_hexiseq.attention.kernels import KERNELS
+from megatron_hexiseq.attention.subring import _select_heads, subring_attn_func
+
+
+def _members(groups: HexiSeqGroups) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """(layout rank, tokens, query heads, K/V heads) of every member of my A2A group, ascending."""
+    lay = groups.layout
+    return [(j, lay.ranks[j].num_tokens, lay.ranks[j].heads, lay.kv_heads(j)) for j in lay.group_of(groups.rank).ranks]
+
+
+def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: HexiSeqGroups,
+                   stats: CommStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """[s, B, H_all, D], [s, B, G_all, D] x2 -> [S, B, H, D], [S, B, G, D] x2 (see module docstring)."""
+    s, B, H_all, D = q_sBHD.shape
+    G_all = k_sBGD.shape[2]
+    members = _members(groups)
+    me = groups.layout.ranks[groups.rank]
+    H, G = len(me.heads), len(groups.layout.kv_heads(groups.rank))
+    pieces, send = [], []
+    for _, _, hj, gj in members:
+        pieces += [_select_heads(q_sBHD, 2, hj, H_all).reshape(-1),
+                   _select_heads(k_sBGD, 2, gj, G_all).reshape(-1),
+                   _select_heads(v_sBGD, 2, gj, G_all).reshape(-1)]
+        send.append(s * B * D * (len(hj) + 2 * len(gj)))
+    recv = [si * B * D * (H + 2 * G) for _, si, _, _ in members]
+    flat = uneven_all_to_all(torch.cat(pieces), group=groups.a2a_group, send_splits=send, recv_splits=recv,
+                             stats=stats, peers=[j for j, _, _, _ in members])
+    qs, ks, vs = [], [], []
+    for (_, si, _, _), chunk in zip(members, flat.split(recv)):
+        q_i, k_i, v_i = chunk.split([si * B * H * D, si * B * G * D, si * B * G * D])
+        qs.append(q_i.view(si, B, H, D))
+        ks.append(k_i.view(si, B, G, D))
+        vs.append(v_i.view(si, B, G, D))
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs)
+
+
+def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
+                    stats: CommStats | None = None) -> Tensor:
+    """[S, B, H, D] (my heads, group tokens) -> [s, B, H_all * D] (all heads, my tokens)."""
+    _, B, H, D = out_SBHD.shape
+    members = _members(groups)
+    s = groups.layout.ranks[groups.rank].num_tokens
+    send = [sj * B * H * D for _, sj, _, _ in members]
+    recv = [s * B * len(hi) * D for _, _, hi, _ in members]
+    flat = uneven_all_to_all(out_SBHD.reshape(-1), group=groups.a2a_group, send_splits=send, recv_splits=recv,
+                             stats=stats, peers=[j for j, _, _, _ in members])
+    parts = [chunk.view(s, B, len(hi), D) for (_, _, hi, _), chunk in zip(members, flat.split(recv)) if hi]
+    out_sBHD = torch.cat(parts, dim=2)
+    order = [h for _, _, hi, _ in members for h in hi]
+    if order != list(range(num_heads)):
+        where = {h: i for i, h in enumerate(order)}
+        out_sBHD = _select_heads(out_sBHD, 2, tuple(where[h] for h in range(num_heads)), num_heads)
+    return out_sBHD.reshape(s, B, num_heads * D)
+
+
+def hexiseq_attn_func(q: Tensor, k: Tensor, v: Tensor, *, groups: HexiSeqGroups, softmax_scale: float | None = None,
+                      kernel: str = "reference", comm_chunks: int = 1, stats: CommStats | None = None) -> Tensor:
+    """Exact causal (GQA/MQA) attention of the full sequence, restricted to this rank's tokens.
+
+    ``q [s_r, B, H, D]``, ``k, v [s_r, B, G, D]``: this rank's tokens in segment order (RoPE
+    applied), every head. Returns ``[s_r, B, H * D]``; differentiable in q, k, v.
+    ``kernel``: ``"reference"`` | ``"sdpa"`` (see ``kernels.py``). ``comm_chunks``: each sub-ring
+    round's K/V is sent in this many token pieces, each a separate P2P step overlapped with the
+    previous piece's block compute (see ``peers.py``). ``stats``: optional byte/block counter.
+    """
+    lay = groups.layout
+    H, G = lay.num_attention_heads, lay.num_query_groups
+    s_r = lay.ranks[groups.rank].num_tokens
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != s_r or q.shape[2] != H or k.shape[2] != G \
+            or k.shape[0] != s_r or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"layout rank {groups.rank} expects q [{s_r}, b, {H}, d] and k, v [{s_r}, b, {G}, d]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    q_SBHD, k_SBGD, v_SBGD = heads_to_group(q, k, v, groups=groups, stats=stats)
+    out_SBHD = subring_attn_func(q_SBHD, k_SBGD, v_SBGD, groups=groups, scale=scale, kernel=kernel,
+                                 comm_chunks=comm_chunks, stats=stats)
+    return group_to_tokens(out_SBHD, groups=groups, num_heads=H, stats=stats)

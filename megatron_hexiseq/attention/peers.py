@@ -1,0 +1,190 @@
+"""Peer tables of the HexiSeq attention runtime, computed from a Layout alone (no processes).
+
+Every rank computes the same tables from the same layout, so no communication is needed to agree.
+
+Vocabulary. A group's *sequence* is its members' tokens, ranks ascending, each in segment order
+(``Layout.group_segments``). After the head all-to-all, rank r holds, for its query heads ``H_r``,
+the queries of its whole group sequence, and for its K/V heads ``K_r`` (the query groups its heads
+read) the keys/values of the whole group sequence. Every group holds every query head, so every K/V
+head has at least one *holder* in every group.
+
+Sub-ring rounds. With n groups (in ``layout.groups`` order), round t = 1..n-1 sends K/V from group
+``(g - t) mod n`` to group g (a ring over groups). Receiver r of group g needs, from source group s,
+the K/V heads ``K_r`` for the tokens of s that are causally visible to some query of g: positions
+``<= max position of g`` (a *trim*; hidden tokens are neither sent nor computed). For each (r, head)
+one holder in s is chosen: the holder with the least load (tokens x heads) so far in that round,
+lowest rank on ties, receivers and heads visited in ascending order — deterministic and balanced.
+All heads a holder sends to one receiver in one step travel as one message ``[2, T, B, h, D]``.
+
+Chunks. ``comm_chunks = c`` splits every round's trimmed tokens into up to c contiguous pieces of
+near-equal length (an empty piece is dropped); each piece is one *step*: one batch of P2P posted
+before the previous step's block is computed, and one (q, kv) block computed. Step index =
+``(t - 1) * c + j``. ``c = 1`` means one message per (holder, receiver) per round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hexiseq.layout import Layout, split_evenly
+
+# (start, end, position of start): a contiguous run of a group sequence's local indices [start, end)
+# holding global positions [pos, pos + end - start).
+Run = tuple[int, int, int]
+
+
+def runs_num_tokens(runs: tuple[Run, ...]) -> int:
+    return sum(e - s for s, e, _ in runs)
+
+
+def runs_positions(runs: tuple[Run, ...]) -> list[int]:
+    return [p + i for s, e, p in runs for i in range(e - s)]
+
+
+def group_runs(layout: Layout, group_id: int) -> tuple[Run, ...]:
+    """The whole group sequence as runs (one per segment)."""
+    runs, off = [], 0
+    for s, e in layout.group_segments(group_id):
+        runs.append((off, off + e - s, s))
+        off += e - s
+    return tuple(runs)
+
+
+def trim_runs(runs: tuple[Run, ...], max_pos: int) -> tuple[Run, ...]:
+    """Keep the tokens with position <= max_pos (each run is increasing, so a prefix of it)."""
+    out = []
+    for s, e, p in runs:
+        keep = min(e - s, max_pos + 1 - p)
+        if keep > 0:
+            out.append((s, s + keep, p))
+    return tuple(out)
+
+
+def split_runs(runs: tuple[Run, ...], parts: int) -> list[tuple[Run, ...]]:
+    """Split runs into up to ``parts`` contiguous pieces of near-equal token count (no empty piece)."""
+    sizes = [n for n in split_evenly(runs_num_tokens(runs), parts) if n > 0]
+    pieces, cur, need = [], [], None
+    queue = list(runs)
+    for size in sizes:
+        need, cur = size, []
+        while need:
+            s, e, p = queue.pop(0)
+            take = min(need, e - s)
+            cur.append((s, s + take, p))
+            if take < e - s:
+                queue.insert(0, (s + take, e, p + take))
+            need -= take
+        pieces.append(tuple(cur))
+    return pieces
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """One message of one step: holder ``src`` sends K/V heads to receiver ``dst`` (layout ranks).
+
+    ``src_heads``: indices into src's K/V-head list; ``dst_heads``: the same heads as indices into
+    dst's K/V-head list; ``runs``: tokens of src's group sequence (local indices + positions).
+    Backward sends ``[2, T, B, len(dst_heads), D]`` of dK/dV back along the reverse direction.
+    """
+
+    step: int
+    src: int
+    dst: int
+    src_heads: tuple[int, ...]
+    dst_heads: tuple[int, ...]
+    runs: tuple[Run, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return runs_num_tokens(self.runs)
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one rank does in one step: its sends as holder, its receives (and block) as receiver."""
+
+    step: int
+    sends: tuple[KVTransfer, ...]
+    recvs: tuple[KVTransfer, ...]
+    full: bool  # the received block is fully visible to every query of this rank's group (no mask)
+
+    @property
+    def computes(self) -> bool:
+        return bool(self.recvs)
+
+    @property
+    def k_runs(self) -> tuple[Run, ...]:
+        return self.recvs[0].runs if self.recvs else ()
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """Everything rank ``rank`` needs to run attention for one layout and ``comm_chunks``."""
+
+    rank: int
+    group_ranks: tuple[int, ...]     # layout ranks of my A2A group, ascending
+    heads: tuple[int, ...]           # my query heads H_r (global indices)
+    kv_heads: tuple[int, ...]        # my K/V heads K_r (global query-group indices)
+    kv_of_head: tuple[int, ...]      # for each of my query heads, index into kv_heads
+    q_runs: tuple[Run, ...]          # my group sequence (= my queries and my own K/V after A2A)
+    steps: tuple[RankStep, ...]      # only steps where I send or receive, in global step order
+    num_steps: int                   # global number of steps (tags of backward dK/dV offset by it)
+
+
+def kv_of_head(layout: Layout, heads: tuple[int, ...], kv_heads: tuple[int, ...]) -> tuple[int, ...]:
+    hpg = layout.heads_per_query_group
+    return tuple(kv_heads.index(h // hpg) for h in heads)
+
+
+def build_transfers(layout: Layout, comm_chunks: int = 1) -> tuple[tuple[KVTransfer, ...], int]:
+    """All K/V transfers of all steps (sorted by step, dst, src) and the number of steps."""
+    if comm_chunks < 1:
+        raise ValueError(f"comm_chunks must be >= 1, got {comm_chunks}")
+    groups = layout.groups
+    n = len(groups)
+    kv = {r.rank: layout.kv_heads(r.rank) for r in layout.ranks}
+    max_pos = {g.id: max(e for s, e in layout.group_segments(g.id)) - 1 for g in groups}
+    transfers: list[KVTransfer] = []
+    for t in range(1, n):
+        for gi, g in enumerate(groups):
+            src_group = groups[(gi - t) % n]
+            runs = trim_runs(group_runs(layout, src_group.id), max_pos[g.id])
+            if not runs:
+                continue  # every token of the source group is in the future of group g
+            tokens = runs_num_tokens(runs)
+            load = {j: 0 for j in src_group.ranks}
+            chosen: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> kv heads
+            for r in g.ranks:
+                for k in kv[r]:
+                    holders = [j for j in src_group.ranks if k in kv[j]]
+                    j = min(holders, key=lambda x: (load[x], x))
+                    load[j] += tokens
+                    chosen.setdefault((j, r), []).append(k)
+            for c, piece in enumerate(split_runs(runs, comm_chunks)):
+                step = (t - 1) * comm_chunks + c
+                for (j, r), ks in sorted(chosen.items(), key=lambda x: (x[0][1], x[0][0])):
+                    transfers.append(KVTransfer(step=step, src=j, dst=r,
+                                                src_heads=tuple(kv[j].index(k) for k in ks),
+                                                dst_heads=tuple(kv[r].index(k) for k in ks), runs=piece))
+    transfers.sort(key=lambda x: (x.step, x.dst, x.src))
+    return tuple(transfers), (n - 1) * comm_chunks
+
+
+def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSchedule:
+    """The schedule of one rank (see the module docstring)."""
+    transfers, num_steps = build_transfers(layout, comm_chunks)
+    plan = layout.ranks[rank]
+    group = layout.group(plan.group)
+    q_runs = group_runs(layout, group.id)
+    min_q = min(p for _, _, p in q_runs)
+    steps = []
+    for step in range(num_steps):
+        sends = tuple(x for x in transfers if x.step == step and x.src == rank)
+        recvs = tuple(x for x in transfers if x.step == step and x.dst == rank)
+        if not sends and not recvs:
+            continue
+        full = bool(recvs) and max(p + e - s - 1 for s, e, p in recvs[0].runs) <= min_q
+        steps.append(RankStep(step=step, sends=sends, recvs=recvs, full=full))
+    kv_heads = layout.kv_heads(rank)
+    return RankSchedule(rank=rank, group_ranks=group.ranks, heads=plan.heads, kv_heads=kv_heads,
+                        kv_of_head=kv_of_head(layout, plan.heads, kv_heads), q_runs=q_runs,
+                        steps=tuple(steps), num_steps=num_steps)

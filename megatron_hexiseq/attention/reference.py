@@ -1,0 +1,31 @@
+"""Single-device causal attention (GQA/MQA): the numerical oracle of every test.
+
+Legend: S = full sequence, B = micro-batch, H = query heads, G = K/V heads, D = head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def reference_attention(q_full: Tensor, k_full: Tensor, v_full: Tensor, softmax_scale: float | None = None) -> Tensor:
+    """``q [S, B, H, D]``, ``k, v [S, B, G, D]`` -> ``[S, B, H * D]``: causal softmax attention.
+
+    Plain autograd ops (matmul, mask, softmax) in the input dtype; query head h reads K/V head
+    ``h // (H / G)``.
+    """
+    S, B, H, D = q_full.shape
+    G = k_full.shape[2]
+    if H % G:
+        raise ValueError(f"query heads {H} must be a multiple of K/V heads {G}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    q_BHSD = q_full.permute(1, 2, 0, 3)
+    k_BHSD = k_full.repeat_interleave(H // G, dim=2).permute(1, 2, 0, 3)
+    v_BHSD = v_full.repeat_interleave(H // G, dim=2).permute(1, 2, 0, 3)
+    s_BHSS = torch.matmul(q_BHSD, k_BHSD.transpose(-1, -2)) * scale
+    causal_SS = torch.ones(S, S, dtype=torch.bool, device=q_full.device).tril()
+    p_BHSS = torch.softmax(s_BHSS.masked_fill(~causal_SS, float("-inf")), dim=-1)
+    out_BHSD = torch.matmul(p_BHSS, v_BHSD)
+    return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, H * D)

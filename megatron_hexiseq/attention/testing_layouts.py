@@ -1,0 +1,68 @@
+"""Seeded random valid layouts for the attention tests (uneven everything, edge cases included).
+
+``random_layout(rng, world_size)`` draws group sizes, GQA shape, token segments (uneven,
+non-contiguous, possibly zero tokens for a rank) and query heads (uneven, non-divisible, possibly
+zero for a rank), and returns a validated ``Layout``.
+"""
+from __future__ import annotations
+
+import random
+
+from megatron_hexiseq.layout import Layout, make_layout
+
+GQA_SHAPES = ((8, 2), (6, 3), (12, 4), (4, 1), (6, 1), (4, 4), (3, 3), (8, 8))
+
+
+def _random_sizes(rng: random.Random, total: int, parts: int) -> list[int]:
+    """``parts`` non-negative integers summing to ``total``."""
+    cuts = sorted(rng.randint(0, total) for _ in range(parts - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+def random_layout(rng: random.Random, world_size: int, *, seq_length: int | None = None,
+                  group_sizes: list[int] | None = None, heads: tuple[int, int] | None = None,
+                  max_pieces: int = 3) -> Layout:
+    """A random valid layout of ``world_size`` ranks (retries until the validator accepts it)."""
+    for _ in range(1000):
+        lay = _try(rng, world_size, seq_length, group_sizes, heads, max_pieces)
+        if lay is not None:
+            return lay
+    raise AssertionError("could not draw a valid layout")
+
+
+def _try(rng, world, seq_length, group_sizes, heads, max_pieces) -> Layout | None:
+    if group_sizes is None:
+        group_sizes, left = [], world
+        while left:
+            g = rng.randint(1, left)
+            group_sizes.append(g)
+            left -= g
+    H, G = heads if heads is not None else rng.choice(GQA_SHAPES)
+    S = seq_length if seq_length is not None else rng.randint(world + 2, 6 * world + 10)
+    # segments: cut [0, S) into pieces, deal them to ranks at random (a rank may get none)
+    n_pieces = rng.randint(world, world * max_pieces)
+    cuts = sorted(rng.sample(range(1, S), min(n_pieces - 1, S - 1)))
+    pieces = list(zip([0] + cuts, cuts + [S]))
+    owner = [rng.randrange(world) for _ in pieces]
+    segs: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for (s, e), r in zip(pieces, owner):
+        if segs[r] and segs[r][-1][1] == s:
+            segs[r][-1] = (segs[r][-1][0], e)  # adjacent pieces of one rank merge
+        else:
+            segs[r].append((s, e))
+    # heads: each group partitions 0..H-1 among its members, uneven, a member may get none
+    head_lists: list[list[int]] = []
+    for size in group_sizes:
+        perm = list(range(H))
+        if rng.random() < 0.5:
+            rng.shuffle(perm)  # non-contiguous head sets
+        counts = _random_sizes(rng, H, size)
+        start = 0
+        for c in counts:
+            head_lists.append(sorted(perm[start:start + c]))
+            start += c
+    try:
+        return make_layout(seq_length=S, num_attention_heads=H, num_query_groups=G, group_sizes=group_sizes,
+                           segments=segs, heads=head_lists)
+    except ValueError:
+        return None
