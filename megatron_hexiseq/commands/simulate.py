@@ -28,12 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from megatron_hexiseq.commands.validate import check_against_cluster
     from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.planner.simulate import simulate
-    from megatron_hexiseq.planner.report import estimate_table, plot_estimates
+    from megatron_hexiseq.planner.report import estimate_table, make_console, plot_estimates
 
     if not args.layout and not args.baselines:
         raise HexiSeqError("nothing to simulate: give --layout L.json and/or --baselines")
@@ -56,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         sys.stdout.write(json.dumps([r.summary() for r in rows], indent=2) + "\n")
     else:
-        console = Console()
+        console = make_console()
         for r in rows:
             if r.estimate is None:
                 console.print(f"{r.name}: infeasible ({r.reason})")

@@ -190,6 +190,7 @@ def explain_infeasible(cluster: Any, model: Any, seq_length: int, tried: list[An
     helps.append("a shorter --seq-length")
     worst: tuple[float, str, float] = (0.0, "", 0.0)
     if any(f == 0 for f in free):
+        helps = [h for h in helps if h in ("more GPUs", "--memory-mode fsdp")]  # tokens are not the problem
         for d, u in zip(cluster.devices, usable):
             short = static - u
             if short > worst[0]:
