@@ -1,0 +1,193 @@
+"""``estimate``: modelled iteration time and memory of a layout on a cluster.
+
+Per rank (all layers, one iteration = one micro-batch of ``b`` sequences, forward + backward):
+
+- ``linear_s``    = b * tokens_r * train_flops(linear_flops_per_token) / flops_per_s
+- ``attention_s`` = b * causal_pairs(group segments, [0, S)) * heads_r
+                    * train_flops(attention_flops_per_pair_head) / attention_flops_per_s
+- ``a2a_s``       = passes * sum over q, k, v, out of alltoall_time_s(one layer) * L, the group's
+                    slowest member (a collective: everyone waits); passes = 2 (fwd, bwd) or 3 (+recompute)
+- ``kv_exchange_s`` / ``kv_exposed_s``: (forward passes + 2) x one forward exchange (backward moves
+                    K/V again plus dK/dV back: twice the forward bytes against twice the forward compute)
+- ``time_s``      = compute_s + a2a_s + kv_exposed_s; ``iteration_time_s`` = max over ranks.
+
+Memory: static (params/grads/optimizer) + activations of own tokens + attention core of group tokens
+for the rank's heads + communication buffers. Formulas and sources: docs/cost_model.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.comm import alltoall_time_s
+from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
+from megatron_hexiseq.costmodel.formulas import (
+    BF16_BYTES,
+    TrainOptions,
+    a2a_buffer_bytes_per_token,
+    activation_bytes_per_token,
+    attention_bytes_per_group_token,
+    attention_s_per_pair_head,
+    causal_pairs,
+    kv_block_bytes_per_token,
+    linear_s_per_token,
+    static_memory_bytes,
+)
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEstimate:
+    """Modelled time (seconds per iteration) and memory (bytes) of one layout rank."""
+
+    rank: int
+    gpu: str
+    tokens: int
+    heads: int
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    time_s: float
+    memory_bytes: int
+    capacity_bytes: int
+    breakdown: Mapping[str, float]
+    node: str = ""
+    device_memory_gib: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.capacity_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """The modelled iteration: the slowest rank sets the pace (ranks synchronise every layer)."""
+
+    iteration_time_s: float
+    tokens_per_s: float
+    per_rank: tuple[RankEstimate, ...]
+    feasible: bool
+    capacity_fraction: float = 0.95
+    options: TrainOptions = field(default_factory=TrainOptions)
+
+    @property
+    def bottleneck_rank(self) -> int:
+        """The rank whose time is the iteration time (lowest index on ties)."""
+        return max(self.per_rank, key=lambda r: (r.time_s, -r.rank)).rank
+
+    def memory_problems(self) -> list[str]:
+        """One line per rank over capacity, e.g. ``rank 5 (L40S-48GB) needs 51.2 GiB > 45.6 GiB (95% of 48 GiB)``."""
+        return [
+            f"rank {r.rank} ({r.gpu}) needs {r.memory_bytes / GIB:.1f} GiB > {r.capacity_bytes / GIB:.1f} GiB "
+            f"({self.capacity_fraction * 100:g}% of {r.device_memory_gib:g} GiB)"
+            for r in self.per_rank if not r.fits
+        ]
+
+    def to_predicted(self) -> dict[str, Any]:
+        """The layout JSON's ``predicted`` block."""
+        return {
+            "iteration_time_s": _sig(self.iteration_time_s),
+            "tokens_per_s": _sig(self.tokens_per_s),
+            "feasible": self.feasible,
+            "per_rank": [{"rank": r.rank, "time_s": _sig(r.time_s), "memory_gib": round(r.memory_bytes / GIB, 4)}
+                         for r in self.per_rank],
+        }
+
+
+def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()) -> Estimate:
+    """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``)."""
+    _check_match(layout, cluster, model)
+    b, L = options.micro_batch_size, model.num_layers
+    passes_fwd = 2 if options.recompute else 1
+    static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
+    act_per_token = activation_bytes_per_token(model, options)
+    exchange = kv_exchange_forward(layout, cluster, model, b)
+
+    group_pairs: dict[int, int] = {}
+    group_a2a_s: dict[int, float] = {}
+    for g in layout.groups:
+        group_pairs[g.id] = causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)])
+        group_a2a_s[g.id] = (passes_fwd + 1) * L * _a2a_layer_s(layout, cluster, model, g.ranks, b)
+
+    per_rank = []
+    for plan in layout.ranks:
+        dev = cluster.devices[plan.rank]
+        heads, kv = len(plan.heads), len(layout.kv_heads(plan.rank))
+        group_tokens = layout.group_num_tokens(plan.group)
+        linear_s = plan.num_tokens * linear_s_per_token(model, dev, options)
+        attention_s = group_pairs[plan.group] * heads * attention_s_per_pair_head(model, dev, options)
+        a2a_s = group_a2a_s[plan.group]
+        kv_s = (passes_fwd + 2) * exchange.comm_s[plan.rank]
+        kv_exposed_s = (passes_fwd + 2) * exchange.exposed_s[plan.rank]
+        compute_s = linear_s + attention_s
+        exposed_s = a2a_s + kv_exposed_s
+        mem = {
+            "mem_static": static,
+            "mem_activations": b * plan.num_tokens * act_per_token,
+            "mem_attention": b * group_tokens * attention_bytes_per_group_token(model, options, heads, kv),
+            "mem_comm": b * plan.num_tokens * a2a_buffer_bytes_per_token(model)
+                        + 4 * b * exchange.max_block_tokens[plan.rank] * kv * kv_block_bytes_per_token(model),
+        }
+        memory = sum(mem.values())
+        per_rank.append(RankEstimate(
+            rank=plan.rank, gpu=dev.gpu.name, node=dev.node, tokens=plan.num_tokens, heads=heads,
+            compute_s=compute_s, comm_s=a2a_s + kv_s, exposed_comm_s=exposed_s, time_s=compute_s + exposed_s,
+            memory_bytes=memory, capacity_bytes=int(options.capacity_fraction * dev.memory_bytes),
+            device_memory_gib=dev.memory_gib,
+            breakdown={"linear_s": linear_s, "attention_s": attention_s, "a2a_s": a2a_s,
+                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, **mem},
+        ))
+    iteration = max(r.time_s for r in per_rank)
+    tokens = layout.seq_length * b * options.data_parallel_size
+    return Estimate(iteration_time_s=iteration, tokens_per_s=tokens / iteration if iteration > 0 else 0.0,
+                    per_rank=tuple(per_rank), feasible=all(r.fits for r in per_rank),
+                    capacity_fraction=options.capacity_fraction, options=options)
+
+
+def _a2a_layer_s(layout: Layout, cluster: Cluster, model: ModelSpec, ranks: tuple[int, ...], b: int) -> float:
+    """One layer's forward head all-to-alls of a group: q, k, v in, attention output back.
+
+    Bytes from member i to member j: q ``tokens_i * heads_j * d * 2``, k and v each
+    ``tokens_i * kv_heads_j * d * 2``, output ``tokens_j * heads_i * d * 2`` (times b). Four
+    collectives one after another. Backward runs the duals (same matrices transposed), which take
+    the same time in this model.
+    """
+    if len(ranks) == 1:
+        return 0.0
+    unit = b * model.kv_channels * BF16_BYTES
+    tok = [layout.ranks[r].num_tokens for r in ranks]
+    hq = [len(layout.ranks[r].heads) for r in ranks]
+    hkv = [len(layout.kv_heads(r)) for r in ranks]
+    q = [[unit * ti * hj for hj in hq] for ti in tok]
+    kv = [[unit * ti * hj for hj in hkv] for ti in tok]
+    out = [[unit * tj * hi for tj in tok] for hi in hq]
+    return (alltoall_time_s(q, ranks, cluster) + 2 * alltoall_time_s(kv, ranks, cluster)
+            + alltoall_time_s(out, ranks, cluster))
+
+
+def _check_match(layout: Layout, cluster: Cluster, model: ModelSpec) -> None:
+    if layout.world_size != cluster.world_size:
+        raise HexiSeqError(f"the layout has {layout.world_size} ranks but cluster {cluster.name!r} has "
+                           f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for")
+    for plan in layout.ranks:
+        dev = cluster.devices[plan.rank]
+        if plan.gpu != dev.gpu.name or plan.host != dev.node:
+            raise HexiSeqError(f"layout rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
+                               f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
+                               f"{cluster.name!r}?")
+    if (layout.num_attention_heads, layout.num_query_groups) != (model.num_attention_heads, model.num_query_groups):
+        raise HexiSeqError(f"the layout has {layout.num_attention_heads} heads in {layout.num_query_groups} query groups "
+                           f"but model {model.name!r} has {model.num_attention_heads} in {model.num_query_groups}")
+    if layout.seq_length != model.seq_length:
+        raise HexiSeqError(f"the layout is for seq_length {layout.seq_length} but model {model.name!r} says "
+                           f"{model.seq_length}; pass --seq-length {layout.seq_length}")
+
+
+def _sig(x: float) -> float:
+    """Round to 9 significant digits for JSON."""
+    return float(f"{x:.9g}")

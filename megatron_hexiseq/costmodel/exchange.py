@@ -1,0 +1,148 @@
+"""Cross-group K/V exchange (HexiSeq's sub-rings), vectorised over ranks.
+
+Round model (docs/cost_model.md, "K/V exchange"): groups in layout order ``G_0 .. G_{n-1}``.
+Round 0 is a group's own K/V (already local after the head all-to-all). In round ``t`` group
+``G_i`` receives the K/V of group ``G_{(i+t) mod n}``: for each kv head a rank needs, from the
+lowest-numbered rank of that group holding it, only the tokens at positions <= the last query
+position of ``G_i`` (causally hidden tokens are neither sent nor computed; a round with nothing
+visible is skipped). Transfers are double-buffered against the attention of the previous block
+(:func:`megatron_hexiseq.costmodel.comm.pipelined_exposed_s`, which this vectorises). All links of one round between
+two single-node groups have one bandwidth, so a receiver's round time is
+``max(its own receive, the send of each of its senders)`` in kv-head blocks (a sender serves
+every rank of the receiving group that needs its kv head, one copy each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.formulas import kv_block_bytes_per_token
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec
+
+_CHUNK_ELEMENTS = 1 << 22   # rounds are batched so one batch's arrays hold about this many elements
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeForward:
+    """One forward pass of the exchange over all layers, per layout rank (seconds / tokens)."""
+
+    comm_s: tuple[float, ...]          # sum of the rounds' transfer times
+    exposed_s: tuple[float, ...]       # transfer time not hidden behind attention compute
+    max_block_tokens: tuple[int, ...]  # largest visible block received (sizes the buffers)
+
+
+def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
+    """Row-wise :func:`causal_pairs`: query segments ``[..., sq]`` and key segments ``[..., sk]``
+    (same leading shape) -> ``[...]``. Empty padding segments (start == end) contribute 0."""
+    qs, qe = qs[..., :, None], qe[..., :, None]
+    ks, ke = ks[..., None, :], ke[..., None, :]
+    a, c = np.maximum(qs, ks), np.minimum(qe, ke)
+    n1 = np.maximum(c - a, 0)
+    series = (a + c + 1 - 2 * ks) * n1 // 2            # queries inside the key segment: x..y, x = a-ks+1, y = c-ks
+    full = np.maximum(qe - np.maximum(qs, ke), 0) * (ke - ks)   # queries past it see all of it
+    return (series + full).sum(axis=(-2, -1))
+
+
+def visible_vec(ks: np.ndarray, ke: np.ndarray, q_end: np.ndarray) -> np.ndarray:
+    """Tokens of key segments ``[..., sk]`` at positions < ``q_end[...]`` (visible to some query)."""
+    return np.maximum(np.minimum(ke, q_end[..., None]) - ks, 0).sum(axis=-1)
+
+
+def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Per receiver member: round time in kv-head blocks, ``max(own receive, its senders' sends)``.
+
+    ``sender``/``receiver``: the kv heads of each member of the sending / receiving group.
+    """
+    source: dict[int, int] = {}
+    for pos, kvs in enumerate(sender):
+        for k in kvs:
+            source.setdefault(k, pos)
+    copies: dict[int, int] = {}
+    for kvs in receiver:
+        for k in kvs:
+            copies[k] = copies.get(k, 0) + 1
+    load = [0] * len(sender)
+    for k, n in copies.items():
+        load[source[k]] += n
+    return [max([len(kvs)] + [load[source[k]] for k in kvs]) if kvs else 0 for kvs in receiver]
+
+
+def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int) -> ExchangeForward:
+    """Simulate the forward exchange rounds of every rank at once (see module docstring)."""
+    W, groups = layout.world_size, layout.groups
+    n = len(groups)
+    if n == 1:
+        return ExchangeForward(comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W)
+    # data: padded group segments, per-group and per-rank arrays
+    segs = [layout.group_segments(g.id) for g in groups]
+    width = max(len(s) for s in segs)
+    QS = np.zeros((n, width), dtype=np.int64)
+    QE = np.zeros((n, width), dtype=np.int64)
+    for i, s in enumerate(segs):
+        QS[i, :len(s)] = [a for a, _ in s]
+        QE[i, :len(s)] = [e for _, e in s]
+    q_end = QE.max(axis=1)
+    node_names = sorted({d.node for d in cluster.devices})
+    node_id = {name: i for i, name in enumerate(node_names)}
+    dev = [cluster.devices[r] for r in range(W)]
+    node = np.array([node_id[d.node] for d in dev])
+    nv = np.array([d.nvlink_GBps for d in dev]) * 1e9
+    net = np.array([d.network_GBps for d in dev]) * 1e9
+    gnode = np.array([node[g.ranks[0]] if len({node[r] for r in g.ranks}) == 1 else -1 for g in groups])
+    gnv = np.array([nv[list(g.ranks)].min() for g in groups])
+    gnet = np.array([net[list(g.ranks)].min() for g in groups])
+    gidx = {g.id: i for i, g in enumerate(groups)}
+    gi = np.array([gidx[r.group] for r in layout.ranks])
+    pos = np.array([layout.group(r.group).ranks.index(r.rank) for r in layout.ranks])
+    heads = np.array([len(r.heads) for r in layout.ranks], dtype=np.float64)
+    rate = np.array([d.attention_flops_per_s for d in dev])
+    # fan-out table per (sending group structure, receiving group structure)
+    sig_of = [tuple(layout.kv_heads(r) for r in g.ranks) for g in groups]
+    sigs = sorted(set(sig_of))
+    sig_id = np.array([sigs.index(s) for s in sig_of])
+    kmax = max(len(g.ranks) for g in groups)
+    fan = np.zeros((len(sigs), len(sigs), kmax))
+    for a, sa in enumerate(sigs):
+        for c, sc in enumerate(sigs):
+            fan[a, c, :len(sc)] = fan_units(sa, sc)
+    L, b = model.num_layers, micro_batch_size
+    flops_per_pair_head = 4 * model.kv_channels * L * b           # forward only, all layers
+    bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
+    # round 0: own group's K/V, no transfer
+    p0 = pairs_vec(QS, QE, QS, QE)
+    comp_end = flops_per_pair_head * p0[gi] * heads / rate
+    comp_sum, comm_end, comm_sum = comp_end.copy(), np.zeros(W), np.zeros(W)
+    free = np.zeros((2, W))                          # when each receive buffer can be overwritten
+    blocks, vmax = np.zeros(W, dtype=np.int64), np.zeros(W, dtype=np.int64)
+    ranks = np.arange(W)
+    chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
+    for t0 in range(1, n, chunk):
+        # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
+        src = (np.arange(t0, min(n, t0 + chunk))[:, None] + np.arange(n)[None, :]) % n
+        pairs_g = pairs_vec(QS[None], QE[None], QS[src], QE[src])            # [T, n]
+        vis = visible_vec(QS[src], QE[src], q_end[None])[:, gi]              # [T, W]
+        gp = src[:, gi]                                                      # [T, W] sending group
+        comp = flops_per_pair_head * pairs_g[:, gi] * (heads / rate)
+        link = np.where(gnode[gp] == node, np.minimum(gnv[gp], nv), np.minimum(gnet[gp], net))
+        comm = bytes_per_token_head * vis * fan[sig_id[gp], sig_id[gi], pos] / link
+        active = (vis > 0) & (heads > 0)
+        comp, comm = np.where(active, comp, 0.0), np.where(active, comm, 0.0)
+        comp_sum += comp.sum(axis=0)
+        comm_sum += comm.sum(axis=0)
+        vmax = np.maximum(vmax, np.where(active, vis, 0).max(axis=0))
+        for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time
+            on = active[k]
+            blocks += on
+            slot = blocks % 2
+            new_comm_end = np.maximum(comm_end, free[slot, ranks]) + comm[k]
+            new_comp_end = np.maximum(comp_end, new_comm_end) + comp[k]
+            comm_end = np.where(on, new_comm_end, comm_end)
+            comp_end = np.where(on, new_comp_end, comp_end)
+            free[slot, ranks] = np.where(on, comp_end, free[slot, ranks])
+    exposed = comp_end - comp_sum
+    exposed = np.where(exposed > 1e-9 * comp_sum, exposed, 0.0)   # float noise of a fully hidden pipeline
+    return ExchangeForward(comm_s=tuple(comm_sum.tolist()), exposed_s=tuple(exposed.tolist()),
+                           max_block_tokens=tuple(int(v) for v in vmax))

@@ -1,0 +1,202 @@
+"""FLOP and byte formulas: integers, per token or per (query, key) pair, with their sources.
+
+Notation (``ModelSpec`` fields): h hidden_size, a num_attention_heads, g num_query_groups,
+d kv_channels, f ffn_hidden_size, V vocab_size, L num_layers, m = 2 with SwiGLU else 1,
+b micro_batch_size. BF16 activations: 2 bytes per element. docs/cost_model.md derives each one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron_hexiseq.cluster import Device
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.model import ModelSpec
+
+MEMORY_MODES = ("distributed_optimizer", "fsdp")
+BF16_BYTES = 2
+FP32_BYTES = 4
+
+Segment = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """How one iteration is run (what Megatron's flags decide).
+
+    ``micro_batch_size``: sequences per rank per iteration (``--micro-batch-size``; the CLI copies
+    ``ModelSpec.micro_batch_size`` here unless told otherwise). ``recompute``: full activation
+    recompute (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``).
+    ``memory_mode``: ``distributed_optimizer`` (``--use-distributed-optimizer``) or ``fsdp``
+    (``--use-torch-fsdp2`` / Megatron FSDP: params, grads and optimizer state sharded).
+    ``data_parallel_size``: replicas of the layout; the optimizer shards over
+    ``data_parallel_size * world_size`` ranks (Megatron's ``dp_cp`` group).
+    ``capacity_fraction``: usable share of each device's memory.
+    """
+
+    micro_batch_size: int = 1
+    recompute: bool = False
+    memory_mode: str = "distributed_optimizer"
+    data_parallel_size: int = 1
+    capacity_fraction: float = 0.95
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise HexiSeqError(f"{name} must be a positive integer, got {v!r}")
+        if self.memory_mode not in MEMORY_MODES:
+            raise HexiSeqError(f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}")
+        if not isinstance(self.recompute, bool):
+            raise HexiSeqError(f"recompute must be true or false, got {self.recompute!r}")
+        if not 0 < self.capacity_fraction <= 1:
+            raise HexiSeqError(f"capacity_fraction must be in (0, 1], got {self.capacity_fraction!r}")
+
+    @classmethod
+    def for_model(cls, model: ModelSpec, **kwargs) -> "TrainOptions":
+        """Options whose micro-batch size comes from the model spec unless given."""
+        return cls(**({"micro_batch_size": model.micro_batch_size} | kwargs))
+
+
+# ---- FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM", Sec. 5.1: 2 FLOPs per multiply-add, backward = 2x forward) ------------------
+def causal_pairs(q_segments: Sequence[Segment], k_segments: Sequence[Segment]) -> int:
+    """Number of (q, k) position pairs with q in ``q_segments``, k in ``k_segments`` and k <= q.
+
+    Closed form per segment pair: for q in [qs, qe) and k in [ks, ke), a query q sees
+    ``clamp(q - ks + 1, 0, ke - ks)`` keys; queries in [ks, ke) form an arithmetic series, those
+    at or past ``ke`` see all ``ke - ks`` keys. O(#q_segments * #k_segments). Segments inside each
+    list must not overlap (a layout's never do).
+    """
+    total = 0
+    for qs, qe in q_segments:
+        for ks, ke in k_segments:
+            # queries in [max(qs, ks), min(qe, ke)) see q - ks + 1 keys: series x..y
+            a, c = max(qs, ks), min(qe, ke)
+            if a < c:
+                x, y = a - ks + 1, c - ks
+                total += (x + y) * (c - a) // 2
+            # queries at or past ke see the whole key segment
+            a = max(qs, ke)
+            if a < qe:
+                total += (qe - a) * (ke - ks)
+    return total
+
+
+def linear_flops_per_token(model: ModelSpec) -> int:
+    """Forward + backward FLOPs of all non-attention-score work per token, all layers + logits.
+
+    Per layer forward: ``2 * (h*(a+2g)*d + a*d*h + h*f*m + f*h)`` (QKV, projection, MLP); the output
+    layer adds ``2*h*V``. Forward + backward = 3x forward. Norms, biases, activations and RoPE are
+    elementwise and left out (as in Narayanan et al.). Full recompute adds a forward: see
+    :func:`train_flops`. For GPT (a*d = h, g = a, f = 4h) this is Narayanan's
+    ``72*L*h^2*(1 + V/(12*h*L))`` per token without the attention term.
+    """
+    h, a, g, d, f = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.kv_channels, model.ffn_hidden_size
+    m = 2 if model.swiglu else 1
+    layer_macs = h * (a + 2 * g) * d + a * d * h + h * f * m + f * h
+    forward = 2 * (model.num_layers * layer_macs + h * model.vocab_size)
+    return 3 * forward
+
+
+def attention_flops_per_pair_head(model: ModelSpec) -> int:
+    """Forward + backward FLOPs per visible (q, k) pair per query head, summed over all layers.
+
+    Forward: ``Q K^T`` and ``P V`` are 2*d FLOPs each -> 4*d; backward counted as 2x forward (the
+    convention of Narayanan et al.; FlashAttention's backward also recomputes ``Q K^T``, 2.5x, which
+    the calibrated efficiency absorbs) -> ``12 * d * L``.
+    """
+    return 12 * model.kv_channels * model.num_layers
+
+
+def train_flops(flops_fwd_bwd: int, options: TrainOptions) -> int:
+    """Forward + backward FLOPs -> FLOPs actually executed: full recompute runs one more forward (x4/3)."""
+    assert flops_fwd_bwd % 3 == 0, "fwd+bwd FLOPs are 3x a forward"
+    return flops_fwd_bwd * (4 if options.recompute else 3) // 3
+
+
+# ---- memory -------------------------------------------------------------------------------------
+def static_memory_bytes(model: ModelSpec, options: TrainOptions, domain_size: int) -> int:
+    """Parameters + gradients + optimizer state per rank, bytes.
+
+    ``distributed_optimizer`` (Megatron's distributed optimizer = ZeRO-1 with fp32 grad buffers):
+    bf16 params 2 B + fp32 main grads 4 B replicated, fp32 master params + Adam m + v = 12 B sharded
+    over ``domain_size`` (= DP x CP ranks): ``6*P + ceil(12*P / domain)``.
+    ``fsdp`` (ZeRO-3): all 18 B/param sharded: ``ceil(18*P / domain)``. Gathered-parameter buffers
+    of FSDP (one layer at a time) are left out.
+    """
+    if domain_size <= 0:
+        raise HexiSeqError(f"domain_size must be positive, got {domain_size}")
+    p = model.num_parameters
+    if options.memory_mode == "fsdp":
+        return -(-18 * p // domain_size)
+    return 6 * p + -(-12 * p // domain_size)
+
+
+def layer_activation_bytes_per_token(model: ModelSpec) -> int:
+    """Bytes one layer keeps for backward per token of the rank's own shard (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1, with dropout off and the
+    attention core moved to :func:`attention_bytes_per_group_token`).
+
+    ``2 * (2h [two norm inputs] + h [QKV input] + a*d [projection input] + h [fc1 input]
+    + f*m [fc1 output] + f [fc2 input])``. For GPT this is 26h; adding the attention core's 8h
+    (q, k, v and the FlashAttention output) gives Korthikanti's 34h, whose 2h of dropout masks we
+    drop (no dropout) and whose softmax-output role the kept FlashAttention output takes.
+    """
+    h, a, d, f = model.hidden_size, model.num_attention_heads, model.kv_channels, model.ffn_hidden_size
+    m = 2 if model.swiglu else 1
+    return BF16_BYTES * (4 * h + a * d + f * m + f)
+
+
+def output_bytes_per_token(model: ModelSpec) -> int:
+    """Final norm input + output-layer input (bf16) + logits at the loss: bf16 logits and the fp32
+    softmax Megatron's cross entropy keeps (``2h + 2h + 2V + 4V``)."""
+    return BF16_BYTES * 2 * model.hidden_size + (BF16_BYTES + FP32_BYTES) * model.vocab_size
+
+
+def activation_bytes_per_token(model: ModelSpec, options: TrainOptions) -> int:
+    """Activation bytes per token of this rank's own shard (one micro-batch sequence), whole model.
+
+    No recompute: ``L * layer + output + layer`` (every layer's saved tensors, the loss, and one
+    layer's worth of gradients while its backward runs). Full recompute: ``L * 2h`` (each layer's
+    input) ``+ layer`` (the layer being recomputed) ``+ output + layer``.
+    The attention core (group tokens x this rank's heads) is in :func:`attention_bytes_per_group_token`.
+    """
+    layer = layer_activation_bytes_per_token(model)
+    stack = model.num_layers * (BF16_BYTES * model.hidden_size if options.recompute else layer)
+    recomputed = layer if options.recompute else 0
+    return stack + recomputed + output_bytes_per_token(model) + layer
+
+
+def attention_bytes_per_group_token(model: ModelSpec, options: TrainOptions, heads: int, kv_heads: int) -> int:
+    """Attention-core bytes per token of the rank's A2A group (after the head all-to-all).
+
+    Per layer: q and out (bf16) + LSE (fp32) per query head, k and v per kv head:
+    ``heads*(4d + 4) + kv_heads*4d``. Kept for all L layers (one with full recompute), plus one layer
+    of gradients dq/dk/dv while its backward runs.
+    """
+    d = model.kv_channels
+    per_layer = heads * (2 * BF16_BYTES * d + FP32_BYTES) + kv_heads * 2 * BF16_BYTES * d
+    kept = 1 if options.recompute else model.num_layers
+    return (kept + 1) * per_layer
+
+
+def a2a_buffer_bytes_per_token(model: ModelSpec) -> int:
+    """Head all-to-all send buffer per own token: q, k, v of all heads before the exchange (bf16)."""
+    return BF16_BYTES * (model.num_attention_heads + 2 * model.num_query_groups) * model.kv_channels
+
+
+def kv_block_bytes_per_token(model: ModelSpec) -> int:
+    """K and V (bf16) of one kv head per token: ``4d`` bytes (the unit of the cross-group exchange)."""
+    return 2 * BF16_BYTES * model.kv_channels
+
+
+# ---- per-device coefficients (what the planner linearises) -----------------------------------
+def linear_s_per_token(model: ModelSpec, device: Device, options: TrainOptions) -> float:
+    """Seconds of linear-layer work per own token per iteration on ``device`` (x micro-batch)."""
+    return options.micro_batch_size * train_flops(linear_flops_per_token(model), options) / device.flops_per_s
+
+
+def attention_s_per_pair_head(model: ModelSpec, device: Device, options: TrainOptions) -> float:
+    """Seconds of attention per visible (q, k) pair per query head per iteration on ``device``."""
+    return options.micro_batch_size * train_flops(attention_flops_per_pair_head(model), options) / device.attention_flops_per_s
