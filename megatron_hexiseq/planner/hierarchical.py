@@ -77,15 +77,25 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
 
 
 def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, score: Callable[[Layout], Any],
-                       *, time_limit_s: float, method: str = "hierarchical", top_k: int = 3) -> list[Candidate]:
-    """Stages I-III (with memory feedback); every candidate scored by ``score``. Empty when nothing fits."""
+                       *, time_limit_s: float, method: str = "hierarchical", top_k: int = 3,
+                       feedback_rounds: int = 2) -> list[Candidate]:
+    """Stages I-III with memory and time feedback; every candidate scored by ``score``.
+
+    Memory feedback: ranks ``estimate`` finds over capacity get their free memory lowered by the
+    overflow. Time feedback: each rank's time coefficients are scaled by (estimated time / surrogate
+    time) of the best candidate so far, so terms the surrogate leaves out (K/V fan-out between groups
+    of different sizes, causal visibility, collective A2A) steer the next round. Empty when nothing fits.
+    """
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
     sur = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)
     hosts, gpus = hosts_and_gpus(cluster)
     out: list[Candidate] = []
-    for round_ in range(4):
+    node_of = [d.node for d in cluster.devices]
+    memory_rounds = 0
+    for round_ in range(4 + feedback_rounds):
         groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
         over: dict[int, int] = {}
+        new: list[tuple[Candidate, list[float]]] = []
         for grouping, coefs, split in groupings:
             tokens, heads, info = solve_grouping(sur, grouping, coefs, split, time_limit_s / max(1, len(groupings)))
             if info["status"] == "INFEASIBLE":
@@ -95,19 +105,41 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
                                   rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
             est = score(layout)
             info.update(group_sizes=[len(g) for g in grouping], stage2_units=list(split.units),
-                        stage2_relaxed_s=split.z_relaxed_ns * 1e-9, memory_round=round_,
+                        stage2_relaxed_s=split.z_relaxed_ns * 1e-9, round=round_,
                         granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
-            out.append(Candidate(layout, est, info))
+            cand = Candidate(layout, est, info)
+            out.append(cand)
+            new.append((cand, _surrogate_times(sur, grouping, coefs, split.units, tokens, heads)))
             if not est.feasible:
                 for pr in est.per_rank:
                     if pr.memory_bytes > pr.capacity_bytes:
                         over[pr.rank] = max(over.get(pr.rank, 0), pr.memory_bytes - pr.capacity_bytes)
-        if any(c.estimate.feasible for c in out) or not over:
+        feasible = [(c, st) for c, st in new if c.estimate.feasible]
+        if not feasible:
+            if not over or memory_rounds == 4:
+                break
+            memory_rounds += 1
+            free = [d.free_bytes for d in sur.devices]
+            for r, extra in over.items():
+                free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
+            sur = sur.with_free(free)
+            continue
+        if feedback_rounds == 0:
             break
-        free = [d.free_bytes for d in sur.devices]
-        for r, extra in over.items():
-            free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
-        sur = sur.with_free(free)
+        feedback_rounds -= 1
+        best, st = min(feasible, key=lambda x: x[0].estimate.iteration_time_s)
+        factors = [min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0 for p, s in zip(best.estimate.per_rank, st)]
+        sur = sur.scaled(factors)
+    return out
+
+
+def _surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], units: Sequence[int],
+                     tokens: Sequence[int], heads: Sequence[int]) -> list[float]:
+    """Surrogate seconds per rank of a solved grouping."""
+    out = [0.0] * len(tokens)
+    for members, co, T in zip(grouping, coefs, units):
+        for k, r in enumerate(members):
+            out[r] = (tokens[r] // sur.unit * co.a[k] + heads[r] * co.beta(k, T)) * 1e-9
     return out
 
 

@@ -1,9 +1,10 @@
 """Stage I: A2A group formation inside high-bandwidth domains (nodes).
 
-Topology-aware by construction: a group never spans nodes, so the ragged all-to-all (the heavy,
-per-layer traffic) stays on NVLink/PCIe inside a node, and only the overlapped K/V sub-ring
-traffic crosses the slow network. Groups spanning nodes are not generated (the per-GPU network is
-5-20x slower than NVLink on every cluster we target; documented in docs/planner.md).
+Topology-aware: groups are formed inside nodes, so the ragged all-to-all (the heavy, per-layer
+traffic) stays on NVLink/PCIe inside a node, and only the overlapped K/V sub-ring traffic crosses
+the slow network. The one cross-node candidate is a single group of all ranks (uneven Ulysses),
+scored with the network bandwidth for its all-to-all; it wins when the K/V exchange would cost
+more than the all-to-all over the network (e.g. few fast GPUs spread over several nodes).
 
 Candidates: nodes are grouped into *classes* (same GPU type, count, bandwidths, memory); each class
 splits its nodes into equal groups of a size ``s`` dividing the GPU count (``s = count``: one group per
@@ -47,9 +48,9 @@ def make_grouping(blocks: Sequence[Sequence[int]], sizes: Sequence[int]) -> Grou
     return tuple(out)
 
 
-def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int) -> GroupCoef:
+def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int, spans_nodes: bool = False) -> GroupCoef:
     """Integer-ns coefficients of one group (see ``planner.surrogate``)."""
-    cols = [sur.rank_coef_ns(r, len(members), num_groups) for r in members]
+    cols = [sur.rank_coef_ns(r, len(members), num_groups, spans_nodes) for r in members]
     return GroupCoef(a=tuple(c[0] for c in cols), b=tuple(c[1] for c in cols), c=tuple(c[2] for c in cols),
                      e=tuple(c[3] for c in cols), free=tuple(sur.devices[r].free_bytes for r in members),
                      mt=tuple(sur.devices[r].mem_tok_bytes for r in members),
@@ -57,8 +58,11 @@ def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int) -> Group
                      heads=sur.heads, num_units=sur.num_units)
 
 
-def score_grouping(sur: Surrogate, grouping: Grouping) -> tuple[list[GroupCoef], Split | None]:
-    coefs = [group_coef(sur, g, len(grouping)) for g in grouping]
+def score_grouping(sur: Surrogate, grouping: Grouping,
+                   node_of: Sequence[str] | None = None) -> tuple[list[GroupCoef], Split | None]:
+    """Stage II's continuous split of one grouping; ``node_of[r]`` marks groups spanning nodes."""
+    coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
+             for g in grouping]
     return coefs, split_sequence(coefs, sur.num_units)
 
 
@@ -82,6 +86,11 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
         return split.z_rounded_ns if split else float("inf")
 
     best = evaluate(choice)
+    node_of = [d.node for d in cluster.devices]
+    if fixed_size != "node" and len(blocks) > 1:
+        # one group of all ranks (uneven Ulysses; the A2A crosses the network)
+        everyone: Grouping = (tuple(range(cluster.world_size)),)
+        seen[everyone] = score_grouping(sur, everyone, node_of)
     if fixed_size != "node":
         for _ in range(2):  # coordinate-descent passes
             improved = False

@@ -10,24 +10,27 @@ every rank's share is resolved to within ~1/64 of an even share); time is **inte
 (µs would round away the per-unit cost of small models at thousands of GPUs).
 
 For rank ``r`` holding ``t_r`` units and ``h_r`` of ``H`` query heads in group ``g`` (``T_g``
-units; ``N`` units in the whole sequence)::
+units; ``N`` units in the whole sequence; ``b`` = micro-batch size multiplies every term)::
 
     time_r = t_r * a_r  +  h_r * beta_r(T_g)
-    a_r         = unit * (k_lin * linear_flops_per_token / F_r  +  [|g|>1] a2a_bytes_per_token / nvlink_r)
+    a_r         = unit * (k_lin * linear_flops_per_token / F_r  +  [|g|>1] a2a_bytes_per_token / bw_g)
     beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped)
     b_r         = unit * k_att * attention_flops_per_pair_head * (S+1)/2 / F^att_r
     c_r         = unit * kv_bytes_per_token_per_head / bw_r              [more than one group]
-    e_r         = unit * a2a_bytes_per_token / H / nvlink_r              [|g|>1]
+    e_r         = unit * a2a_bytes_per_token / H / bw_g                  [|g|>1]
+
+``bw_g`` is NVLink when the group sits inside one node, the network when it spans nodes.
 
 - Linear work is proportional to the rank's own tokens (cost model, linear term).
 - With the mirrored head+tail arrangement (``planner.build``) a group's causal pairs are
   ``T_g*unit*(S+1)/2``, and every member computes them for its own heads.
-- A2A bytes per token: Q, K, V and the output in forward, and their gradients in backward:
-  ``layers * 2 * (2H + 2G) * d * 2`` bytes (bf16). The rank's own share is bounded linearly by
-  ``t_r * bytes`` (send) plus ``T_g * h_r/H * bytes`` (receive).
-- K/V from other groups: ``layers * 2 (fwd K,V + bwd dK,dV) * 2 * d * 2 * G/H`` bytes per token and
-  query head, over the network (NVLink when the whole cluster is one node), overlapped with the
-  attention compute (hence the max).
+- A2A bytes per token: Q, K, V and the output, once per forward pass and once in backward
+  (``passes = 2``, 3 with recompute): ``layers * passes * (2H + 2G) * d * 2`` bytes (bf16). The rank's
+  own share is bounded linearly by ``t_r * bytes`` (send) plus ``T_g * h_r/H * bytes`` (receive).
+- K/V from other groups (the cost model's sub-ring exchange): ``kv_block_bytes_per_token * layers *
+  (forward passes + 2) * G/H`` bytes per token and query head (forward K/V, backward K/V again and
+  dK/dV back), over the network (NVLink when the whole cluster is one node), pipelined behind the
+  attention compute (hence the max). Causally hidden tokens are counted (an upper bound).
 - ``k_lin``/``k_att`` calibrate the FLOP terms against ``estimate`` on one probe layout (one group,
   rank 0 holding all heads), so recompute and the cost model's own constants carry over.
 
@@ -52,8 +55,9 @@ class DeviceCoef:
 
     lin_s: float      # linear-layer seconds per unit
     att_s: float      # attention seconds per head per group unit (b_r)
-    a2a_tok_s: float  # A2A seconds per unit of own tokens (inside a group of >1)
-    a2a_head_s: float  # A2A seconds per head per group unit (e_r)
+    a2a_tok_s: float  # A2A seconds per unit of own tokens over NVLink (inside a group of >1)
+    a2a_head_s: float  # A2A seconds per head per group unit over NVLink (e_r)
+    net_over_nv: float  # NVLink / network bandwidth: the A2A slowdown of a group spanning nodes
     kv_s: float       # K/V ring seconds per head per unit of other groups' tokens (c_r)
     free_bytes: int   # usable memory minus parameters/gradients/optimizer states
     mem_tok_bytes: int  # activation bytes per own token unit
@@ -77,13 +81,22 @@ class Surrogate:
     k_lin: float = 1.0
     k_att: float = 1.0
 
-    def rank_coef_ns(self, r: int, group_size: int, num_groups: int) -> tuple[int, int, int, int]:
+    def rank_coef_ns(self, r: int, group_size: int, num_groups: int,
+                     spans_nodes: bool = False) -> tuple[int, int, int, int]:
         """(a_r, b_r, c_r, e_r) in integer ns for rank r inside a group of ``group_size`` of ``num_groups``."""
         d = self.devices[r]
-        a = d.lin_s + (d.a2a_tok_s if group_size > 1 else 0.0)
+        slow = d.net_over_nv if spans_nodes else 1.0
+        a = d.lin_s + (d.a2a_tok_s * slow if group_size > 1 else 0.0)
         c = d.kv_s if num_groups > 1 else 0.0
-        e = d.a2a_head_s if group_size > 1 else 0.0
+        e = d.a2a_head_s * slow if group_size > 1 else 0.0
         return _ns(a), _ns(d.att_s), _ns(c), _ns(e)
+
+    def scaled(self, factors: Sequence[float]) -> "Surrogate":
+        """Every time coefficient of device r multiplied by ``factors[r]`` (feedback from ``estimate``)."""
+        return replace(self, devices=tuple(
+            replace(d, lin_s=d.lin_s * f, att_s=d.att_s * f, a2a_tok_s=d.a2a_tok_s * f,
+                    a2a_head_s=d.a2a_head_s * f, kv_s=d.kv_s * f)
+            for d, f in zip(self.devices, factors)))
 
     def with_free(self, free: Sequence[int]) -> "Surrogate":
         return replace(self, devices=tuple(replace(d, free_bytes=int(f)) for d, f in zip(self.devices, free)))
@@ -105,16 +118,18 @@ def granularity(seq_length: int, world_size: int) -> int:
     return unit
 
 
-def a2a_bytes_per_token(model: Any) -> int:
-    """All-to-all bytes per token, all layers, forward + backward (Q, K, V, out and their grads)."""
+def a2a_bytes_per_token(model: Any, recompute: bool = False) -> int:
+    """All-to-all bytes per token, all layers: Q, K, V, out per forward pass, and the backward duals."""
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
-    return model.num_layers * 2 * (2 * H + 2 * G) * d * BYTES_PER_ELEMENT
+    passes = 3 if recompute else 2
+    return model.num_layers * passes * (2 * H + 2 * G) * d * BYTES_PER_ELEMENT
 
 
-def kv_bytes_per_token_per_head(model: Any) -> float:
-    """K/V ring bytes per token per *query* head, all layers, forward (K, V) + backward (dK, dV)."""
+def kv_bytes_per_token_per_head(model: Any, recompute: bool = False) -> float:
+    """K/V exchange bytes per token per *query* head, all layers: (forward passes + 2) x K and V of a kv head."""
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
-    return model.num_layers * 2 * 2 * d * BYTES_PER_ELEMENT * G / H
+    passes = (2 if recompute else 1) + 2
+    return model.num_layers * passes * 2 * d * BYTES_PER_ELEMENT * G / H
 
 
 def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
@@ -126,13 +141,15 @@ def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
     unit = granularity(seq_length, W)
     lin_flops = costmodel.linear_flops_per_token(model)
     att_flops = costmodel.attention_flops_per_pair_head(model)
-    a2a_b = a2a_bytes_per_token(model)
-    kv_b = kv_bytes_per_token_per_head(model)
+    recompute = bool(getattr(options, "recompute", False))
+    b = getattr(options, "micro_batch_size", 1)
+    a2a_b = b * a2a_bytes_per_token(model, recompute)
+    kv_b = b * kv_bytes_per_token_per_head(model, recompute)
     domain = W * getattr(options, "data_parallel_size", 1)
     static = costmodel.static_memory_bytes(model, options, domain)
-    act = costmodel.activation_bytes_per_token(model, options)
+    act = b * costmodel.activation_bytes_per_token(model, options)
     G = model.num_query_groups
-    att_mem = costmodel.attention_bytes_per_group_token(model, options, H, G) / H  # per head, kv shared
+    att_mem = b * costmodel.attention_bytes_per_group_token(model, options, H, G) / H  # per head, kv shared
     frac = getattr(options, "capacity_fraction", 0.95)
     multi_node = len({d.node for d in cluster.devices}) > 1
     devs = []
@@ -142,10 +159,11 @@ def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
         att_fps = getattr(dev, "attention_flops_per_s", dev.flops_per_s)
         free = frac * dev.memory_bytes - static
         devs.append(DeviceCoef(
-            lin_s=unit * k_lin * lin_flops / dev.flops_per_s,
-            att_s=unit * k_att * att_flops * (seq_length + 1) / 2 / att_fps,
+            lin_s=unit * b * k_lin * lin_flops / dev.flops_per_s,
+            att_s=unit * b * k_att * att_flops * (seq_length + 1) / 2 / att_fps,
             a2a_tok_s=unit * a2a_b / nv,
             a2a_head_s=unit * a2a_b / H / nv,
+            net_over_nv=dev.nvlink_GBps / dev.network_GBps,
             kv_s=unit * kv_b / ring_bw,
             free_bytes=max(0, math.floor(free)),
             mem_tok_bytes=act * unit,
@@ -176,14 +194,15 @@ def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[
                          groups=[list(range(W))], rank_tokens=tokens, rank_heads=[H] + [0] * (W - 1),
                          hosts=hosts, gpus=gpus)
     est = costmodel.estimate(probe, cluster, model, options)
-    lin = costmodel.linear_flops_per_token(model)
+    lin = costmodel.linear_flops_per_token(model) * getattr(options, "micro_batch_size", 1)
     ks = sorted(est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin) for r in range(1, W))
     k_lin = ks[len(ks) // 2]
     dev0 = cluster.devices[0]
     att_fps = getattr(dev0, "attention_flops_per_s", dev0.flops_per_s)
     att_s = est.per_rank[0].compute_s - k_lin * tokens[0] * lin / dev0.flops_per_s
     pairs = seq_length * (seq_length + 1) // 2
-    k_att = att_s * att_fps / (pairs * H * costmodel.attention_flops_per_pair_head(model))
+    b = getattr(options, "micro_batch_size", 1)
+    k_att = att_s * att_fps / (b * pairs * H * costmodel.attention_flops_per_pair_head(model))
     k_lin = k_lin if k_lin > 0 and math.isfinite(k_lin) else 1.0
     k_att = k_att if k_att > 0 and math.isfinite(k_att) else 1.0
     return k_lin, k_att
