@@ -22,8 +22,8 @@ CP_COMM_TYPE = "hexiseq"
 KERNELS = ("sdpa", "reference")
 
 
-def _flag(help: str, **argparse_kwargs: Any) -> Any:
-    return field(metadata={"help": help, **argparse_kwargs})
+def _flag(help: str, *, default: Any, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,7 +81,8 @@ class TrainConfig:
     kernel: str = "reference"
     comm_chunks: int = 1
     return_grads: bool = False  # rank 0 returns the gradients of step 0 (for equivalence tests)
-    return_params: bool = False  # rank 0 returns the parameters after the last step
+    return_params: bool = False  # rank 0 returns the parameters after the last step (+ initial:
+    #                               reference only)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class TrainResult:
     step_times_s: list[float]
     grads: dict[str, torch.Tensor] | None = None
     params: dict[str, torch.Tensor] | None = None
+    initial_params: dict[str, torch.Tensor] | None = None
 
 
 @contextlib.contextmanager
@@ -233,6 +235,8 @@ def train_reference(cfg: TrainConfig) -> TrainResult:
 def _train_reference(cfg: TrainConfig) -> TrainResult:
     if True:
         model = build_gpt(cfg)
+        initial = ({n: p.detach().clone() for n, p in model.named_parameters()}
+                   if cfg.return_params else None)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         losses, times, grads = [], [], None
         for step in range(cfg.steps):
@@ -249,10 +253,21 @@ def _train_reference(cfg: TrainConfig) -> TrainResult:
             times.append(time.perf_counter() - start)
             losses.append(float(loss_sum.detach() / num_tokens))
         final = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
-        return TrainResult(losses, times, grads, final)
+        return TrainResult(losses, times, grads, final, initial)
 
 
 def reference_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     """``run_ranks(reference_rank, 1, cfg)``: ``train_reference`` in a fresh process."""
     assert world_size == 1
     return train_reference(cfg)
+
+
+def train_rank_many(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[TrainResult]:
+    """Several runs in one spawn (each ``cfg`` needs the same world size): cheaper tests/benches."""
+    return [train_rank(rank, world_size, cfg) for cfg in cfgs]
+
+
+def reference_rank_many(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[TrainResult]:
+    """``train_reference`` for several configs in one single-process spawn."""
+    assert world_size == 1
+    return [train_reference(cfg) for cfg in cfgs]
