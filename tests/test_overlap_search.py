@@ -1,0 +1,153 @@
+"""Layer (a), no processes: the Lagom priority search and the overlap cost model.
+
+The search runs against synthetic cost functions whose optimum is known by hand (and checked by
+brute force over the grid); the exact sequence of trials is asserted.
+"""
+import itertools
+import math
+
+import pytest
+
+from megatron_hexiseq.overlap import costmodel as cm
+from megatron_hexiseq.overlap.search import Trial, priority_search, search_steps, trial_from_exposed
+
+
+def lagom_cost(y_fn, x_tables):
+    """measure(levels) with Z = max(Y, X), recording the levels it was called with."""
+    calls = []
+
+    def measure(levels):
+        calls.append(levels)
+        y = y_fn(levels)
+        x = tuple(table[l] for table, l in zip(x_tables, levels))
+        return Trial(y_us=y, x_us=x, z_us=max(y, sum(x)))
+
+    return measure, calls
+
+
+def test_exact_trial_sequence_two_communications():
+    # Hand trace in the comments; (2, 2) is the optimum of Z over the whole 4 x 3 grid.
+    y_fn = lambda l: 50 + 5 * l[0] + 2 * l[1]
+    x_tables = ([80, 60, 50, 55], [60, 40, 35])
+    measure, calls = lagom_cost(y_fn, x_tables)
+    result = priority_search((4, 3), measure)
+    assert calls == [(0, 0),   # start, H = [0.01, 0.01]
+                     (1, 0),   # tie -> comm 0: x0 80 -> 60, H0 = 5/20 = 0.25
+                     (1, 1),   # comm 1 (0.01): x1 60 -> 40, H1 = 2/20 = 0.1
+                     (1, 2),   # comm 1 (0.1): x1 40 -> 35, H1 = 2/5 = 0.4
+                     (2, 2),   # comm 0 (0.25): x0 60 -> 50, H0 = 5/10 = 0.5
+                     (3, 2)]   # comm 1 at its top -> done without a trial; comm 0: 50 -> 55 slower
+    assert [s.decision for s in result.history] == ["start", "accept", "accept", "accept", "accept",
+                                                     "reject-slower"]
+    assert [s.communication for s in result.history] == [None, 0, 1, 1, 0, 0]
+    assert result.levels == (2, 2) and result.trial.z_us == 85 and result.num_trials == 6
+    grid = {l: measure(l).z_us for l in itertools.product(range(4), range(3))}
+    assert min(grid.values()) == 85 and min(grid, key=grid.get) == (2, 2)
+
+
+def test_stops_when_computation_bound():
+    measure, calls = lagom_cost(lambda l: 100 + 10 * l[0] + 5 * l[1], ([80, 60, 50], [60, 40, 30]))
+    result = priority_search((3, 3), measure)
+    # (1,0): y 110 X 120 accepted; (1,1): y 115 X 100 < Y -> every communication done
+    assert calls == [(0, 0), (1, 0), (1, 1)]
+    assert result.history[-1].decision == "accept-compute-bound" and result.levels == (1, 1)
+
+
+def test_already_computation_bound_at_minimal_resources():
+    measure, calls = lagom_cost(lambda l: 200.0, ([50, 10],))
+    result = priority_search((2,), measure)
+    assert calls == [(0,)] and result.levels == (0,)
+
+
+def test_rejects_move_that_does_not_shorten_the_step():
+    # x drops, but the computation slows more than the communication saves: z rises -> rejected
+    def measure(levels):
+        return [Trial(50, (100,), 150), Trial(90, (80,), 170)][levels[0]]
+
+    result = priority_search((2,), measure)
+    assert [s.decision for s in result.history] == ["start", "reject-no-gain"] and result.levels == (0,)
+
+
+def test_gallop_exact_sequence():
+    x = [100, 90, 80, 70, 60, 50, 45, 47, 52, 60]
+    measure, calls = lagom_cost(lambda l: 10 + l[0], (x,))
+    result = priority_search((10,), measure, gallop=True)
+    # steps 1, 2, 4 accepted; +8 clips to 9 and is slower -> step 1: 8 slower -> done at 7
+    assert calls == [(0,), (1,), (3,), (7,), (9,), (8,)]
+    assert result.levels == (7,)
+
+
+def test_measure_contract_is_checked():
+    with pytest.raises(ValueError, match="communication times"):
+        priority_search((2, 2), lambda levels: Trial(1.0, (1.0,), 1.0))
+    with pytest.raises(ValueError, match="at least one level"):
+        next(search_steps((2, 0)))
+
+
+def test_trial_from_exposed():
+    t = trial_from_exposed(100.0, [30.0, 1.0], 150.0, hidden_tol=0.02)
+    assert t.x_us == (130.0, 1.0) and t.y_us == 100.0 and t.z_us == 150.0
+
+
+# ----------------------------------------------------------------------------- cost model
+
+GPU = cm.GpuSpec(sms=132, mem_bw_bytes_per_us=3.0e6)
+KERNEL = cm.ComputeKernel(blocks=1056, blocks_per_sm=2, bytes_per_block=64e3, theta_us=5.0)
+COMM = cm.CommSpec(bytes=256e6, latency_us=10.0, link_bw_bytes_per_us=400e3, link_bw_per_cta=25e3,
+                   mem_bw_per_cta=40e3, chunk_saturation_bytes=1 << 20)
+
+
+def test_lagom_waves_and_wave_time():
+    assert cm.waves(KERNEL, 132) == 4            # ceil(1056 / 264)
+    assert cm.waves(KERNEL, 116) == 5            # 16 SMs for communication: ceil(1056 / 232)
+    s = cm.CommSetting(nc=16, chunk_bytes=1 << 20)
+    assert cm.mem_bw_taken(COMM, s) == 16 * 40e3
+    f = cm.wave_time_us(KERNEL, GPU, 116, cm.mem_bw_taken(COMM, s))
+    assert f == pytest.approx(5.0 + 116 * 2 * 64e3 / (3.0e6 - 640e3))
+    assert cm.kernel_time_us(KERNEL, GPU, COMM, s) == pytest.approx(5 * f)
+    alone = cm.kernel_time_us(KERNEL, GPU)
+    assert alone == pytest.approx(4 * (5.0 + 132 * 2 * 64e3 / 3.0e6))
+    assert cm.kernel_time_us(KERNEL, GPU, COMM, s) > alone  # overlapped communication slows it
+
+
+def test_lagom_comm_time_saturates_and_h_metric():
+    xs = [cm.comm_time_us(COMM, cm.CommSetting(nc=nc, chunk_bytes=1 << 20)) for nc in (1, 2, 4, 8, 16, 32)]
+    assert xs[0] == pytest.approx(10.0 + 256e6 / 25e3)
+    assert all(a > b for a, b in zip(xs, xs[1:5]))           # faster until the link saturates
+    assert xs[4] == pytest.approx(xs[5]) == pytest.approx(10.0 + 256e6 / 400e3)
+    half_chunk = cm.comm_time_us(COMM, cm.CommSetting(nc=4, chunk_bytes=1 << 19))
+    assert half_chunk == pytest.approx(10.0 + 256e6 / 50e3)
+    assert cm.h_metric(100.0, 110.0, 80.0, 60.0) == 0.5
+    assert cm.h_metric(100.0, 110.0, 60.0, 60.0) == math.inf
+
+
+def test_lagom_model_drives_the_search_to_the_grid_optimum():
+    """Search over NC for two windows priced by the GPU model: within 3% of the brute-force best."""
+    comms = (COMM, cm.CommSpec(bytes=64e6, latency_us=10.0, link_bw_bytes_per_us=400e3,
+                               link_bw_per_cta=25e3, mem_bw_per_cta=40e3, chunk_saturation_bytes=1 << 20))
+    windows = (cm.Window(kernels=(KERNEL,) * 100, comm=0), cm.Window(kernels=(KERNEL,) * 10, comm=1))
+    ladder = (1, 2, 4, 8, 16, 32)
+
+    def measure(levels):
+        settings = [cm.CommSetting(nc=ladder[l], chunk_bytes=1 << 20) for l in levels]
+        y, x, z = cm.step_times_us(windows, GPU, comms, settings)
+        return Trial(y_us=y, x_us=x, z_us=z)
+
+    result = priority_search((6, 6), measure)
+    best = min(measure(l).z_us for l in itertools.product(range(6), range(6)))
+    assert result.trial.z_us <= 1.03 * best
+    assert result.num_trials < 36 * 0.5
+
+
+def test_cpu_fit_recovers_known_coefficients():
+    ns = [1, 2, 4, 8, 16, 32]
+    y = [1000 + 7 * n for n in ns]
+    e = [50 + 400 / n + 3 * n for n in ns]
+    z = [a + b + 200 for a, b in zip(y, e)]
+    fit = cm.fit_cpu_ddp(ns, y, e, z)
+    assert fit.compute.coef == pytest.approx((1000, 7))
+    assert fit.exposed.coef == pytest.approx((50, 400, 3))
+    assert fit.rest_us == pytest.approx(200) and fit.compute.r2 == pytest.approx(1.0)
+    assert fit.predict_z_us(4) == pytest.approx(z[2])
+    with pytest.raises(ValueError, match="at least 3"):
+        cm.fit_linear([[1, 1, 1], [1, 2, 3]], [1, 2], ("a", "b", "c"))
