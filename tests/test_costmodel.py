@@ -382,3 +382,13 @@ def test_world_size_mismatch():
     c = cluster_from_dict({"name": "one", "nodes": [{"name": "h", "gpu": "H100-SXM-80GB", "count": 1, "network_GBps": 1}]})
     with pytest.raises(HexiSeqError, match=r"the layout has 2 ranks but cluster 'one' has 1 GPUs"):
         estimate(lay, c, m)
+
+
+def test_alltoall_bytes_with_mqa_and_uneven_heads():
+    # H=4 query heads sharing one kv head: k/v go to every member that holds a query head
+    mqa = ModelSpec(**(TINY.to_dict() | {"num_attention_heads": 4, "num_query_groups": 1, "kv_channels": 4}))
+    lay = make_layout(seq_length=8, num_attention_heads=4, num_query_groups=1, group_sizes=[2],
+                      segments=[[(0, 2)], [(2, 8)]], heads=[[0, 1, 2], [3]], hosts=["n0"] * 2, gpus=["T"] * 2)
+    r = estimate(lay, _cluster([("n0", 2, 1)]), mqa).per_rank[0]
+    # 8 B per token-head at 10 GB/s; worst direction: q 6x3 heads, k 6x1, v 6x1, out 6x3 (token-heads)
+    assert r.breakdown["a2a_s"] == pytest.approx(2 * 8 * (18 + 6 + 6 + 18) / 10e9)

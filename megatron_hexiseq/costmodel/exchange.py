@@ -22,7 +22,7 @@ from megatron_hexiseq.costmodel.formulas import kv_block_bytes_per_token
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 
-_CHUNK_ELEMENTS = 1 << 22   # rounds are batched so one batch's arrays hold about this many elements
+_CHUNK_ELEMENTS = 1 << 20   # rounds are batched so one batch's arrays hold about this many elements
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,10 +99,12 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     pos = np.array([layout.group(r.group).ranks.index(r.rank) for r in layout.ranks])
     heads = np.array([len(r.heads) for r in layout.ranks], dtype=np.float64)
     rate = np.array([d.attention_flops_per_s for d in dev])
-    # fan-out table per (sending group structure, receiving group structure)
+    # fan-out table per (sending group structure, receiving group structure): O(#structures^2)
+    # Python calls; layouts repeat a few head splits, so there are few distinct structures
     sig_of = [tuple(layout.kv_heads(r) for r in g.ranks) for g in groups]
     sigs = sorted(set(sig_of))
-    sig_id = np.array([sigs.index(s) for s in sig_of])
+    sig_index = {s: i for i, s in enumerate(sigs)}
+    sig_id = np.array([sig_index[s] for s in sig_of])
     kmax = max(len(g.ranks) for g in groups)
     fan = np.zeros((len(sigs), len(sigs), kmax))
     for a, sa in enumerate(sigs):
