@@ -1,0 +1,111 @@
+"""Online tuning inside a training loop: one search trial every few iterations, then monitoring.
+
+``OnlineTuner.on_step(step_s, compute_s, exposed_s)`` is called once per training iteration by
+every rank of ``group``. It drives ``search.search_steps``: after a configuration is applied it
+skips ``settle_steps`` iterations, collects ``steps_per_trial``, turns their medians into a
+``Trial`` (``search.trial_from_exposed``), maximises it over the group, lets rank ``src`` advance
+the search and broadcasts the next levels, which ``apply(config)`` puts in force (only knobs that
+can change between iterations: HexiSeq's ``comm_chunks``; DDP buckets and NCCL communicators are
+built once, see docs/overlap.md). When the search ends the best configuration is applied,
+``on_done(result)`` is called (it saves the result file), and a ``DriftMonitor`` watches step time
+and exposed share; when it fires the search starts again from minimal resources.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+from megatron_hexiseq.overlap.knobs import OverlapConfig, SearchSpace
+from megatron_hexiseq.overlap.monitor import DriftMonitor
+from megatron_hexiseq.overlap.results import TuneResult
+from megatron_hexiseq.overlap.search import (Levels, Trial, _broadcast, _max_over_ranks, search_steps,
+                                             trial_from_exposed)
+
+
+class OnlineTuner:
+    """Step-driven Lagom search with agreement over ``group`` (None: a single process)."""
+
+    def __init__(self, space: SearchSpace, apply: Callable[[OverlapConfig], None], *,
+                 on_done: Callable[[TuneResult], None] | None = None, settle_steps: int = 1,
+                 steps_per_trial: int = 4, hidden_tol: float = 0.02, gallop: bool = True,
+                 monitor: DriftMonitor | None = None, group: dist.ProcessGroup | None = None,
+                 src: int = 0) -> None:
+        if steps_per_trial < 1 or settle_steps < 0:
+            raise ValueError(f"steps_per_trial must be >= 1 and settle_steps >= 0, got "
+                             f"{steps_per_trial}, {settle_steps}")
+        self.space, self.apply, self.on_done = space, apply, on_done
+        self.settle_steps, self.steps_per_trial, self.hidden_tol = settle_steps, steps_per_trial, hidden_tol
+        self.gallop, self.group, self.src = gallop, group, src
+        self.monitor = monitor or DriftMonitor()
+        self.results: list[TuneResult] = []
+        self._samples: list[tuple[float, tuple[float, ...], float]] = []
+        self._skip = 0
+        self._gen = None
+        self._levels: Levels | None = None
+        self._start()
+
+    @property
+    def tuning(self) -> bool:
+        return self._levels is not None
+
+    def _leader(self) -> bool:
+        return self.group is None or dist.get_rank(self.group) == self.src
+
+    def _agree(self, levels: Levels | None) -> Levels | None:
+        if self.group is None:
+            return levels
+        return _broadcast(levels, dist.get_global_rank(self.group, self.src), self.group)
+
+    def _start(self) -> None:
+        self._gen = search_steps(self.space.num_levels, gallop=self.gallop) if self._leader() else None
+        self._set(self._agree(next(self._gen) if self._gen is not None else None))
+
+    def _set(self, levels: Levels | None) -> None:
+        self._levels, self._samples, self._skip = levels, [], self.settle_steps
+        if levels is not None:
+            self.apply(self.space.config_at(levels))
+
+    def on_step(self, step_s: float, compute_s: float, exposed_s: Sequence[float]) -> None:
+        """Record one iteration: its time, its computation time and each communication's wait (s)."""
+        if not self.tuning:
+            if self.monitor.observe(step_s, float(sum(exposed_s))):
+                self._start()
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        self._samples.append((compute_s * 1e6, tuple(e * 1e6 for e in exposed_s), step_s * 1e6))
+        if len(self._samples) < self.steps_per_trial:
+            return
+        n = len(self.space.ladders)
+        y = statistics.median(s[0] for s in self._samples)
+        exposed = [statistics.median(s[1][j] for s in self._samples) for j in range(n)]
+        z = statistics.median(s[2] for s in self._samples)
+        trial = trial_from_exposed(y, exposed, z, hidden_tol=self.hidden_tol)
+        if self.group is not None:
+            trial = _max_over_ranks(trial, self.group)
+        self._advance(trial)
+
+    def _advance(self, trial: Trial) -> None:
+        nxt, result = None, None
+        if self._gen is not None:
+            try:
+                nxt = self._gen.send(trial)
+            except StopIteration as stop:
+                result = stop.value
+        nxt = self._agree(nxt)
+        if nxt is not None:
+            self._set(nxt)
+            return
+        result = result if self.group is None else _broadcast(result, dist.get_global_rank(self.group, self.src), self.group)
+        assert result is not None
+        tuned = TuneResult.from_search(self.space, result, tuned_z_us=result.trial.z_us,
+                                       setup={"mode": "online", "start_z_us": result.history[0].trial.z_us})
+        self.results.append(tuned)
+        self._set(None)
+        self.apply(tuned.config)
+        self.monitor.tuned()
+        if self.on_done is not None:
+            self.on_done(tuned)

@@ -1,0 +1,232 @@
+"""Layer (a), no processes: knobs, NCCL YAML, results file, Megatron args hooks, drift monitor,
+online tuner (single process), and the ``tune`` command's non-tuning paths."""
+import argparse
+import json
+
+import pytest
+import yaml
+
+from megatron_hexiseq.cli import main
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.overlap import megatron_hooks
+from megatron_hexiseq.overlap.knobs import (Ladder, NcclGroupOptions, OverlapConfig, SearchSpace,
+                                            ddp_ladder, nccl_ctas_ladder)
+from megatron_hexiseq.overlap.monitor import DriftMonitor, MonitorConfig
+from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, side_stream_priority, write_nccl_yaml
+from megatron_hexiseq.overlap.online import OnlineTuner
+from megatron_hexiseq.overlap.results import TuneResult, load_result, save_result
+from megatron_hexiseq.overlap.search import Trial, priority_search
+
+GPU_CONFIG = OverlapConfig(overlap_grad_reduce=True, bucket_size=20_000_000, comm_chunks=4,
+                           nccl=(NcclGroupOptions(group="cp", min_ctas=2, max_ctas=2, is_high_priority_stream=True),
+                                 NcclGroupOptions(group="dp_cp", min_ctas=4, max_ctas=8, cga_cluster_size=2)))
+
+
+# ----------------------------------------------------------------------------- knobs
+
+def test_ddp_ladder_and_search_space():
+    ladder = ddp_ladder(1_000_000, min_bucket_params=100_000)
+    assert ladder.values == ((False, None), (True, 500_000), (True, 250_000), (True, 125_000))
+    space = SearchSpace(ladders=(ladder, Ladder(name="attn", knob="comm_chunks", values=(1, 2, 4)),
+                                 nccl_ctas_ladder("dp_cp", (2, 8))))
+    assert space.num_levels == (4, 3, 2) and len(list(space.grid())) == 24
+    c = space.config_at((2, 1, 1))
+    assert (c.overlap_grad_reduce, c.bucket_size, c.comm_chunks) == (True, 250_000, 2)
+    assert c.nccl == (NcclGroupOptions(group="dp_cp", min_ctas=8, max_ctas=8),)
+    assert space.config_at((0, 0, 0)).overlap_grad_reduce is False
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(group="nope"), "not a Megatron process group"),
+    (dict(group="dp", min_ctas=0), "outside 1..64"),
+    (dict(group="dp", min_ctas=8, max_ctas=4), "min_ctas=8 > max_ctas=4"),
+])
+def test_nccl_options_validation(kwargs, message):
+    with pytest.raises(HexiSeqError, match=message):
+        NcclGroupOptions(**kwargs)
+
+
+def test_config_validation():
+    with pytest.raises(HexiSeqError, match="comm_chunks"):
+        OverlapConfig(comm_chunks=0)
+    with pytest.raises(HexiSeqError, match="unknown overlap knob"):
+        OverlapConfig.from_dict({"bucket": 3})
+
+
+# ----------------------------------------------------------------------------- NCCL YAML
+
+def test_nccl_yaml_for_a_result(tmp_path):
+    assert nccl_yaml_dict(GPU_CONFIG) == {
+        "cp": {"min_ctas": 2, "max_ctas": 2, "is_high_priority_stream": True},
+        "dp_cp": {"min_ctas": 4, "max_ctas": 8, "cga_cluster_size": 2, "is_high_priority_stream": False},
+    }
+    path = tmp_path / "nccl.yaml"
+    assert write_nccl_yaml(GPU_CONFIG, path)
+    assert yaml.safe_load(path.read_text()) == nccl_yaml_dict(GPU_CONFIG)  # Megatron reads it so
+    assert yaml.safe_load(nccl_yaml_text(GPU_CONFIG))["cp"]["max_ctas"] == 2
+    assert GPU_CONFIG.high_priority_stream_groups == ("cp",)
+    assert side_stream_priority(GPU_CONFIG) == -1 and side_stream_priority(OverlapConfig()) == 0
+    assert not write_nccl_yaml(OverlapConfig(), tmp_path / "none.yaml")
+    assert not (tmp_path / "none.yaml").exists()
+
+
+def test_nccl_yaml_keys_are_the_ones_megatron_reads():
+    import inspect
+
+    from megatron.core import parallel_state
+
+    source = inspect.getsource(parallel_state.get_nccl_options)
+    for entry in nccl_yaml_dict(GPU_CONFIG).values():
+        for key in entry:
+            assert f'"{key}"' in source, key
+
+
+# ----------------------------------------------------------------------------- results
+
+def _result():
+    space = SearchSpace(ladders=(ddp_ladder(1_000_000, min_bucket_params=250_000),))
+    search = priority_search(space.num_levels, lambda l: [Trial(10, (30,), 40), Trial(12, (20,), 32),
+                                                           Trial(14, (25,), 35)][l[0]])
+    return TuneResult.from_search(space, search, default_z_us=40.0, tuned_z_us=32.0, setup={"mode": "test"})
+
+
+def test_results_round_trip(tmp_path):
+    r = _result()
+    assert r.levels == (1,) and r.num_trials == 3 and r.config.bucket_size == 500_000
+    save_result(r, tmp_path / "r.json")
+    back = load_result(tmp_path / "r.json")
+    assert back == r
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["num_trials"] == 3 and d["trials"][1]["config"]["bucket_size"] == 500_000
+    gpu = TuneResult(config=GPU_CONFIG)
+    save_result(gpu, tmp_path / "g.json")
+    assert load_result(tmp_path / "g.json").config == GPU_CONFIG
+
+
+def test_results_errors(tmp_path):
+    (tmp_path / "bad.json").write_text('{"config": {}, "format_version": 99}')
+    with pytest.raises(HexiSeqError, match="format_version 99"):
+        load_result(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text("[1, 2]")
+    with pytest.raises(HexiSeqError, match="not an overlap tuning result"):
+        load_result(tmp_path / "other.json")
+
+
+# ----------------------------------------------------------------------------- Megatron args
+
+def _megatron_args(**kw):
+    base = dict(overlap_grad_reduce=False, ddp_bucket_size=None, nccl_communicator_config_path=None,
+                high_priority_stream_groups=None, hexiseq_comm_chunks=1, hexiseq_overlap_tune=False,
+                hexiseq_overlap_config=None, hexiseq_layout=None, save=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_configure_from_args_applies_a_saved_result(tmp_path):
+    save_result(TuneResult(config=GPU_CONFIG), tmp_path / "r.json")
+    user_yaml = tmp_path / "user.yaml"
+    user_yaml.write_text(yaml.safe_dump({"tp": {"max_ctas": 16}, "cp": {"max_ctas": 32}}))
+    args = _megatron_args(hexiseq_overlap_config=str(tmp_path / "r.json"),
+                          nccl_communicator_config_path=str(user_yaml), high_priority_stream_groups=["dp_cp"])
+    megatron_hooks.configure_from_args(args)
+    assert args.overlap_grad_reduce is True and args.ddp_bucket_size == 20_000_000
+    assert args.hexiseq_comm_chunks == 4 and args.high_priority_stream_groups == ["dp_cp", "cp"]
+    assert args.nccl_communicator_config_path == str(tmp_path / "r.json") + ".nccl.yaml"
+    written = yaml.safe_load(open(args.nccl_communicator_config_path))
+    assert written["tp"] == {"max_ctas": 16}                          # user's group kept
+    assert written["cp"] == nccl_yaml_dict(GPU_CONFIG)["cp"]           # ours wins
+
+
+def test_configure_from_args_cpu_result_and_errors(tmp_path):
+    save_result(_result(), tmp_path / "r.json")
+    args = _megatron_args(hexiseq_overlap_config=str(tmp_path / "r.json"))
+    megatron_hooks.configure_from_args(args)
+    assert args.overlap_grad_reduce is True and args.ddp_bucket_size == 500_000
+    assert args.nccl_communicator_config_path is None  # no NCCL options: no YAML
+    with pytest.raises(HexiSeqError, match="either"):
+        megatron_hooks.configure_from_args(_megatron_args(hexiseq_overlap_config="x", hexiseq_overlap_tune=True))
+    with pytest.raises(HexiSeqError, match="does not exist"):
+        megatron_hooks.configure_from_args(_megatron_args(hexiseq_overlap_config=str(tmp_path / "missing.json")))
+    with pytest.warns(UserWarning, match="no overlap\\s+knob"):
+        args = _megatron_args(hexiseq_overlap_tune=True)
+        megatron_hooks.configure_from_args(args)
+    assert args.hexiseq_overlap_tuner is None
+
+
+# ----------------------------------------------------------------------------- drift monitor
+
+def _feed(monitor, step_times, exposed=0.0):
+    return [i for i, s in enumerate(step_times) if monitor.observe(s, exposed * s)]
+
+
+CFG = MonitorConfig(window=5, threshold=0.10, rearm=0.05, patience=2, cooldown=1)
+
+
+def test_monitor_ignores_noise_below_threshold():
+    m = DriftMonitor(CFG)
+    noise = [1.0, 1.08, 0.93, 1.05, 0.97] * 40
+    assert _feed(m, noise) == [] and m.triggers == 0
+
+
+def test_monitor_triggers_once_on_sustained_drift_then_rebaselines():
+    m = DriftMonitor(CFG)
+    fired = _feed(m, [1.0] * 10 + [1.25] * 20)      # baseline window 0; drifted windows 2, 3
+    assert fired == [19]                              # the last step of the 2nd drifted window
+    assert _feed(m, [1.25] * 20) == []                # tuning: silent
+    m.tuned()
+    assert _feed(m, [1.25] * 100) == [] and m.triggers == 1  # new normal: no oscillation
+    assert m.baseline.step_s == 1.25
+
+
+def test_monitor_hysteresis_band():
+    m = DriftMonitor(CFG)  # windows: baseline, +12%, +7% (inside the band: count kept), +12% -> fire
+    assert _feed(m, [1.0] * 5 + [1.12] * 5 + [1.07] * 5 + [1.12] * 5) == [19]
+    m = DriftMonitor(CFG)  # +3% resets the count: never two drifted windows in a row
+    assert _feed(m, [1.0] * 5 + ([1.12] * 5 + [1.03] * 5) * 6) == []
+    m = DriftMonitor(CFG)  # alternating levels 15% apart never trigger
+    assert _feed(m, [1.0] * 5 + ([1.15] * 5 + [1.0] * 5) * 6) == []
+
+
+def test_monitor_watches_the_exposed_share():
+    m = DriftMonitor(CFG)
+    fired = [i for i, e in enumerate([0.05] * 5 + [0.30] * 10) if m.observe(1.0, e)]
+    assert fired == [14]
+    with pytest.raises(HexiSeqError, match="rearm < threshold"):
+        MonitorConfig(threshold=0.05, rearm=0.1)
+
+
+# ----------------------------------------------------------------------------- online tuner
+
+def test_online_tuner_trial_sequence_save_and_retune():
+    space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2, 4, 8)),))
+    exposed_by_chunks = {1: 0.040, 2: 0.020, 4: 0.010, 8: 0.012}
+    applied, saved = [], []
+    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), on_done=saved.append,
+                        settle_steps=1, steps_per_trial=3, gallop=False,
+                        monitor=DriftMonitor(MonitorConfig(window=4, patience=1, cooldown=0)))
+    slow = 0.0
+    for _ in range(60):
+        if not tuner.tuning and saved and len(saved) == 1 and tuner.monitor.baseline is not None:
+            slow = 0.05  # the environment changes after tuning: steps get 50 ms slower
+        chunks = applied[-1]
+        e = exposed_by_chunks[chunks]
+        compute = 0.100 + 0.002 * chunks
+        tuner.on_step(compute + e + slow + 0.02, compute, [e])
+    first = saved[0]
+    assert [s.levels for s in first.trials] == [(0,), (1,), (2,), (3,)]
+    assert [s.decision for s in first.trials][-1] == "reject-slower"
+    assert first.config.comm_chunks == 4 and applied[:5] == [1, 2, 4, 8, 4]
+    assert tuner.monitor.triggers == 1 and len(saved) == 2  # drift -> re-tuned from minimal resources
+    assert saved[1].config.comm_chunks == 4
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_tune_command_from_result_writes_nccl_yaml(tmp_path, capsys):
+    save_result(TuneResult(config=GPU_CONFIG), tmp_path / "r.json")
+    rc = main(["tune", "--from-result", str(tmp_path / "r.json"), "--nccl-yaml", str(tmp_path / "n.yaml")])
+    assert rc == 0 and yaml.safe_load((tmp_path / "n.yaml").read_text()) == nccl_yaml_dict(GPU_CONFIG)
+    assert "chosen: overlap b=20000000 chunks=4" in capsys.readouterr().out
+    assert main(["tune", "--from-result", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["tune", "--world-size", "1"]) == 2
