@@ -107,8 +107,9 @@ def _llama(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: in
 
 
 MODEL_PRESETS: Mapping[str, ModelSpec] = MappingProxyType({m.name: m for m in (
-    # GPT-3 family shapes (Brown et al. 2020, Table 2.1: "2.7B", "6.7B", "13B"), the sizes Megatron's
-    # GPT-3 examples (examples/gpt3) and the HexiSeq paper's "GPT-style 3B/7B/13B" use; ffn = 4h, GELU.
+    # GPT-3 family shapes (Brown et al. 2020, Table 2.1: "2.7B", "6.7B", "13B"; the same shapes the
+    # Megatron(-DeepSpeed) example scripts list as "GPT-3 2.7B/6.7B/13B"), i.e. the HexiSeq paper's
+    # "GPT-style 3B/7B/13B"; ffn = 4h, GELU, LayerNorm, biases.
     _gpt("gpt-3b", 32, 2560, 32),
     _gpt("gpt-7b", 32, 4096, 32),
     _gpt("gpt-13b", 40, 5120, 40),
