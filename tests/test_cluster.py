@@ -71,8 +71,11 @@ def test_round_trip_through_dict_and_yaml(tmp_path):
         out = tmp_path / path.name
         out.write_text(yaml.safe_dump(cluster_to_dict(c), sort_keys=False))
         assert load_cluster(out) == c
-    c = cluster_from_dict(_spec(memory_gib=60))
+    spec = _spec(memory_gib=60)
+    spec["gpus"]["MY-GPU"].update(attention_tflops=50, efficiency=1.0, source="measured")
+    c = cluster_from_dict(spec)
     assert cluster_from_dict(cluster_to_dict(c)) == c
+    assert cluster_to_dict(c)["gpus"]["MY-GPU"]["attention_tflops"] == 50
 
 
 def test_bundled_examples():

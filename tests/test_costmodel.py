@@ -198,6 +198,9 @@ def test_ulysses_estimate_by_hand():
     assert r0.breakdown["mem_static"] == 6 * 872 + 12 * 872 // 2
     assert r0.memory_bytes == 10464 + 3 * 416 + 8 * 72 + 3 * 48
     assert r0.capacity_bytes == int(0.95 * 2**30) and e.feasible
+    # fsdp + recompute on rank 0: ceil(18 P / 2) + 3 x (2h + layer + out + layer) + 8 x 2 x 36 + 144
+    fr = estimate(lay, c, TINY, TrainOptions(memory_mode="fsdp", recompute=True)).per_rank[0]
+    assert fr.memory_bytes == 18 * 872 // 2 + 3 * (16 + 144 + 128 + 144) + 8 * 2 * 36 + 3 * 48
     # recompute: one more forward of compute and of the all-to-alls
     rc = estimate(lay, c, TINY, TrainOptions(recompute=True)).per_rank[1]
     assert rc.breakdown["linear_s"] == pytest.approx(4 / 3 * r1.breakdown["linear_s"])
