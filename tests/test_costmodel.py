@@ -172,8 +172,10 @@ def test_pipelined_exposure():
 
 
 def test_fan_units_sender_serves_every_copy():
-    # sender group: member 0 holds kv 0 and 1, member 1 holds kv 1 (kv 1 comes from member 0: lowest)
-    assert fan_units(((0, 1), (1,)), ((0,), (1,), (1,))) == [3, 3, 3]
+    # sender group: member 0 holds kv 0 and 1, member 1 holds kv 1. Receivers pick the least-loaded
+    # holder: r0 kv0 -> m0; r1 kv1 -> m1 (load 0 < 1); r2 kv1 -> m0 (tie 1-1, lowest). m0 sends 2 blocks.
+    assert fan_units(((0, 1), (1,)), ((0,), (1,), (1,))) == [2, 1, 2]
+    assert fan_units(((0, 1), (0, 1)), ((0, 1), (0, 1))) == [2, 2]   # m0 serves r0's kv0, m1 kv1, ...
     assert fan_units(((0,), (1,)), ((0,), (1,))) == [1, 1]
     assert fan_units(((0, 1),), ((0, 1), ())) == [2, 0]
 
@@ -243,17 +245,19 @@ def _reference_exchange(layout, cluster, model):
     for t in range(1, n):
         msgs, senders = [], {}
         for gi, g in enumerate(groups):
-            src = groups[(gi + t) % n]
+            src = groups[(gi - t) % n]
             q_end = max(e for _, e in seg[g.id])
             vis = sum(max(0, min(e, q_end) - s) for s, e in seg[src.id])
+            load = {x: 0 for x in src.ranks}
             for r in g.ranks:
                 for k in layout.kv_heads(r):
-                    s = next(x for x in src.ranks if k in layout.kv_heads(x))
+                    s = min((x for x in src.ranks if k in layout.kv_heads(x)), key=lambda x: (load[x], x))
+                    load[s] += 1
                     msgs.append((s, r, vis * 4 * model.kv_channels * model.num_layers))
                     senders.setdefault(r, set()).add(s)
         send, recv = port_times_s(msgs, cluster)
         for gi, g in enumerate(groups):
-            src = groups[(gi + t) % n]
+            src = groups[(gi - t) % n]
             q_end = max(e for _, e in seg[g.id])
             if not any(s < q_end for s, _ in seg[src.id]):
                 continue
@@ -395,3 +399,27 @@ def test_alltoall_bytes_with_mqa_and_uneven_heads():
     r = estimate(lay, _cluster([("n0", 2, 1)]), mqa).per_rank[0]
     # 8 B per token-head at 10 GB/s; worst direction: q 6x3 heads, k 6x1, v 6x1, out 6x3 (token-heads)
     assert r.breakdown["a2a_s"] == pytest.approx(2 * 8 * (18 + 6 + 6 + 18) / 10e9)
+
+
+def test_exchange_bytes_match_the_runtime_schedule():
+    """The modelled transfers are the ones the attention runtime posts (attention/peers.py)."""
+    peers = pytest.importorskip("megatron_hexiseq.attention.peers")
+    rng, checked = random.Random(11), 0
+    while checked < 25:
+        case = _random_case(rng)
+        if case is None or len(case[0].groups) == 1:
+            continue
+        lay, c = case
+        model = ModelSpec(**(TINY.to_dict() | {"num_attention_heads": lay.num_attention_heads,
+                                               "num_query_groups": lay.num_query_groups,
+                                               "seq_length": lay.seq_length}))
+        transfers, steps = peers.build_transfers(lay, 1)
+        comm = [0.0] * lay.world_size
+        for step in range(steps):
+            msgs = [(x.src, x.dst, len(x.src_heads) * peers.runs_num_tokens(x.runs) * 4 * model.kv_channels)
+                    for x in transfers if x.step == step]
+            send, recv = port_times_s(msgs, c)
+            for r in {m[1] for m in msgs}:
+                comm[r] += max([recv.get(r, 0.0)] + [send.get(s, 0.0) for s, d, _ in msgs if d == r])
+        assert kv_exchange_forward(lay, c, model, 1).comm_s == pytest.approx(comm, rel=1e-9, abs=1e-18)
+        checked += 1

@@ -1,15 +1,16 @@
 """Cross-group K/V exchange (HexiSeq's sub-rings), vectorised over ranks.
 
-Round model (docs/cost_model.md, "K/V exchange"): groups in layout order ``G_0 .. G_{n-1}``.
-Round 0 is a group's own K/V (already local after the head all-to-all). In round ``t`` group
-``G_i`` receives the K/V of group ``G_{(i+t) mod n}``: for each kv head a rank needs, from the
-lowest-numbered rank of that group holding it, only the tokens at positions <= the last query
-position of ``G_i`` (causally hidden tokens are neither sent nor computed; a round with nothing
-visible is skipped). Transfers are double-buffered against the attention of the previous block
-(:func:`megatron_hexiseq.costmodel.comm.pipelined_exposed_s`, which this vectorises). All links of one round between
-two single-node groups have one bandwidth, so a receiver's round time is
-``max(its own receive, the send of each of its senders)`` in kv-head blocks (a sender serves
-every rank of the receiving group that needs its kv head, one copy each).
+Round model (docs/cost_model.md, "K/V exchange"), the runtime's schedule
+(``megatron_hexiseq/attention/peers.py``): groups in layout order ``G_0 .. G_{n-1}``. Round 0 is a
+group's own K/V (already local after the head all-to-all). In round ``t`` group ``G_i`` receives
+the K/V of group ``G_{(i-t) mod n}``: for each kv head a rank needs, from one holder of that kv
+head there (least loaded so far in the round, lowest rank on ties), only the tokens at positions
+<= the last query position of ``G_i`` (causally hidden tokens are neither sent nor computed; a
+round with nothing visible is skipped). Transfers are double-buffered against the attention of the
+previous block (:func:`megatron_hexiseq.costmodel.comm.pipelined_exposed_s`, which this
+vectorises). All links of one round between two single-node groups have one bandwidth, so a
+receiver's round time is ``max(its own receive, the send of each of its senders)`` in kv-head
+blocks (a sender serves every receiver that picked it, one copy each).
 """
 from __future__ import annotations
 
@@ -54,20 +55,21 @@ def visible_vec(ks: np.ndarray, ke: np.ndarray, q_end: np.ndarray) -> np.ndarray
 def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> list[int]:
     """Per receiver member: round time in kv-head blocks, ``max(own receive, its senders' sends)``.
 
-    ``sender``/``receiver``: the kv heads of each member of the sending / receiving group.
+    ``sender``/``receiver``: the kv heads of each member of the sending / receiving group (members
+    in rank order). Sources are chosen as the runtime does (``attention/peers.py``): receivers in
+    rank order, their kv heads ascending, each from the holder with the least load so far in this
+    round, lowest rank on ties; a holder serves every receiver that picked it, one copy each.
     """
-    source: dict[int, int] = {}
-    for pos, kvs in enumerate(sender):
-        for k in kvs:
-            source.setdefault(k, pos)
-    copies: dict[int, int] = {}
-    for kvs in receiver:
-        for k in kvs:
-            copies[k] = copies.get(k, 0) + 1
     load = [0] * len(sender)
-    for k, n in copies.items():
-        load[source[k]] += n
-    return [max([len(kvs)] + [load[source[k]] for k in kvs]) if kvs else 0 for kvs in receiver]
+    picked: list[set[int]] = []
+    for kvs in receiver:
+        mine = set()
+        for k in kvs:
+            j = min((j for j, held in enumerate(sender) if k in held), key=lambda x: (load[x], x))
+            load[j] += 1
+            mine.add(j)
+        picked.append(mine)
+    return [max([len(kvs)] + [load[j] for j in mine]) if kvs else 0 for kvs, mine in zip(receiver, picked)]
 
 
 def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int) -> ExchangeForward:
@@ -123,7 +125,7 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
     for t0 in range(1, n, chunk):
         # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
-        src = (np.arange(t0, min(n, t0 + chunk))[:, None] + np.arange(n)[None, :]) % n
+        src = (np.arange(n)[None, :] - np.arange(t0, min(n, t0 + chunk))[:, None]) % n
         pairs_g = pairs_vec(QS[None], QE[None], QS[src], QE[src])            # [T, n]
         vis = visible_vec(QS[src], QE[src], q_end[None])[:, gi]              # [T, W]
         gp = src[:, gi]                                                      # [T, W] sending group
