@@ -1,0 +1,215 @@
+"""The functions both ways of running Megatron-LM's ``pretrain_gpt.py`` end in.
+
+1. ``patches/megatron-lm-core_v0.16.1.patch`` makes ``pretrain_gpt.py`` pass
+   ``plugin.model_provider(model_provider, gpt_builder, <its module>)`` and
+   ``plugin.extra_args_provider(<its own provider>)`` to ``pretrain``;
+2. ``python -m megatron_hexiseq.pretrain_gpt <Megatron args>`` imports the unpatched
+   ``pretrain_gpt`` module and calls ``run_pretrain(module)``, which passes the same two.
+
+Order of events inside Megatron's ``pretrain``:
+``parse_args(extra_args_provider)`` (our ``--hexiseq-*`` flags) -> ``validate_args`` ->
+``initialize_model_parallel`` (CP size = layout world size) -> ``get_model`` calls our model
+provider, whose FIRST call (on every rank) runs ``setup``: overlap hook
+(``megatron_hexiseq.overlap.megatron_hooks.configure_from_args``; may change
+``args.ddp_bucket_size`` etc. before DDP is built), layout load + start-up checks + groups
+(``build_runtime``, collective), and replaces ``pretrain_gpt.get_batch_on_this_cp_rank`` with the
+layout's slicer. Every call then builds the GPT through ``build_gpt_model``: the stock layer spec
+with ``HexiSeqCoreAttention`` swapped in, and RoPE at this rank's global positions.
+Without ``--hexiseq-layout`` everything is stock Megatron.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+from functools import partial
+from types import ModuleType
+from typing import Any, Callable
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
+
+OVERLAP_HOOKS = "megatron_hexiseq.overlap.megatron_hooks"
+
+
+def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
+                        ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """Megatron ``extra_args_provider`` adding the ``--hexiseq-*`` flags, then ``chain``'s flags."""
+    return partial(add_hexiseq_args, chain=chain)
+
+
+def configure_overlap(args: argparse.Namespace) -> None:
+    """Call the overlap tuner's ``configure_from_args(args)`` (before the model and DDP exist)."""
+    hs = HexiSeqArgs.from_namespace(args)
+    try:
+        hooks = importlib.import_module(OVERLAP_HOOKS)
+    except ModuleNotFoundError as e:
+        if e.name not in (OVERLAP_HOOKS, "megatron_hexiseq.overlap"):
+            raise
+        if hs.overlap_tune or hs.overlap_config:
+            raise HexiSeqError(f"--hexiseq-overlap-tune/--hexiseq-overlap-config need {OVERLAP_HOOKS}, "
+                               "which this installation lacks; update megatron-hexiseq or drop the flags") from None
+        return
+    hooks.configure_from_args(args)
+
+
+def _cp_comm_types(args: argparse.Namespace) -> set[str]:
+    value = getattr(args, "cp_comm_type", None)
+    return set(value) if isinstance(value, (list, tuple)) else {value}
+
+
+def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_group: Any = None):
+    """Once per process, after ``initialize_model_parallel``: returns the ``HexiSeqRuntime`` or None.
+
+    Collective over the default group when ``--hexiseq-layout`` is given.
+    """
+    from megatron_hexiseq.layout import Layout
+    from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
+    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
+
+    configure_overlap(args)
+    hs = HexiSeqArgs.from_namespace(args)  # re-read: the overlap hook may set --hexiseq-comm-chunks
+    if not hs.enabled:
+        if CP_COMM_TYPE in _cp_comm_types(args):
+            raise HexiSeqError(f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH "
+                               "(plan one with 'megatron-hexiseq plan')")
+        return None
+    if cp_group is None:
+        from megatron.core import parallel_state as mpu
+
+        cp_group = mpu.get_context_parallel_group()
+    layout = Layout.load(hs.layout)
+    runtime = build_runtime(layout, RunShape.from_megatron_args(args), cp_group=cp_group,
+                            kernel=hs.kernel, comm_chunks=hs.comm_chunks,
+                            allow_mismatch=hs.allow_mismatch, source=f"layout {hs.layout}")
+    if getattr(args, "create_attention_mask_in_dataloader", False) and getattr(args, "rank", 0) == 0:
+        warnings.warn("hexiseq: the dataloader's attention mask is not used (HexiSeq attention is causal "
+                      "by construction); pass --no-create-attention-mask-in-dataloader to save memory",
+                      stacklevel=2)
+    if pretrain_module is not None:
+        pretrain_module.get_batch_on_this_cp_rank = LayoutBatchSlicer(runtime.segments, layout.seq_length)
+    return runtime
+
+
+def _stock_layer_spec(args: argparse.Namespace, config: Any, vp_stage: int | None, stock_builder: Callable) -> Any:
+    """The layer/block spec Megatron-LM's ``gpt_builder`` would choose (core_v0.16.1)."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    if args.spec is not None:
+        return import_module(args.spec)
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                          normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+                                          vp_stage=vp_stage)
+    choose = getattr(sys.modules.get(stock_builder.__module__), "_get_transformer_layer_spec", None)
+    if choose is None:
+        raise HexiSeqError(f"cannot find the layer-spec chooser next to {stock_builder.__module__}."
+                           f"{stock_builder.__name__}; pass --spec MODULE NAME")
+    return choose(use_te, config)
+
+
+def build_gpt_model(args: argparse.Namespace, pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                    config: Any = None, pg_collection: Any = None, *, runtime: Any, stock_builder: Callable) -> Any:
+    """``gpt_builder`` with HexiSeq: same ``GPTModel`` arguments, spec swapped, layout RoPE."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_hexiseq.megatron.rope import install_rope
+    from megatron_hexiseq.megatron.spec import hexiseq_spec
+
+    for flag, value in (("--use-legacy-models", args.use_legacy_models),
+                        ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)),
+                        ("--experimental-attention-variant", getattr(args, "experimental_attention_variant", None)),
+                        ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None))):
+        if value:
+            raise HexiSeqError(f"{flag} is not supported together with --hexiseq-layout")
+    if config is None:
+        from megatron.training.arguments import core_transformer_config_from_args
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+        config = (core_transformer_config_from_yaml(args, "language_model") if args.yaml_cfg is not None
+                  else core_transformer_config_from_args(args))
+    if args.pipeline_model_parallel_size > 1:
+        config.variable_seq_lengths = True  # pipeline P2P shapes follow each rank's token count
+    spec = hexiseq_spec(_stock_layer_spec(args, config, vp_stage, stock_builder), runtime)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+        post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage,
+        pg_collection=pg_collection)
+    install_rope(model, [p for s, e in runtime.segments for p in range(s, e)])
+    return model
+
+
+class HexiSeqModelProvider:
+    """Megatron model provider: ``setup`` on the first call, then ``model_provider(builder, ...)``.
+
+    ``model_provider`` / ``gpt_builder`` are Megatron-LM's (``model_provider.py`` /
+    ``gpt_builders.py``); ``get_args`` defaults to ``megatron.training.get_args``.
+    """
+
+    def __init__(self, model_provider: Callable, gpt_builder: Callable, pretrain_module: ModuleType | None,
+                 *, get_args: Callable[[], argparse.Namespace] | None = None) -> None:
+        self.model_provider = model_provider
+        self.gpt_builder = gpt_builder
+        self.pretrain_module = pretrain_module
+        self._get_args = get_args
+        self._ready = False
+        self.runtime = None
+
+    def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 config: Any = None, pg_collection: Any = None) -> Any:
+        if self._get_args is None:
+            from megatron.training import get_args
+
+            self._get_args = get_args
+        if not self._ready:
+            cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            self.runtime = setup(self._get_args(), self.pretrain_module, cp_group=cp_group)
+            self._ready = True
+        builder = self.gpt_builder
+        if self.runtime is not None:
+            builder = partial(build_gpt_model, runtime=self.runtime, stock_builder=self.gpt_builder)
+        return self.model_provider(builder, pre_process, post_process, vp_stage, config=config,
+                                   pg_collection=pg_collection)
+
+
+def model_provider(model_provider_fn: Callable, gpt_builder: Callable, pretrain_module: ModuleType | None,
+                   **kwargs: Any) -> HexiSeqModelProvider:
+    """What ``pretrain_gpt.py`` passes to ``pretrain`` instead of ``partial(model_provider, gpt_builder)``."""
+    return HexiSeqModelProvider(model_provider_fn, gpt_builder, pretrain_module, **kwargs)
+
+
+def run_pretrain(stock: ModuleType) -> None:
+    """``pretrain_gpt.py``'s ``__main__`` block (core_v0.16.1) with the two HexiSeq hooks."""
+    import time
+
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain
+
+    try:
+        from megatron.training import set_startup_timestamps
+    except ImportError:  # older Megatron-LM
+        set_startup_timestamps = None
+    if set_startup_timestamps is not None:
+        start = getattr(stock, "_PROGRAM_START_TIME", time.time())
+        set_startup_timestamps(program_start=start, main_entry=time.time())
+    stock.train_valid_test_datasets_provider.is_distributed = True
+    pretrain_fn, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    modelopt = stock.add_modelopt_args if getattr(stock, "has_nvidia_modelopt", False) else None
+    pretrain_fn(
+        stock.train_valid_test_datasets_provider,
+        model_provider(stock.model_provider, stock.gpt_builder, stock),
+        ModelType.encoder_or_decoder,
+        stock.forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        extra_args_provider=extra_args_provider(modelopt),
+        store=store,
+        get_embedding_ranks=stock.get_embedding_ranks,
+    )

@@ -1,0 +1,45 @@
+"""``python -m megatron_hexiseq.pretrain_gpt <Megatron args>``: Megatron-LM's GPT pre-training
+with HexiSeq, without patching Megatron-LM.
+
+Needs a Megatron-LM checkout at tag ``core_v0.16.1`` on ``PYTHONPATH`` (its ``pretrain_gpt.py``,
+``gpt_builders.py``, ``model_provider.py`` and ``megatron/training``). Imports that
+``pretrain_gpt`` module (its ``__main__`` block does not run) and calls
+``megatron_hexiseq.megatron.plugin.run_pretrain``: the same hooks as the patched script.
+Example (per rank; see scripts/slurm/)::
+
+    PYTHONPATH=$MEGATRON_LM python -m megatron_hexiseq.pretrain_gpt \\
+        --context-parallel-size 4 --cp-comm-type hexiseq --calculate-per-token-loss \\
+        --hexiseq-layout layout.json --seq-length 131072 ... (usual Megatron flags)
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+_PROGRAM_START_TIME = time.time()
+
+
+def main() -> int:
+    from megatron_hexiseq.errors import HexiSeqError
+
+    try:
+        import pretrain_gpt as stock  # Megatron-LM's script, found on PYTHONPATH
+    except ModuleNotFoundError as e:
+        if e.name not in ("pretrain_gpt", "gpt_builders", "model_provider", "megatron.training"):
+            raise
+        print(f"error: cannot import Megatron-LM's pretrain_gpt ({e}); put a Megatron-LM checkout "
+              "(tag core_v0.16.1) on PYTHONPATH", file=sys.stderr)
+        return 2
+    from megatron_hexiseq.megatron.plugin import run_pretrain
+
+    stock._PROGRAM_START_TIME = min(getattr(stock, "_PROGRAM_START_TIME", _PROGRAM_START_TIME), _PROGRAM_START_TIME)
+    try:
+        run_pretrain(stock)
+    except HexiSeqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
