@@ -14,7 +14,7 @@ may start from a preset with ``preset: llama2-7b`` and override fields.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
