@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_hexiseq.attention.kernels import block_backward, block_forward, merge_into, visible_mask
-from megatron_hexiseq.attention.peers import (build_schedule, build_transfers, group_runs, runs_num_tokens,
+from megatron_hexiseq.attention.peers import (build_schedule, build_transfers, group_pieces, group_runs, runs_num_tokens,
                                               runs_positions, split_runs, trim_runs)
 from megatron_hexiseq.attention.reference import reference_attention
 from megatron_hexiseq.attention.testing_layouts import random_layout
@@ -168,5 +168,37 @@ def test_schedule_marks_full_blocks() -> None:
                       segments=[[(0, 6)], [(6, 12)]], heads=[[0, 1], [0, 1]])
     s0, s1 = build_schedule(lay, 0, 2), build_schedule(lay, 1, 2)
     assert all(not st.computes for st in s0.steps) and len(s0.steps) == 2  # rank 0 only sends
-    assert [st.full for st in s1.steps] == [True, True]
+    assert [st.rows for st in s1.steps] == [(0, 0), (0, 0)]  # every query row sees every key
     assert [runs_positions(st.k_runs) for st in s1.steps] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_zigzag_ring_rows_split_like_megatron() -> None:
+    """Even 2-rank zig-zag ring: rank 0's early chunk sees nothing of rank 1, its late chunk all."""
+    lay = make_layout(seq_length=8, num_attention_heads=2, num_query_groups=1, group_sizes=[1, 1],
+                      segments=[[(0, 2), (6, 8)], [(2, 6)]], heads=[[0, 1], [0, 1]])
+    (st0,), (st1,) = build_schedule(lay, 0).steps, build_schedule(lay, 1).steps
+    assert st0.rows == (2, 2) and runs_positions(st0.k_runs) == [2, 3, 4, 5]
+    assert st1.rows == (0, 0) and runs_positions(st1.k_runs) == [0, 1]  # [6, 8) is hidden: not sent
+    # a partial block: 3 query rows, keys [2, 6): row 4 sees some, row 7 all, row 0 none
+    lay2 = make_layout(seq_length=8, num_attention_heads=1, num_query_groups=1, group_sizes=[1, 1],
+                       segments=[[(0, 1), (4, 5), (7, 8)], [(1, 4), (5, 7)]], heads=[[0], [0]])
+    assert build_schedule(lay2, 0).steps[0].rows == (1, 2)
+
+
+def test_group_sequence_is_in_position_order() -> None:
+    lay = make_layout(seq_length=10, num_attention_heads=2, num_query_groups=1, group_sizes=[2, 1],
+                      segments=[[(0, 2), (5, 7)], [(2, 4)], [(4, 5), (7, 10)]], heads=[[0], [1], [0, 1]])
+    assert group_pieces(lay, 0) == ((0, 0, 2, 0), (1, 0, 2, 2), (0, 2, 4, 4))
+    assert group_runs(lay, 0) == ((0, 4, 0), (4, 6, 5))  # [0,2) and [2,4) touch: one run
+    assert runs_positions(group_runs(lay, 1)) == [4, 7, 8, 9]
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
+def test_causal_block_equals_masked_block(kernel: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(6, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(6)
+    o1, l1 = block_forward(q, k, v, mask_ST=None, causal=True, kv_of_head_H=None, scale=0.5, kernel=kernel)
+    o2, l2 = block_forward(q, k, v, mask_ST=visible_mask(pos, pos), kv_of_head_H=None, scale=0.5, kernel="reference")
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(l1, l2)

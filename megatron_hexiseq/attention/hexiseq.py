@@ -7,11 +7,12 @@ H_all / G_all = all query / K/V heads, H / G = my query / K/V heads (``layout.ra
     q [s, B, H_all, D], k/v [s, B, G_all, D]                     (my tokens, every head)
       -- pack: for each member j: q[:, :, H_j], k[:, :, G_j], v[:, :, G_j], flattened, concatenated
       -- uneven_all_to_all (one collective for q, k and v)
-      -- unpack: from member i: [s_i, B, H, D], [s_i, B, G, D] x2; concatenate over i on dim 0
-    q [S, B, H, D], k/v [S, B, G, D]                            (my group's tokens, my heads)
+      -- unpack: from member i: [s_i, B, H, D], [s_i, B, G, D] x2; concatenate the members'
+         segments on dim 0 in position order (``peers.group_pieces``)
+    q [S, B, H, D], k/v [S, B, G, D]                            (my group's tokens by position, my heads)
       -- subring_attn_func (K/V of other groups in rounds, LSE merge)
     out [S, B, H, D]
-      -- for each member j: rows of j's tokens, flattened; uneven_all_to_all
+      -- for each member j: rows of j's segments (in j's order), flattened; uneven_all_to_all
       -- from member i: [s, B, H_i, D]; concatenate on dim 2 (member order), reorder heads to 0..H_all-1
     out [s, B, H_all * D]
 
@@ -27,6 +28,7 @@ from torch import Tensor
 from megatron_hexiseq.attention.comm import CommStats, uneven_all_to_all
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.attention.kernels import KERNELS
+from megatron_hexiseq.attention.peers import group_pieces
 from megatron_hexiseq.attention.subring import _select_heads, subring_attn_func
 
 
@@ -53,13 +55,20 @@ def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: He
     recv = [si * B * D * (H + 2 * G) for _, si, _, _ in members]
     flat = uneven_all_to_all(torch.cat(pieces), group=groups.a2a_group, send_splits=send, recv_splits=recv,
                              stats=stats, peers=[j for j, _, _, _ in members])
-    qs, ks, vs = [], [], []
-    for (_, si, _, _), chunk in zip(members, flat.split(recv)):
+    qs, ks, vs = {}, {}, {}
+    for (j, si, _, _), chunk in zip(members, flat.split(recv)):
         q_i, k_i, v_i = chunk.split([si * B * H * D, si * B * G * D, si * B * G * D])
-        qs.append(q_i.view(si, B, H, D))
-        ks.append(k_i.view(si, B, G, D))
-        vs.append(v_i.view(si, B, G, D))
-    return torch.cat(qs), torch.cat(ks), torch.cat(vs)
+        qs[j], ks[j], vs[j] = q_i.view(si, B, H, D), k_i.view(si, B, G, D), v_i.view(si, B, G, D)
+    pieces = group_pieces(groups.layout, groups.layout.ranks[groups.rank].group)
+    return tuple(_in_position_order(x, pieces) for x in (qs, ks, vs))
+
+
+def _in_position_order(by_member: dict[int, Tensor], pieces) -> Tensor:
+    """Members' tokens {j: [s_j, B, h, D]} -> the group sequence [S, B, h, D] in position order."""
+    if len(pieces) == 1:
+        j, a, b, _ = pieces[0]
+        return by_member[j][a:b]
+    return torch.cat([by_member[j][a:b] for j, a, b, _ in pieces])
 
 
 def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
@@ -70,7 +79,12 @@ def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
     s = groups.layout.ranks[groups.rank].num_tokens
     send = [sj * B * H * D for _, sj, _, _ in members]
     recv = [s * B * len(hi) * D for _, _, hi, _ in members]
-    flat = uneven_all_to_all(out_SBHD.reshape(-1), group=groups.a2a_group, send_splits=send, recv_splits=recv,
+    rows = {j: [] for j, _, _, _ in members}  # member j's tokens = these rows of the group sequence
+    for j, a, b, off in group_pieces(groups.layout, groups.layout.ranks[groups.rank].group):
+        rows[j].append(out_SBHD[off:off + b - a])
+    packed = [x.reshape(-1) for j, _, _, _ in members for x in rows[j]]
+    flat_N = torch.cat(packed) if len(packed) > 1 else packed[0].contiguous()
+    flat = uneven_all_to_all(flat_N, group=groups.a2a_group, send_splits=send, recv_splits=recv,
                              stats=stats, peers=[j for j, _, _, _ in members])
     parts = [chunk.view(s, B, len(hi), D) for (_, _, hi, _), chunk in zip(members, flat.split(recv)) if hi]
     out_sBHD = torch.cat(parts, dim=2)

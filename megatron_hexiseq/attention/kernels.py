@@ -5,9 +5,11 @@ heads of this rank, G = K/V heads of this rank, D = head dim. ``kv_of_head_H[h]`
 the G K/V heads) that query head h reads (GQA/MQA). Masks come from global token positions
 ``q_pos_S`` / ``k_pos_T``: key t is visible to query s iff ``k_pos[t] <= q_pos[s]``.
 
-A block is one of: *full* (every key visible to every query: no mask), *partial* (a boolean mask),
-*empty* (never called: the schedule does not send or compute it). The caller knows which from the
-layout (Python integers), so no device synchronisation is needed to decide.
+A block is one of: *causal* (queries and keys are the same position-sorted tokens: key j visible to
+query i iff j <= i, the fused kernels' ``is_causal``), *full* (every key visible to every query: no
+mask), *partial* (a boolean mask), *empty* (never called: the schedule neither sends nor computes
+it). The caller knows which from the layout (Python integers), so no device synchronisation is
+needed to decide.
 
 Rows with no visible key in a partial block get ``out = 0`` and ``lse = -inf``, so that merging
 them changes nothing. Every query row sees at least itself in its group's local block, so the
@@ -56,17 +58,25 @@ def _reduce_kv(dx_BHTD: Tensor, kv_of_head_H: Tensor | None, num_kv: int) -> Ten
 
 
 # ---- forward ----------------------------------------------------------------------------------
+def _causal_mask(q_SBHD: Tensor, k_TBGD: Tensor) -> Tensor:
+    S, T = q_SBHD.shape[0], k_TBGD.shape[0]
+    assert S == T, "a causal block pairs the same tokens as queries and keys"
+    return torch.ones(S, T, dtype=torch.bool, device=q_SBHD.device).tril()
+
+
 def block_forward(q_SBHD: Tensor, k_TBGD: Tensor, v_TBGD: Tensor, *, mask_ST: Tensor | None,
-                  kv_of_head_H: Tensor | None, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
+                  kv_of_head_H: Tensor | None, scale: float, kernel: str,
+                  causal: bool = False) -> tuple[Tensor, Tensor]:
     """Attention of one (query block, key block) pair.
 
     Returns ``out [S, B, H, D]`` (accumulation dtype) and ``lse [S, B, H]`` (accumulation dtype);
-    ``mask_ST`` None means the block is full.
+    ``mask_ST`` None means the block is full, or causal when ``causal``.
     """
     if kernel == "reference":
+        mask_ST = _causal_mask(q_SBHD, k_TBGD) if causal else mask_ST
         return _reference_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale)
     if kernel == "sdpa":
-        return _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale)
+        return _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale, causal)
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
 
 
@@ -91,7 +101,7 @@ def _float_mask(mask_ST: Tensor | None, like: Tensor) -> Tensor | None:
     return torch.zeros(mask_ST.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask_ST, float("-inf"))
 
 
-def _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale):
+def _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale, causal):
     acc = acc_dtype(q_SBHD.dtype)
     q_BHSD = q_SBHD.permute(1, 2, 0, 3).contiguous()
     k_BHTD = _expand_kv(k_TBGD, kv_of_head_H).contiguous()
@@ -99,11 +109,11 @@ def _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale):
     bias_ST = _float_mask(mask_ST, q_BHSD)
     if q_BHSD.device.type == "cpu":
         out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHSD, k_BHTD, v_BHTD, 0.0, False, attn_mask=bias_ST, scale=scale)
+            q_BHSD, k_BHTD, v_BHTD, 0.0, causal, attn_mask=bias_ST, scale=scale)
     else:
         bias = None if bias_ST is None else bias_ST.expand(q_BHSD.shape[0], q_BHSD.shape[1], *bias_ST.shape)
         out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q_BHSD, k_BHTD, v_BHTD, bias, True, 0.0, False, scale=scale)[:2]
+            q_BHSD, k_BHTD, v_BHTD, bias, True, 0.0, causal, scale=scale)[:2]
         lse_BHS = lse_BHS[..., : q_BHSD.shape[2]]  # the CUDA kernel pads LSE rows
     lse_BHS = lse_BHS.to(acc)
     if mask_ST is not None:  # the fused kernels report lse 0 for rows with no visible key
@@ -114,18 +124,20 @@ def _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale):
 # ---- backward ---------------------------------------------------------------------------------
 def block_backward(dout_SBHD: Tensor, q_SBHD: Tensor, k_TBGD: Tensor, v_TBGD: Tensor, out_SBHD: Tensor,
                    lse_SBH: Tensor, delta_SBH: Tensor, *, mask_ST: Tensor | None,
-                   kv_of_head_H: Tensor | None, scale: float, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+                   kv_of_head_H: Tensor | None, scale: float, kernel: str,
+                   causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Recompute backward of one block with the FINAL (merged) ``out`` and ``lse``.
 
     ``delta_SBH = rowsum(dout * out)``. Returns ``dq [S, B, H, D]``, ``dk, dv [T, B, G, D]`` in the
     accumulation dtype.
     """
     if kernel == "reference":
+        mask_ST = _causal_mask(q_SBHD, k_TBGD) if causal else mask_ST
         return _reference_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, lse_SBH, delta_SBH, mask_ST,
                                    kv_of_head_H, scale)
     if kernel == "sdpa":
         return _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST,
-                              kv_of_head_H, scale)
+                              kv_of_head_H, scale, causal)
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
 
 
@@ -149,7 +161,7 @@ def _reference_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, lse_SBH, delta_SBH, m
             _reduce_kv(dv_BHTD, kv_of_head_H, num_kv))
 
 
-def _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST, kv_of_head_H, scale):
+def _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST, kv_of_head_H, scale, causal):
     acc = acc_dtype(q_SBHD.dtype)
     num_kv = k_TBGD.shape[2]
     q_BHSD = q_SBHD.permute(1, 2, 0, 3).contiguous()
@@ -161,7 +173,7 @@ def _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST
     if q_BHSD.device.type == "cpu":
         lse_BHS = lse_SBH.permute(1, 2, 0).to(torch.promote_types(q_SBHD.dtype, torch.float32)).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, 0.0, False, attn_mask=bias_ST, scale=scale)
+            do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, 0.0, causal, attn_mask=bias_ST, scale=scale)
     else:
         B, H, S, _ = q_BHSD.shape
         lse_pad = lse_SBH.new_zeros(B, H, (S + 31) // 32 * 32, dtype=torch.float32)
@@ -170,7 +182,7 @@ def _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST
         seed = torch.zeros((), dtype=torch.int64, device=q_BHSD.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             do_BHSD, q_BHSD, k_BHTD, v_BHTD, bias, o_BHSD, lse_pad, seed, seed, 0.0,
-            [True, True, True, False], False, scale=scale)[:3]
+            [True, True, True, False], causal, scale=scale)[:3]
     return (dq.permute(2, 0, 1, 3).to(acc), _reduce_kv(dk.to(acc), kv_of_head_H, num_kv),
             _reduce_kv(dv.to(acc), kv_of_head_H, num_kv))
 

@@ -2,10 +2,11 @@
 
 Every rank computes the same tables from the same layout, so no communication is needed to agree.
 
-Vocabulary. A group's *sequence* is its members' tokens, ranks ascending, each in segment order
-(``Layout.group_segments``). After the head all-to-all, rank r holds, for its query heads ``H_r``,
-the queries of its whole group sequence, and for its K/V heads ``K_r`` (the query groups its heads
-read) the keys/values of the whole group sequence. Every group holds every query head, so every K/V
+Vocabulary. A group's *sequence* is its members' tokens in position order (the runtime's own
+order: queries and keys of the local block are then causally aligned, and every received block's
+rows split into "sees nothing" / "sees some" / "sees all" ranges). After the head all-to-all,
+rank r holds, for its query heads ``H_r``, the queries of its whole group sequence, and for its K/V
+heads ``K_r`` (the query groups its heads read) the keys/values of the whole group sequence. Every group holds every query head, so every K/V
 head has at least one *holder* in every group.
 
 Sub-ring rounds. With n groups (in ``layout.groups`` order), round t = 1..n-1 sends K/V from group
@@ -40,13 +41,44 @@ def runs_positions(runs: tuple[Run, ...]) -> list[int]:
     return [p + i for s, e, p in runs for i in range(e - s)]
 
 
+def group_pieces(layout: Layout, group_id: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The group sequence in position order, as pieces ``(member rank, start, end, offset)``.
+
+    ``[start, end)`` indexes the member's own tokens (segment order), ``offset`` is where the piece
+    starts in the group sequence. (A rank's segments are sorted, so its tokens are in position order;
+    the group sequence interleaves the members' segments by position.)
+    """
+    segs = []
+    for r in layout.group(group_id).ranks:
+        local = 0
+        for s, e in layout.ranks[r].segments:
+            segs.append((s, e, r, local))
+            local += e - s
+    segs.sort()
+    out, off = [], 0
+    for s, e, r, local in segs:
+        out.append((r, local, local + e - s, off))
+        off += e - s
+    return tuple(out)
+
+
 def group_runs(layout: Layout, group_id: int) -> tuple[Run, ...]:
-    """The whole group sequence as runs (one per segment)."""
-    runs, off = [], 0
-    for s, e in layout.group_segments(group_id):
-        runs.append((off, off + e - s, s))
+    """The group sequence (position order) as runs; touching segments merge into one run."""
+    runs: list[Run] = []
+    off = 0
+    for s, e in sorted(layout.group_segments(group_id)):
+        if runs and runs[-1][2] + runs[-1][1] - runs[-1][0] == s:
+            a, _, p = runs[-1]
+            runs[-1] = (a, off + e - s, p)
+        else:
+            runs.append((off, off + e - s, s))
         off += e - s
     return tuple(runs)
+
+
+def count_below(runs: tuple[Run, ...], pos: int) -> int:
+    """Number of tokens of ``runs`` with position < pos (runs in position order: a prefix)."""
+    return sum(min(max(pos - p, 0), e - s) for s, e, p in runs)
 
 
 def trim_runs(runs: tuple[Run, ...], max_pos: int) -> tuple[Run, ...]:
@@ -105,7 +137,7 @@ class RankStep:
     step: int
     sends: tuple[KVTransfer, ...]
     recvs: tuple[KVTransfer, ...]
-    full: bool  # the received block is fully visible to every query of this rank's group (no mask)
+    rows: tuple[int, int]  # (a, b): query rows [0, a) see no key of the block, [a, b) some, [b, S) all
 
     @property
     def computes(self) -> bool:
@@ -175,15 +207,18 @@ def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSched
     plan = layout.ranks[rank]
     group = layout.group(plan.group)
     q_runs = group_runs(layout, group.id)
-    min_q = min(p for _, _, p in q_runs)
     steps = []
     for step in range(num_steps):
         sends = tuple(x for x in transfers if x.step == step and x.src == rank)
         recvs = tuple(x for x in transfers if x.step == step and x.dst == rank)
         if not sends and not recvs:
             continue
-        full = bool(recvs) and max(p + e - s - 1 for s, e, p in recvs[0].runs) <= min_q
-        steps.append(RankStep(step=step, sends=sends, recvs=recvs, full=full))
+        rows = (0, 0)
+        if recvs:
+            k_runs = recvs[0].runs
+            k_min, k_max = k_runs[0][2], k_runs[-1][2] + k_runs[-1][1] - k_runs[-1][0] - 1
+            rows = (count_below(q_runs, k_min), count_below(q_runs, k_max))
+        steps.append(RankStep(step=step, sends=sends, recvs=recvs, rows=rows))
     kv_heads = layout.kv_heads(rank)
     return RankSchedule(rank=rank, group_ranks=group.ranks, heads=plan.heads, kv_heads=kv_heads,
                         kv_of_head=kv_of_head(layout, plan.heads, kv_heads), q_runs=q_runs,

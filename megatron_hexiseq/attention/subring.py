@@ -104,17 +104,46 @@ def _assemble_kv2(step: RankStep, bufs: list[Tensor], num_kv: int) -> Tensor:
     return kv2_TBGD
 
 
-def _mask(c: _Ctx, step: RankStep) -> Tensor | None:
-    return None if step.full else visible_mask(c.q_pos_S, positions(step.k_runs, c.q_pos_S))
+def _partial_mask(c: _Ctx, step: RankStep) -> Tensor:
+    """Mask of the query rows [a, b) that see some but not all keys of the block: [b - a, T]."""
+    a, b = step.rows
+    return visible_mask(c.q_pos_S[a:b], positions(step.k_runs, c.q_pos_S))
+
+
+def _block_forward(c: _Ctx, step: RankStep, q_SBHD: Tensor, kv2_TBGD: Tensor, out_SBHD: Tensor,
+                   lse_SBH: Tensor) -> None:
+    """Merge one received block into (out, lse) in place: rows [a, b) masked, rows [b, S) full."""
+    a, b = step.rows
+    kw = dict(kv_of_head_H=c.kv_of_head_H, scale=c.scale, kernel=c.kernel)
+    for lo, hi, mask in ((a, b, _partial_mask(c, step) if b > a else None), (b, q_SBHD.shape[0], None)):
+        if hi > lo:
+            blk_out, blk_lse = block_forward(q_SBHD[lo:hi], kv2_TBGD[0], kv2_TBGD[1], mask_ST=mask, **kw)
+            out_SBHD[lo:hi], lse_SBH[lo:hi] = merge_into(out_SBHD[lo:hi], lse_SBH[lo:hi], blk_out, blk_lse)
+
+
+def _block_backward(c: _Ctx, step: RankStep, dout_SBHD: Tensor, q_SBHD: Tensor, kv2_TBGD: Tensor,
+                    out_SBHD: Tensor, lse_SBH: Tensor, delta_SBH: Tensor, dq_SBHD: Tensor) -> Tensor:
+    """Backward of one received block: adds into dq in place, returns dK/dV ``[2, T, B, G, D]``."""
+    a, b = step.rows
+    kw = dict(kv_of_head_H=c.kv_of_head_H, scale=c.scale, kernel=c.kernel)
+    dkv2_TBGD = None
+    for lo, hi, mask in ((a, b, _partial_mask(c, step) if b > a else None), (b, q_SBHD.shape[0], None)):
+        if hi > lo:
+            dq, dk, dv = block_backward(dout_SBHD[lo:hi], q_SBHD[lo:hi], kv2_TBGD[0], kv2_TBGD[1], out_SBHD[lo:hi],
+                                        lse_SBH[lo:hi], delta_SBH[lo:hi], mask_ST=mask, **kw)
+            dq_SBHD[lo:hi] += dq
+            dkv2_TBGD = torch.stack([dk, dv]) if dkv2_TBGD is None else dkv2_TBGD + torch.stack([dk, dv])
+    assert dkv2_TBGD is not None, "the schedule never sends a block that no query sees"
+    return dkv2_TBGD
 
 
 def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> tuple[Tensor, Tensor]:
     """Returns ``out [S, B, H, D]`` and ``lse [S, B, H]`` in the accumulation dtype."""
-    kw = dict(kv_of_head_H=c.kv_of_head_H, scale=c.scale, kernel=c.kernel)
     kv2_SBGD = torch.stack([k_SBGD, v_SBGD])
     steps = c.sched.steps
     kv_next = _post_kv(c, steps[0], kv2_SBGD, "kv") if steps else None
-    out_SBHD, lse_SBH = block_forward(q_SBHD, k_SBGD, v_SBGD, mask_ST=visible_mask(c.q_pos_S, c.q_pos_S), **kw)
+    out_SBHD, lse_SBH = block_forward(q_SBHD, k_SBGD, v_SBGD, mask_ST=None, causal=True, kv_of_head_H=c.kv_of_head_H,
+                                      scale=c.scale, kernel=c.kernel)
     if c.stats is not None:
         c.stats.blocks["local"] += 1
     for i, step in enumerate(steps):
@@ -122,9 +151,7 @@ def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> 
         kv_cur = kv_next
         kv_next = _post_kv(c, steps[i + 1], kv2_SBGD, "kv") if i + 1 < len(steps) else None
         if step.computes:
-            kv2_TBGD = _assemble_kv2(step, kv_cur[2], k_SBGD.shape[2])
-            blk_out, blk_lse = block_forward(q_SBHD, kv2_TBGD[0], kv2_TBGD[1], mask_ST=_mask(c, step), **kw)
-            out_SBHD, lse_SBH = merge_into(out_SBHD, lse_SBH, blk_out, blk_lse)
+            _block_forward(c, step, q_SBHD, _assemble_kv2(step, kv_cur[2], k_SBGD.shape[2]), out_SBHD, lse_SBH)
             if c.stats is not None:
                 c.stats.blocks["remote"] += 1
     return out_SBHD, lse_SBH
@@ -162,14 +189,14 @@ def _add_dkv(dkv2_SBGD: Tensor, step: RankStep, bufs: list[Tensor]) -> None:
 def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor,
                      out_SBHD: Tensor, lse_SBH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Returns dq ``[S, B, H, D]``, dk, dv ``[S, B, G, D]`` in the accumulation dtype."""
-    kw = dict(kv_of_head_H=c.kv_of_head_H, scale=c.scale, kernel=c.kernel)
     acc = acc_dtype(q_SBHD.dtype)
     delta_SBH = (dout_SBHD.to(acc) * out_SBHD).sum(-1)
     kv2_SBGD = torch.stack([k_SBGD, v_SBGD])
     steps = c.sched.steps
     kv_next = _post_kv(c, steps[0], kv2_SBGD, "kv_bwd") if steps else None
     dq_SBHD, dk_SBGD, dv_SBGD = block_backward(dout_SBHD, q_SBHD, k_SBGD, v_SBGD, out_SBHD, lse_SBH, delta_SBH,
-                                               mask_ST=visible_mask(c.q_pos_S, c.q_pos_S), **kw)
+                                               mask_ST=None, causal=True, kv_of_head_H=c.kv_of_head_H,
+                                               scale=c.scale, kernel=c.kernel)
     dkv2_SBGD = torch.stack([dk_SBGD, dv_SBGD])
     dkv_pending: tuple[RankStep, tuple] | None = None
     for i, step in enumerate(steps):
@@ -179,10 +206,7 @@ def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor,
         dkv2_TBGD = None
         if step.computes:
             kv2_TBGD = _assemble_kv2(step, kv_cur[2], k_SBGD.shape[2])
-            dq_blk, dk_blk, dv_blk = block_backward(dout_SBHD, q_SBHD, kv2_TBGD[0], kv2_TBGD[1], out_SBHD, lse_SBH,
-                                                    delta_SBH, mask_ST=_mask(c, step), **kw)
-            dq_SBHD = dq_SBHD + dq_blk
-            dkv2_TBGD = torch.stack([dk_blk, dv_blk])
+            dkv2_TBGD = _block_backward(c, step, dout_SBHD, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH, delta_SBH, dq_SBHD)
         if dkv_pending is not None:
             wait_all(dkv_pending[1][0])
             _add_dkv(dkv2_SBGD, dkv_pending[0], dkv_pending[1][2])
