@@ -1,0 +1,102 @@
+"""Megatron integration against a real Megatron-LM checkout, layer (b): 4 gloo ranks.
+
+Skipped unless ``MEGATRON_LM`` names a Megatron-LM checkout at tag ``core_v0.16.1`` whose
+``pretrain_gpt`` imports here (it needs e.g. ``six regex pydantic triton`` besides megatron-core).
+It runs Megatron-LM's own ``parse_args``/``validate_args`` with our ``extra_args_provider``, its
+``model_provider`` and ``gpt_builders`` through ``plugin.model_provider``, and checks: every layer
+got ``HexiSeqCoreAttention``, RoPE follows the layout, ``pretrain_gpt.get_batch_on_this_cp_rank``
+slices by the layout, and the start-up checks reject a wrong run with their messages.
+(CUDA-only corners of Megatron-LM are stubbed: ``get_device_arch_version``.)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from megatron_hexiseq.layout import make_layout
+from megatron_hexiseq.testing import run_ranks
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM")
+pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
+
+LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
+                     segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
+                     heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))])
+ARGV = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --group-query-attention "
+        "--num-query-groups 2 --ffn-hidden-size 96 --swiglu --normalization RMSNorm "
+        "--position-embedding-type rope --seq-length 48 --max-position-embeddings 48 "
+        "--micro-batch-size 1 --global-batch-size 1 --lr 1e-3 --train-iters 1 --transformer-impl local "
+        "--context-parallel-size 4 --cp-comm-type hexiseq --calculate-per-token-loss "
+        "--hexiseq-kernel reference --use-cpu-initialization --no-gradient-accumulation-fusion "
+        "--attention-dropout 0 --hidden-dropout 0 --disable-bias-linear "
+        "--no-create-attention-mask-in-dataloader --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 128 --no-rope-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
+        "--no-persist-layer-norm").split()
+
+
+def _parse(argv: list[str], rank: int, world: int):
+    import megatron.training.arguments as margs
+
+    from megatron_hexiseq.megatron import plugin
+
+    margs.get_device_arch_version = lambda: 9  # CUDA-only query inside validate_args
+    sys.argv = ["pretrain_gpt.py"] + argv
+    args = margs.parse_args(extra_args_provider=plugin.extra_args_provider(None))
+    args.rank, args.world_size = rank, world
+    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    args.padded_vocab_size = 128
+    return args
+
+
+def _worker(rank: int, world: int, layout_path: str) -> dict:
+    import torch
+    import pretrain_gpt as stock
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.global_vars import set_args
+
+    from megatron_hexiseq.errors import HexiSeqError
+    from megatron_hexiseq.megatron import plugin
+    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+    from megatron_hexiseq.megatron.rope import LayoutRotaryEmbedding
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    out: dict = {"errors": []}
+    # start-up checks reject wrong runs (each before any collective, identically on every rank)
+    for change, drop in ((["--seq-length", "96", "--max-position-embeddings", "96"], []),
+                         ([], ["--calculate-per-token-loss"])):
+        argv = [a for a in ARGV if a not in drop] + ["--hexiseq-layout", layout_path] + change
+        args = _parse(argv, rank, world)
+        try:
+            plugin.setup(args, None, cp_group=object())
+        except HexiSeqError as e:
+            out["errors"].append(str(e))
+    args = _parse(ARGV + ["--hexiseq-layout", layout_path], rank, world)
+    set_args(args)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=args.context_parallel_size)
+    provider = plugin.model_provider(stock.model_provider, stock.gpt_builder, stock)
+    model = provider(pre_process=True, post_process=True, config=None,
+                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    out["hexiseq_layers"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
+    out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)
+    out["tokens"] = stock.get_batch_on_this_cp_rank({"tokens": torch.arange(48).view(1, 48)})["tokens"][0].tolist()
+    mpu.destroy_model_parallel()
+    return out
+
+
+def test_real_megatron_lm_args_model_provider_and_batch(tmp_path):
+    sys.path.insert(0, MEGATRON_LM)
+    try:
+        import pretrain_gpt  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Megatron-LM's pretrain_gpt does not import here: {e}")
+    path = tmp_path / "layout.json"
+    LAYOUT.save(path)
+    results = run_ranks(_worker, 4, str(path), timeout_s=600)
+    for rank, res in enumerate(results):
+        assert res["hexiseq_layers"] == 4 and res["rope"]
+        assert res["tokens"] == LAYOUT.ranks[rank].positions()
+        assert "planned for seq_length 48 but --seq-length is 96" in res["errors"][0]
+        assert "add --calculate-per-token-loss" in res["errors"][1]
