@@ -1,7 +1,8 @@
 """Layer (b): the ragged all-to-all autograd collective, and byte counting of HexiSeq attention.
 
 One 4-rank gloo spawn runs everything: ``uneven_all_to_all`` forward/backward vs the expected
-permutation of values (and identity for a size-1 group), then attention on hand-made layouts with a
+permutation of values (and identity for a size-1 group), the benchmark baselines (plain even Ulysses
+and zig-zag ring) vs the oracle, then attention on hand-made layouts with a
 ``CommStats`` counter: causally hidden tokens are never sent (a group earlier than another receives no
 K/V from it), receivers get exactly the K/V heads they need, and backward returns as many dK/dV bytes
 as forward sent. Outputs/gradients are also checked against the single-process oracle.
@@ -13,6 +14,8 @@ import torch.distributed as dist
 
 from megatron_hexiseq.attention import CommStats, build_hexiseq_groups, hexiseq_attn_func, reference_attention
 from megatron_hexiseq.attention.comm import uneven_all_to_all
+from megatron_hexiseq.attention.ring import ring_attn_func
+from megatron_hexiseq.attention.ulysses import ulysses_attn_func
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.testing import run_ranks
 
@@ -62,8 +65,35 @@ def _plain(stats: CommStats) -> dict:
             "blocks": dict(stats.blocks)}
 
 
+def _check_baselines(rank: int, world: int) -> None:
+    """The benchmark's plain even Ulysses and zig-zag ring are exact too (fwd + bwd, GQA)."""
+    S, H, G = 32, 8, 4
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(S, B, n, D, generator=gen, dtype=torch.float64, requires_grad=True) for n in (H, G, G))
+    dout = torch.randn(S, B, H * D, generator=gen, dtype=torch.float64)
+    ref = reference_attention(q, k, v)
+    ref.backward(dout)
+    c = S // (2 * world)
+    splits = {"ulysses": torch.arange(rank * 2 * c, (rank + 1) * 2 * c),
+              "ring": torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                                 torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])}
+    for name, pos in splits.items():
+        for kernel in ("reference", "sdpa"):
+            if name == "ulysses" and kernel == "reference":
+                continue  # Ulysses always runs torch's SDPA
+            ql, kl, vl = (x.detach()[pos].clone().requires_grad_() for x in (q, k, v))
+            if name == "ulysses":
+                out = ulysses_attn_func(ql, kl, vl, group=dist.group.WORLD)
+            else:
+                out = ring_attn_func(ql, kl, vl, group=dist.group.WORLD, kernel=kernel)
+            out.backward(dout[pos])
+            for got, want in zip((out, ql.grad, kl.grad, vl.grad), (ref.detach(), q.grad, k.grad, v.grad)):
+                torch.testing.assert_close(got, want[pos], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
 def _worker(rank: int, world: int) -> list[dict]:
     _check_all_to_all(rank, world)
+    _check_baselines(rank, world)
     # layout A: group 0 = ranks 0,1 holds the LATE tokens [8, 16); group 1 = ranks 2,3 the early [0, 8).
     # H=8, G=4 (2 query heads per K/V head): rank0 heads 0,1 (kv 0); rank1 heads 2-7 (kv 1,2,3);
     # rank2 heads 0-3 (kv 0,1); rank3 heads 4-7 (kv 2,3).
