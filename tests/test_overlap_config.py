@@ -137,6 +137,15 @@ def test_configure_from_args_applies_a_saved_result(tmp_path):
     assert written["cp"] == nccl_yaml_dict(GPU_CONFIG)["cp"]           # ours wins
 
 
+def test_configure_from_args_warns_when_groups_already_exist(tmp_path, monkeypatch):
+    from megatron.core import parallel_state
+
+    save_result(TuneResult(config=GPU_CONFIG), tmp_path / "r.json")
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="--high-priority-stream-groups cp"):
+        megatron_hooks.configure_from_args(_megatron_args(hexiseq_overlap_config=str(tmp_path / "r.json")))
+
+
 def test_configure_from_args_cpu_result_and_errors(tmp_path):
     save_result(_result(), tmp_path / "r.json")
     args = _megatron_args(hexiseq_overlap_config=str(tmp_path / "r.json"))

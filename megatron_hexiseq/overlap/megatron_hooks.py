@@ -7,7 +7,8 @@ Megatron parsed its arguments and before the model and DDP are built:
   ``args.ddp_bucket_size`` (parameters), ``args.hexiseq_comm_chunks``,
   ``args.high_priority_stream_groups`` and, when the result has NCCL options, write
   ``PATH.nccl.yaml`` (merged over a YAML the user already passed; ours wins per group) and point
-  ``args.nccl_communicator_config_path`` at it.
+  ``args.nccl_communicator_config_path`` at it. NCCL options only act if this runs before
+  ``initialize_model_parallel``; when the groups exist already it warns with the flags to pass.
 * ``--hexiseq-overlap-tune``: attach an ``OnlineTuner`` as ``args.hexiseq_overlap_tuner`` over the
   knobs that can change between iterations (``comm_chunks`` when HexiSeq attention is on) and
   save its result to ``<args.save or .>/hexiseq_overlap.json`` (rank 0). The training loop feeds
@@ -63,6 +64,15 @@ def apply_config_to_args(config: OverlapConfig, args: argparse.Namespace, *, ncc
         args.nccl_communicator_config_path = nccl_yaml_path
 
 
+def _groups_exist() -> bool:
+    """Whether Megatron's process groups (and so their NCCL communicators' options) exist already."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return False
+    return bool(parallel_state.model_parallel_is_initialized())
+
+
 def result_path(args: argparse.Namespace) -> str:
     """Where ``--hexiseq-overlap-tune`` saves its result."""
     return os.path.join(getattr(args, "save", None) or ".", "hexiseq_overlap.json")
@@ -77,6 +87,12 @@ def configure_from_args(args: argparse.Namespace) -> None:
     if path:
         result = load_result(path)
         apply_config_to_args(result.config, args, nccl_yaml_path=f"{path}.nccl.yaml")
+        if result.config.nccl and _groups_exist():
+            warnings.warn(f"overlap result {path}: NCCL options (min/max CTAs, high-priority streams) only "
+                          "take effect when Megatron creates its process groups, which already happened in "
+                          f"this run; pass --nccl-communicator-config-path {path}.nccl.yaml "
+                          f"--high-priority-stream-groups {' '.join(result.config.high_priority_stream_groups) or '<none>'} "
+                          "on the command line instead")
     elif tune:
         args.hexiseq_overlap_tuner = make_online_tuner(args)
 
