@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_hexiseq.overlap.knobs import OverlapConfig, SearchSpace
 from megatron_hexiseq.overlap.monitor import DriftMonitor
 from megatron_hexiseq.overlap.results import TuneResult
-from megatron_hexiseq.overlap.search import (Levels, Trial, _broadcast, _max_over_ranks, search_steps,
+from megatron_hexiseq.overlap.search import (Levels, Trial, broadcast_from, max_trial_over_ranks, search_steps,
                                              trial_from_exposed)
 
 
@@ -56,7 +56,7 @@ class OnlineTuner:
     def _agree(self, levels: Levels | None) -> Levels | None:
         if self.group is None:
             return levels
-        return _broadcast(levels, dist.get_global_rank(self.group, self.src), self.group)
+        return broadcast_from(levels, dist.get_global_rank(self.group, self.src), self.group)
 
     def _start(self) -> None:
         self._gen = search_steps(self.space.num_levels, gallop=self.gallop) if self._leader() else None
@@ -85,7 +85,7 @@ class OnlineTuner:
         z = statistics.median(s[2] for s in self._samples)
         trial = trial_from_exposed(y, exposed, z, hidden_tol=self.hidden_tol)
         if self.group is not None:
-            trial = _max_over_ranks(trial, self.group)
+            trial = max_trial_over_ranks(trial, self.group)
         self._advance(trial)
 
     def _advance(self, trial: Trial) -> None:
@@ -99,7 +99,7 @@ class OnlineTuner:
         if nxt is not None:
             self._set(nxt)
             return
-        result = result if self.group is None else _broadcast(result, dist.get_global_rank(self.group, self.src), self.group)
+        result = result if self.group is None else broadcast_from(result, dist.get_global_rank(self.group, self.src), self.group)
         assert result is not None
         tuned = TuneResult.from_search(self.space, result, tuned_z_us=result.trial.z_us,
                                        setup={"mode": "online", "start_z_us": result.history[0].trial.z_us})

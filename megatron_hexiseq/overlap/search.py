@@ -157,7 +157,7 @@ def _check(trial: Trial, n: int) -> None:
         raise ValueError(f"measure must return a Trial with {n} communication times, got {trial!r}")
 
 
-def _max_over_ranks(trial: Trial, group: dist.ProcessGroup) -> Trial:
+def max_trial_over_ranks(trial: Trial, group: dist.ProcessGroup) -> Trial:
     """Every time maximised over the group's ranks: a synchronous step is as slow as its slowest rank."""
     t = torch.tensor([trial.y_us, trial.z_us, *trial.x_us], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -165,7 +165,7 @@ def _max_over_ranks(trial: Trial, group: dist.ProcessGroup) -> Trial:
     return Trial(y_us=values[0], x_us=tuple(values[2:]), z_us=values[1])
 
 
-def _broadcast(obj: object, src_global: int, group: dist.ProcessGroup) -> object:
+def broadcast_from(obj: object, src_global: int, group: dist.ProcessGroup) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src_global, group=group)
     return box[0]
@@ -187,13 +187,13 @@ def distributed_priority_search(num_levels: Sequence[int], measure: Callable[[Le
     levels: Levels | None = next(gen) if leader else None
     result: SearchResult | None = None
     while True:
-        levels = _broadcast(levels, src_global, group)
+        levels = broadcast_from(levels, src_global, group)
         if levels is None:
             break
-        trial = _max_over_ranks(measure(levels), group)
+        trial = max_trial_over_ranks(measure(levels), group)
         if leader:
             try:
                 levels = gen.send(trial)
             except StopIteration as stop:
                 result, levels = stop.value, None
-    return _broadcast(result, src_global, group)
+    return broadcast_from(result, src_global, group)
