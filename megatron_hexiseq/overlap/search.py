@@ -166,6 +166,7 @@ def max_trial_over_ranks(trial: Trial, group: dist.ProcessGroup) -> Trial:
 
 
 def broadcast_from(obj: object, src_global: int, group: dist.ProcessGroup) -> object:
+    """``obj`` of global rank ``src_global`` on every rank of ``group`` (pickled; small objects only)."""
     box = [obj]
     dist.broadcast_object_list(box, src=src_global, group=group)
     return box[0]
