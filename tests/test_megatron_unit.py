@@ -97,6 +97,12 @@ def test_check_run_messages(change, message):
         check_run(_layout(), _run(**change))
 
 
+def test_check_run_rejects_ranks_without_tokens():
+    lay = _layout(segments=[[(0, 6), (40, 48)], [], [(6, 22)], [(22, 40)]])
+    with pytest.raises(HexiSeqError, match=r"layout ranks \[1\] hold no tokens"):
+        check_run(lay, _run())
+
+
 def test_device_checks():
     assert gpu_name_matches("H100", "NVIDIA H100 80GB HBM3")
     assert gpu_name_matches("A100-80GB", "NVIDIA A100-SXM4-80GB")

@@ -98,6 +98,11 @@ def check_run(layout: Layout, run: RunShape, *, source: str = "layout") -> None:
                            "--calculate-per-token-loss so every token weighs the same")
     if run.multi_latent_attention:
         raise HexiSeqError("HexiSeq attention does not support --multi-latent-attention")
+    empty = [r.rank for r in layout.ranks if r.num_tokens == 0]
+    if empty:
+        raise HexiSeqError(f"{source}: layout ranks {empty} hold no tokens (heads only); Megatron's attention "
+                           "layer cannot run an empty sequence shard (its QKV reshape fails), so every rank "
+                           "must own at least one token: re-plan, or move a segment to those ranks")
 
 
 def gpu_name_matches(planned: str, device_name: str) -> bool:

@@ -1,0 +1,117 @@
+"""Rank placement for launchers (``scripts/slurm/hexiseq.sbatch``): which process runs where.
+
+Megatron's rank order (``tp-cp-ep-dp-pp``, TP = PP = 1) gives global rank ``g`` the CP rank
+``g % CP`` and the data-parallel replica ``g // CP``; the CP rank is the layout rank. Layout rank
+``r`` must run on its planned host (``layout.ranks[r].host``, a node name of the cluster YAML =
+the scheduler's hostname) at local GPU index = its position among the layout ranks of that host
+(the cluster numbers devices node by node, local index ascending).
+
+Data-parallel replicas: the allocation's nodes are split per GPU type into ``D`` equal consecutive
+blocks (replica ``i`` takes block ``i`` of every type, file order kept). The layout is planned on
+replica 0's nodes; replica ``i`` runs it on its own nodes, node ``j`` of replica 0 -> node ``j``
+of replica ``i`` (same GPU type by construction).
+
+CLI (prints; errors are one line, exit 2)::
+
+    python -m megatron_hexiseq.megatron.launch replica0 --cluster C.yaml --data-parallel D -o C0.yaml
+    python -m megatron_hexiseq.megatron.launch ranks --layout L.json --cluster C.yaml --data-parallel D
+        -> one line per global rank: "RANK HOST LOCAL_RANK"
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import read_yaml, write_text_atomic
+from megatron_hexiseq.layout import Layout
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One process: its global rank, host and local GPU index."""
+
+    rank: int
+    host: str
+    local_rank: int
+
+
+def split_replicas(nodes: Sequence[dict[str, Any]], data_parallel: int) -> list[list[dict[str, Any]]]:
+    """Split cluster-YAML ``nodes`` into ``data_parallel`` replicas with the same mix of node types."""
+    by_type: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for node in nodes:
+        by_type.setdefault((str(node["gpu"]), int(node.get("count", 1))), []).append(node)
+    for (gpu, count), group in by_type.items():
+        if len(group) % data_parallel:
+            raise HexiSeqError(f"{len(group)} nodes of {count} x {gpu} cannot be split into {data_parallel} "
+                               f"equal data-parallel replicas; change the allocation or --data-parallel")
+    replicas: list[list[dict[str, Any]]] = []
+    for i in range(data_parallel):
+        mine = {id(n) for group in by_type.values()
+                for n in group[i * len(group) // data_parallel:(i + 1) * len(group) // data_parallel]}
+        replicas.append([n for n in nodes if id(n) in mine])
+    return replicas
+
+
+def placements(layout: Layout, nodes: Sequence[dict[str, Any]], data_parallel: int = 1) -> list[Placement]:
+    """Global rank -> (host, local rank) for ``data_parallel`` replicas of ``layout``."""
+    replicas = split_replicas(nodes, data_parallel)
+    names0 = [str(n["name"]) for n in replicas[0]]
+    counts0 = [int(n.get("count", 1)) for n in replicas[0]]
+    local: list[int] = []
+    for r in layout.ranks:
+        if r.host not in names0:
+            raise HexiSeqError(f"layout rank {r.rank} is planned on host '{r.host}', which is not among the "
+                               f"allocation's (first replica's) nodes {names0}; re-plan for this allocation")
+        j = names0.index(r.host)
+        local.append(sum(1 for q in layout.ranks[:r.rank] if q.host == r.host))
+        if local[-1] >= counts0[j]:
+            raise HexiSeqError(f"layout puts {local[-1] + 1} ranks on host '{r.host}', which has {counts0[j]} GPUs")
+    out = []
+    for i, replica in enumerate(replicas):
+        for r in layout.ranks:
+            host = str(replica[names0.index(r.host)]["name"])
+            out.append(Placement(rank=i * layout.world_size + r.rank, host=host, local_rank=local[r.rank]))
+    return out
+
+
+def _nodes(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    data = read_yaml(path, "cluster spec")
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
+        raise HexiSeqError(f"cluster spec {path} needs a non-empty 'nodes' list")
+    return data, data["nodes"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import yaml
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.megatron.launch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p0 = sub.add_parser("replica0", help="write the cluster YAML of data-parallel replica 0 (to plan on)")
+    p1 = sub.add_parser("ranks", help="print 'RANK HOST LOCAL_RANK' for every process")
+    for p in (p0, p1):
+        p.add_argument("--cluster", required=True)
+        p.add_argument("--data-parallel", type=int, default=1)
+    p0.add_argument("-o", "--output", required=True)
+    p1.add_argument("--layout", required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.data_parallel < 1:
+            raise HexiSeqError(f"--data-parallel must be >= 1, got {args.data_parallel}")
+        data, nodes = _nodes(args.cluster)
+        if args.command == "replica0":
+            first = {**data, "nodes": split_replicas(nodes, args.data_parallel)[0]}
+            write_text_atomic(args.output, yaml.safe_dump(first, sort_keys=False))
+        else:
+            for p in placements(Layout.load(args.layout), nodes, args.data_parallel):
+                print(p.rank, p.host, p.local_rank)
+    except HexiSeqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""SLURM launcher, layer (a): ``scripts/slurm/hexiseq.sbatch`` in DRY_RUN mode with stand-ins.
+
+Stand-in ``scontrol`` (``show hostnames a,b`` -> one host per line) and ``srun`` (fails: a dry run
+must launch nothing) on PATH; the real ``megatron-hexiseq`` plans/validates. Checks the printed
+commands: host derivation, plan/validate, one srun per host (het group, nodelist) and every rank's
+environment (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/CUDA_DEVICE_MAX_CONNECTIONS) with
+rank -> host as the layout says, plus the rank table for data-parallel replicas.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hexiseq.layout import Layout, make_layout
+from megatron_hexiseq.megatron.launch import Placement, placements, split_replicas
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "scripts" / "slurm" / "hexiseq.sbatch"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+
+
+@pytest.fixture
+def stand_ins(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] || exit 1\n'
+                                      "tr ',' '\\n' <<< \"$3\"\n")
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "srun called in a dry run: $*" >&2\nexit 1\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    venv_bin = str(Path(sys.executable).parent)
+    return {"PATH": f"{bin_dir}:{venv_bin}:{os.environ['PATH']}", "PYTHON": sys.executable,
+            "DRY_RUN": "1", "SLURM_JOB_ID": "42", "WORKDIR": str(tmp_path / "wd")}
+
+
+def _run(env: dict, *args: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full.update(env)
+    return subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=full, timeout=300)
+
+
+def _rank_lines(out: str) -> dict[int, tuple[str, dict[str, str], str]]:
+    """'+ [host] env K=V ... CMD' -> {rank: (host, env, cmd)}."""
+    ranks = {}
+    for m in re.finditer(r"^\+ \[(\S+)\] env ((?:\w+=\S+ )+)(.*)$", out, re.M):
+        env = dict(kv.split("=", 1) for kv in m.group(2).split())
+        ranks[int(env["RANK"])] = (m.group(1), env, m.group(3))
+    return ranks
+
+
+def test_het_job_with_given_layout(stand_ins, tmp_path):
+    layout = make_layout(seq_length=64, num_attention_heads=8, num_query_groups=2, group_sizes=[2, 2],
+                         segments=[[(0, 20)], [(20, 40)], [(40, 52)], [(52, 64)]],
+                         heads=[[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]],
+                         hosts=["fast0", "fast0", "slow0", "slow0"],
+                         gpus=["H100-SXM-80GB"] * 2 + ["A100-SXM-80GB"] * 2)
+    layout.save(tmp_path / "layout.json")
+    env = {**stand_ins, "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "fast0",
+           "SLURM_JOB_NODELIST_HET_GROUP_1": "slow0", "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB",
+           "GPUS_PER_NODE": "2", "LAYOUT": str(tmp_path / "layout.json"), "MASTER_PORT": "6001"}
+    res = _run(env, "--num-layers", "2", "--micro-batch-size", "1")
+    assert res.returncode == 0, res.stderr + res.stdout
+    out = res.stdout
+    assert "+ scontrol show hostnames fast0" in out and "+ scontrol show hostnames slow0" in out
+    assert f"validate {tmp_path}/layout.json --cluster" in out
+    sruns = re.findall(r"^\+ srun (.*)$", out, re.M)
+    assert len(sruns) == 2
+    assert "--het-group=0 --nodes=1 --ntasks=1 --nodelist=fast0" in sruns[0]
+    assert "--het-group=1 --nodes=1 --ntasks=1 --nodelist=slow0" in sruns[1]
+    ranks = _rank_lines(out)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for r, (host, renv, cmd) in ranks.items():
+        assert host == layout.ranks[r].host
+        assert renv == {"RANK": str(r), "LOCAL_RANK": str(r % 2), "WORLD_SIZE": "4", "MASTER_ADDR": "fast0",
+                        "MASTER_PORT": "6001", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        assert cmd.startswith(f"{sys.executable} -m megatron_hexiseq.pretrain_gpt --context-parallel-size 4 "
+                              "--cp-comm-type hexiseq --calculate-per-token-loss --seq-length 64 "
+                              f"--hexiseq-layout {tmp_path}/layout.json")
+        assert cmd.endswith("--num-layers 2 --micro-batch-size 1")
+
+
+def test_het_job_plans_a_layout(stand_ins, tmp_path):
+    env = {**stand_ins, "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "fast0",
+           "SLURM_JOB_NODELIST_HET_GROUP_1": "slow0,slow1", "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB",
+           "GPUS_PER_NODE": "2", "MODEL_CONFIG": str(ROOT / "examples" / "models" / "gpt-tiny-gqa.yaml"),
+           "SEQ_LENGTH": "4096", "PLAN_ARGS": "--time-limit 2 --reproducible", "ENTRY": "patched",
+           "MEGATRON_LM": "/opt/Megatron-LM"}
+    res = _run(env)
+    assert res.returncode == 0, res.stderr + res.stdout
+    wd = Path(env["WORKDIR"])
+    assert re.search(r"^\+ megatron-hexiseq plan --cluster \S+/cluster-replica0.yaml --model-config \S+ "
+                     r"--seq-length 4096 --data-parallel-size 1 -o \S+/layout.json --time-limit 2", res.stdout, re.M)
+    layout = Layout.load(wd / "layout.json")
+    ranks = _rank_lines(res.stdout)
+    assert sorted(ranks) == list(range(layout.world_size)) == list(range(6))
+    for r, (host, renv, cmd) in ranks.items():
+        assert host == layout.ranks[r].host and renv["MASTER_ADDR"] == layout.ranks[0].host
+        assert cmd.startswith(f"{sys.executable} /opt/Megatron-LM/pretrain_gpt.py --context-parallel-size 6 ")
+
+
+def test_plain_job_data_parallel_rank_table(stand_ins, tmp_path):
+    layout = make_layout(seq_length=32, num_attention_heads=4, num_query_groups=4, group_sizes=[1, 1],
+                         segments=[[(0, 20)], [(20, 32)]], heads=[[0, 1, 2, 3]] * 2,
+                         hosts=["h0", "a0"], gpus=["H100-SXM-80GB", "A100-SXM-80GB"])
+    layout.save(tmp_path / "layout.json")
+    env = {**stand_ins, "SLURM_JOB_NODELIST": "h0,a0,h1,a1", "GPUS_PER_NODE": "1", "DATA_PARALLEL": "2",
+           "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB H100-SXM-80GB A100-SXM-80GB",
+           "LAYOUT": str(tmp_path / "layout.json")}
+    res = _run(env)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "--het-group" not in res.stdout
+    hosts = {r: h for r, (h, _, cmd) in _rank_lines(res.stdout).items()}
+    assert hosts == {0: "h0", 1: "a0", 2: "h1", 3: "a1"}  # replica 1 = the second node of each type
+    assert "--context-parallel-size 2 " in res.stdout
+
+
+def test_missing_gpu_types_is_one_clear_error(stand_ins):
+    res = _run({**stand_ins, "SLURM_JOB_NODELIST": "n0"})
+    assert res.returncode == 2 and res.stderr.strip().startswith("error: set GPU_TYPES")
+
+
+def test_placements_unit():
+    nodes = [{"name": n, "gpu": g, "count": 2} for n, g in
+             (("h0", "H100"), ("h1", "H100"), ("a0", "A100"), ("a1", "A100"))]
+    assert [[n["name"] for n in rep] for rep in split_replicas(nodes, 2)] == [["h0", "a0"], ["h1", "a1"]]
+    layout = make_layout(seq_length=16, num_attention_heads=2, num_query_groups=2, group_sizes=[3],
+                         segments=[[(0, 8)], [(8, 12)], [(12, 16)]], heads=[[0], [1], []],
+                         hosts=["a0", "h0", "h0"])
+    got = placements(layout, nodes, 2)
+    assert got == [Placement(0, "a0", 0), Placement(1, "h0", 0), Placement(2, "h0", 1),
+                   Placement(3, "a1", 0), Placement(4, "h1", 0), Placement(5, "h1", 1)]
+    from megatron_hexiseq.errors import HexiSeqError
+    with pytest.raises(HexiSeqError, match="cannot be split into 3 equal"):
+        split_replicas(nodes, 3)
+    with pytest.raises(HexiSeqError, match="host 'x9', which is not among"):
+        placements(make_layout(seq_length=4, num_attention_heads=1, num_query_groups=1, group_sizes=[1],
+                               segments=[[(0, 4)]], heads=[[0]], hosts=["x9"]), nodes)
