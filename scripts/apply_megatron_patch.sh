@@ -25,5 +25,5 @@ git apply "$PATCH"
 echo "patched $DIR/pretrain_gpt.py with $PATCH:"
 git apply --stat "$PATCH" | sed 's/^/  /'
 echo "  + import of megatron_hexiseq.megatron.plugin"
-echo "  + pretrain(model_provider=hexiseq.model_provider(...), extra_args_provider=hexiseq.extra_args_provider(...))"
+echo "  + pretrain(hexiseq.model_provider(...), ..., hexiseq.forward_step(forward_step), ..., extra_args_provider=hexiseq.extra_args_provider(...))"
 echo "undo with: git -C $DIR apply --reverse $PATCH"

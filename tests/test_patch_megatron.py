@@ -1,8 +1,8 @@
 """The Megatron-LM patch and its apply script, layer (a): no processes.
 
 CI has no Megatron-LM checkout, so this checks what it can: the patch parses (``git apply
---stat``), touches only ``pretrain_gpt.py``, its added lines are exactly the two hook calls and
-the imports, and the context lines are those of core_v0.16.1's ``pretrain_gpt.py`` (blob
+--stat``), touches only ``pretrain_gpt.py``, its added lines are exactly the three hook calls
+and the imports, and the context lines are those of core_v0.16.1's ``pretrain_gpt.py`` (blob
 8eff08d2); the apply script patches a file made of those context lines, says what it did, is
 idempotent and refuses a different file. With ``MEGATRON_LM`` set to a core_v0.16.1 checkout,
 ``git apply --check`` runs against the real file too (see docs/megatron.md for how the patch was
@@ -45,9 +45,10 @@ def test_patch_touches_only_pretrain_gpt_and_adds_the_hooks():
         "import sys",
         "from megatron_hexiseq.megatron import plugin as hexiseq  # megatron-hexiseq: --hexiseq-* flags, layout hooks",
         "hexiseq.model_provider(model_provider, gpt_builder, sys.modules[__name__]),",
+        "hexiseq.forward_step(forward_step),",
         "extra_args_provider=hexiseq.extra_args_provider(add_modelopt_args if has_nvidia_modelopt else None),",
     ]
-    assert removed == ["partial(model_provider, gpt_builder),",
+    assert removed == ["partial(model_provider, gpt_builder),", "forward_step,",
                        "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"]
 
 

@@ -68,6 +68,8 @@ class HexiSeqCoreAttention(MegatronModule):
                           "dropout); set --attention-dropout 0 to silence this", stacklevel=2)
         self.layer_number = max(1, layer_number)
         self.runtime = runtime
+        # the overlap tuner's chunking knob; may change between iterations (plugin.set_comm_chunks)
+        self.comm_chunks = runtime.comm_chunks
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
@@ -94,4 +96,4 @@ class HexiSeqCoreAttention(MegatronModule):
         assert query.size(0) == self.runtime.num_tokens, (query.shape, self.runtime.num_tokens)
         return hexiseq_attn_func(query, key, value, groups=self.runtime.groups,
                                  softmax_scale=self.softmax_scale, kernel=self.runtime.kernel,
-                                 comm_chunks=self.runtime.comm_chunks)
+                                 comm_chunks=self.comm_chunks)

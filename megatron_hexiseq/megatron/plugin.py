@@ -1,21 +1,25 @@
 """The functions both ways of running Megatron-LM's ``pretrain_gpt.py`` end in.
 
 1. ``patches/megatron-lm-core_v0.16.1.patch`` makes ``pretrain_gpt.py`` pass
-   ``plugin.model_provider(model_provider, gpt_builder, <its module>)`` and
-   ``plugin.extra_args_provider(<its own provider>)`` to ``pretrain``;
+   ``plugin.model_provider(model_provider, gpt_builder, <its module>)``,
+   ``plugin.forward_step(forward_step)`` and ``plugin.extra_args_provider(<its own provider>)``
+   to ``pretrain``;
 2. ``python -m megatron_hexiseq.pretrain_gpt <Megatron args>`` imports the unpatched
-   ``pretrain_gpt`` module and calls ``run_pretrain(module)``, which passes the same two.
+   ``pretrain_gpt`` module and calls ``run_pretrain(module)``, which passes the same three.
 
 Order of events inside Megatron's ``pretrain``:
-``parse_args(extra_args_provider)`` (our ``--hexiseq-*`` flags) -> ``validate_args`` ->
-``initialize_model_parallel`` (CP size = layout world size) -> ``get_model`` calls our model
-provider, whose FIRST call (on every rank) runs ``setup``: overlap hook
-(``megatron_hexiseq.overlap.megatron_hooks.configure_from_args``; may change
-``args.ddp_bucket_size`` etc. before DDP is built), layout load + start-up checks + groups
-(``build_runtime``, collective), and replaces ``pretrain_gpt.get_batch_on_this_cp_rank`` with the
-layout's slicer. Every call then builds the GPT through ``build_gpt_model``: the stock layer spec
-with ``HexiSeqCoreAttention`` swapped in, and RoPE at this rank's global positions.
-Without ``--hexiseq-layout`` everything is stock Megatron.
+``parse_args(extra_args_provider)``: our ``--hexiseq-*`` flags; right after argparse has parsed,
+a post-parse hook on that parser calls the overlap tuner's
+``megatron_hexiseq.overlap.megatron_hooks.configure_from_args(args)`` (before ``validate_args``
+and before the process groups exist, so bucket size and NCCL options take effect) ->
+``validate_args`` -> ``initialize_model_parallel`` (CP size = layout world size) -> ``get_model``
+calls our model provider, whose FIRST call (on every rank) runs ``setup``: layout load + start-up
+checks + groups (``build_runtime``, collective), and replaces
+``pretrain_gpt.get_batch_on_this_cp_rank`` with the layout's slicer. Every call builds the GPT
+through ``build_gpt_model``: the stock layer spec with ``HexiSeqCoreAttention`` swapped in, RoPE at
+this rank's global positions. During training our ``forward_step`` wrapper pushes a changed
+``args.hexiseq_comm_chunks`` (online overlap tuning) into the core-attention modules and feeds the
+online tuner. Without ``--hexiseq-layout`` everything is stock Megatron.
 """
 from __future__ import annotations
 
@@ -35,12 +39,33 @@ OVERLAP_HOOKS = "megatron_hexiseq.overlap.megatron_hooks"
 
 def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
                         ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """Megatron ``extra_args_provider`` adding the ``--hexiseq-*`` flags, then ``chain``'s flags."""
-    return partial(add_hexiseq_args, chain=chain)
+    """Megatron ``extra_args_provider``: the ``--hexiseq-*`` flags, ``chain``'s flags, post-parse hook."""
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = add_hexiseq_args(parser, chain=chain)
+        _after_parse(parser, configure_overlap)
+        return parser
+
+    return provider
+
+
+def _after_parse(parser: argparse.ArgumentParser, hook: Callable[[argparse.Namespace], None]) -> None:
+    """Run ``hook(args)`` whenever this parser instance finishes parsing (``parse_args`` and
+    ``parse_known_args`` both go through ``parse_known_args``)."""
+    parse_known_args = parser.parse_known_args
+
+    def parse_and_hook(*args: Any, **kwargs: Any) -> tuple[argparse.Namespace, list[str]]:
+        namespace, rest = parse_known_args(*args, **kwargs)
+        hook(namespace)
+        return namespace, rest
+
+    parser.parse_known_args = parse_and_hook  # type: ignore[method-assign]
 
 
 def configure_overlap(args: argparse.Namespace) -> None:
-    """Call the overlap tuner's ``configure_from_args(args)`` (before the model and DDP exist)."""
+    """Call the overlap tuner's ``configure_from_args(args)`` once (before the model and DDP exist)."""
+    if getattr(args, "hexiseq_overlap_configured", False):
+        return
+    args.hexiseq_overlap_configured = True
     hs = HexiSeqArgs.from_namespace(args)
     try:
         hooks = importlib.import_module(OVERLAP_HOOKS)
@@ -68,8 +93,8 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
     from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
     from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
 
-    configure_overlap(args)
-    hs = HexiSeqArgs.from_namespace(args)  # re-read: the overlap hook may set --hexiseq-comm-chunks
+    configure_overlap(args)  # no-op when the post-parse hook ran already
+    hs = HexiSeqArgs.from_namespace(args)  # after it: the overlap hook may set --hexiseq-comm-chunks
     if not hs.enabled:
         if CP_COMM_TYPE in _cp_comm_types(args):
             raise HexiSeqError(f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH "
@@ -186,8 +211,67 @@ def model_provider(model_provider_fn: Callable, gpt_builder: Callable, pretrain_
     return HexiSeqModelProvider(model_provider_fn, gpt_builder, pretrain_module, **kwargs)
 
 
+def set_comm_chunks(model: Any, comm_chunks: int) -> int:
+    """Set the chunking knob of every ``HexiSeqCoreAttention`` in ``model`` (a module or a list of
+    model chunks); returns how many modules changed."""
+    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+
+    changed = 0
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for module in chunk.modules():
+            if isinstance(module, HexiSeqCoreAttention) and module.comm_chunks != comm_chunks:
+                module.comm_chunks = comm_chunks
+                changed += 1
+    return changed
+
+
+class HexiSeqForwardStep:
+    """Megatron ``forward_step_func`` wrapper: applies ``args.hexiseq_comm_chunks`` to the model when
+    it changed (online overlap tuning) and, with ``--hexiseq-overlap-tune``, times iterations for
+    the tuner (``megatron_hooks.wrap_forward_step``). Otherwise it calls ``forward_step`` as is."""
+
+    def __init__(self, forward_step: Callable, *, get_args: Callable[[], argparse.Namespace] | None = None,
+                 num_microbatches: Callable[[], int] | None = None) -> None:
+        self.forward_step = forward_step
+        self._get_args = get_args
+        self._num_microbatches = num_microbatches
+        self._inner: Callable | None = None
+        self._comm_chunks: int | None = None
+
+    def _setup(self, args: argparse.Namespace) -> Callable:
+        tuner = getattr(args, "hexiseq_overlap_tuner", None)
+        if tuner is None:
+            return self.forward_step
+        from megatron_hexiseq.overlap.megatron_hooks import wrap_forward_step
+
+        if self._num_microbatches is None:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+            self._num_microbatches = get_num_microbatches
+        return wrap_forward_step(self.forward_step, tuner, self._num_microbatches())
+
+    def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._get_args is None:
+            from megatron.training import get_args
+
+            self._get_args = get_args
+        margs = self._get_args()
+        if self._inner is None:
+            self._inner = self._setup(margs)
+        chunks = getattr(margs, "hexiseq_comm_chunks", None)
+        if chunks is not None and chunks != self._comm_chunks:
+            set_comm_chunks(model, chunks)
+            self._comm_chunks = chunks
+        return self._inner(data_iterator, model, *args, **kwargs)
+
+
+def forward_step(stock_forward_step: Callable, **kwargs: Any) -> HexiSeqForwardStep:
+    """What ``pretrain_gpt.py`` passes to ``pretrain`` instead of ``forward_step``."""
+    return HexiSeqForwardStep(stock_forward_step, **kwargs)
+
+
 def run_pretrain(stock: ModuleType) -> None:
-    """``pretrain_gpt.py``'s ``__main__`` block (core_v0.16.1) with the two HexiSeq hooks."""
+    """``pretrain_gpt.py``'s ``__main__`` block (core_v0.16.1) with the three HexiSeq hooks."""
     import time
 
     from megatron.core.enums import ModelType
@@ -207,7 +291,7 @@ def run_pretrain(stock: ModuleType) -> None:
         stock.train_valid_test_datasets_provider,
         model_provider(stock.model_provider, stock.gpt_builder, stock),
         ModelType.encoder_or_decoder,
-        stock.forward_step,
+        forward_step(stock.forward_step),
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
         extra_args_provider=extra_args_provider(modelopt),
         store=store,

@@ -1,0 +1,171 @@
+"""Megatron plugin glue: layer (a) (flags provider, overlap hook, forward-step wrapper, imports
+without TE/Apex) and layer (b) (the model provider on 4 gloo ranks with stand-ins for Megatron-LM's
+``model_provider``/``gpt_builders``; its model's per-token loss equals the single-process model's).
+The same path against a real Megatron-LM checkout: tests/test_megatron_lm.py.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import make_layout
+from megatron_hexiseq.megatron import plugin
+from megatron_hexiseq.megatron.train_cpu import TrainConfig, reference_rank_many
+from megatron_hexiseq.testing import run_ranks
+
+LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
+                     segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
+                     heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))])
+CFG = TrainConfig(layout=LAYOUT, steps=1)
+
+
+# ---- layer (a) -------------------------------------------------------------------------------
+def test_package_imports_without_te_or_apex():
+    code = ("import sys\n"
+            "for m in ('transformer_engine', 'apex', 'flash_attn'): sys.modules[m] = None\n"
+            "import megatron_hexiseq.megatron.plugin, megatron_hexiseq.megatron.spec, "
+            "megatron_hexiseq.megatron.train_cpu, megatron_hexiseq.megatron.launch, megatron_hexiseq.pretrain_gpt\n"
+            "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_post_parse_hook_configures_overlap_once(monkeypatch):
+    calls = []
+    hooks = types.ModuleType(plugin.OVERLAP_HOOKS)
+    hooks.configure_from_args = lambda args: calls.append(args.hexiseq_overlap_config)
+    monkeypatch.setitem(sys.modules, plugin.OVERLAP_HOOKS, hooks)
+    parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
+    args = parser.parse_args(["--hexiseq-overlap-config", "tune.json"])
+    assert calls == ["tune.json"] and args.hexiseq_overlap_configured
+    plugin.configure_overlap(args)  # setup() calls it again: no second application
+    assert calls == ["tune.json"]
+
+
+def test_overlap_flags_without_the_overlap_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, plugin.OVERLAP_HOOKS, None)  # import fails like a missing module
+    parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
+    parser.parse_args([])  # no overlap flags: fine
+    with pytest.raises(HexiSeqError, match="--hexiseq-overlap-tune/--hexiseq-overlap-config need"):
+        parser.parse_args(["--hexiseq-overlap-tune"])
+
+
+def test_cp_comm_type_hexiseq_needs_a_layout():
+    args = argparse.Namespace(cp_comm_type=["hexiseq"], hexiseq_overlap_configured=True)
+    with pytest.raises(HexiSeqError, match="--cp-comm-type hexiseq needs --hexiseq-layout"):
+        plugin.setup(args, None)
+    assert plugin.setup(argparse.Namespace(cp_comm_type=["p2p"], hexiseq_overlap_configured=True), None) is None
+
+
+def test_forward_step_wrapper_pushes_comm_chunks_and_feeds_tuner():
+    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+
+    cores = [HexiSeqCoreAttention.__new__(HexiSeqCoreAttention) for _ in range(3)]
+    model = torch.nn.Module()
+    for i, c in enumerate(cores):
+        torch.nn.Module.__init__(c)
+        c.comm_chunks = 1
+        model.add_module(f"core{i}", c)
+    args = argparse.Namespace(hexiseq_comm_chunks=1, hexiseq_overlap_tuner=None)
+    seen = []
+    step = plugin.forward_step(lambda it, m: seen.append([c.comm_chunks for c in cores]) or "out",
+                               get_args=lambda: args)
+    assert step(None, model) == "out"
+    args.hexiseq_comm_chunks = 4  # the online tuner applied a new value
+    step(None, [model])
+    assert seen == [[1, 1, 1], [4, 4, 4]]
+    steps = []
+    tuner = types.SimpleNamespace(on_step=lambda *a: steps.append(a), space=types.SimpleNamespace(ladders=[0]))
+    args2 = argparse.Namespace(hexiseq_comm_chunks=None, hexiseq_overlap_tuner=tuner)
+    wrapped = plugin.forward_step(lambda it, m: "x", get_args=lambda: args2, num_microbatches=lambda: 2)
+    for _ in range(6):
+        assert wrapped(None, model) == "x"
+    assert len(steps) == 2  # iterations = pairs of micro-batches; the first has no predecessor
+
+
+# ---- layer (b) -------------------------------------------------------------------------------
+def _get_transformer_layer_spec(use_te, config):  # stands in for gpt_builders._get_transformer_layer_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    assert not use_te
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _stock_gpt_builder(*args, **kwargs):  # the stock builder: must not be called with a layout
+    raise AssertionError("stock gpt_builder called although --hexiseq-layout is set")
+
+
+def _stock_model_provider(builder, pre_process=True, post_process=True, vp_stage=None, config=None,
+                          pg_collection=None):  # Megatron-LM's model_provider(model_builder, ...)
+    return builder(_ARGS[0], pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection)
+
+
+_ARGS: list = []
+
+
+def _megatron_args(layout_path: str, **changes) -> argparse.Namespace:
+    parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
+    args = parser.parse_args(["--hexiseq-layout", layout_path, "--hexiseq-kernel", "reference"])
+    vars(args).update(dict(
+        world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
+        seq_length=48, num_attention_heads=8, num_query_groups=2, group_query_attention=True,
+        cp_comm_type=["hexiseq"], calculate_per_token_loss=True, create_attention_mask_in_dataloader=False,
+        use_legacy_models=False, spec=None, transformer_impl="local", num_experts=None, padded_vocab_size=128,
+        max_position_embeddings=48, fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False))
+    vars(args).update(changes)
+    return args
+
+
+def _plugin_worker(rank: int, world: int, layout_path: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+    from megatron_hexiseq.megatron.loss import per_token_loss
+    from megatron_hexiseq.megatron.rope import LayoutRotaryEmbedding
+    from megatron_hexiseq.megatron.train_cpu import make_batch
+
+    out: dict = {}
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4)
+    try:  # a start-up mismatch: the run expects 8 processes, 4 joined
+        plugin.setup(_megatron_args(layout_path, world_size=8), None)
+    except HexiSeqError as e:
+        out["error"] = str(e)
+    _ARGS[:] = [_megatron_args(layout_path)]
+    pretrain_module = types.ModuleType("pretrain_gpt_standin")
+    provider = plugin.model_provider(_stock_model_provider, _stock_gpt_builder, pretrain_module,
+                                     get_args=lambda: _ARGS[0])
+    torch.manual_seed(CFG.seed)  # the reference's weights
+    model = provider(pre_process=True, post_process=True, config=CFG.model.transformer_config(context_parallel_size=4),
+                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    out["cores"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
+    out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)
+    batch = pretrain_module.get_batch_on_this_cp_rank(make_batch(CFG, 0, 0))
+    logits_losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_sum, n = per_token_loss(logits_losses, batch["loss_mask"])
+    both = torch.stack([loss_sum.detach(), n.float()])
+    dist.all_reduce(both)
+    out["loss"] = float(both[0] / both[1])
+    mpu.destroy_model_parallel()
+    return out
+
+
+def test_model_provider_on_gloo_matches_reference(tmp_path):
+    pytest.importorskip("megatron_hexiseq.attention.hexiseq")
+    path = tmp_path / "layout.json"
+    LAYOUT.save(path)
+    results = run_ranks(_plugin_worker, 4, str(path), timeout_s=600)
+    ref = run_ranks(reference_rank_many, 1, [CFG], timeout_s=600)[0][0]
+    for res in results:
+        assert "4 processes joined but the run expects 8" in res["error"]
+        assert res["cores"] == 4 and res["rope"]
+        assert res["loss"] == pytest.approx(ref.losses[0], rel=1e-5)
