@@ -252,3 +252,11 @@ def test_core_attention_rejects_unsupported():
     bad = TinyGPT(num_attention_heads=4, num_query_groups=2).transformer_config()
     with pytest.raises(HexiSeqError, match="model has 4 heads"):
         HexiSeqCoreAttention(**{**kw, "config": bad})
+
+
+def test_docs_list_every_flag():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "megatron.md").read_text()
+    missing = [f for f in flag_names() if f"`{f}" not in text]
+    assert not missing, f"docs/megatron.md does not document {missing}"
