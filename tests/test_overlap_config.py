@@ -239,3 +239,19 @@ def test_tune_command_from_result_writes_nccl_yaml(tmp_path, capsys):
     assert main(["tune", "--from-result", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["tune", "--world-size", "1"]) == 2
+
+
+def test_wrap_forward_step_times_iterations(monkeypatch):
+    space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),))
+    applied = []
+    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2)
+    clock = iter(float(t) for t in range(0, 1000, 1))
+    monkeypatch.setattr(megatron_hooks.time, "perf_counter", lambda: next(clock))
+    seen = []
+    step = megatron_hooks.wrap_forward_step(lambda it, model: seen.append(it) or "out", tuner, num_microbatches=2)
+    for i in range(12):  # 2 micro-batches per iteration: the clock is read on every 1st one only
+        assert step(i, None) == "out"
+    assert seen == list(range(12))
+    # iterations take 1 s whatever the configuration: chunks=2 does not help -> back to 1, done
+    assert applied == [1, 2, 1] and not tuner.tuning
+    assert [s.decision for s in tuner.results[0].trials] == ["start", "reject-slower"]
