@@ -77,6 +77,12 @@ def test_gallop_exact_sequence():
     assert result.levels == (7,)
 
 
+def test_gallop_clipped_at_the_top_does_not_repeat_a_trial():
+    measure, calls = lagom_cost(lambda l: 10 + l[0], ([100, 90, 80, 70, 75],))
+    result = priority_search((5,), measure, gallop=True)
+    assert calls == [(0,), (1,), (3,), (4,)] and result.levels == (3,)
+
+
 def test_measure_contract_is_checked():
     with pytest.raises(ValueError, match="communication times"):
         priority_search((2, 2), lambda levels: Trial(1.0, (1.0,), 1.0))

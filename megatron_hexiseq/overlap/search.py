@@ -110,7 +110,7 @@ def search_steps(num_levels: Sequence[int], *, gallop: bool = False
         saved_us = current.x_us[j] - trial.x_us[j]
         if saved_us <= 0 or trial.z_us >= current.z_us:
             history.append(Step(candidate, trial, j, "reject-slower" if saved_us <= 0 else "reject-no-gain"))
-            if step[j] > 1:
+            if candidate[j] - levels[j] > 1:
                 step[j] = 1  # overshot while galloping: retry one level up from the accepted level
             else:
                 done[j] = True
