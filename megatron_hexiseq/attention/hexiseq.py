@@ -43,6 +43,8 @@ def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: He
     """[s, B, H_all, D], [s, B, G_all, D] x2 -> [S, B, H, D], [S, B, G, D] x2 (see module docstring)."""
     s, B, H_all, D = q_sBHD.shape
     G_all = k_sBGD.shape[2]
+    if groups.a2a_group is None:  # a group of one rank: my tokens (sorted) are the group sequence
+        return q_sBHD, k_sBGD, v_sBGD
     members = _members(groups)
     me = groups.layout.ranks[groups.rank]
     H, G = len(me.heads), len(groups.layout.kv_heads(groups.rank))
@@ -75,8 +77,10 @@ def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
                     stats: CommStats | None = None) -> Tensor:
     """[S, B, H, D] (my heads, group tokens) -> [s, B, H_all * D] (all heads, my tokens)."""
     _, B, H, D = out_SBHD.shape
-    members = _members(groups)
     s = groups.layout.ranks[groups.rank].num_tokens
+    if groups.a2a_group is None:  # a group of one rank holds every head of its own tokens
+        return out_SBHD.reshape(s, B, num_heads * D)
+    members = _members(groups)
     send = [sj * B * H * D for _, sj, _, _ in members]
     recv = [s * B * len(hi) * D for _, _, hi, _ in members]
     rows = {j: [] for j, _, _, _ in members}  # member j's tokens = these rows of the group sequence

@@ -49,7 +49,7 @@ class _Ctx:
     scale: float
     kernel: str
     stats: CommStats | None
-    q_pos_S: Tensor
+    q_pos_S: Tensor | None       # positions of my group sequence; only built when a block is partial
     kv_of_head_H: Tensor | None  # None when query head i reads K/V head i (no GQA expansion)
 
 
@@ -71,18 +71,23 @@ def _select_heads(x: Tensor, dim: int, heads: tuple[int, ...], total: int) -> Te
     return x.index_select(dim, _index(heads, x))
 
 
-def _gather_kv2(kv2_SBGD: Tensor, runs: tuple[Run, ...], heads: tuple[int, ...]) -> Tensor:
-    """[2, S, B, G, D] -> [2, T, B, h, D]: the tokens of ``runs`` and the K/V heads ``heads``."""
-    rows = [kv2_SBGD[:, s:e] for s, e, _ in runs]
-    rows_TBGD = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-    return _select_heads(rows_TBGD, 3, heads, kv2_SBGD.shape[3]).contiguous()
+def _gather_kv2(k_SBGD: Tensor, v_SBGD: Tensor, runs: tuple[Run, ...], heads: tuple[int, ...]) -> Tensor:
+    """[S, B, G, D] x2 -> one send buffer [2, T, B, h, D]: the tokens of ``runs``, K/V heads ``heads``."""
+    _, B, G, D = k_SBGD.shape
+    buf = k_SBGD.new_empty(2, runs_num_tokens(runs), B, len(heads), D)
+    off = 0
+    for s, e, _ in runs:
+        for i, x_SBGD in enumerate((k_SBGD, v_SBGD)):
+            buf[i, off:off + e - s] = _select_heads(x_SBGD[s:e], 2, heads, G)
+        off += e - s
+    return buf
 
 
-def _post_kv(c: _Ctx, step: RankStep, kv2_SBGD: Tensor, kind: str) -> tuple[list, list[Tensor], list[Tensor]]:
+def _post_kv(c: _Ctx, step: RankStep, k_SBGD: Tensor, v_SBGD: Tensor, kind: str) -> tuple[list, list[Tensor], list[Tensor]]:
     """Post the K/V exchange of one step. Returns (works, send buffers, receive buffers)."""
-    B, D = kv2_SBGD.shape[2], kv2_SBGD.shape[4]
-    sends = [(c.groups.global_rank(x.dst), _gather_kv2(kv2_SBGD, x.runs, x.src_heads)) for x in step.sends]
-    recvs = [(c.groups.global_rank(x.src), kv2_SBGD.new_empty(2, x.num_tokens, B, len(x.dst_heads), D))
+    B, D = k_SBGD.shape[1], k_SBGD.shape[3]
+    sends = [(c.groups.global_rank(x.dst), _gather_kv2(k_SBGD, v_SBGD, x.runs, x.src_heads)) for x in step.sends]
+    recvs = [(c.groups.global_rank(x.src), k_SBGD.new_empty(2, x.num_tokens, B, len(x.dst_heads), D))
              for x in step.recvs]
     if c.stats is not None:
         for x, (_, t) in zip(step.sends, sends):
@@ -139,9 +144,8 @@ def _block_backward(c: _Ctx, step: RankStep, dout_SBHD: Tensor, q_SBHD: Tensor, 
 
 def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> tuple[Tensor, Tensor]:
     """Returns ``out [S, B, H, D]`` and ``lse [S, B, H]`` in the accumulation dtype."""
-    kv2_SBGD = torch.stack([k_SBGD, v_SBGD])
     steps = c.sched.steps
-    kv_next = _post_kv(c, steps[0], kv2_SBGD, "kv") if steps else None
+    kv_next = _post_kv(c, steps[0], k_SBGD, v_SBGD, "kv") if steps else None
     out_SBHD, lse_SBH = block_forward(q_SBHD, k_SBGD, v_SBGD, mask_ST=None, causal=True, kv_of_head_H=c.kv_of_head_H,
                                       scale=c.scale, kernel=c.kernel)
     if c.stats is not None:
@@ -149,7 +153,7 @@ def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> 
     for i, step in enumerate(steps):
         wait_all(kv_next[0])
         kv_cur = kv_next
-        kv_next = _post_kv(c, steps[i + 1], kv2_SBGD, "kv") if i + 1 < len(steps) else None
+        kv_next = _post_kv(c, steps[i + 1], k_SBGD, v_SBGD, "kv") if i + 1 < len(steps) else None
         if step.computes:
             _block_forward(c, step, q_SBHD, _assemble_kv2(step, kv_cur[2], k_SBGD.shape[2]), out_SBHD, lse_SBH)
             if c.stats is not None:
@@ -179,10 +183,14 @@ def _post_dkv(c: _Ctx, step: RankStep, dkv2_TBGD: Tensor | None, like: Tensor) -
 def _add_dkv(dkv2_SBGD: Tensor, step: RankStep, bufs: list[Tensor]) -> None:
     """Holder side: add received dK/dV pieces into my group-sequence dK/dV, in place."""
     for x, buf in zip(step.sends, bufs):
-        heads = _index(x.src_heads, buf)
+        every_head = x.src_heads == tuple(range(dkv2_SBGD.shape[3]))
+        heads = None if every_head else _index(x.src_heads, buf)
         off = 0
         for s, e, _ in x.runs:
-            dkv2_SBGD[:, s:e].index_add_(3, heads, buf[:, off:off + e - s])
+            if every_head:
+                dkv2_SBGD[:, s:e] += buf[:, off:off + e - s]
+            else:
+                dkv2_SBGD[:, s:e].index_add_(3, heads, buf[:, off:off + e - s])
             off += e - s
 
 
@@ -191,9 +199,8 @@ def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor,
     """Returns dq ``[S, B, H, D]``, dk, dv ``[S, B, G, D]`` in the accumulation dtype."""
     acc = acc_dtype(q_SBHD.dtype)
     delta_SBH = (dout_SBHD.to(acc) * out_SBHD).sum(-1)
-    kv2_SBGD = torch.stack([k_SBGD, v_SBGD])
     steps = c.sched.steps
-    kv_next = _post_kv(c, steps[0], kv2_SBGD, "kv_bwd") if steps else None
+    kv_next = _post_kv(c, steps[0], k_SBGD, v_SBGD, "kv_bwd") if steps else None
     dq_SBHD, dk_SBGD, dv_SBGD = block_backward(dout_SBHD, q_SBHD, k_SBGD, v_SBGD, out_SBHD, lse_SBH, delta_SBH,
                                                mask_ST=None, causal=True, kv_of_head_H=c.kv_of_head_H,
                                                scale=c.scale, kernel=c.kernel)
@@ -202,7 +209,7 @@ def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor,
     for i, step in enumerate(steps):
         wait_all(kv_next[0])
         kv_cur = kv_next
-        kv_next = _post_kv(c, steps[i + 1], kv2_SBGD, "kv_bwd") if i + 1 < len(steps) else None
+        kv_next = _post_kv(c, steps[i + 1], k_SBGD, v_SBGD, "kv_bwd") if i + 1 < len(steps) else None
         dkv2_TBGD = None
         if step.computes:
             kv2_TBGD = _assemble_kv2(step, kv_cur[2], k_SBGD.shape[2])
@@ -248,6 +255,7 @@ def subring_attn_func(q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor, *, groups:
     assert q_SBHD.shape[0] == runs_num_tokens(sched.q_runs), (q_SBHD.shape, sched.q_runs)
     identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(sched.kv_heads) == len(sched.heads)
     c = _Ctx(sched=sched, groups=groups, scale=scale, kernel=kernel, stats=stats,
-             q_pos_S=positions(sched.q_runs, q_SBHD),
+             q_pos_S=positions(sched.q_runs, q_SBHD) if any(b > a for a, b in (st.rows for st in sched.steps))
+             else None,
              kv_of_head_H=None if identity else _index(sched.kv_of_head, q_SBHD))
     return _SubRingAttention.apply(q_SBHD, k_SBGD, v_SBGD, c)
