@@ -233,27 +233,27 @@ def train_reference(cfg: TrainConfig) -> TrainResult:
 
 
 def _train_reference(cfg: TrainConfig) -> TrainResult:
-    if True:
-        model = build_gpt(cfg)
-        initial = ({n: p.detach().clone() for n, p in model.named_parameters()}
-                   if cfg.return_params else None)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        losses, times, grads = [], [], None
-        for step in range(cfg.steps):
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            parts = [make_batch(cfg, step, r) for r in range(cfg.data_parallel)]
-            batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-            out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
-            (loss_sum / num_tokens).backward()
-            if step == 0 and cfg.return_grads:
-                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            opt.step()
-            times.append(time.perf_counter() - start)
-            losses.append(float(loss_sum.detach() / num_tokens))
-        final = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
-        return TrainResult(losses, times, grads, final, initial)
+    """Body of ``train_reference`` (model-parallel state initialised, CUDA shim active)."""
+    model = build_gpt(cfg)
+    initial = ({n: p.detach().clone() for n, p in model.named_parameters()}
+               if cfg.return_params else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    losses, times, grads = [], [], None
+    for step in range(cfg.steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        parts = [make_batch(cfg, step, r) for r in range(cfg.data_parallel)]
+        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
+        (loss_sum / num_tokens).backward()
+        if step == 0 and cfg.return_grads:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss_sum.detach() / num_tokens))
+    final = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
+    return TrainResult(losses, times, grads, final, initial)
 
 
 def reference_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
