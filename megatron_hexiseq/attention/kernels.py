@@ -20,7 +20,9 @@ Kernels (explicit argument ``kernel``):
 - ``"reference"``: matmul + mask + logsumexp in pure PyTorch, any dtype, any device (the oracle).
 - ``"sdpa"``: PyTorch's fused flash kernel for CPU
   (``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, which take the
-  final ``out``/``logsumexp``); on CUDA ``aten._scaled_dot_product_efficient_attention``.
+  final ``out``/``logsumexp``). CPU tensors only: the CUDA fused ops (efficient/flash attention
+  with LSE) are not wired yet because they could not be validated without a GPU; on CUDA use
+  ``"reference"`` (a clear error says so).
 """
 from __future__ import annotations
 
@@ -57,6 +59,12 @@ def _reduce_kv(dx_BHTD: Tensor, kv_of_head_H: Tensor | None, num_kv: int) -> Ten
     return out.index_add_(2, kv_of_head_H, dx_TBHD)
 
 
+def _check_cpu(x: Tensor) -> None:
+    if x.device.type != "cpu":
+        raise ValueError(f"attention kernel 'sdpa' runs on CPU tensors only (got {x.device.type}); "
+                         "use kernel='reference' on this device")
+
+
 # ---- forward ----------------------------------------------------------------------------------
 def _causal_mask(q_SBHD: Tensor, k_TBGD: Tensor) -> Tensor:
     S, T = q_SBHD.shape[0], k_TBGD.shape[0]
@@ -76,6 +84,7 @@ def block_forward(q_SBHD: Tensor, k_TBGD: Tensor, v_TBGD: Tensor, *, mask_ST: Te
         mask_ST = _causal_mask(q_SBHD, k_TBGD) if causal else mask_ST
         return _reference_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale)
     if kernel == "sdpa":
+        _check_cpu(q_SBHD)
         return _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale, causal)
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
 
@@ -107,14 +116,8 @@ def _sdpa_forward(q_SBHD, k_TBGD, v_TBGD, mask_ST, kv_of_head_H, scale, causal):
     k_BHTD = _expand_kv(k_TBGD, kv_of_head_H).contiguous()
     v_BHTD = _expand_kv(v_TBGD, kv_of_head_H).contiguous()
     bias_ST = _float_mask(mask_ST, q_BHSD)
-    if q_BHSD.device.type == "cpu":
-        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHSD, k_BHTD, v_BHTD, 0.0, causal, attn_mask=bias_ST, scale=scale)
-    else:
-        bias = None if bias_ST is None else bias_ST.expand(q_BHSD.shape[0], q_BHSD.shape[1], *bias_ST.shape)
-        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q_BHSD, k_BHTD, v_BHTD, bias, True, 0.0, causal, scale=scale)[:2]
-        lse_BHS = lse_BHS[..., : q_BHSD.shape[2]]  # the CUDA kernel pads LSE rows
+    out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_BHSD, k_BHTD, v_BHTD, 0.0, causal, attn_mask=bias_ST, scale=scale)
     lse_BHS = lse_BHS.to(acc)
     if mask_ST is not None:  # the fused kernels report lse 0 for rows with no visible key
         lse_BHS = lse_BHS.masked_fill(~mask_ST.any(dim=1), float("-inf"))
@@ -136,6 +139,7 @@ def block_backward(dout_SBHD: Tensor, q_SBHD: Tensor, k_TBGD: Tensor, v_TBGD: Te
         return _reference_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, lse_SBH, delta_SBH, mask_ST,
                                    kv_of_head_H, scale)
     if kernel == "sdpa":
+        _check_cpu(q_SBHD)
         return _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST,
                               kv_of_head_H, scale, causal)
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
@@ -170,19 +174,9 @@ def _sdpa_backward(dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, mask_ST
     do_BHSD = dout_SBHD.permute(1, 2, 0, 3).to(q_SBHD.dtype).contiguous()
     o_BHSD = out_SBHD.permute(1, 2, 0, 3).to(q_SBHD.dtype).contiguous()
     bias_ST = _float_mask(mask_ST, q_BHSD)
-    if q_BHSD.device.type == "cpu":
-        lse_BHS = lse_SBH.permute(1, 2, 0).to(torch.promote_types(q_SBHD.dtype, torch.float32)).contiguous()
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, 0.0, causal, attn_mask=bias_ST, scale=scale)
-    else:
-        B, H, S, _ = q_BHSD.shape
-        lse_pad = lse_SBH.new_zeros(B, H, (S + 31) // 32 * 32, dtype=torch.float32)
-        lse_pad[..., :S] = lse_SBH.permute(1, 2, 0)
-        bias = None if bias_ST is None else bias_ST.expand(B, H, *bias_ST.shape)
-        seed = torch.zeros((), dtype=torch.int64, device=q_BHSD.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do_BHSD, q_BHSD, k_BHTD, v_BHTD, bias, o_BHSD, lse_pad, seed, seed, 0.0,
-            [True, True, True, False], causal, scale=scale)[:3]
+    lse_BHS = lse_SBH.permute(1, 2, 0).to(acc).contiguous()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, 0.0, causal, attn_mask=bias_ST, scale=scale)
     return (dq.permute(2, 0, 1, 3).to(acc), _reduce_kv(dk.to(acc), kv_of_head_H, num_kv),
             _reduce_kv(dv.to(acc), kv_of_head_H, num_kv))
 
