@@ -4,8 +4,11 @@ Runs on an initialised default process group (torchrun, or the CPU testbed's spa
 All ranks measure compute *at the same time*, so ranks that share a core (the CPU testbed) or a
 power/thermal budget see the speed they will see in training. Measurements:
 
-- matmul throughput (GPU: BF16; CPU: float32, the dtype the CPU testbed trains in);
-- causal attention forward+backward throughput (same dtype, PyTorch SDPA);
+- matmul throughput (GPU: BF16; CPU: float32, the dtype the CPU testbed trains in); with a model
+  given, the throughput of that model's own layer (linear layers + norms + activation), which is
+  how the cost model is calibrated for it;
+- causal attention forward+backward throughput (same dtype, PyTorch SDPA; the model's head shape
+  when a model is given);
 - bandwidth of every pair of ranks (one pair at a time, ping-pong of ``message_bytes``);
 - the all-to-all bandwidth of all ranks together;
 - memory capacity (GPU: free memory; CPU: the configured budget).
@@ -37,6 +40,8 @@ class ProfileOptions:
     repeats: int = 5
     memory_gib: float | None = None  # CPU budget; GPU uses free memory when None
     node_names: Sequence[str] | None = None  # logical node of each rank (CPU testbed); else hostname
+    model: Any = None  # a ModelSpec: measure with the model's own layer shapes (calibration)
+    layer_tokens: int = 1024
 
 
 def _timed_rate(work: Callable[[], None], work_units: float, seconds: float) -> float:
@@ -64,9 +69,47 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, opts: Profile
     return _timed_rate(work, 2.0 * n**3, opts.seconds_per_test)
 
 
+def measure_layer_flops(model: Any, device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
+    """Achieved FLOP/s of one transformer layer's non-attention work with the model's own shapes.
+
+    Runs forward+backward of the layer's linear layers (QKV, projection, MLP with SwiGLU if set)
+    plus its norms and activation on ``layer_tokens`` tokens, and divides the layer's share of
+    :func:`megatron_hexiseq.costmodel.linear_flops_per_token` by the time: elementwise work and
+    small-matrix inefficiency are folded into the rate, which is what the cost model then uses.
+    """
+    import torch.nn.functional as F
+
+    h, a, g, d, f = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.kv_channels, \
+        model.ffn_hidden_size
+    m = 2 if model.swiglu else 1
+    T = opts.layer_tokens
+    mk = lambda i, o: (torch.randn(i, o, device=device, dtype=dtype) / i**0.5).requires_grad_()  # noqa: E731
+    w_qkv, w_proj, w_fc1, w_fc2 = mk(h, (a + 2 * g) * d), mk(a * d, h), mk(h, f * m), mk(f, h)
+    x = torch.randn(T, h, device=device, dtype=dtype, requires_grad=True)
+
+    def work() -> None:
+        y = F.rms_norm(x, (h,))
+        qkv = y @ w_qkv
+        z = x + qkv[:, : a * d] @ w_proj
+        u = F.rms_norm(z, (h,)) @ w_fc1
+        u = F.silu(u[:, :f]) * u[:, f:] if model.swiglu else F.gelu(u)
+        out = z + u @ w_fc2
+        out.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    flops_per_token = 6 * (h * (a + 2 * g) * d + a * d * h + h * f * m + f * h)
+    return _timed_rate(work, flops_per_token * T, opts.seconds_per_test)
+
+
 def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
-    """Causal attention fwd+bwd FLOP/s counting only visible (q, k) pairs: 4*d fwd, 8*d bwd per pair-head."""
+    """Causal attention fwd+bwd FLOP/s counting only visible (q, k) pairs: 4*d fwd, 8*d bwd per pair-head.
+
+    With ``opts.model`` the model's heads and head size are used (sequence capped at 2048).
+    """
     s, h, d = opts.attention_seq, opts.attention_heads, opts.head_dim
+    if opts.model is not None:
+        s, h, d = min(opts.model.seq_length, 2048), opts.model.num_attention_heads, opts.model.kv_channels
     q = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
@@ -139,7 +182,8 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
 
     say("matmul throughput (all ranks at once)")
     dist.barrier()
-    mm = measure_matmul_flops(device, dtype, opts)
+    mm = (measure_layer_flops(opts.model, device, dtype, opts) if opts.model is not None
+          else measure_matmul_flops(device, dtype, opts))
     say("attention throughput (all ranks at once)")
     dist.barrier()
     attn = measure_attention_flops(device, dtype, opts)
@@ -160,8 +204,9 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
     dist.all_gather_object(everyone, mine)
     if rank != 0:
         return None
-    raw = {"ranks": everyone, "options": opts.__dict__ | {"node_names": list(opts.node_names or [])},
-           "world_size": world}
+    raw = {"ranks": everyone, "world_size": world,
+           "options": opts.__dict__ | {"node_names": list(opts.node_names or []),
+                                       "model": opts.model.to_dict() if opts.model is not None else None}}
     return cluster_spec_from_measurements(everyone), raw
 
 
@@ -195,12 +240,17 @@ def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "
         inter = statistics.mean(outside) if outside else intra
         type_name = f"{members[0]['device']}-{node}".replace(" ", "-")
         gpus[type_name] = {
-            "bf16_tflops": round(statistics.mean(r["matmul_flops"] for r in members) / 1e12, 6),
-            "attention_tflops": round(statistics.mean(r["attention_flops"] for r in members) / 1e12, 6),
-            "memory_gib": round(min(r["memory_gib"] for r in members), 3),
-            "nvlink_GBps": round(intra / 1e9, 4),
+            "bf16_tflops": _sig(statistics.mean(r["matmul_flops"] for r in members) / 1e12),
+            "attention_tflops": _sig(statistics.mean(r["attention_flops"] for r in members) / 1e12),
+            "memory_gib": _sig(min(r["memory_gib"] for r in members)),
+            "nvlink_GBps": _sig(intra / 1e9),
             "efficiency": 1.0,
         }
         nodes.append({"name": node, "gpu": type_name, "count": len(members),
-                      "nvlink_GBps": round(intra / 1e9, 4), "network_GBps": round(inter / 1e9, 4)})
+                      "nvlink_GBps": _sig(intra / 1e9), "network_GBps": _sig(inter / 1e9)})
     return {"name": name, "gpus": gpus, "nodes": nodes}
+
+
+def _sig(x: float, digits: int = 6) -> float:
+    """``x`` to ``digits`` significant digits (CPU rates are tiny in TFLOP/s)."""
+    return float(f"{x:.{digits}g}")

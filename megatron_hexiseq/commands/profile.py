@@ -12,6 +12,8 @@ EXAMPLES = """examples:
   torchrun --nnodes 2 --nproc-per-node 8 -m megatron_hexiseq.cli profile -o cluster.yaml
   # the heterogeneous CPU testbed: rank 0 alone on a core, ranks 1-2 sharing the next core
   megatron-hexiseq profile --testbed 1+2 --memory-gib 4 -o results/cluster.yaml
+  # calibrated for one model: its own layer shapes instead of a square matmul
+  megatron-hexiseq profile --testbed 1+2 --model-config examples/models/cpu-demo.yaml -o results/cluster.yaml
 """
 
 
@@ -25,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="memory budget per rank on CPU (default 4)")
     p.add_argument("--name", default=None, help="cluster name in the spec (default: profiled-<shape or world>)")
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per compute measurement (default 0.5)")
+    p.add_argument("--model", default=None, help="calibrate with this preset's layer shapes (see `plan --model`)")
+    p.add_argument("--model-config", default=None, help="calibrate with the layer shapes of this model YAML")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=run)
 
@@ -45,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
         raise HexiSeqError(f"--seconds must be positive, got {args.seconds}")
     if args.memory_gib is not None and args.memory_gib <= 0:
         raise HexiSeqError(f"--memory-gib must be positive, got {args.memory_gib}")
-    opts = ProfileOptions(seconds_per_test=args.seconds, memory_gib=args.memory_gib)
+    model = None
+    if args.model or args.model_config:
+        from megatron_hexiseq.model import get_model
+
+        model = get_model(args.model, config_path=args.model_config)
+    opts = ProfileOptions(seconds_per_test=args.seconds, memory_gib=args.memory_gib, model=model)
     if args.testbed is not None:
         spec, raw = profile_testbed(args.testbed, opts, quiet=args.quiet)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -1,0 +1,224 @@
+"""The main job on the heterogeneous CPU testbed: train with the best symmetric layout and with
+the HexiSeq layout, measure both, compare with the cost model, check the losses agree.
+
+``python -m megatron_hexiseq.demo --cluster C.yaml --layout L.json --model-config M.yaml
+--testbed 1+2`` (``scripts/demo.sh`` runs ``profile`` and ``plan`` first to make C and L).
+
+The best symmetric layout is rebuilt from the planner's own baseline list (the feasible one with
+the lowest predicted time), so both runs use the same cost model, cluster and model. Both runs
+start from the same weights and see the same data; attention is exact, so their losses must agree
+to floating-point reordering (checked: relative 1e-4 at every step).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
+
+LOSS_RTOL = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """One training run on the testbed."""
+
+    name: str
+    layout: Layout
+    losses: list[float]
+    step_times_s: list[list[float]]  # [rank][step]
+    predicted_step_s: float
+    warmup: int
+
+    @property
+    def measured_step_s(self) -> float:
+        """Median over measured steps of the slowest rank's step time."""
+        steps = range(self.warmup, len(self.losses))
+        return statistics.median(max(t[s] for t in self.step_times_s) for s in steps)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.seq_length / self.measured_step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "losses": self.losses, "step_times_s": self.step_times_s,
+            "measured_step_s": self.measured_step_s, "predicted_step_s": self.predicted_step_s,
+            "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.layout.seq_length / self.predicted_step_s,
+            "prediction_error": self.predicted_step_s / self.measured_step_s - 1.0,
+            "per_rank_tokens": [r.num_tokens for r in self.layout.ranks],
+            "per_rank_heads": [len(r.heads) for r in self.layout.ranks],
+            "groups": [list(g.ranks) for g in self.layout.groups],
+        }
+
+
+def tiny_gpt_from_spec(model: Any):
+    """The CPU driver's model description from a ModelSpec (Megatron field names)."""
+    from megatron_hexiseq.megatron.train_cpu import TinyGPT
+
+    if model.kv_channels * model.num_attention_heads != model.hidden_size:
+        raise HexiSeqError(f"model {model.name}: the CPU driver needs kv_channels * heads == hidden_size")
+    return TinyGPT(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                   num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+                   ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, swiglu=model.swiglu,
+                   normalization=model.normalization)
+
+
+def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, Layout]:
+    """The feasible symmetric baseline with the lowest predicted time, as (label, layout)."""
+    from megatron_hexiseq.costmodel import estimate
+    from megatron_hexiseq.planner.baselines import baseline_layouts
+
+    best = None
+    for b in baseline_layouts(cluster, model, model.seq_length):
+        if b.layout is None:
+            continue
+        est = estimate(b.layout, cluster, model, options)
+        if est.feasible and (best is None or est.iteration_time_s < best[0]):
+            best = (est.iteration_time_s, b.label, b.layout)
+    if best is None:
+        raise HexiSeqError("no symmetric layout fits in memory on this testbed; raise --memory-gib")
+    return best[1], best[2]
+
+
+def train_on_testbed(layout: Layout, model: Any, shape: str, *, steps: int, kernel: str = "sdpa",
+                     cpu_sets: list[list[int]] | None = None) -> tuple[list[float], list[list[float]]]:
+    """Train ``steps`` steps with the layout on pinned testbed ranks: (losses, step times per rank)."""
+    from megatron_hexiseq.megatron.train_cpu import TrainConfig, train_rank
+    from megatron_hexiseq.testbed import TestbedShape
+    from megatron_hexiseq.testbed import cpu_sets as make_sets
+    from megatron_hexiseq.testing import run_ranks
+
+    tb = TestbedShape.parse(shape)
+    if tb.world_size != layout.world_size:
+        raise HexiSeqError(f"layout has {layout.world_size} ranks but testbed {shape} has {tb.world_size}")
+    cfg = TrainConfig(model=tiny_gpt_from_spec(model), layout=layout, steps=steps, kernel=kernel,
+                      bucket_size=None, lr=1e-3)
+    results = run_ranks(train_rank, layout.world_size, cfg, cpu_sets=cpu_sets or make_sets(tb))
+    return results[0].losses, [r.step_times_s for r in results]
+
+
+def compare(cluster: Any, model: Any, options: Any, hexiseq: Layout, shape: str, *, steps: int, warmup: int,
+            kernel: str = "sdpa") -> dict[str, Any]:
+    """Train with the best symmetric layout and with ``hexiseq``; return the comparison record."""
+    from megatron_hexiseq.costmodel import estimate
+
+    sym_label, sym = best_symmetric_layout(cluster, model, options)
+    runs = []
+    for name, lay in ((f"symmetric:{sym_label}", sym), ("hexiseq", hexiseq)):
+        losses, times = train_on_testbed(lay, model, shape, steps=steps, kernel=kernel)
+        pred = estimate(lay, cluster, model, options).iteration_time_s
+        runs.append(RunSummary(name=name, layout=lay, losses=losses, step_times_s=times,
+                               predicted_step_s=pred, warmup=warmup))
+    s, h = runs
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(s.losses, h.losses))
+    return {
+        "testbed": shape, "cluster": cluster.name, "model": model.name, "seq_length": model.seq_length,
+        "steps": steps, "warmup": warmup, "kernel": kernel,
+        "symmetric": s.to_dict(), "hexiseq": h.to_dict(),
+        "speedup_measured": s.measured_step_s / h.measured_step_s,
+        "speedup_predicted": s.predicted_step_s / h.predicted_step_s,
+        "loss_max_rel_diff": worst, "losses_agree": worst <= LOSS_RTOL,
+    }
+
+
+def print_table(rec: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"CPU testbed {rec['testbed']}: {rec['model']}, {rec['seq_length']} tokens, "
+                    f"{rec['steps']} steps ({rec['warmup']} warm-up)")
+    for col in ("layout", "tokens/rank", "heads/rank", "measured tok/s", "predicted tok/s", "pred. error",
+                "final loss"):
+        t.add_column(col, justify="right" if col != "layout" else "left")
+    for key in ("symmetric", "hexiseq"):
+        r = rec[key]
+        t.add_row(r["name"], ",".join(map(str, r["per_rank_tokens"])), ",".join(map(str, r["per_rank_heads"])),
+                  f"{r['tokens_per_s']:.0f}", f"{r['predicted_tokens_per_s']:.0f}",
+                  f"{100 * r['prediction_error']:+.1f}%", f"{r['losses'][-1]:.6f}")
+    con = Console()
+    con.print(t)
+    con.print(f"speedup measured {rec['speedup_measured']:.2f}x, predicted {rec['speedup_predicted']:.2f}x; "
+              f"losses agree: {rec['losses_agree']} (max rel diff {rec['loss_max_rel_diff']:.1e})")
+
+
+def plot(rec: dict[str, Any], path: str) -> None:
+    """Per-rank step time (measured median vs predicted) for both layouts, and the loss curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    w = 0.38
+    for i, key in enumerate(("symmetric", "hexiseq")):
+        r = rec[key]
+        per_rank = [statistics.median(t[rec["warmup"]:]) for t in r["step_times_s"]]
+        xs = [x + (i - 0.5) * w for x in range(len(per_rank))]
+        ax1.bar(xs, per_rank, w, label=f"{r['name']} (measured)")
+        ax1.hlines(r["predicted_step_s"], xs[0] - w / 2, xs[-1] + w / 2, colors=f"C{i}", linestyles="dashed",
+                   label=f"{r['name']} (predicted step)")
+        ax2.plot(r["losses"], label=r["name"], linestyle="-" if i == 0 else "--")
+    ax1.set_xlabel("rank")
+    ax1.set_ylabel("step time (s), median after warm-up")
+    ax1.set_title(f"speedup {rec['speedup_measured']:.2f}x measured, {rec['speedup_predicted']:.2f}x predicted")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("per-token loss")
+    ax2.set_title("loss curves (must coincide)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_hexiseq.cluster import load_cluster
+    from megatron_hexiseq.costmodel import TrainOptions
+    from megatron_hexiseq.io import write_json_atomic
+    from megatron_hexiseq.model import get_model
+
+    p = argparse.ArgumentParser(prog="python -m megatron_hexiseq.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", required=True, help="cluster spec (from `megatron-hexiseq profile`)")
+    p.add_argument("--layout", required=True, help="HexiSeq layout (from `megatron-hexiseq plan`)")
+    p.add_argument("--model-config", required=True, help="model YAML used for the plan")
+    p.add_argument("--testbed", required=True, help="testbed shape used for the profile, e.g. 1+2")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--kernel", default="sdpa", choices=("sdpa", "reference"))
+    p.add_argument("-o", "--output", default="results/demo.json")
+    p.add_argument("--plot", default="results/demo.png")
+    args = p.parse_args(argv)
+    try:
+        if args.steps <= args.warmup:
+            raise HexiSeqError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+        layout = Layout.load(args.layout)
+        cluster = load_cluster(args.cluster)
+        model = get_model(config_path=args.model_config, overrides={"seq_length": layout.seq_length})
+        options = replace(TrainOptions(), **_options_from_layout(layout))
+        rec = compare(cluster, model, options, layout, args.testbed, steps=args.steps, warmup=args.warmup,
+                      kernel=args.kernel)
+    except HexiSeqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_json_atomic(args.output, rec)
+    print_table(rec)
+    if args.plot:
+        plot(rec, args.plot)
+    print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else ""))
+    return 0 if rec["losses_agree"] else 1
+
+
+def _options_from_layout(layout: Layout) -> dict[str, Any]:
+    """The TrainOptions fields the planner recorded in the layout's meta (if any)."""
+    opts = dict(layout.meta.get("options", {}))
+    keep = ("micro_batch_size", "recompute", "memory_mode", "data_parallel_size", "capacity_fraction")
+    return {k: v for k, v in opts.items() if k in keep}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
