@@ -1,12 +1,13 @@
 """Overhead of HexiSeq attention vs plain even Ulysses and plain even zig-zag ring (4 gloo ranks).
 
 Every implementation runs the same problem (full sequence S, batch B, H query heads, G K/V heads,
-head dim D, causal, float32, torch's fused CPU SDPA kernel) forward + backward, in its own fresh
-spawn of 4 processes (1 thread each). One iteration = barrier, forward, backward, barrier; its time
-is the slowest rank's. We report the median over ``--repeats`` iterations after ``--warmup``, and
-peak memory as the largest per-rank growth of resident memory (``ru_maxrss``) over the run: an
-approximation (CPU has no allocator peak counter like CUDA's). Every implementation's output is
-checked against the plain ring's before timing.
+head dim D, causal, float32, torch's fused CPU SDPA kernel) forward + backward on 4 processes
+(1 thread each). Timing: one spawn runs all implementations interleaved round-robin (so drifting
+load from other work hits them alike); one iteration = barrier, forward, backward, barrier, and its
+time is the slowest rank's; we report the median over ``--repeats`` rounds after ``--warmup``.
+Memory: a fresh spawn per implementation runs one iteration; we report the largest per-rank growth
+of peak resident memory (``ru_maxrss``): an approximation (CPU has no allocator peak counter like
+CUDA's). Every implementation's output is checked against single-device attention first.
 
 Implementations: ``ulysses`` (plain, contiguous split), ``ring`` (plain, zig-zag split),
 ``hexiseq-*`` on even layouts that reproduce them (Ulysses: 1 group of 4; ring: 4 groups of 1 on
@@ -53,13 +54,14 @@ def even_layout(S: int, H: int, G: int, group_size: int, zigzag: bool) -> Layout
 
 
 def uneven_layout(S: int, H: int, G: int) -> Layout:
-    """Groups [3, 1]: a 3-rank group with uneven tokens/heads and a single fast rank (uneven split)."""
-    c = S // 16
-    segs = [[(0, 2 * c), (13 * c, 14 * c)], [(2 * c, 4 * c), (12 * c, 13 * c)], [(4 * c, 6 * c), (11 * c, 12 * c)],
-            [(6 * c, 11 * c), (14 * c, 16 * c)]]
-    third = split_evenly(H, 3)
-    heads = [list(range(0, third[0] + 1)), list(range(third[0] + 1, H - third[2] + 1)),
-             list(range(H - third[2] + 1, H)), list(range(H))]
+    """Groups [3, 1] on the zig-zag chunks (c = S/8): rank 3 alone holds chunks 3 and 4 with every
+    head; ranks 0-2 share chunks 0-2 and 5-7 with uneven token counts (shifted by c/4) and heads
+    3/3/2 (for H=8): uneven groups, tokens and heads, roughly balanced work."""
+    c, q = S // 8, S // 32
+    segs = [[(0, c + q), (7 * c, 8 * c)], [(c + q, 2 * c), (6 * c - q, 7 * c)], [(2 * c, 3 * c), (5 * c, 6 * c - q)],
+            [(3 * c, 5 * c)]]
+    n = split_evenly(H, 3)
+    heads = [list(range(0, n[0])), list(range(n[0], n[0] + n[1])), list(range(n[0] + n[1], H)), list(range(H))]
     return make_layout(seq_length=S, num_attention_heads=H, num_query_groups=G, group_sizes=[3, 1],
                        segments=segs, heads=heads)
 
@@ -73,15 +75,13 @@ def _positions(name: str, rank: int, S: int, lay: Layout | None) -> torch.Tensor
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * WORLD - 1 - rank) * c, (2 * WORLD - rank) * c)])
 
 
-def _worker(rank: int, world: int, name: str, lay: Layout | None, comm_chunks: int, cfg: dict) -> dict:
+def _make_step(rank: int, name: str, lay: Layout | None, comm_chunks: int, q, k, v, dout):
+    """(shard positions, one fwd+bwd iteration) of one implementation on this rank."""
     from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
     from megatron_hexiseq.attention.ring import ring_attn_func
     from megatron_hexiseq.attention.ulysses import ulysses_attn_func
 
-    S, B, H, G, D = cfg["seq"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(S, B, n, D, generator=gen) for n in (H, G, G))
-    dout = torch.randn(S, B, H * D, generator=gen)
+    S = q.shape[0]
     pos = _positions(name, rank, S, lay)
     ql, kl, vl, dl = (x[pos].clone() for x in (q, k, v, dout))
     if lay is not None:
@@ -98,29 +98,54 @@ def _worker(rank: int, world: int, name: str, lay: Layout | None, comm_chunks: i
         out.backward(dl)
         return out.detach()
 
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # correctness against the plain ring's output (computed once in this process on the same shard)
-    out = step()
-    ring_ref = _ring_output_full(q, k, v, pos)
-    torch.testing.assert_close(out, ring_ref, rtol=2e-4, atol=2e-4)
-    times = []
+    return pos, step
+
+
+def _inputs(cfg: dict):
+    gen = torch.Generator().manual_seed(0)
+    S, B, H, G, D = cfg["seq"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    q, k, v = (torch.randn(S, B, n, D, generator=gen) for n in (H, G, G))
+    return q, k, v, torch.randn(S, B, H * D, generator=gen)
+
+
+def _time_worker(rank: int, world: int, runs: list, cfg: dict) -> dict:
+    """All implementations in one spawn, interleaved round-robin (fair under drifting CPU load)."""
+    q, k, v, dout = _inputs(cfg)
+    full = _full_output(q, k, v)
+    steps = {}
+    for name, lay, chunks, _ in runs:
+        pos, step = _make_step(rank, name, lay, chunks, q, k, v, dout)
+        torch.testing.assert_close(step(), full[pos], rtol=2e-4, atol=2e-4)  # exact vs single device
+        steps[name] = step
+    times = {name: [] for name in steps}
     for i in range(cfg["warmup"] + cfg["repeats"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        if i >= cfg["warmup"]:
-            times.append(time.perf_counter() - t0)
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"times_s": times, "peak_rss_growth_mib": (rss1 - rss0) / 1024}
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            if i >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
-def _ring_output_full(q, k, v, pos) -> torch.Tensor:
-    """Single-process causal attention rows ``pos`` (torch SDPA, float32), for the correctness check."""
+def _memory_worker(rank: int, world: int, run: tuple, cfg: dict) -> float:
+    """Growth of this process's peak resident memory over one iteration (MiB), fresh process."""
+    name, lay, chunks, _ = run
+    q, k, v, dout = _inputs(cfg)
+    _, step = _make_step(rank, name, lay, chunks, q, k, v, dout)
+    dist.barrier()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+
+
+def _full_output(q, k, v) -> torch.Tensor:
+    """Single-process causal attention (torch SDPA, float32), for the correctness check."""
     H, G = q.shape[2], k.shape[2]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, enable_gqa=H != G)
-    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)[pos]
+    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         ("hexiseq-usp2x2", even_layout(S, H, G, 2, zigzag=True), 1, True),
         ("hexiseq-uneven-3+1", uneven_layout(S, H, G), 1, False),
     ]
+    times = run_ranks(_time_worker, WORLD, runs, cfg)
     rows = []
     for name, lay, chunks, even in runs:
-        res = run_ranks(_worker, WORLD, name, lay, chunks, cfg)
-        per_iter = [max(r["times_s"][i] for r in res) for i in range(a.repeats)]
+        per_iter = [max(t[name][i] for t in times) for i in range(a.repeats)]
+        mem = run_ranks(_memory_worker, WORLD, (name, lay, chunks, even), cfg)
         rows.append({"impl": name, "even": even, "comm_chunks": chunks, "median_s": statistics.median(per_iter),
-                     "times_s": per_iter, "peak_rss_growth_mib": max(r["peak_rss_growth_mib"] for r in res)})
+                     "times_s": per_iter, "peak_rss_growth_mib": max(mem)})
         print(f"{name:24s} median {rows[-1]['median_s']:.3f} s", file=sys.stderr)
     best_plain = min(r["median_s"] for r in rows if r["impl"] in ("ulysses", "ring"))
     for r in rows:

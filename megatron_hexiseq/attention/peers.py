@@ -6,8 +6,8 @@ Vocabulary. A group's *sequence* is its members' tokens in position order (the r
 order: queries and keys of the local block are then causally aligned, and every received block's
 rows split into "sees nothing" / "sees some" / "sees all" ranges). After the head all-to-all,
 rank r holds, for its query heads ``H_r``, the queries of its whole group sequence, and for its K/V
-heads ``K_r`` (the query groups its heads read) the keys/values of the whole group sequence. Every group holds every query head, so every K/V
-head has at least one *holder* in every group.
+heads ``K_r`` (the query groups its heads read) the keys/values of the whole group sequence.
+Every group holds every query head, so every K/V head has at least one *holder* in every group.
 
 Sub-ring rounds. With n groups (in ``layout.groups`` order), round t = 1..n-1 sends K/V from group
 ``(g - t) mod n`` to group g (a ring over groups). Receiver r of group g needs, from source group s,

@@ -83,7 +83,8 @@ def _gather_kv2(k_SBGD: Tensor, v_SBGD: Tensor, runs: tuple[Run, ...], heads: tu
     return buf
 
 
-def _post_kv(c: _Ctx, step: RankStep, k_SBGD: Tensor, v_SBGD: Tensor, kind: str) -> tuple[list, list[Tensor], list[Tensor]]:
+def _post_kv(c: _Ctx, step: RankStep, k_SBGD: Tensor, v_SBGD: Tensor,
+             kind: str) -> tuple[list, list[Tensor], list[Tensor]]:
     """Post the K/V exchange of one step. Returns (works, send buffers, receive buffers)."""
     B, D = k_SBGD.shape[1], k_SBGD.shape[3]
     sends = [(c.groups.global_rank(x.dst), _gather_kv2(k_SBGD, v_SBGD, x.runs, x.src_heads)) for x in step.sends]
@@ -161,7 +162,8 @@ def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> 
     return out_SBHD, lse_SBH
 
 
-def _post_dkv(c: _Ctx, step: RankStep, dkv2_TBGD: Tensor | None, like: Tensor) -> tuple[list, list[Tensor], list[Tensor]]:
+def _post_dkv(c: _Ctx, step: RankStep, dkv2_TBGD: Tensor | None,
+              like: Tensor) -> tuple[list, list[Tensor], list[Tensor]]:
     """Return a block's dK/dV to the holders that sent it; receive dK/dV for the K/V I sent."""
     B, D = like.shape[2], like.shape[4]
     sends = []
