@@ -107,7 +107,8 @@ def hexiseq_attn_func(q: Tensor, k: Tensor, v: Tensor, *, groups: HexiSeqGroups,
     applied), every head. Returns ``[s_r, B, H * D]``; differentiable in q, k, v.
     ``kernel``: ``"reference"`` | ``"sdpa"`` (see ``kernels.py``). ``comm_chunks``: each sub-ring
     round's K/V is sent in this many token pieces, each a separate P2P step overlapped with the
-    previous piece's block compute (see ``peers.py``). ``stats``: optional byte/block counter.
+    previous piece's block compute (see ``peers.py``); every rank must pass the same value in a
+    given call. ``stats``: optional byte/block counter.
     """
     lay = groups.layout
     H, G = lay.num_attention_heads, lay.num_query_groups
