@@ -70,15 +70,18 @@ class _DdpScenario:
 
 class _HexiSeqScenario:
     """Context parallelism over the ranks with HexiSeq attention (two A2A groups of one rank: the
-    K/V sub-ring) + DDP over dp_cp, driven by the Megatron CPU driver (``train_cpu.train_rank``).
-    Two communications: DDP gradient reduce and HexiSeq's K/V exchange (``comm_chunks``). The
-    driver reports step times only, so trials use step time alone (``trial_from_exposed`` with y = 0).
+    K/V sub-ring) + Megatron DDP over dp_cp, per-token loss, AdamW: the steps of the Megatron CPU
+    driver (``megatron.train_cpu``), with Megatron's groups and the HexiSeq runtime built ONCE per
+    process (``train_rank`` builds them per call, ~50 gloo threads each). Two communications: DDP
+    gradient reduce and HexiSeq's K/V exchange (``comm_chunks``). The attention's waits happen
+    inside forward/backward, so trials use the step time alone (``trial_from_exposed`` with y = 0).
     """
 
     def __init__(self, opts: dict, group) -> None:
         from megatron.core import parallel_state as mpu
 
         from megatron_hexiseq.layout import make_layout
+        from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
         from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt
 
         W, S = dist.get_world_size(), opts["model"]["seq_length"]
@@ -89,24 +92,53 @@ class _HexiSeqScenario:
         h = opts["model"]["hidden_size"]
         self.model = TinyGPT(num_layers=opts["model"]["num_layers"], hidden_size=h, num_attention_heads=8,
                              num_query_groups=8, ffn_hidden_size=2 * h, vocab_size=512)
-        self.TrainConfig, self.opts = TrainConfig, opts
-        mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-        try:
-            self.num_params = sum(p.numel() for p in build_gpt(TrainConfig(model=self.model, layout=self.layout)).parameters())
-        finally:
-            mpu.destroy_model_parallel()
+        self.TrainConfig, self.build_gpt, self.opts = TrainConfig, build_gpt, opts
+        mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
+        run = RunShape(world_size=W, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                       context_parallel_size=W, seq_length=S, num_attention_heads=8, num_query_groups=8)
+        self.runtime = build_runtime(self.layout, run, cp_group=mpu.get_context_parallel_group(), kernel="sdpa")
+        self.dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
+        cfg = TrainConfig(model=self.model, layout=self.layout)
+        self.num_params = sum(p.numel() for p in build_gpt(cfg, runtime=self.runtime).parameters())
         ddp = ddp_ladder(self.num_params, min_bucket_params=max(opts["min_bucket"], self.num_params // 32))
         self.space = SearchSpace(ladders=(ddp, Ladder(name="hexiseq_attn", knob="comm_chunks", values=(1, 2, 4, 8))))
 
     def measure(self, config: OverlapConfig) -> dict:
-        from megatron_hexiseq.megatron.train_cpu import train_rank
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        from megatron_hexiseq.megatron.batch import slice_batch
+        from megatron_hexiseq.megatron.loss import per_token_loss
+        from megatron_hexiseq.megatron.train_cpu import cpu_device_shim, make_batch
 
         o = self.opts
-        cfg = self.TrainConfig(model=self.model, layout=self.layout, steps=o["warmup"] + o["steps"], kernel="sdpa",
-                               comm_chunks=config.comm_chunks, bucket_size=config.bucket_size,
-                               overlap_grad_reduce=config.overlap_grad_reduce)
-        r = train_rank(dist.get_rank(), dist.get_world_size(), cfg)
-        z = statistics.median(r.step_times_s[o["warmup"]:]) * 1e6
+        cfg = self.TrainConfig(model=self.model, layout=self.layout, kernel="sdpa", comm_chunks=config.comm_chunks,
+                               bucket_size=config.bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
+        runtime = dataclasses.replace(self.runtime, comm_chunks=config.comm_chunks)
+        model = self.build_gpt(cfg, runtime=runtime)
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=config.overlap_grad_reduce,
+                                                   bucket_size=config.bucket_size, grad_reduce_in_fp32=True)
+        with cpu_device_shim():
+            ddp = DistributedDataParallel(model.config, ddp_config, model)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr)
+        batch = slice_batch(make_batch(cfg, 0, 0), segments=runtime.segments, seq_length=self.layout.seq_length)
+        times = []
+        for step in range(o["warmup"] + o["steps"]):
+            dist.barrier(group=self.dp_cp)
+            t0 = time.perf_counter()
+            ddp.zero_grad_buffer()
+            opt.zero_grad(set_to_none=True)
+            out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
+            loss_sum.backward()
+            finalize_model_grads([ddp], num_tokens=num_tokens.clone())
+            for p in params:
+                p.grad = p.main_grad
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        z = statistics.median(times[o["warmup"]:]) * 1e6
         return {"y_us": 0.0, "exposed_us": 0.0, "z_us": z, "buckets": -1}
 
     def trial(self, v: dict):
