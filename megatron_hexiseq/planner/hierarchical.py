@@ -24,14 +24,16 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, evaluate_baselines, hosts_and_gpus
 from megatron_hexiseq.planner.build import build_layout, with_fields
-from megatron_hexiseq.planner.stage1_groups import Grouping, candidate_groupings
+from megatron_hexiseq.planner.stage1_groups import Grouping, candidate_groupings, score_grouping
 from megatron_hexiseq.planner.stage2_split import GroupCoef, Split
-from megatron_hexiseq.planner.stage3_refine import refine_group
+from megatron_hexiseq.planner.stage3_refine import integer_split, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 
 MEMORY_FLAGS = {
     "distributed_optimizer": ["--use-distributed-optimizer"],
-    "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+    # Megatron-FSDP's required set (megatron/core/distributed/fsdp README, "Required Configurations")
+    "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+             "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
 }
 RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 AUTO_MODES = (("distributed_optimizer", False), ("fsdp", False), ("distributed_optimizer", True), ("fsdp", True))
@@ -59,7 +61,11 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
     statuses: dict[str, int] = {}
     z_ns, bound_ns = 0, 0
     per_group_limit = max(0.05, time_limit_s / max(1, len(set(zip(coefs, split.units)))))
-    for members, coef, T in zip(grouping, coefs, split.units):
+    repaired = integer_split(list(coefs), sur.num_units, per_group_limit)
+    if repaired is None:
+        return [], [], {"status": "INFEASIBLE"}
+    units = repaired[1]
+    for members, coef, T in zip(grouping, coefs, units):
         sol = refine_group(coef, T, per_group_limit)
         statuses[sol.status] = statuses.get(sol.status, 0) + 1
         if sol.status == "INFEASIBLE":
@@ -71,7 +77,8 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
     # bound: CP-SAT's proven bound of Stage III for this grouping and split (the gap says how far
     # the per-rank refinement is from optimal; exact.py bounds the whole decision space)
     lower = min(bound_ns, z_ns)
-    return tokens, heads, {"status": status, "group_statuses": statuses, "surrogate_time_s": z_ns * 1e-9,
+    return tokens, heads, {"status": status, "group_statuses": statuses, "stage2_units": units,
+                           "surrogate_time_s": z_ns * 1e-9,
                            "surrogate_bound_s": lower * 1e-9,
                            "surrogate_gap": (z_ns - lower) / z_ns if z_ns else 0.0}
 
@@ -92,8 +99,13 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
     out: list[Candidate] = []
     node_of = [d.node for d in cluster.devices]
     memory_rounds = 0
+    groupings: list = []
     for round_ in range(4 + feedback_rounds):
-        groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
+        if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
+            groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
+        else:
+            rescored = [(g, *score_grouping(sur, g, node_of)) for g, _, _ in groupings]
+            groupings = [(g, c, sp) for g, c, sp in rescored if sp is not None]
         over: dict[int, int] = {}
         new: list[tuple[Candidate, list[float]]] = []
         for grouping, coefs, split in groupings:
@@ -104,7 +116,7 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
                                   num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
                                   rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
             est = score(layout)
-            info.update(group_sizes=[len(g) for g in grouping], stage2_units=list(split.units),
+            info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(split.units),
                         stage2_relaxed_s=split.z_relaxed_ns * 1e-9, round=round_,
                         granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
             cand = Candidate(layout, est, info)
@@ -123,6 +135,7 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
             for r, extra in over.items():
                 free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
             sur = sur.with_free(free)
+            groupings = []  # memory changed: form groups again
             continue
         if feedback_rounds == 0:
             break
@@ -164,18 +177,24 @@ def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
     for mode, recompute in modes:
         opts = replace(options, memory_mode=mode, recompute=recompute)
         tried.append(opts)
+        if not _may_fit(cluster, model, seq_length, opts):
+            continue  # not even the parameters + activations fit: no layout can
 
         def score(layout: Layout, _o=opts) -> Any:
             return costmodel.estimate(layout, cluster, model, _o)
 
+        t_base = time.perf_counter()
         baselines = baseline_layouts(cluster, model, seq_length)
         records = evaluate_baselines(baselines, score)
+        baselines_s = time.perf_counter() - t_base
+        t_stages = time.perf_counter()
         if method == "exact":
             from megatron_hexiseq.planner.exact import exact_candidates
 
             cands = exact_candidates(cluster, model, seq_length, opts, score, time_limit_s=time_limit_s)
         else:
             cands = planner_candidates(cluster, model, seq_length, opts, score, time_limit_s=time_limit_s, method=method)
+        stages_s = time.perf_counter() - t_stages
         feasible = [c for c in cands if c.estimate.feasible]
         best_c = min(feasible, key=lambda c: c.estimate.iteration_time_s, default=None)
         best_b = best_baseline(records)
@@ -191,6 +210,8 @@ def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
             info["note"] = f"baseline {b.label} is faster than the planner's best candidate by the cost model"
         planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
                    "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
+                   "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
+                   "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
                    "candidates_evaluated": len(cands), "stages": info}
         meta = {"cluster": cluster.name, "model": model.name, "chosen": chosen,
                 "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
@@ -200,6 +221,16 @@ def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
                             "megatron_flags": megatron_flags(opts)}}
         return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
     raise HexiSeqError(explain_infeasible(cluster, model, seq_length, tried))
+
+
+def _may_fit(cluster: Any, model: Any, seq_length: int, options: Any) -> bool:
+    """Necessary condition: the devices' free memory (after static) holds every token's activations."""
+    from megatron_hexiseq import costmodel
+
+    static = costmodel.static_memory_bytes(model, options, cluster.world_size * options.data_parallel_size)
+    act = options.micro_batch_size * costmodel.activation_bytes_per_token(model, options)
+    free = sum(max(0.0, options.capacity_fraction * d.memory_bytes - static) for d in cluster.devices)
+    return free >= seq_length * act
 
 
 def explain_infeasible(cluster: Any, model: Any, seq_length: int, tried: list[Any]) -> str:

@@ -46,6 +46,15 @@ class GroupCoef:
     num_units: int
 
     @cached_property
+    def classes(self) -> tuple[tuple[int, ...], ...]:
+        """Members with identical coefficients, grouped (they behave identically in the continuous model)."""
+        out: dict[tuple, list[int]] = {}
+        for i in range(self.size):
+            key = (self.a[i], self.b[i], self.c[i], self.e[i], self.free[i], self.mt[i], self.mh[i])
+            out.setdefault(key, []).append(i)
+        return tuple(tuple(v) for v in out.values())
+
+    @cached_property
     def cap(self) -> tuple[int, ...]:
         return tuple(f // m if m else 1 << 40 for f, m in zip(self.free, self.mt))
 
@@ -72,39 +81,45 @@ def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
     Returns (heads, token allocation).
     """
     n = g.size
-    pieces: list[tuple[float, int, float]] = []  # (slope, member, length)
+    pieces: list[tuple[float, int, float]] = []  # (slope, class, length for the whole class)
     heads0 = 0.0
     room = 0.0
-    for i in range(n):
+    classes = g.classes
+    for ci, members in enumerate(classes):
+        i, k = members[0], len(members)
         beta = g.beta(i, T)
         per = T * g.mh[i]
         a0, sa = (z / beta, g.a[i] / beta) if beta > 0 else (INF, 0.0)
         m0, sm = (g.free[i] / per, g.mt[i] / per) if per > 0 else (INF, 0.0)
         tmax = min(g.cap[i], z / g.a[i] if g.a[i] > 0 else INF)
         if tmax <= 0:
-            heads0 += max(0.0, min(a0, m0))
+            heads0 += k * max(0.0, min(a0, m0))
             continue
-        room += tmax
+        room += k * tmax
         first, second = ((a0, sa), (m0, sm)) if a0 <= m0 else ((m0, sm), (a0, sa))
-        heads0 += first[0]
+        heads0 += k * first[0]
         # the lines cross where first[0] - first[1] t == second[0] - second[1] t
         cross = (second[0] - first[0]) / (second[1] - first[1]) if second[1] > first[1] else INF
         if cross >= tmax:
-            pieces.append((first[1], i, tmax))
+            pieces.append((first[1], ci, k * tmax))
         else:
-            pieces.append((first[1], i, cross))
-            pieces.append((second[1], i, tmax - cross))
+            pieces.append((first[1], ci, k * cross))
+            pieces.append((second[1], ci, k * (tmax - cross)))
     if room < T:
         return -INF, []
     pieces.sort(key=lambda p: (p[0], p[1]))
-    t, left, heads = [0.0] * n, float(T), heads0
-    for slope, i, length in pieces:
+    per_class, left, heads = [0.0] * len(classes), float(T), heads0
+    for slope, ci, length in pieces:
         take = min(left, length)
-        t[i] += take
+        per_class[ci] += take
         heads -= slope * take
         left -= take
         if left <= 0:
             break
+    t = [0.0] * n
+    for ci, members in enumerate(classes):
+        for i in members:
+            t[i] = per_class[ci] / len(members)
     return heads, t
 
 
@@ -127,7 +142,7 @@ def group_time(g: GroupCoef, T: int) -> float:
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-6 * hi:
+        if hi - lo <= 1e-7 * hi:
             break
     return hi
 
@@ -156,24 +171,37 @@ class Split:
     z_rounded_ns: float
 
 
-def split_sequence(groups: Sequence[GroupCoef], num_units: int) -> Split | None:
-    """Stage II: units per group summing to ``num_units`` (every group >= 1); None if memory can't hold it."""
-    if sum(min(num_units, sum(g.cap)) for g in groups) < num_units or len(groups) > num_units:
+def split_sequence(groups: Sequence[GroupCoef], num_units: int,
+                   caps: dict[GroupCoef, int] | None = None) -> Split | None:
+    """Stage II: units per group summing to ``num_units`` (every group >= 1); None if memory can't hold it.
+
+    ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
+    integer repair in ``stage3_refine.integer_split``).
+    """
+    caps = caps or {}
+
+    def most(g: GroupCoef, z: float) -> int:
+        return min(max_units(g, z), caps.get(g, num_units))
+
+    if sum(min(num_units, sum(g.cap), caps.get(g, num_units)) for g in groups) < num_units or len(groups) > num_units:
         return None
     lo, hi = 0.0, 1e6
-    while sum(max_units(g, hi) for g in groups) < num_units:  # find a feasible upper end by doubling
+    while sum(most(g, hi) for g in groups) < num_units:  # find a feasible upper end by doubling
         lo, hi = hi, hi * 2
         if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
             return None
-    for _ in range(80):
+    distinct: dict[GroupCoef, int] = {}
+    for g in groups:
+        distinct[g] = distinct.get(g, 0) + 1
+    for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(max_units(g, mid) for g in groups) >= num_units:
+        if sum(k * most(g, mid) for g, k in distinct.items()) >= num_units:
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-7 * hi:
+        if hi - lo <= 1e-6 * hi:
             break
-    units = [max(1, max_units(g, hi)) for g in groups]
+    units = [max(1, most(g, hi)) for g in groups]
     # trim the excess from the slowest groups (keep >= 1 unit each), add any deficit to the fastest
     heap = [(-group_time(g, u), i) for i, (g, u) in enumerate(zip(groups, units))]
     heapq.heapify(heap)
@@ -186,6 +214,8 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int) -> Split | None:
     heapq.heapify(add)
     while sum(units) < num_units:
         t, i = heapq.heappop(add)
+        if units[i] >= caps.get(groups[i], num_units):
+            continue
         if not math.isfinite(t):
             return None
         units[i] += 1

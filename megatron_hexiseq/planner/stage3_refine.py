@@ -6,15 +6,29 @@ Variables: ``t[r]`` units, ``h[r]`` heads, ``z`` the group's time. Minimise ``z`
 Seeded with a greedy hint (continuous optimum, largest-remainder rounding), fixed seed, one worker
 (deterministic), time-limited; every solver status is handled (a feasible-but-not-proven result
 reports its bound and gap; no solution at all falls back to the hint when it is valid).
+When the rounded continuous optimum is already within ``GREEDY_GAP`` of the continuous bound, the
+solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of more than
+``CPSAT_MAX_MEMBERS`` ranks (only the cross-node single group) always keep that rounded point.
 """
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
-from megatron_hexiseq.planner.stage2_split import GroupCoef, group_time, max_heads
+from megatron_hexiseq.planner.stage2_split import GroupCoef, Split, group_time, max_heads, split_sequence
+
+
+GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
+BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
+CPSAT_MAX_MEMBERS = 64     # larger groups (the cross-node single group) keep the rounded continuous optimum
+REPAIR_SLACK = 5e-3        # integer repair of the split starts when a group is 0.5% over the split's time
+BALANCE_DETERMINISTIC_TIME = 0.02  # budget of the phase-2 evenness solve (deterministic seconds)
+RELATIVE_GAP = 1e-4        # CP-SAT stops when its solution is proven within 0.01% of optimal
+SOLVE_DETERMINISTIC_TIME = 0.02  # per group solve (deterministic seconds); a group has <= 64 ranks
 
 
 @dataclass(frozen=True)
@@ -64,12 +78,16 @@ def greedy(g: GroupCoef, T: int) -> tuple[list[int], list[int]] | None:
               for i in range(n)]
     s = sum(h_cont) or 1.0
     h = largest_remainder([x * g.heads / s for x in h_cont], g.heads)
-    for i in range(n):  # a rank must do something: give an idle rank one head from the largest holder
-        if t[i] == 0 and h[i] == 0:
-            j = max(range(n), key=lambda k: (h[k], -k))
+    # a rank must do something: give each idle rank one head from the largest holder
+    donors = [(-h[k], k) for k in range(n) if h[k] > 1]
+    heapq.heapify(donors)
+    for i in range(n):
+        if t[i] == 0 and h[i] == 0 and donors:
+            neg, j = heapq.heappop(donors)
+            h[j] -= 1
+            h[i] += 1
             if h[j] > 1:
-                h[j] -= 1
-                h[i] += 1
+                heapq.heappush(donors, (-h[j], j))
     return t, h
 
 
@@ -110,6 +128,10 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
         hint = None
     betas = [g.beta(i, T) for i in range(n)]
     ub = _time(g, T, *hint) if hint else max(T * max(g.a), 1) + H * max(betas)
+    # the continuous optimum is a lower bound: a rounded point within GREEDY_GAP of it is kept as is
+    lp = group_time(g, T)
+    if hint and (ub <= lp * (1 + GREEDY_GAP) or n > CPSAT_MAX_MEMBERS):
+        return GroupSolution(tuple(hint[0]), tuple(hint[1]), ub, math.floor(lp), "FEASIBLE")
 
     model = cp_model.CpModel()
     # variables: tokens (units) and heads per member, the group time
@@ -141,7 +163,10 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
-    solver.parameters.max_time_in_seconds = time_limit_s
+    # deterministic time limits: the same inputs stop at the same point on any machine load
+    solver.parameters.max_deterministic_time = min(time_limit_s, SOLVE_DETERMINISTIC_TIME)
+    solver.parameters.max_time_in_seconds = 10 * time_limit_s + 10  # safety net only
+    solver.parameters.relative_gap_limit = RELATIVE_GAP
     status = solver.solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         z_best, bound = int(solver.objective_value), int(solver.best_objective_bound)
@@ -150,7 +175,7 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
         # phase 2: among solutions as fast as z_best, the most even split between identical members
         # (the max-time optimum is flat; evenness keeps the terms the surrogate leaves out balanced)
         runs = _identical_runs(g)
-        if any(len(run) > 1 for run in runs):
+        if n <= BALANCE_MAX_MEMBERS and any(len(run) > 1 for run in runs):
             model.add(z <= z_best)
             spread = []
             for k, run in enumerate(runs):
@@ -164,6 +189,8 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
                     spread.append(hi_v - lo_v)
             model.minimize(sum(spread))
             model.clear_hints()
+            solver.parameters.max_deterministic_time = min(time_limit_s, BALANCE_DETERMINISTIC_TIME)
+            solver.parameters.relative_gap_limit = 0.0
             for i in range(n):
                 model.add_hint(t[i], tv[i])
                 model.add_hint(h[i], hv[i])
@@ -181,3 +208,89 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
         zt = _time(g, T, *hint)
         return GroupSolution(tuple(hint[0]), tuple(hint[1]), zt, 0, "HINT")
     return GroupSolution((), (), 0, 0, "INFEASIBLE")
+
+
+@lru_cache(maxsize=200_000)
+def probe_time(g: GroupCoef, T: int) -> float:
+    """Cheap upper bound of a group's Stage III time for T units: the rounded continuous optimum
+    (``greedy``), or inf when it does not fit. Used by the integer repair of the split, so that
+    only the final per-group solve runs CP-SAT."""
+    if T < 1 or T > sum(g.cap):
+        return math.inf
+    hint = greedy(g, T)
+    if hint is None or not _fits(g, T, *hint):
+        return math.inf
+    return float(_time(g, T, *hint))
+
+
+def rebalance_units(groups: list[GroupCoef], units: list[int], time_limit_s: float,
+                    target_ns: float, max_moves: int | None = None) -> list[int]:
+    """Integer repair of Stage II: while the slowest group's Stage III time (INFEASIBLE = infinite)
+    is more than ``REPAIR_SLACK`` above the continuous split's ``target_ns``, move one unit from it to
+    the currently fastest group, if that lowers the maximum.
+
+    The continuous split can sit on a knife edge (one more unit no longer fits a rank's memory with
+    an even head split, so the integer optimum jumps); this closes that gap. Deterministic.
+    """
+    units = list(units)
+
+    def f(i: int, T: int) -> float:
+        return probe_time(groups[i], T)
+
+    times = [f(i, T) for i, T in enumerate(units)]
+    moves = max_moves if max_moves is not None else 4 * len(groups) + 16
+    for _ in range(moves):
+        i = max(range(len(units)), key=lambda k: (times[k], -k))
+        if times[i] <= target_ns * (1 + REPAIR_SLACK) or units[i] <= 1:
+            break
+        j = min(range(len(units)), key=lambda k: (times[k], k))
+        if j == i:
+            break
+        ti, tj = f(i, units[i] - 1), f(j, units[j] + 1)
+        if not max(ti, tj) < times[i]:
+            break
+        units[i] -= 1
+        units[j] += 1
+        times[i], times[j] = ti, tj
+    return units
+
+
+def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) -> tuple[Split, list[int]] | None:
+    """Stage II made integer-aware: split continuously, then cap every group class whose Stage III
+    (integer) time exceeds the split's time by more than ``REPAIR_SLACK`` at the largest unit count
+    that meets it (bisection), and split again; finally ``rebalance_units`` moves single units.
+
+    Returns (continuous split of the last round, final units) or None when memory cannot hold the sequence.
+    """
+    caps: dict[GroupCoef, int] = {}
+
+    f = probe_time
+
+    split = None
+    for _ in range(6):
+        capped = split_sequence(groups, num_units, caps)
+        if capped is None:  # the caps leave too little room: keep the last split and repair by single units
+            if split is None:
+                return None
+            break
+        split = capped
+        target = split.z_rounded_ns * (1 + REPAIR_SLACK)
+        changed = False
+        for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], groups.index(x[0]))):
+            if T <= 1 or f(g, T) <= target:
+                continue
+            lo, hi = 1, T - 1          # largest T' in [1, T-1] with f(T') <= target (1 if none)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if f(g, mid) <= target:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo < caps.get(g, num_units):
+                caps[g] = lo
+                changed = True
+        if not changed:
+            break
+    assert split is not None
+    units = rebalance_units(groups, list(split.units), time_limit_s, split.z_rounded_ns)
+    return split, units
