@@ -1,7 +1,8 @@
 """Exact reference: one CP-SAT model over all surrogate decisions, for clusters of at most 16 GPUs.
 
 Decisions: the grouping (every node split into groups of any sizes — all integer partitions of its
-GPU count, not only the equal splits Stage I tries), every group's token count ``T_g``, and every
+GPU count, not only the equal splits Stage I tries — plus the single cross-node group of all
+ranks), every group's token count ``T_g``, and every
 rank's tokens ``t_r`` and heads ``h_r``; the same surrogate model as the stages
 (``planner.surrogate``) with the bilinear term ``w_r = h_r * T_g`` modelled exactly
 (``AddMultiplicationEquality``). Groupings are enumerated (nodes of one type are interchangeable,
@@ -35,6 +36,8 @@ def partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
 
 
 def all_groupings(cluster: Any) -> list[Grouping]:
+    """Every split of every node into groups (sizes non-increasing), plus one group of all ranks
+    when the cluster has several nodes (the cross-node candidate Stage I also scores)."""
     out = []
     blocks = node_blocks(cluster)
     for choice in itertools.product(*[partitions(len(b)) for b in blocks]):
@@ -45,14 +48,17 @@ def all_groupings(cluster: Any) -> list[Grouping]:
                 groups.append(tuple(ranks[start:start + p]))
                 start += p
         out.append(tuple(groups))
+    if len(blocks) > 1:
+        out.append((tuple(range(cluster.world_size)),))
     return out
 
 
-def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float,
-                upper_ns: int | None = None) -> tuple[str, int, int, list[int], list[int]] | None:
+def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_ns: int | None = None,
+                node_of: list[str] | None = None) -> tuple[str, int, int, list[int], list[int]] | None:
     """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping. Returns (status, z, bound, t, h) in units."""
     N, H = sur.num_units, sur.heads
-    coefs = [group_coef(sur, g, len(grouping)) for g in grouping]
+    coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
+             for g in grouping]
     model = cp_model.CpModel()
     T = {g: model.new_int_var(1, N, f"T_{g}") for g in range(len(grouping))}
     horizon = upper_ns if upper_ns is not None else 10**15
@@ -127,8 +133,9 @@ def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tupl
 def exact_surrogate(cluster: Any, sur: Surrogate, *, time_limit_s: float = 60.0):
     """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None."""
     scored = []
+    node_of = [d.node for d in cluster.devices]
     for grouping in all_groupings(cluster):
-        _, split = score_grouping(sur, grouping)
+        _, split = score_grouping(sur, grouping, node_of)
         if split is not None:
             scored.append((split.z_rounded_ns, len(grouping), grouping))
     scored.sort()
@@ -138,7 +145,7 @@ def exact_surrogate(cluster: Any, sur: Surrogate, *, time_limit_s: float = 60.0)
         # continuous Stage II value is a near-bound: skip groupings clearly worse than the incumbent
         if best is not None and est_ns > best[2] * 1.02:
             continue
-        res = solve_joint(sur, grouping, per, upper_ns=best[2] if best else None)
+        res = solve_joint(sur, grouping, per, upper_ns=best[2] if best else None, node_of=node_of)
         if res is not None and (best is None or res[1] < best[2]):
             best = (grouping, *res)
     return best
