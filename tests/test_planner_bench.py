@@ -1,0 +1,43 @@
+"""Layer (a), no processes besides the benchmarks' own: fast smoke runs of the planner benchmarks
+(each writes its JSON + markdown into a temporary folder; the figures themselves are in the report)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def test_planner_scale_smoke(tmp_path):
+    import planner_scale
+
+    assert planner_scale.main(["--sizes", "16", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "planner_scale.json").read_text())
+    row = data["rows"][0]
+    assert row["gpus"] == 16 and row["total_s"] > 0 and row["peak_rss_mib"] > 0
+    assert row["speedup_vs_best_baseline"] is None or row["speedup_vs_best_baseline"] >= 1 - 1e-6
+    assert "| 16 |" in (tmp_path / "planner_scale.md").read_text()
+
+
+def test_optimality_gap_smoke(tmp_path):
+    import optimality_gap
+
+    assert optimality_gap.main(["--smoke", "--time-limit", "10", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "optimality_gap.json").read_text())
+    assert data["summary"]["solved"] == 2
+    for row in data["rows"]:
+        # the exact model's optimum is never above the hierarchical result (both on the surrogate)
+        assert row["exact_s"] <= row["hier_s"] * (1 + 1e-9)
+
+
+def test_sim_suite_smoke(tmp_path):
+    import sim_suite
+
+    assert sim_suite.main(["--smoke", "--time-limit", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "sim_suite.json").read_text())
+    (row,) = data["rows"]
+    assert row["speedup"] is not None and row["speedup"] >= 1 - 1e-6
