@@ -141,7 +141,17 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
             break
         feedback_rounds -= 1
         best, st = min(feasible, key=lambda x: x[0].estimate.iteration_time_s)
-        factors = [min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0 for p, s in zip(best.estimate.per_rank, st)]
+        raw = [min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0 for p, s in zip(best.estimate.per_rank, st)]
+        # one factor per (device coefficients, tokens, heads) class: identical groups stay identical,
+        # so Stage II/III keep sharing their work across them (thousands of GPUs, few classes)
+        classes: dict[tuple, list[int]] = {}
+        for r, (dev, lay_r) in enumerate(zip(sur.devices, best.layout.ranks)):
+            classes.setdefault((dev, lay_r.num_tokens, len(lay_r.heads)), []).append(r)
+        factors = [1.0] * len(raw)
+        for members in classes.values():
+            mean = sum(raw[r] for r in members) / len(members)
+            for r in members:
+                factors[r] = round(mean, 3)
         sur = sur.scaled(factors)
     return out
 

@@ -4,7 +4,9 @@ Topology-aware: groups are formed inside nodes, so the ragged all-to-all (the he
 traffic) stays on NVLink/PCIe inside a node, and only the overlapped K/V sub-ring traffic crosses
 the slow network. The one cross-node candidate is a single group of all ranks (uneven Ulysses),
 scored with the network bandwidth for its all-to-all; it wins when the K/V exchange would cost
-more than the all-to-all over the network (e.g. few fast GPUs spread over several nodes).
+more than the all-to-all over the network (e.g. few fast GPUs spread over several nodes). It is
+offered up to ``SINGLE_GROUP_MAX_GPUS`` GPUs (beyond, an all-to-all over every rank and the network
+never wins in the cost model, and scoring it is quadratic in the ranks).
 
 Candidates: nodes are grouped into *classes* (same GPU type, count, bandwidths, memory); each class
 splits its nodes into equal groups of a size ``s`` dividing the GPU count (``s = count``: one group per
@@ -21,6 +23,7 @@ from megatron_hexiseq.planner.stage2_split import GroupCoef, Split, split_sequen
 from megatron_hexiseq.planner.surrogate import Surrogate
 
 Grouping = tuple[tuple[int, ...], ...]
+SINGLE_GROUP_MAX_GPUS = 256  # the cross-node single group is a candidate up to this many GPUs
 
 
 def node_blocks(cluster: Any) -> list[list[int]]:
@@ -87,7 +90,7 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
 
     best = evaluate(choice)
     node_of = [d.node for d in cluster.devices]
-    if fixed_size != "node" and len(blocks) > 1:
+    if fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS:
         # one group of all ranks (uneven Ulysses; the A2A crosses the network)
         everyone: Grouping = (tuple(range(cluster.world_size)),)
         seen[everyone] = score_grouping(sur, everyone, node_of)

@@ -185,14 +185,17 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
 
     if sum(min(num_units, sum(g.cap), caps.get(g, num_units)) for g in groups) < num_units or len(groups) > num_units:
         return None
-    lo, hi = 0.0, 1e6
-    while sum(most(g, hi) for g in groups) < num_units:  # find a feasible upper end by doubling
-        lo, hi = hi, hi * 2
-        if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
-            return None
     distinct: dict[GroupCoef, int] = {}
     for g in groups:
         distinct[g] = distinct.get(g, 0) + 1
+    # start from the slowest group's time for an even share (usually enough), else double
+    share = -(-num_units // len(groups))
+    even = [group_time(g, min(share, sum(g.cap))) for g in distinct]
+    lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
+    while sum(k * most(g, hi) for g, k in distinct.items()) < num_units:  # find a feasible upper end
+        lo, hi = hi, hi * 2
+        if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
+            return None
     for _ in range(60):
         mid = (lo + hi) / 2
         if sum(k * most(g, mid) for g, k in distinct.items()) >= num_units:

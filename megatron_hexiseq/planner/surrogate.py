@@ -176,9 +176,10 @@ def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
 def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[float, float]:
     """Fit (k_lin, k_att) so the surrogate's FLOP terms match ``estimate``'s per-rank compute_s.
 
-    Probe: one group of all ranks, even tokens, rank 0 holds every head. Ranks 1.. do linear work
-    only (-> k_lin); rank 0 adds the whole attention (-> k_att). Falls back to 1.0 when the probe
-    cannot separate the terms (one rank) or gives a non-positive factor.
+    Probe: one group per node (one group of all ranks when some node has a single GPU), even tokens,
+    the first rank of each group holding every head. Ranks without heads do linear work only
+    (-> k_lin, median); the head holders add their group's attention (-> k_att, median). Falls back
+    to 1.0 when the probe cannot separate the terms (one rank) or gives a non-positive factor.
     """
     from megatron_hexiseq import costmodel
     from megatron_hexiseq.layout import split_evenly
@@ -188,21 +189,35 @@ def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[
     W, H = cluster.world_size, model.num_attention_heads
     if W < 2 or seq_length < W:
         return 1.0, 1.0
+    blocks: dict[str, list[int]] = {}
+    for d in cluster.devices:
+        blocks.setdefault(d.node, []).append(d.index)
+    groups = list(blocks.values())
+    if any(len(g) < 2 for g in groups):
+        groups = [list(range(W))]
     hosts, gpus = hosts_and_gpus(cluster)
     tokens = split_evenly(seq_length, W)
+    heads = [0] * W
+    for g in groups:
+        heads[g[0]] = H
     probe = build_layout(seq_length=seq_length, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                         groups=[list(range(W))], rank_tokens=tokens, rank_heads=[H] + [0] * (W - 1),
-                         hosts=hosts, gpus=gpus)
+                         groups=groups, rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
     est = costmodel.estimate(probe, cluster, model, options)
-    lin = costmodel.linear_flops_per_token(model) * getattr(options, "micro_batch_size", 1)
-    ks = sorted(est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin) for r in range(1, W))
-    k_lin = ks[len(ks) // 2]
-    dev0 = cluster.devices[0]
-    att_fps = getattr(dev0, "attention_flops_per_s", dev0.flops_per_s)
-    att_s = est.per_rank[0].compute_s - k_lin * tokens[0] * lin / dev0.flops_per_s
-    pairs = seq_length * (seq_length + 1) // 2
     b = getattr(options, "micro_batch_size", 1)
-    k_att = att_s * att_fps / (b * pairs * H * costmodel.attention_flops_per_pair_head(model))
+    lin = costmodel.linear_flops_per_token(model) * b
+    k_lins = sorted(est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin)
+                    for r in range(W) if heads[r] == 0 and tokens[r] > 0)
+    k_lin = k_lins[len(k_lins) // 2]
+    k_atts = []
+    for g in groups:
+        r = g[0]
+        dev = cluster.devices[r]
+        att_fps = getattr(dev, "attention_flops_per_s", dev.flops_per_s)
+        att_s = est.per_rank[r].compute_s - k_lin * tokens[r] * lin / dev.flops_per_s
+        pairs = costmodel.causal_pairs(probe.group_segments(probe.ranks[r].group), [(0, seq_length)])
+        k_atts.append(att_s * att_fps / (b * pairs * H * costmodel.attention_flops_per_pair_head(model)))
+    k_atts.sort()
+    k_att = k_atts[len(k_atts) // 2]
     k_lin = k_lin if k_lin > 0 and math.isfinite(k_lin) else 1.0
     k_att = k_att if k_att > 0 and math.isfinite(k_att) else 1.0
     return k_lin, k_att
