@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.planner.inputs import add_problem_args, load_problem, output_folder_exists
@@ -24,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp, a2a+p2p)")
     p.add_argument("--plot", metavar="out.png", help="per-rank compute / exposed comm / idle and memory vs capacity")
     p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
+    p.epilog = EXAMPLES + "\nWith --memory-mode auto (default) and a --layout, the layout's planned memory mode is used.\n"
     p.set_defaults(run=run)
 
 
@@ -50,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
         if lay.num_attention_heads != prob.model.num_attention_heads:
             raise HexiSeqError(f"layout {path} has {lay.num_attention_heads} heads but model {prob.model.name!r} "
                                f"has {prob.model.num_attention_heads}")
-    rows = simulate(prob.cluster, prob.model, prob.options, layouts, baselines=args.baselines)
+    options = prob.options
+    planned = [lay.meta.get("options") for _, lay in layouts if lay.meta.get("options")]
+    if args.memory_mode == "auto" and planned:
+        # auto: evaluate under the memory mode the (first) layout was planned for
+        options = replace(options, memory_mode=planned[0]["memory_mode"],
+                          recompute=bool(planned[0]["recompute"]) or bool(args.recompute))
+    rows = simulate(prob.cluster, prob.model, options, layouts, baselines=args.baselines)
     if args.format == "json":
         sys.stdout.write(json.dumps([r.summary() for r in rows], indent=2) + "\n")
     else:
