@@ -19,7 +19,7 @@ and returns records ``{name, config, iteration_time_s, tokens_per_s[, reason]}``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from megatron_hexiseq.layout import Group, Layout, RankPlan, split_evenly
 from megatron_hexiseq.planner.build import build_layout
@@ -112,21 +112,32 @@ def baseline_layouts(cluster: Any, model: Any, seq_length: int) -> list[Baseline
     return out
 
 
-def evaluate_baselines(baselines: list[Baseline], score: Callable[[Layout], Any]) -> list[dict[str, Any]]:
-    """Score each baseline with ``score(layout) -> Estimate``; JSON-ready records in input order."""
+def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Any]]]
+                       ) -> list[dict[str, Any]]:
+    """Score each baseline in the first memory mode where it fits (``scores``: (mode, score) pairs in
+    order of modelled overhead, e.g. distributed optimizer before fsdp before recompute; a baseline's
+    first feasible mode is its best). JSON-ready records in input order; the mode used is in ``config``.
+    """
     records = []
     for b in baselines:
         rec: dict[str, Any] = {"name": b.name, "config": dict(b.config), "iteration_time_s": None, "tokens_per_s": None}
         if b.layout is None:
             rec["reason"] = b.reason
-        else:
+            records.append(rec)
+            continue
+        for mode, score in scores:
             est = score(b.layout)
             if est.feasible:
+                rec["config"].update(mode)
                 rec["iteration_time_s"] = est.iteration_time_s
                 rec["tokens_per_s"] = est.tokens_per_s
-            else:
-                problems = est.memory_problems()
-                rec["reason"] = "out of memory: " + (problems[0] if problems else "infeasible")
+                break
+            problems = est.memory_problems()
+            rec["reason"] = "out of memory: " + (problems[0] if problems else "infeasible")
+        else:
+            rec["config"].update(scores[-1][0] if scores else {})
+        if rec["iteration_time_s"] is not None:
+            rec.pop("reason", None)
         records.append(rec)
     return records
 

@@ -8,10 +8,12 @@ planner's candidates AND every baseline, so the result is never worse than the b
 Memory feedback: when ``estimate`` finds a rank over capacity (terms the surrogate does not model),
 that rank's token cap is lowered by the overflow and the stages run again (at most 4 rounds).
 
-Memory modes (``memory_mode="auto"``): tried in order of modelled cost until one is feasible:
-distributed optimizer, fsdp, distributed optimizer + recompute, fsdp + recompute. An explicit mode
-or ``--recompute`` pins that choice. The chosen mode is in ``meta.options`` with the Megatron flags
-it maps to (``megatron_flags``).
+Memory modes (``--memory-mode auto``): distributed optimizer, fsdp, distributed optimizer +
+recompute, fsdp + recompute, in order of modelled overhead (a mode whose free memory cannot hold the
+activations is skipped). Each baseline is scored in the first mode where it fits (its best); the
+planner runs in the first mode where it finds a feasible layout, and also in the best baseline's mode
+when that baseline is faster. An explicit mode or ``--recompute`` pins the choice. The chosen mode is
+in ``meta.options`` with the Megatron flags it maps to (``megatron_flags``).
 """
 from __future__ import annotations
 
@@ -183,54 +185,76 @@ def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
                            "every A2A group needs tokens: use a longer --seq-length or fewer GPUs")
     t0 = time.perf_counter()
     modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
-    tried = []
-    for mode, recompute in modes:
-        opts = replace(options, memory_mode=mode, recompute=recompute)
-        tried.append(opts)
-        if not _may_fit(cluster, model, seq_length, opts):
-            continue  # not even the parameters + activations fit: no layout can
+    tried = [replace(options, memory_mode=m, recompute=r) for m, r in modes]
+    usable = [o for o in tried if _may_fit(cluster, model, seq_length, o)]  # others cannot fit any layout
 
-        def score(layout: Layout, _o=opts) -> Any:
-            return costmodel.estimate(layout, cluster, model, _o)
+    def scorer(o: Any) -> Callable[[Layout], Any]:
+        return lambda layout: costmodel.estimate(layout, cluster, model, o)
 
-        t_base = time.perf_counter()
-        baselines = baseline_layouts(cluster, model, seq_length)
-        records = evaluate_baselines(baselines, score)
-        baselines_s = time.perf_counter() - t_base
-        t_stages = time.perf_counter()
-        if method == "exact":
-            from megatron_hexiseq.planner.exact import exact_candidates
+    def mode_of(o: Any) -> dict[str, Any]:
+        return {"memory_mode": o.memory_mode, "recompute": o.recompute}
 
-            cands = exact_candidates(cluster, model, seq_length, opts, score, time_limit_s=time_limit_s)
-        else:
-            cands = planner_candidates(cluster, model, seq_length, opts, score, time_limit_s=time_limit_s, method=method)
-        stages_s = time.perf_counter() - t_stages
-        feasible = [c for c in cands if c.estimate.feasible]
-        best_c = min(feasible, key=lambda c: c.estimate.iteration_time_s, default=None)
-        best_b = best_baseline(records)
-        if best_c is None and best_b is None:
-            continue
-        solve_s = 0.0 if reproducible else round(time.perf_counter() - t0, 4)
-        if best_c is not None and (best_b is None or best_c.estimate.iteration_time_s <= best_b["iteration_time_s"]):
-            chosen, layout, est, info = "hexiseq", best_c.layout, best_c.estimate, dict(best_c.info)
-        else:
-            b = next(b for b in baselines if b.layout is not None and b.name == best_b["name"] and b.config == best_b["config"])
-            chosen, layout, est = b.label, b.layout, score(b.layout)
-            info = dict(best_c.info) if best_c else {"status": "NO_PLANNER_SOLUTION"}
-            info["note"] = f"baseline {b.label} is faster than the planner's best candidate by the cost model"
-        planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
-                   "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
-                   "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
-                   "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
-                   "candidates_evaluated": len(cands), "stages": info}
-        meta = {"cluster": cluster.name, "model": model.name, "chosen": chosen,
-                "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
-                            "memory_mode": opts.memory_mode, "data_parallel_size": opts.data_parallel_size,
-                            "capacity_fraction": opts.capacity_fraction,
-                            "memory_modes_tried": [f"{o.memory_mode}{'+recompute' if o.recompute else ''}" for o in tried],
-                            "megatron_flags": megatron_flags(opts)}}
-        return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
-    raise HexiSeqError(explain_infeasible(cluster, model, seq_length, tried))
+    # baselines, each in its first feasible memory mode
+    t_base = time.perf_counter()
+    baselines = baseline_layouts(cluster, model, seq_length)
+    records = evaluate_baselines(baselines, [(mode_of(o), scorer(o)) for o in usable])
+    baselines_s = time.perf_counter() - t_base
+    best_b = best_baseline(records)
+
+    # the planner: the first mode with a feasible candidate; also the best baseline's mode if that beats it
+    t_stages = time.perf_counter()
+    ran: dict[tuple, list[Candidate]] = {}
+
+    def run_mode(o: Any) -> Candidate | None:
+        key = (o.memory_mode, o.recompute)
+        if key not in ran:
+            if method == "exact":
+                from megatron_hexiseq.planner.exact import exact_candidates
+
+                ran[key] = exact_candidates(cluster, model, seq_length, o, scorer(o), time_limit_s=time_limit_s)
+            else:
+                ran[key] = planner_candidates(cluster, model, seq_length, o, scorer(o),
+                                              time_limit_s=time_limit_s, method=method)
+        feasible = [c for c in ran[key] if c.estimate.feasible]
+        return min(feasible, key=lambda c: c.estimate.iteration_time_s, default=None)
+
+    best_c, best_o = None, None
+    for o in usable:
+        best_c = run_mode(o)
+        if best_c is not None:
+            best_o = o
+            break
+    if best_b is not None and (best_c is None or best_b["iteration_time_s"] < best_c.estimate.iteration_time_s):
+        o_b = next(o for o in usable if mode_of(o) == {k: best_b["config"][k] for k in ("memory_mode", "recompute")})
+        c_b = run_mode(o_b)
+        if c_b is not None and (best_c is None or c_b.estimate.iteration_time_s < best_c.estimate.iteration_time_s):
+            best_c, best_o = c_b, o_b
+    stages_s = time.perf_counter() - t_stages
+    if best_c is None and best_b is None:
+        raise HexiSeqError(explain_infeasible(cluster, model, seq_length, tried))
+
+    if best_c is not None and (best_b is None or best_c.estimate.iteration_time_s <= best_b["iteration_time_s"]):
+        chosen, layout, est, info, opts = "hexiseq", best_c.layout, best_c.estimate, dict(best_c.info), best_o
+    else:
+        b = next(b for b in baselines if b.layout is not None and b.name == best_b["name"]
+                 and all(b.config[k] == v for k, v in best_b["config"].items() if k in b.config))
+        opts = next(o for o in usable if mode_of(o) == {k: best_b["config"][k] for k in ("memory_mode", "recompute")})
+        chosen, layout, est = b.label, b.layout, scorer(opts)(b.layout)
+        info = dict(best_c.info) if best_c else {"status": "NO_PLANNER_SOLUTION"}
+        info["note"] = f"baseline {b.label} is faster than the planner's best candidate by the cost model"
+    solve_s = 0.0 if reproducible else round(time.perf_counter() - t0, 4)
+    planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
+               "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
+               "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
+               "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
+               "candidates_evaluated": sum(len(v) for v in ran.values()), "stages": info}
+    meta = {"cluster": cluster.name, "model": model.name, "chosen": chosen,
+            "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
+                        "memory_mode": opts.memory_mode, "data_parallel_size": opts.data_parallel_size,
+                        "capacity_fraction": opts.capacity_fraction,
+                        "memory_modes_tried": [f"{o.memory_mode}{'+recompute' if o.recompute else ''}" for o in tried],
+                        "megatron_flags": megatron_flags(opts)}}
+    return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
 
 
 def _may_fit(cluster: Any, model: Any, seq_length: int, options: Any) -> bool:
