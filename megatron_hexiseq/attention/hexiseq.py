@@ -29,7 +29,7 @@ from megatron_hexiseq.attention.comm import CommStats, uneven_all_to_all
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.attention.kernels import KERNELS
 from megatron_hexiseq.attention.peers import group_pieces
-from megatron_hexiseq.attention.subring import _select_heads, subring_attn_func
+from megatron_hexiseq.attention.subring import _index, _select_heads, subring_attn_func
 
 
 def _members(groups: HexiSeqGroups) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
@@ -38,24 +38,85 @@ def _members(groups: HexiSeqGroups) -> list[tuple[int, int, tuple[int, ...], tup
     return [(j, lay.ranks[j].num_tokens, lay.ranks[j].heads, lay.kv_heads(j)) for j in lay.group_of(groups.rank).ranks]
 
 
+class _PackHeads(torch.autograd.Function):
+    """Send buffer of the head all-to-all, one copy, no zero-filled full-size gradients.
+
+    forward: q [s, B, H_all, D], k/v [s, B, G_all, D] -> flat [sum_j s*B*D*(|H_j| + 2|G_j|)], member j's
+    chunk = (q[:, :, H_j], k[:, :, G_j], v[:, :, G_j]) flattened. backward: the inverse gather; query
+    heads go to exactly one member (plain copies), K/V heads may go to several (summed).
+    """
+
+    @staticmethod
+    def forward(ctx, q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, heads: tuple) -> Tensor:
+        s, B, _, D = q_sBHD.shape
+        ctx.heads, ctx.shapes = heads, (q_sBHD.shape, k_sBGD.shape)
+        flat = q_sBHD.new_empty(sum(s * B * D * (len(hj) + 2 * len(gj)) for hj, gj in heads))
+        off = 0
+        for hj, gj in heads:
+            for x, ix in ((q_sBHD, hj), (k_sBGD, gj), (v_sBGD, gj)):
+                n = s * B * len(ix) * D
+                flat[off:off + n].view(s, B, len(ix), D).copy_(_select_heads(x, 2, ix, x.shape[2]))
+                off += n
+        return flat
+
+    @staticmethod
+    def backward(ctx, grad_N: Tensor):
+        q_shape, k_shape = ctx.shapes
+        s, B, _, D = q_shape
+        dq = grad_N.new_empty(q_shape)
+        dk, dv = grad_N.new_zeros(k_shape), grad_N.new_zeros(k_shape)
+        off = 0
+        for hj, gj in ctx.heads:
+            for dx, ix, first in ((dq, hj, True), (dk, gj, False), (dv, gj, False)):
+                n = s * B * len(ix) * D
+                piece = grad_N[off:off + n].view(s, B, len(ix), D)
+                if ix and first:
+                    dx.index_copy_(2, _index(ix, dx), piece)
+                elif ix:
+                    dx.index_add_(2, _index(ix, dx), piece)
+                off += n
+        return dq, dk, dv, None
+
+
+class _PackRows(torch.autograd.Function):
+    """Send buffer of the output all-to-all: rows of [S, B, h, D] in the given (start, end) order,
+    flattened (one copy). The row ranges partition [0, S), so backward is a plain scatter."""
+
+    @staticmethod
+    def forward(ctx, x_SBhD: Tensor, rows: tuple) -> Tensor:
+        ctx.rows, ctx.shape = rows, x_SBhD.shape
+        per_row = x_SBhD[0].numel() if x_SBhD.shape[0] else 0
+        flat = x_SBhD.new_empty(x_SBhD.numel())
+        off = 0
+        for a, b in rows:
+            flat[off:off + (b - a) * per_row].view(b - a, *x_SBhD.shape[1:]).copy_(x_SBhD[a:b])
+            off += (b - a) * per_row
+        return flat
+
+    @staticmethod
+    def backward(ctx, grad_N: Tensor):
+        dx = grad_N.new_empty(ctx.shape)
+        per_row = dx[0].numel() if dx.shape[0] else 0
+        off = 0
+        for a, b in ctx.rows:
+            dx[a:b] = grad_N[off:off + (b - a) * per_row].view(b - a, *ctx.shape[1:])
+            off += (b - a) * per_row
+        return dx, None
+
+
 def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: HexiSeqGroups,
                    stats: CommStats | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """[s, B, H_all, D], [s, B, G_all, D] x2 -> [S, B, H, D], [S, B, G, D] x2 (see module docstring)."""
     s, B, H_all, D = q_sBHD.shape
-    G_all = k_sBGD.shape[2]
     if groups.a2a_group is None:  # a group of one rank: my tokens (sorted) are the group sequence
         return q_sBHD, k_sBGD, v_sBGD
     members = _members(groups)
     me = groups.layout.ranks[groups.rank]
     H, G = len(me.heads), len(groups.layout.kv_heads(groups.rank))
-    pieces, send = [], []
-    for _, _, hj, gj in members:
-        pieces += [_select_heads(q_sBHD, 2, hj, H_all).reshape(-1),
-                   _select_heads(k_sBGD, 2, gj, G_all).reshape(-1),
-                   _select_heads(v_sBGD, 2, gj, G_all).reshape(-1)]
-        send.append(s * B * D * (len(hj) + 2 * len(gj)))
+    send = [s * B * D * (len(hj) + 2 * len(gj)) for _, _, hj, gj in members]
     recv = [si * B * D * (H + 2 * G) for _, si, _, _ in members]
-    flat = uneven_all_to_all(torch.cat(pieces), group=groups.a2a_group, send_splits=send, recv_splits=recv,
+    packed = _PackHeads.apply(q_sBHD, k_sBGD, v_sBGD, tuple((hj, gj) for _, _, hj, gj in members))
+    flat = uneven_all_to_all(packed, group=groups.a2a_group, send_splits=send, recv_splits=recv,
                              stats=stats, peers=[j for j, _, _, _ in members])
     qs, ks, vs = {}, {}, {}
     for (j, si, _, _), chunk in zip(members, flat.split(recv)):
@@ -67,10 +128,8 @@ def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: He
 
 def _in_position_order(by_member: dict[int, Tensor], pieces) -> Tensor:
     """Members' tokens {j: [s_j, B, h, D]} -> the group sequence [S, B, h, D] in position order."""
-    if len(pieces) == 1:
-        j, a, b, _ = pieces[0]
-        return by_member[j][a:b]
-    return torch.cat([by_member[j][a:b] for j, a, b, _ in pieces])
+    parts = [by_member[j] if (a, b) == (0, by_member[j].shape[0]) else by_member[j][a:b] for j, a, b, _ in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
@@ -85,9 +144,8 @@ def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
     recv = [s * B * len(hi) * D for _, _, hi, _ in members]
     rows = {j: [] for j, _, _, _ in members}  # member j's tokens = these rows of the group sequence
     for j, a, b, off in group_pieces(groups.layout, groups.layout.ranks[groups.rank].group):
-        rows[j].append(out_SBHD[off:off + b - a])
-    packed = [x.reshape(-1) for j, _, _, _ in members for x in rows[j]]
-    flat_N = torch.cat(packed) if len(packed) > 1 else packed[0].contiguous()
+        rows[j].append((off, off + b - a))
+    flat_N = _PackRows.apply(out_SBHD, tuple(r for j, _, _, _ in members for r in rows[j]))
     flat = uneven_all_to_all(flat_N, group=groups.a2a_group, send_splits=send, recv_splits=recv,
                              stats=stats, peers=[j for j, _, _, _ in members])
     parts = [chunk.view(s, B, len(hi), D) for (_, _, hi, _), chunk in zip(members, flat.split(recv)) if hi]
