@@ -171,7 +171,7 @@ def _bench_rank(rank: int, world_size: int, opts: dict) -> dict:
     for _ in range(opts["tuner_runs"]):
         t0 = time.perf_counter()
         res = distributed_priority_search(space.num_levels, lambda l: sc.trial(sc.measure(space.config_at(l))),
-                                          group=group, gallop=not opts["no_gallop"])
+                                          group=group, gallop=not opts["no_gallop"], tolerance=opts["tolerance"])
         runs.append({"levels": list(res.levels), "config": space.config_at(res.levels).to_dict(),
                      "label": space.config_at(res.levels).label(), "num_trials": res.num_trials,
                      "trials": [{"levels": list(s.levels), "y_us": s.trial.y_us, "x_us": list(s.trial.x_us),
@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--min-bucket", type=int, default=50_000)
     p.add_argument("--no-gallop", action="store_true")
+    p.add_argument("--tolerance", type=float, default=0.05, help="search noise tolerance (0 = Lagom as written)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     a = p.parse_args(argv)
     hexiseq = a.scenario == "hexiseq"
@@ -342,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"scenario": a.scenario, "world_size": a.world_size, "model": {"hidden_size": a.hidden_size, "num_layers": a.num_layers,
                                                   "seq_length": a.seq_length},
             "rounds": a.rounds, "final_rounds": a.final_rounds, "tuner_runs": a.tuner_runs, "steps": a.steps,
-            "warmup": a.warmup, "min_bucket": a.min_bucket, "no_gallop": a.no_gallop}
+            "warmup": a.warmup, "min_bucket": a.min_bucket, "no_gallop": a.no_gallop,
+            "tolerance": a.tolerance}
     t0 = time.perf_counter()
     raw = run_ranks(_bench_rank, a.world_size, opts)[0]
     summary = _summarise(raw, opts)

@@ -83,6 +83,20 @@ def test_gallop_clipped_at_the_top_does_not_repeat_a_trial():
     assert calls == [(0,), (1,), (3,), (4,)] and result.levels == (3,)
 
 
+def test_noise_tolerance_walks_through_a_bump_and_keeps_the_best_measured():
+    measure, calls = lagom_cost(lambda l: 10.0, ([100, 101, 80, 70, 90],))
+    assert priority_search((5,), measure).levels == (0,) and calls == [(0,), (1,)]  # Lagom as written
+    measure, calls = lagom_cost(lambda l: 10.0, ([100, 101, 80, 70, 90],))
+    result = priority_search((5,), measure, tolerance=0.05)  # 101 is within 5% of 100: go on
+    assert calls == [(0,), (1,), (2,), (3,), (4,)] and result.levels == (3,)
+    assert [s.decision for s in result.history][-1] == "reject-slower"
+    measure, calls = lagom_cost(lambda l: 10.0, ([100, 80, 83, 95],))
+    result = priority_search((4,), measure, tolerance=0.05)  # 83 accepted within noise, 80 kept
+    assert calls == [(0,), (1,), (2,), (3,)] and result.levels == (1,) and result.trial.z_us == 80
+    with pytest.raises(ValueError, match="tolerance"):
+        priority_search((2,), measure, tolerance=1.5)
+
+
 def test_measure_contract_is_checked():
     with pytest.raises(ValueError, match="communication times"):
         priority_search((2, 2), lambda levels: Trial(1.0, (1.0,), 1.0))

@@ -30,6 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--measure-steps", type=int, default=6, help="timed iterations per trial")
     p.add_argument("--min-bucket", type=int, default=100_000, help="smallest DDP bucket tried (parameters)")
     p.add_argument("--no-gallop", action="store_true", help="advance one ladder level per trial (Lagom as written)")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="measurement noise: reject a move only when it is worse by this fraction (0 = Lagom as written)")
     p.add_argument("--format", choices=("human", "json"), default="human")
     p.set_defaults(run=run)
 
@@ -43,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.world_size < 2:
             raise HexiSeqError(f"--world-size must be >= 2 (data-parallel gradient reduce), got {args.world_size}")
+        if not 0 <= args.tolerance < 1:
+            raise HexiSeqError(f"--tolerance must be in [0, 1), got {args.tolerance}")
         if args.measure_steps < 1 or args.warmup_steps < 0:
             raise HexiSeqError("--measure-steps must be >= 1 and --warmup-steps >= 0")
         from megatron_hexiseq.overlap.offline import OfflineTuneSpec, tune_offline
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         spec = OfflineTuneSpec(testbed=TestbedConfig(model=model, warmup_steps=args.warmup_steps,
                                                      measure_steps=args.measure_steps),
                                world_size=args.world_size, min_bucket_params=args.min_bucket,
-                               gallop=not args.no_gallop)
+                               gallop=not args.no_gallop, tolerance=args.tolerance)
         result = tune_offline(spec)
     if args.out:
         save_result(result, args.out)

@@ -116,7 +116,7 @@ def make_online_tuner(args: argparse.Namespace, *, group=None) -> OnlineTuner | 
         if not dist.is_initialized() or dist.get_rank() == 0:
             save_result(result, out)
 
-    return OnlineTuner(space, apply, on_done=save, group=group)
+    return OnlineTuner(space, apply, on_done=save, group=group, tolerance=0.05)
 
 
 def wrap_forward_step(forward_step: Callable, tuner: OnlineTuner, num_microbatches: int) -> Callable:

@@ -26,6 +26,7 @@ class OfflineTuneSpec:
     min_bucket_params: int = 100_000
     bucket_factor: int = 2
     gallop: bool = True
+    tolerance: float = 0.05
 
 
 def testbed_space(tb: Testbed, spec: OfflineTuneSpec) -> SearchSpace:
@@ -41,10 +42,11 @@ def _tune_rank(rank: int, world_size: int, spec: OfflineTuneSpec) -> TuneResult:
     def measure(levels):
         return tb.measure(space.config_at(levels)).trial(spec.testbed.hidden_tol)
 
-    result = distributed_priority_search(space.num_levels, measure, group=group, gallop=spec.gallop)
+    result = distributed_priority_search(space.num_levels, measure, group=group, gallop=spec.gallop,
+                                         tolerance=spec.tolerance)
     setup = {"mode": "offline-cpu", "world_size": world_size, "num_params": tb.count_params(),
              "model": dataclasses.asdict(spec.testbed.model), "warmup_steps": spec.testbed.warmup_steps,
-             "measure_steps": spec.testbed.measure_steps, "gallop": spec.gallop,
+             "measure_steps": spec.testbed.measure_steps, "gallop": spec.gallop, "tolerance": spec.tolerance,
              "grid_size": len(list(space.grid()))}
     return TuneResult.from_search(space, result, default_z_us=result.history[0].trial.z_us,
                                   tuned_z_us=result.trial.z_us, setup=setup)

@@ -30,6 +30,7 @@ class OnlineTuner:
     def __init__(self, space: SearchSpace, apply: Callable[[OverlapConfig], None], *,
                  on_done: Callable[[TuneResult], None] | None = None, settle_steps: int = 1,
                  steps_per_trial: int = 4, hidden_tol: float = 0.02, gallop: bool = True,
+                 tolerance: float = 0.0,
                  monitor: DriftMonitor | None = None, group: dist.ProcessGroup | None = None,
                  src: int = 0) -> None:
         if steps_per_trial < 1 or settle_steps < 0:
@@ -37,7 +38,7 @@ class OnlineTuner:
                              f"{steps_per_trial}, {settle_steps}")
         self.space, self.apply, self.on_done = space, apply, on_done
         self.settle_steps, self.steps_per_trial, self.hidden_tol = settle_steps, steps_per_trial, hidden_tol
-        self.gallop, self.group, self.src = gallop, group, src
+        self.gallop, self.tolerance, self.group, self.src = gallop, tolerance, group, src
         self.monitor = monitor or DriftMonitor()
         self.results: list[TuneResult] = []
         self._samples: list[tuple[float, tuple[float, ...], float]] = []
@@ -59,7 +60,8 @@ class OnlineTuner:
         return broadcast_from(levels, dist.get_global_rank(self.group, self.src), self.group)
 
     def _start(self) -> None:
-        self._gen = search_steps(self.space.num_levels, gallop=self.gallop) if self._leader() else None
+        self._gen = (search_steps(self.space.num_levels, gallop=self.gallop, tolerance=self.tolerance)
+                     if self._leader() else None)
         self._set(self._agree(next(self._gen) if self._gen is not None else None))
 
     def _set(self, levels: Levels | None) -> None:

@@ -22,12 +22,17 @@ Rules (Lagom's, with the two deviations marked *):
 5. When ``X' < Y'`` the step is computation-bound: more resources for any communication can only
    slow computation, so every communication is finished.
 
+(*) ``tolerance`` > 0 (for measured trials): rules 3 only fire when x_j or z got worse by at least
+that fraction; moves within the noise are accepted and the result is the best-measured accepted
+configuration (see ``search_steps``).
+
 Every call of ``measure`` is one trial; ``SearchResult.history`` records them in order.
 ``distributed_priority_search`` runs the same logic on rank ``src`` of an explicit process group
 and broadcasts every decision, so all ranks try the same configurations in the same order.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
@@ -79,20 +84,29 @@ class SearchResult:
         return len(self.history)
 
 
-def search_steps(num_levels: Sequence[int], *, gallop: bool = False
+def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: float = 0.0
                  ) -> Generator[Levels, Trial, SearchResult]:
     """The search as a coroutine: yields level vectors to try, receives their ``Trial``.
 
     Drive it with ``send``; its return value (``StopIteration.value``) is the ``SearchResult``.
     Used both offline (``priority_search``) and online (one trial per few training iterations).
+
+    ``tolerance`` (measurement noise, relative): a move is rejected only when x_j or z got worse
+    by at least that much; a move within the noise is accepted (the search walks through
+    plateaus and noise) with H_j = inf when x_j did not drop, and the result is the accepted
+    configuration with the smallest z (ties: the earlier one, i.e. fewer resources). With 0 (the
+    default) this is exactly the rule list in the module docstring.
     """
     n = len(num_levels)
     if n == 0 or any(k < 1 for k in num_levels):
         raise ValueError(f"every communication needs at least one level, got {list(num_levels)}")
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
     levels: Levels = (0,) * n
     current = yield levels
     _check(current, n)
     history = [Step(levels, current, None, "start")]
+    best = (levels, current)
     h = [INITIAL_H] * n
     step = [1] * n
     done = [False] * n
@@ -108,28 +122,31 @@ def search_steps(num_levels: Sequence[int], *, gallop: bool = False
         trial = yield candidate
         _check(trial, n)
         saved_us = current.x_us[j] - trial.x_us[j]
-        if saved_us <= 0 or trial.z_us >= current.z_us:
-            history.append(Step(candidate, trial, j, "reject-slower" if saved_us <= 0 else "reject-no-gain"))
+        slower = trial.x_us[j] >= current.x_us[j] * (1.0 + tolerance)
+        if slower or trial.z_us >= current.z_us * (1.0 + tolerance):
+            history.append(Step(candidate, trial, j, "reject-slower" if slower else "reject-no-gain"))
             if candidate[j] - levels[j] > 1:
                 step[j] = 1  # overshot while galloping: retry one level up from the accepted level
             else:
                 done[j] = True
             continue
-        h[j] = (trial.y_us - current.y_us) / saved_us
+        h[j] = (trial.y_us - current.y_us) / saved_us if saved_us > 0 else math.inf
         levels, current = candidate, trial
+        if trial.z_us < best[1].z_us:
+            best = (levels, trial)
         if gallop:
             step[j] *= 2
         if trial.X_us < trial.y_us:
             history.append(Step(candidate, trial, j, "accept-compute-bound"))
             break
         history.append(Step(candidate, trial, j, "accept"))
-    return SearchResult(levels=levels, trial=current, history=tuple(history))
+    return SearchResult(levels=best[0], trial=best[1], history=tuple(history))
 
 
 def priority_search(num_levels: Sequence[int], measure: Callable[[Levels], Trial], *,
-                    gallop: bool = False) -> SearchResult:
+                    gallop: bool = False, tolerance: float = 0.0) -> SearchResult:
     """Run the search to the end in this process, calling ``measure(levels)`` once per trial."""
-    gen = search_steps(num_levels, gallop=gallop)
+    gen = search_steps(num_levels, gallop=gallop, tolerance=tolerance)
     levels = next(gen)
     while True:
         try:
@@ -174,7 +191,7 @@ def broadcast_from(obj: object, src_global: int, group: dist.ProcessGroup) -> ob
 
 def distributed_priority_search(num_levels: Sequence[int], measure: Callable[[Levels], Trial], *,
                                 group: dist.ProcessGroup, src: int = 0,
-                                gallop: bool = False) -> SearchResult:
+                                gallop: bool = False, tolerance: float = 0.0) -> SearchResult:
     """The search with every rank of ``group`` agreeing on every trial.
 
     Each trial: rank ``src`` (a rank of ``group``) broadcasts the levels to try, every rank calls
@@ -184,7 +201,7 @@ def distributed_priority_search(num_levels: Sequence[int], measure: Callable[[Le
     """
     src_global = dist.get_global_rank(group, src)
     leader = dist.get_rank(group) == src
-    gen = search_steps(num_levels, gallop=gallop) if leader else None
+    gen = search_steps(num_levels, gallop=gallop, tolerance=tolerance) if leader else None
     levels: Levels | None = next(gen) if leader else None
     result: SearchResult | None = None
     while True:
