@@ -90,6 +90,9 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
                        feedback_rounds: int = 2) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
 
+    Round 0 solves the ``top_k`` groupings of Stage I; time-feedback rounds re-split the one that
+    won by the cost model.
+
     Memory feedback: ranks ``estimate`` finds over capacity get their free memory lowered by the
     overflow. Time feedback: each rank's time coefficients are scaled by (estimated time / surrogate
     time) of the best candidate so far, so terms the surrogate leaves out (K/V fan-out between groups
@@ -143,6 +146,9 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
             break
         feedback_rounds -= 1
         best, st = min(feasible, key=lambda x: x[0].estimate.iteration_time_s)
+        # feedback rounds refine the grouping that won by the cost model (the others rarely overtake it)
+        best_sizes = best.info["group_sizes"]
+        groupings = [x for x in groupings if [len(g) for g in x[0]] == best_sizes][:1] or groupings
         raw = [min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0 for p, s in zip(best.estimate.per_rank, st)]
         # one factor per (device coefficients, tokens, heads) class: identical groups stay identical,
         # so Stage II/III keep sharing their work across them (thousands of GPUs, few classes)
