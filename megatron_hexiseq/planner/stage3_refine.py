@@ -3,8 +3,9 @@
 Data: the group's members (coefficients ``a_r``, ``beta_r(T)`` in integer ns, memory cap in units,
 see ``planner.surrogate``), its token count ``T`` (units, fixed by Stage II) and ``H`` heads.
 Variables: ``t[r]`` units, ``h[r]`` heads, ``z`` the group's time. Minimise ``z``.
-Seeded with a greedy hint (continuous optimum, largest-remainder rounding), fixed seed, one worker
-(deterministic), time-limited; every solver status is handled (a feasible-but-not-proven result
+Seeded with a greedy hint (continuous optimum, largest-remainder rounding), fixed seed, one worker,
+a *deterministic* time budget (same stop point under any machine load, so the same inputs give the
+same layout) and a small relative gap; every solver status is handled (a feasible-but-not-proven result
 reports its bound and gap; no solution at all falls back to the hint when it is valid).
 When the rounded continuous optimum is already within ``GREEDY_GAP`` of the continuous bound, the
 solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of more than
