@@ -2,8 +2,8 @@
 
 Every implementation runs the same problem (full sequence S, batch B, H query heads, G K/V heads,
 head dim D, causal, float32, torch's fused CPU SDPA kernel) forward + backward on 4 processes
-(1 thread each). Timing: one spawn runs all implementations interleaved round-robin (so drifting
-load from other work hits them alike); one iteration = barrier, forward, backward, barrier, and its
+(1 thread each). Timing: one spawn runs all implementations interleaved round-robin, the order
+rotated every round (so drifting load from other work hits them alike); one iteration = barrier, forward, backward, barrier, and its
 time is the slowest rank's; we report the median over ``--repeats`` rounds after ``--warmup``.
 Memory: a fresh spawn per implementation runs one iteration; we report the largest per-rank growth
 of peak resident memory (``ru_maxrss``): an approximation (CPU has no allocator peak counter like
@@ -118,8 +118,10 @@ def _time_worker(rank: int, world: int, runs: list, cfg: dict) -> dict:
         torch.testing.assert_close(step(), full[pos], rtol=2e-4, atol=2e-4)  # exact vs single device
         steps[name] = step
     times = {name: [] for name in steps}
+    names = list(steps)
     for i in range(cfg["warmup"] + cfg["repeats"]):
-        for name, step in steps.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotate: no fixed position in a round
+            step = steps[name]
             dist.barrier()
             t0 = time.perf_counter()
             step()
