@@ -38,6 +38,7 @@ MEMORY_FLAGS = {
              "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
 }
 RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+FEEDBACK_GROUPINGS = 2
 AUTO_MODES = (("distributed_optimizer", False), ("fsdp", False), ("distributed_optimizer", True), ("fsdp", True))
 
 
@@ -90,8 +91,8 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
                        feedback_rounds: int = 2) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
 
-    Round 0 solves the ``top_k`` groupings of Stage I; time-feedback rounds re-split the one that
-    won by the cost model.
+    Round 0 solves the ``top_k`` groupings of Stage I; time-feedback rounds re-split the
+    ``FEEDBACK_GROUPINGS`` that did best by the cost model.
 
     Memory feedback: ranks ``estimate`` finds over capacity get their free memory lowered by the
     overflow. Time feedback: each rank's time coefficients are scaled by (estimated time / surrogate
@@ -146,9 +147,16 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
             break
         feedback_rounds -= 1
         best, st = min(feasible, key=lambda x: x[0].estimate.iteration_time_s)
-        # feedback rounds refine the grouping that won by the cost model (the others rarely overtake it)
-        best_sizes = best.info["group_sizes"]
-        groupings = [x for x in groupings if [len(g) for g in x[0]] == best_sizes][:1] or groupings
+        # feedback rounds refine the groupings that did best by the cost model; one that was faster
+        # but over memory stays in, with the memory feedback applied
+        by_time = sorted(new, key=lambda x: x[0].estimate.iteration_time_s)
+        keep = [c.info["group_sizes"] for c, _ in by_time[:FEEDBACK_GROUPINGS]]
+        groupings = [x for x in groupings if [len(g) for g in x[0]] in keep] or groupings
+        if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
+            free = [d.free_bytes for d in sur.devices]
+            for r, extra in over.items():
+                free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
+            sur = sur.with_free(free)
         raw = [min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0 for p, s in zip(best.estimate.per_rank, st)]
         # one factor per (device coefficients, tokens, heads) class: identical groups stay identical,
         # so Stage II/III keep sharing their work across them (thousands of GPUs, few classes)
