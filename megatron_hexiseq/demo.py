@@ -85,20 +85,27 @@ def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, 
     return best[1], best[2]
 
 
-def train_on_testbed(layout: Layout, model: Any, shape: str, *, steps: int, kernel: str = "sdpa",
-                     cpu_sets: list[list[int]] | None = None) -> tuple[list[float], list[list[float]]]:
-    """Train ``steps`` steps with the layout on pinned testbed ranks: (losses, step times per rank)."""
-    from megatron_hexiseq.megatron.train_cpu import TrainConfig, train_rank
-    from megatron_hexiseq.testbed import TestbedShape
-    from megatron_hexiseq.testbed import cpu_sets as make_sets
+def driver_config(layout: Layout, model: Any, *, steps: int, kernel: str = "sdpa"):
+    """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
+    from megatron_hexiseq.megatron.parallel_state import check_run
+    from megatron_hexiseq.megatron.train_cpu import TrainConfig, run_shape
+
+    cfg = TrainConfig(model=tiny_gpt_from_spec(model), layout=layout, steps=steps, kernel=kernel,
+                      bucket_size=None, lr=1e-3)
+    check_run(layout, run_shape(cfg))
+    return cfg
+
+
+def train_on_testbed(cfg: Any, shape: str) -> tuple[list[float], list[list[float]]]:
+    """Train ``cfg`` on pinned testbed ranks: (losses, step times per rank)."""
+    from megatron_hexiseq.megatron.train_cpu import train_rank
+    from megatron_hexiseq.testbed import TestbedShape, cpu_sets
     from megatron_hexiseq.testing import run_ranks
 
     tb = TestbedShape.parse(shape)
-    if tb.world_size != layout.world_size:
-        raise HexiSeqError(f"layout has {layout.world_size} ranks but testbed {shape} has {tb.world_size}")
-    cfg = TrainConfig(model=tiny_gpt_from_spec(model), layout=layout, steps=steps, kernel=kernel,
-                      bucket_size=None, lr=1e-3)
-    results = run_ranks(train_rank, layout.world_size, cfg, cpu_sets=cpu_sets or make_sets(tb))
+    if tb.world_size != cfg.layout.world_size:
+        raise HexiSeqError(f"layout has {cfg.layout.world_size} ranks but testbed {shape} has {tb.world_size}")
+    results = run_ranks(train_rank, tb.world_size, cfg, cpu_sets=cpu_sets(tb))
     return results[0].losses, [r.step_times_s for r in results]
 
 
@@ -108,9 +115,11 @@ def compare(cluster: Any, model: Any, options: Any, hexiseq: Layout, shape: str,
     from megatron_hexiseq.costmodel import estimate
 
     sym_label, sym = best_symmetric_layout(cluster, model, options)
+    named = [(f"symmetric:{sym_label}", sym), ("hexiseq", hexiseq)]
+    cfgs = [driver_config(lay, model, steps=steps, kernel=kernel) for _, lay in named]  # check both first
     runs = []
-    for name, lay in ((f"symmetric:{sym_label}", sym), ("hexiseq", hexiseq)):
-        losses, times = train_on_testbed(lay, model, shape, steps=steps, kernel=kernel)
+    for (name, lay), cfg in zip(named, cfgs):
+        losses, times = train_on_testbed(cfg, shape)
         pred = estimate(lay, cluster, model, options).iteration_time_s
         runs.append(RunSummary(name=name, layout=lay, losses=losses, step_times_s=times,
                                predicted_step_s=pred, warmup=warmup))

@@ -10,8 +10,9 @@ import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions
-from megatron_hexiseq.demo import LOSS_RTOL, best_symmetric_layout, compare, tiny_gpt_from_spec
+from megatron_hexiseq.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config, tiny_gpt_from_spec
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.model import model_from_dict
 from megatron_hexiseq.planner.hierarchical import plan
 
@@ -50,6 +51,14 @@ def test_cpu_driver_rejects_models_it_cannot_build():
     bad = model_from_dict({**MODEL, "kv_channels": 4})
     with pytest.raises(HexiSeqError, match="kv_channels"):
         tiny_gpt_from_spec(bad)
+
+
+def test_layouts_megatron_cannot_run_fail_before_any_process_starts():
+    model = model_from_dict(MODEL)
+    heads_only = make_layout(seq_length=384, num_attention_heads=8, num_query_groups=2, group_sizes=[3],
+                             segments=[[(0, 384)], [], []], heads=[[], [0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(HexiSeqError, match=r"ranks \[1, 2\] hold no tokens"):
+        driver_config(heads_only, model, steps=1)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the testbed needs 2 cores")

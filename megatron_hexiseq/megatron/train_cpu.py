@@ -161,23 +161,29 @@ def build_gpt(cfg: TrainConfig, *, runtime=None, pg_collection=None):
     return model
 
 
+def run_shape(cfg: TrainConfig):
+    """The ``RunShape`` this driver runs (for ``parallel_state.check_run`` before spawning)."""
+    from megatron_hexiseq.megatron.parallel_state import RunShape
+
+    return RunShape(world_size=cfg.layout.world_size * cfg.data_parallel, tensor_model_parallel_size=1,
+                    pipeline_model_parallel_size=1, context_parallel_size=cfg.layout.world_size,
+                    seq_length=cfg.layout.seq_length, num_attention_heads=cfg.model.num_attention_heads,
+                    num_query_groups=cfg.model.num_query_groups)
+
+
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel`` ranks."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
+    from megatron_hexiseq.megatron.parallel_state import build_runtime
 
     W = cfg.layout.world_size
     assert world_size == W * cfg.data_parallel, (world_size, W, cfg.data_parallel)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
     try:
-        run = RunShape(world_size=world_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                       context_parallel_size=W, seq_length=cfg.layout.seq_length,
-                       num_attention_heads=cfg.model.num_attention_heads,
-                       num_query_groups=cfg.model.num_query_groups)
-        runtime = build_runtime(cfg.layout, run, cp_group=mpu.get_context_parallel_group(),
+        runtime = build_runtime(cfg.layout, run_shape(cfg), cp_group=mpu.get_context_parallel_group(),
                                 kernel=cfg.kernel, comm_chunks=cfg.comm_chunks)
         model = build_gpt(cfg, runtime=runtime)
         ddp_config = DistributedDataParallelConfig(
