@@ -244,7 +244,9 @@ def test_tune_command_from_result_writes_nccl_yaml(tmp_path, capsys):
 def test_wrap_forward_step_times_iterations(monkeypatch):
     space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),))
     applied = []
-    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2)
+    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2,
+                        group="world")  # no process group yet: resolves to a single process
+    assert tuner.group is None
     clock = iter(float(t) for t in range(0, 1000, 1))
     monkeypatch.setattr(megatron_hooks.time, "perf_counter", lambda: next(clock))
     seen = []

@@ -43,7 +43,7 @@ def _worker(rank, world_size):
     space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2, 4, 8)),))
     applied = []
     tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2,
-                        gallop=False, group=group, monitor=DriftMonitor(MonitorConfig(window=2)))
+                        gallop=False, group="world", monitor=DriftMonitor(MonitorConfig(window=2)))
     for _ in range(12):
         c = applied[-1]
         e = {1: 0.04, 2: 0.02, 4: 0.01 + 0.02 * rank, 8: 0.03}[c]  # rank 1 finds 4 chunks slow

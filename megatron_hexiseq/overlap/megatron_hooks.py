@@ -97,7 +97,7 @@ def configure_from_args(args: argparse.Namespace) -> None:
         args.hexiseq_overlap_tuner = make_online_tuner(args)
 
 
-def make_online_tuner(args: argparse.Namespace, *, group=None) -> OnlineTuner | None:
+def make_online_tuner(args: argparse.Namespace, *, group="world") -> OnlineTuner | None:
     """The online tuner for ``args`` (None, with a warning, when no knob can change at run time)."""
     if not getattr(args, "hexiseq_layout", None):
         warnings.warn("--hexiseq-overlap-tune: without HexiSeq attention (--hexiseq-layout) no overlap "

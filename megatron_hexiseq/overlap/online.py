@@ -31,14 +31,14 @@ class OnlineTuner:
                  on_done: Callable[[TuneResult], None] | None = None, settle_steps: int = 1,
                  steps_per_trial: int = 4, hidden_tol: float = 0.02, gallop: bool = True,
                  tolerance: float = 0.0,
-                 monitor: DriftMonitor | None = None, group: dist.ProcessGroup | None = None,
+                 monitor: DriftMonitor | None = None, group: dist.ProcessGroup | str | None = None,
                  src: int = 0) -> None:
         if steps_per_trial < 1 or settle_steps < 0:
             raise ValueError(f"steps_per_trial must be >= 1 and settle_steps >= 0, got "
                              f"{steps_per_trial}, {settle_steps}")
         self.space, self.apply, self.on_done = space, apply, on_done
         self.settle_steps, self.steps_per_trial, self.hidden_tol = settle_steps, steps_per_trial, hidden_tol
-        self.gallop, self.tolerance, self.group, self.src = gallop, tolerance, group, src
+        self.gallop, self.tolerance, self._group, self.src = gallop, tolerance, group, src
         self.monitor = monitor or DriftMonitor()
         self.results: list[TuneResult] = []
         self._samples: list[tuple[float, tuple[float, ...], float]] = []
@@ -46,6 +46,14 @@ class OnlineTuner:
         self._gen = None
         self._levels: Levels | None = None
         self._start()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The agreement group; ``"world"`` resolves to the default group once it exists (the tuner
+        may be built before ``init_process_group``; until then every rank proposes level 0 alike)."""
+        if self._group == "world":
+            return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        return self._group
 
     @property
     def tuning(self) -> bool:
