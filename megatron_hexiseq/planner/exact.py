@@ -3,7 +3,7 @@
 Decisions: the grouping (every node split into groups of any sizes — all integer partitions of its
 GPU count, not only the equal splits Stage I tries — plus the single cross-node group of all
 ranks), every group's token count ``T_g``, and every
-rank's tokens ``t_r`` and heads ``h_r``; the same surrogate model as the stages
+rank's tokens ``t_r >= 1`` unit and heads ``h_r``; the same surrogate model as the stages
 (``planner.surrogate``) with the bilinear term ``w_r = h_r * T_g`` modelled exactly
 (``AddMultiplicationEquality``). Groupings are enumerated (nodes of one type are interchangeable,
 so only size multisets are enumerated per node) and pruned with Stage II's continuous value as an
@@ -22,6 +22,7 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.planner.baselines import hosts_and_gpus
 from megatron_hexiseq.planner.build import build_layout
 from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_grouping
+from megatron_hexiseq.planner.stage2_split import MIN_UNITS_PER_RANK
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 
 MAX_EXACT_GPUS = 16
@@ -59,19 +60,22 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
     N, H = sur.num_units, sur.heads
     coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
              for g in grouping]
+    if sum(len(g) for g in grouping) * MIN_UNITS_PER_RANK > N or any(min(co.cap) < MIN_UNITS_PER_RANK for co in coefs):
+        return None  # fewer units than ranks, or some rank cannot hold one unit
     model = cp_model.CpModel()
-    T = {g: model.new_int_var(1, N, f"T_{g}") for g in range(len(grouping))}
+    # a group holds at least one unit per member
+    T = {g: model.new_int_var(len(grouping[g]) * MIN_UNITS_PER_RANK, N, f"T_{g}") for g in range(len(grouping))}
     horizon = upper_ns if upper_ns is not None else 10**15
     z = model.new_int_var(0, horizon, "z")
     t, h = {}, {}
     model.add(sum(T.values()) == N)  # the groups partition the sequence
     for gi, (members, co) in enumerate(zip(grouping, coefs)):
         for k, r in enumerate(members):
-            t[r] = model.new_int_var(0, min(co.cap[k], N), f"t_{r}")
+            # every rank owns >= 1 unit: Megatron cannot run an empty sequence shard
+            t[r] = model.new_int_var(MIN_UNITS_PER_RANK, min(co.cap[k], N), f"t_{r}")
             h[r] = model.new_int_var(0, H, f"h_{r}")
             w = model.new_int_var(0, H * N, f"w_{r}")  # heads x group units (attention work)
             model.add_multiplication_equality(w, [h[r], T[gi]])
-            model.add(t[r] + h[r] >= 1)  # every rank does something
             # memory: own activations + attention core of the group's tokens for own heads
             model.add(t[r] * co.mt[k] + w * co.mh[k] <= co.free[k])
             # time: linear + max(attention, K/V ring) + A2A

@@ -10,7 +10,13 @@ from megatron_hexiseq.layout import Layout
 
 
 def _fmt_time(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+    """Seconds with 4 significant digits in s, ms or µs: 1.234 s, 12.34 ms, 5.678 µs (tiny models stay readable)."""
+    if x is None:
+        return "-"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {unit}"
+    return f"{x / 1e-6:.4g} µs" if x else "0 s"
 
 
 def _fmt_rate(x: float | None) -> str:
@@ -21,8 +27,8 @@ def layout_table(layout: Layout, title: str = "") -> Table:
     """Per rank: host, GPU, group, tokens, heads, segments, predicted time and memory."""
     per_rank = {p["rank"]: p for p in (layout.predicted or {}).get("per_rank", [])}
     table = Table(title=title or None, show_lines=False)
-    for col in ("rank", "host", "gpu", "group", "tokens", "heads", "segments", "time s", "memory GiB"):
-        table.add_column(col, justify="right" if col in ("rank", "group", "tokens", "heads", "time s", "memory GiB") else "left")
+    for col in ("rank", "host", "gpu", "group", "tokens", "heads", "segments", "time", "memory GiB"):
+        table.add_column(col, justify="right" if col in ("rank", "group", "tokens", "heads", "time", "memory GiB") else "left")
     for r in layout.ranks:
         p = per_rank.get(r.rank, {})
         cap = p.get("capacity_gib")
@@ -39,7 +45,7 @@ def baselines_table(layout: Layout) -> Table:
     """Predicted tokens/s of the layout vs each baseline (speedup = layout / baseline)."""
     ours = (layout.predicted or {}).get("tokens_per_s")
     table = Table(title="predicted throughput vs baselines")
-    for col in ("layout", "config", "iteration s", "tokens/s", "speedup of plan"):
+    for col in ("layout", "config", "iteration", "tokens/s", "speedup of plan"):
         table.add_column(col, justify="left" if col in ("layout", "config") else "right")
     chosen = layout.meta.get("chosen", "plan")
     table.add_row(f"[bold]plan ({chosen})[/bold]", "", _fmt_time((layout.predicted or {}).get("iteration_time_s")),
@@ -70,7 +76,7 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
     if pl:
         bits = [f"status {pl.get('status')}", f"solve time {pl.get('solve_time_s', 0):.2f} s"]
         if pl.get("bound") is not None:
-            bits.append(f"surrogate bound {pl['bound']:.4f} s, gap {100 * (pl.get('gap') or 0):.2f}%")
+            bits.append(f"surrogate bound {_fmt_time(pl['bound'])}, gap {100 * (pl.get('gap') or 0):.2f}%")
         if pl.get("method"):
             bits.insert(0, f"planner {pl['method']}")
         console.print("; ".join(bits))
@@ -82,14 +88,14 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
 
 def estimate_table(name: str, layout: Layout, est: Any) -> Table:
     """Per-rank cost-model figures of one layout (simulate)."""
-    table = Table(title=f"{name}: iteration {_fmt_time(est.iteration_time_s)} s, {_fmt_rate(est.tokens_per_s)} tokens/s"
+    table = Table(title=f"{name}: iteration {_fmt_time(est.iteration_time_s)}, {_fmt_rate(est.tokens_per_s)} tokens/s"
                         f"{'' if est.feasible else ' (OUT OF MEMORY)'}")
-    for col in ("rank", "gpu", "group", "tokens", "heads", "compute s", "exposed comm s", "time s", "memory GiB", "capacity GiB"):
+    for col in ("rank", "gpu", "group", "tokens", "heads", "compute", "exposed comm", "time", "memory GiB", "capacity GiB"):
         table.add_column(col, justify="left" if col == "gpu" else "right")
     gib = 2.0 ** 30
     for pr, r in zip(est.per_rank, layout.ranks):
-        table.add_row(str(pr.rank), pr.gpu, str(r.group), f"{pr.tokens:,}", str(pr.heads), f"{pr.compute_s:.3f}",
-                      f"{pr.exposed_comm_s:.3f}", f"{pr.time_s:.3f}", f"{pr.memory_bytes / gib:.1f}",
+        table.add_row(str(pr.rank), pr.gpu, str(r.group), f"{pr.tokens:,}", str(pr.heads), _fmt_time(pr.compute_s),
+                      _fmt_time(pr.exposed_comm_s), _fmt_time(pr.time_s), f"{pr.memory_bytes / gib:.1f}",
                       f"{pr.capacity_bytes / gib:.1f}")
     return table
 
@@ -114,7 +120,7 @@ def plot_estimates(path: str, items: Sequence[tuple[str, Any]]) -> None:
         ax.bar(ranks, comp, label="compute", color="#4c72b0")
         ax.bar(ranks, comm, bottom=comp, label="exposed comm", color="#dd8452")
         ax.bar(ranks, idle, bottom=[c + m for c, m in zip(comp, comm)], label="idle", color="#cccccc")
-        ax.set_title(f"{name}: time per rank (step {step:.3f} s)")
+        ax.set_title(f"{name}: time per rank (step {_fmt_time(step)})")
         ax.set_xlabel("rank")
         ax.set_ylabel("s")
         ax.legend(fontsize=7)

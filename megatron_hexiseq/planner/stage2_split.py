@@ -25,6 +25,7 @@ from functools import cached_property, lru_cache
 from typing import Sequence
 
 INF = float("inf")
+MIN_UNITS_PER_RANK = 1  # every rank owns >= 1 token unit: Megatron cannot run an empty sequence shard
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,20 @@ def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
     """Most heads (continuous) the group can hold at time ``z`` with ``T`` units; -inf if the tokens don't fit.
 
     Member i can hold ``h_i(t) = min((z - a_i t)/beta_i, (free_i - mt_i t)/(T mh_i))`` heads with t own
-    units: concave, piecewise linear with at most two slopes. Maximising ``sum h_i(t_i)`` subject to
-    ``sum t_i = T`` is separable concave, so filling the flattest slope pieces first is exact.
+    units: concave, piecewise linear with at most two slopes. Every member holds at least one unit
+    (``MIN_UNITS_PER_RANK``: Megatron cannot run an empty sequence shard), so each starts at ``t = 1``
+    and the remaining ``T - n`` units are placed. Maximising ``sum h_i(t_i)`` subject to
+    ``sum t_i = T, t_i >= 1`` is separable concave, so filling the flattest slope pieces first is exact.
     Returns (heads, token allocation).
     """
     n = g.size
+    if T < n * MIN_UNITS_PER_RANK:
+        return -INF, []
     pieces: list[tuple[float, int, float]] = []  # (slope, class, length for the whole class)
     heads0 = 0.0
     room = 0.0
     classes = g.classes
+    lo = float(MIN_UNITS_PER_RANK)
     for ci, members in enumerate(classes):
         i, k = members[0], len(members)
         beta = g.beta(i, T)
@@ -92,34 +98,36 @@ def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
         a0, sa = (z / beta, g.a[i] / beta) if beta > 0 else (INF, 0.0)
         m0, sm = (g.free[i] / per, g.mt[i] / per) if per > 0 else (INF, 0.0)
         tmax = min(g.cap[i], z / g.a[i] if g.a[i] > 0 else INF)
-        if tmax <= 0:
-            heads0 += k * max(0.0, min(a0, m0))
-            continue
-        room += k * tmax
+        if tmax < lo:  # the member cannot hold its one unit within z (or memory)
+            return -INF, []
+        room += k * (tmax - lo)
         first, second = ((a0, sa), (m0, sm)) if a0 <= m0 else ((m0, sm), (a0, sa))
-        heads0 += k * first[0]
+        heads0 += k * min(a0 - sa * lo, m0 - sm * lo)  # heads at the mandatory unit
         # the lines cross where first[0] - first[1] t == second[0] - second[1] t
         cross = (second[0] - first[0]) / (second[1] - first[1]) if second[1] > first[1] else INF
         if cross >= tmax:
-            pieces.append((first[1], ci, k * tmax))
-        else:
-            pieces.append((first[1], ci, k * cross))
+            pieces.append((first[1], ci, k * (tmax - lo)))
+        elif cross > lo:
+            pieces.append((first[1], ci, k * (cross - lo)))
             pieces.append((second[1], ci, k * (tmax - cross)))
-    if room < T:
+        else:
+            pieces.append((second[1], ci, k * (tmax - lo)))
+    left = float(T - n * MIN_UNITS_PER_RANK)
+    if room < left:
         return -INF, []
     pieces.sort(key=lambda p: (p[0], p[1]))
-    per_class, left, heads = [0.0] * len(classes), float(T), heads0
+    per_class, heads = [0.0] * len(classes), heads0
     for slope, ci, length in pieces:
+        if left <= 0:
+            break
         take = min(left, length)
         per_class[ci] += take
         heads -= slope * take
         left -= take
-        if left <= 0:
-            break
     t = [0.0] * n
     for ci, members in enumerate(classes):
         for i in members:
-            t[i] = per_class[ci] / len(members)
+            t[i] = lo + per_class[ci] / len(members)
     return heads, t
 
 
@@ -147,11 +155,17 @@ def group_time(g: GroupCoef, T: int) -> float:
     return hi
 
 
+def min_units(g: GroupCoef) -> int:
+    """Fewest units a group can hold: one per member (no rank may own zero tokens)."""
+    return g.size * MIN_UNITS_PER_RANK
+
+
 @lru_cache(maxsize=200_000)
 def max_units(g: GroupCoef, z: float) -> int:
-    """T_g(z): most units the group can take within z (assumes feasibility monotone in T)."""
-    lo, hi = 0, min(g.num_units, sum(g.cap))
-    if not feasible(g, 0, z):
+    """T_g(z): most units the group can take within z (assumes feasibility monotone in T); 0 when it
+    cannot even hold its minimum (one unit per member) within z."""
+    lo, hi = min_units(g), min(g.num_units, sum(g.cap))
+    if lo > hi or not feasible(g, lo, z):
         return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -173,7 +187,8 @@ class Split:
 
 def split_sequence(groups: Sequence[GroupCoef], num_units: int,
                    caps: dict[GroupCoef, int] | None = None) -> Split | None:
-    """Stage II: units per group summing to ``num_units`` (every group >= 1); None if memory can't hold it.
+    """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
+    memory can't hold it (or the groups have more members than there are units).
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
     integer repair in ``stage3_refine.integer_split``).
@@ -183,14 +198,16 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
     def most(g: GroupCoef, z: float) -> int:
         return min(max_units(g, z), caps.get(g, num_units))
 
-    if sum(min(num_units, sum(g.cap), caps.get(g, num_units)) for g in groups) < num_units or len(groups) > num_units:
+    if sum(min(num_units, sum(g.cap), caps.get(g, num_units)) for g in groups) < num_units:
         return None
+    if sum(min_units(g) for g in groups) > num_units or any(min(g.cap) < MIN_UNITS_PER_RANK for g in groups):
+        return None  # fewer units than ranks, or a rank cannot hold one unit
     distinct: dict[GroupCoef, int] = {}
     for g in groups:
         distinct[g] = distinct.get(g, 0) + 1
     # start from the slowest group's time for an even share (usually enough), else double
     share = -(-num_units // len(groups))
-    even = [group_time(g, min(share, sum(g.cap))) for g in distinct]
+    even = [group_time(g, min(max(share, min_units(g)), sum(g.cap))) for g in distinct]
     lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
     while sum(k * most(g, hi) for g, k in distinct.items()) < num_units:  # find a feasible upper end
         lo, hi = hi, hi * 2
@@ -204,13 +221,13 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
             lo = mid
         if hi - lo <= 1e-6 * hi:
             break
-    units = [max(1, most(g, hi)) for g in groups]
-    # trim the excess from the slowest groups (keep >= 1 unit each), add any deficit to the fastest
+    units = [max(min_units(g), most(g, hi)) for g in groups]
+    # trim the excess from the slowest groups (keep one unit per member), add any deficit to the fastest
     heap = [(-group_time(g, u), i) for i, (g, u) in enumerate(zip(groups, units))]
     heapq.heapify(heap)
     while sum(units) > num_units:
         _, i = heapq.heappop(heap)
-        if units[i] > 1:
+        if units[i] > min_units(groups[i]):
             units[i] -= 1
             heapq.heappush(heap, (-group_time(groups[i], units[i]), i))
     add = [(group_time(g, u + 1), i) for i, (g, u) in enumerate(zip(groups, units))]

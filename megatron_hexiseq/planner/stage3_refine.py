@@ -2,7 +2,8 @@
 
 Data: the group's members (coefficients ``a_r``, ``beta_r(T)`` in integer ns, memory cap in units,
 see ``planner.surrogate``), its token count ``T`` (units, fixed by Stage II) and ``H`` heads.
-Variables: ``t[r]`` units, ``h[r]`` heads, ``z`` the group's time. Minimise ``z``.
+Variables: ``t[r] >= 1`` units (no rank may own zero tokens: Megatron cannot run an empty sequence
+shard), ``h[r]`` heads, ``z`` the group's time. Minimise ``z``.
 Seeded with a greedy hint (continuous optimum, largest-remainder rounding), fixed seed, one worker,
 a *deterministic* time budget (same stop point under any machine load, so the same inputs give the
 same layout) and a small relative gap; every solver status is handled (a feasible-but-not-proven result
@@ -13,14 +14,14 @@ solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of m
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
-from megatron_hexiseq.planner.stage2_split import GroupCoef, Split, group_time, max_heads, split_sequence
+from megatron_hexiseq.planner.stage2_split import (MIN_UNITS_PER_RANK, GroupCoef, Split, group_time, max_heads,
+                                                    min_units, split_sequence)
 
 
 GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
@@ -41,11 +42,12 @@ class GroupSolution:
     status: str               # OPTIMAL, FEASIBLE, HINT (solver found nothing, greedy kept), INFEASIBLE
 
 
-def largest_remainder(values: list[float], total: int, caps: list[int] | None = None) -> list[int]:
-    """Round non-negative reals to integers summing to ``total`` (respecting ``caps`` when given)."""
-    base = [int(v) for v in values]
+def largest_remainder(values: list[float], total: int, caps: list[int] | None = None, low: int = 0) -> list[int]:
+    """Round non-negative reals to integers summing to ``total`` (respecting ``caps`` when given), each
+    at least ``low`` (the caller guarantees ``low * len(values) <= total`` and caps >= low)."""
+    base = [max(low, int(v)) for v in values]
     if caps:
-        base = [min(b, c) for b, c in zip(base, caps)]
+        base = [max(low, min(b, c)) for b, c in zip(base, caps)]
     order = sorted(range(len(values)), key=lambda i: (-(values[i] - int(values[i])), i))
     left = total - sum(base)
     while left > 0:
@@ -59,36 +61,35 @@ def largest_remainder(values: list[float], total: int, caps: list[int] | None = 
                 moved = True
         if not moved:
             break
-    while left < 0:  # values summed to more than total
+    while left < 0:  # values summed to more than total: take from the largest, never below low
         i = max(range(len(base)), key=lambda j: (base[j], -j))
+        assert base[i] > low, "largest_remainder: total below len(values) * low"
         base[i] -= 1
         left += 1
     return base
 
 
 def greedy(g: GroupCoef, T: int) -> tuple[list[int], list[int]] | None:
-    """Rounded continuous optimum: a feasible integer point (or None when the tokens don't fit)."""
+    """Rounded continuous optimum: a feasible integer point (or None when the tokens don't fit).
+    Every member keeps at least ``MIN_UNITS_PER_RANK`` units (the continuous optimum already does)."""
     n = g.size
-    if T > sum(g.cap):
+    if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
         return None
     z = group_time(g, T)
+    if not math.isfinite(z):
+        return None
     _, t_cont = max_heads(g, T, z)
-    t = largest_remainder(t_cont, T, list(g.cap))
+    t = largest_remainder(t_cont, T, list(g.cap), low=MIN_UNITS_PER_RANK)
     betas = [g.beta(i, T) for i in range(n)]
     h_cont = [max(0.0, min((z - t[i] * g.a[i]) / betas[i] if betas[i] else 0.0, g.head_mem_cap(i, T, t[i])))
               for i in range(n)]
     s = sum(h_cont) or 1.0
-    h = largest_remainder([x * g.heads / s for x in h_cont], g.heads)
-    # a rank must do something: give each idle rank one head from the largest holder
-    donors = [(-h[k], k) for k in range(n) if h[k] > 1]
-    heapq.heapify(donors)
-    for i in range(n):
-        if t[i] == 0 and h[i] == 0 and donors:
-            neg, j = heapq.heappop(donors)
-            h[j] -= 1
-            h[i] += 1
-            if h[j] > 1:
-                heapq.heappush(donors, (-h[j], j))
+    # heads: proportional to the continuous head capacity, rounded within each member's memory when
+    # the caps can hold every head (else uncapped; ``_fits`` then rejects the point)
+    mem = [g.head_mem_cap(i, T, t[i]) for i in range(n)]
+    head_caps = [max(0, min(g.heads, math.floor(x + 1e-9))) if math.isfinite(x) else g.heads for x in mem]
+    h = largest_remainder([x * g.heads / s for x in h_cont], g.heads,
+                          head_caps if sum(head_caps) >= g.heads else None)
     return t, h
 
 
@@ -105,7 +106,8 @@ def _identical_runs(g: GroupCoef) -> list[list[int]]:
 
 
 def _fits(g: GroupCoef, T: int, t: list[int], h: list[int]) -> bool:
-    return all(t[i] * g.mt[i] + h[i] * T * g.mh[i] <= g.free[i] and t[i] + h[i] >= 1 for i in range(g.size))
+    return all(t[i] * g.mt[i] + h[i] * T * g.mh[i] <= g.free[i] and t[i] >= MIN_UNITS_PER_RANK
+               for i in range(g.size))
 
 
 def _time(g: GroupCoef, T: int, t: list[int], h: list[int]) -> int:
@@ -116,7 +118,7 @@ def _time(g: GroupCoef, T: int, t: list[int], h: list[int]) -> int:
 def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSolution:
     """Optimal (or best found) integer tokens/heads per member for a group holding T units."""
     n, H = g.size, g.heads
-    if T > sum(g.cap):
+    if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
         return GroupSolution((), (), 0, 0, "INFEASIBLE")
     if n == 1:
         t, h = [T], [H]
@@ -136,15 +138,13 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
 
     model = cp_model.CpModel()
     # variables: tokens (units) and heads per member, the group time
-    t = {i: model.new_int_var(0, min(g.cap[i], T), f"t_{i}") for i in range(n)}
+    t = {i: model.new_int_var(MIN_UNITS_PER_RANK, min(g.cap[i], T), f"t_{i}") for i in range(n)}
     h = {i: model.new_int_var(0, H, f"h_{i}") for i in range(n)}
     z = model.new_int_var(0, ub, "z")
     # the group's tokens and heads are all placed
     model.add(sum(t.values()) == T)
     model.add(sum(h.values()) == H)
-    # every member does something (the layout forbids a rank with neither tokens nor heads)
-    for i in range(n):
-        model.add(t[i] + h[i] >= 1)
+    # every member owns >= 1 unit (t's lower bound): Megatron cannot run an empty sequence shard
     # z bounds every member's modelled time
     for i in range(n):
         model.add(t[i] * g.a[i] + h[i] * betas[i] <= z)
@@ -216,7 +216,7 @@ def probe_time(g: GroupCoef, T: int) -> float:
     """Cheap upper bound of a group's Stage III time for T units: the rounded continuous optimum
     (``greedy``), or inf when it does not fit. Used by the integer repair of the split, so that
     only the final per-group solve runs CP-SAT."""
-    if T < 1 or T > sum(g.cap):
+    if T < min_units(g) or T > sum(g.cap):
         return math.inf
     hint = greedy(g, T)
     if hint is None or not _fits(g, T, *hint):
@@ -242,7 +242,7 @@ def rebalance_units(groups: list[GroupCoef], units: list[int], time_limit_s: flo
     moves = max_moves if max_moves is not None else 4 * len(groups) + 16
     for _ in range(moves):
         i = max(range(len(units)), key=lambda k: (times[k], -k))
-        if times[i] <= target_ns * (1 + REPAIR_SLACK) or units[i] <= 1:
+        if times[i] <= target_ns * (1 + REPAIR_SLACK) or units[i] <= min_units(groups[i]):
             break
         j = min(range(len(units)), key=lambda k: (times[k], k))
         if j == i:
@@ -278,9 +278,9 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
         target = split.z_rounded_ns * (1 + REPAIR_SLACK)
         changed = False
         for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], groups.index(x[0]))):
-            if T <= 1 or f(g, T) <= target:
+            if T <= min_units(g) or f(g, T) <= target:
                 continue
-            lo, hi = 1, T - 1          # largest T' in [1, T-1] with f(T') <= target (1 if none)
+            lo, hi = min_units(g), T - 1  # largest T' in [|g|, T-1] with f(T') <= target (|g| if none)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if f(g, mid) <= target:
