@@ -148,9 +148,10 @@ def test_configure_from_args_warns_when_groups_already_exist(tmp_path, monkeypat
 
 def test_configure_from_args_cpu_result_and_errors(tmp_path):
     save_result(_result(), tmp_path / "r.json")
-    args = _megatron_args(hexiseq_overlap_config=str(tmp_path / "r.json"))
-    megatron_hooks.configure_from_args(args)
-    assert args.overlap_grad_reduce is True and args.ddp_bucket_size == 500_000
+    args = _megatron_args(hexiseq_overlap_config=str(tmp_path / "r.json"), ddp_num_buckets=8)
+    with pytest.warns(UserWarning, match="ignoring --ddp-num-buckets 8"):
+        megatron_hooks.configure_from_args(args)
+    assert args.overlap_grad_reduce is True and args.ddp_bucket_size == 500_000 and args.ddp_num_buckets is None
     assert args.nccl_communicator_config_path is None  # no NCCL options: no YAML
     with pytest.raises(HexiSeqError, match="either"):
         megatron_hooks.configure_from_args(_megatron_args(hexiseq_overlap_config="x", hexiseq_overlap_tune=True))

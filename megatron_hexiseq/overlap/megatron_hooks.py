@@ -48,6 +48,10 @@ def apply_config_to_args(config: OverlapConfig, args: argparse.Namespace, *, ncc
             warnings.warn("overlap result sets a bucket size without overlap_grad_reduce: Megatron "
                           "uses one bucket then, the size has no effect")
         args.ddp_bucket_size = config.bucket_size
+        if getattr(args, "ddp_num_buckets", None) is not None:  # Megatron asserts if both are set
+            warnings.warn(f"overlap result sets the bucket size ({config.bucket_size} parameters); "
+                          f"ignoring --ddp-num-buckets {args.ddp_num_buckets}")
+            args.ddp_num_buckets = None
     args.hexiseq_comm_chunks = config.comm_chunks
     groups = list(dict.fromkeys(list(getattr(args, "high_priority_stream_groups", None) or [])
                                 + list(config.high_priority_stream_groups)))
