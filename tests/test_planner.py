@@ -262,3 +262,13 @@ def test_property_planner_candidates_never_hold_zero_tokens():
         for cand in hier + exact:
             tokens = [r.num_tokens for r in cand.layout.ranks]
             assert min(tokens) >= 1 and sum(tokens) == seq, (m.name, seq, tokens)
+
+
+def test_fewer_tokens_than_ranks_is_one_clear_error():
+    cl = _cluster(("H100-SXM-80GB", 2), ("A100-SXM-80GB", 4))
+    m = model_from_dict({**TINY_GQA, "seq_length": 4})
+    with pytest.raises(HexiSeqError, match="every rank needs at least one token") as e:
+        plan(cl, m, 4, TrainOptions(), time_limit_s=1)
+    assert "\n" not in str(e.value) and "--seq-length" in str(e.value)
+    lay = plan(cl, model_from_dict({**TINY_GQA, "seq_length": 6}), 6, TrainOptions(), time_limit_s=1)
+    assert [r.num_tokens for r in lay.ranks] == [1] * 6  # as many tokens as ranks: one each

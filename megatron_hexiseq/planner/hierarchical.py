@@ -195,8 +195,9 @@ def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
     from megatron_hexiseq import costmodel
 
     if seq_length < cluster.world_size:
-        raise HexiSeqError(f"seq_length {seq_length} is shorter than the {cluster.world_size} GPUs; "
-                           "every A2A group needs tokens: use a longer --seq-length or fewer GPUs")
+        raise HexiSeqError(f"seq_length {seq_length} is shorter than the {cluster.world_size} GPUs; every rank needs "
+                           "at least one token (Megatron cannot run an empty shard): use a longer --seq-length "
+                           "or fewer GPUs")
     t0 = time.perf_counter()
     modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
     tried = [replace(options, memory_mode=m, recompute=r) for m, r in modes]
