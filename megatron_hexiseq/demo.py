@@ -56,18 +56,6 @@ class RunSummary:
         }
 
 
-def tiny_gpt_from_spec(model: Any):
-    """The CPU driver's model description from a ModelSpec (Megatron field names)."""
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT
-
-    if model.kv_channels * model.num_attention_heads != model.hidden_size:
-        raise HexiSeqError(f"model {model.name}: the CPU driver needs kv_channels * heads == hidden_size")
-    return TinyGPT(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                   num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-                   ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, swiglu=model.swiglu,
-                   normalization=model.normalization)
-
-
 def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, Layout]:
     """The feasible symmetric baseline with the lowest predicted time, as (label, layout)."""
     from megatron_hexiseq.costmodel import estimate
@@ -88,9 +76,9 @@ def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, 
 def driver_config(layout: Layout, model: Any, *, steps: int, kernel: str = "sdpa"):
     """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
     from megatron_hexiseq.megatron.parallel_state import check_run
-    from megatron_hexiseq.megatron.train_cpu import TrainConfig, run_shape
+    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, run_shape
 
-    cfg = TrainConfig(model=tiny_gpt_from_spec(model), layout=layout, steps=steps, kernel=kernel,
+    cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=steps, kernel=kernel,
                       bucket_size=None, lr=1e-3)
     check_run(layout, run_shape(cfg))
     return cfg

@@ -5,8 +5,9 @@ All ranks measure compute *at the same time*, so ranks that share a core (the CP
 power/thermal budget see the speed they will see in training. Measurements:
 
 - matmul throughput (GPU: BF16; CPU: float32, the dtype the CPU testbed trains in); with a model
-  given, the throughput of that model's own layer (linear layers + norms + activation), which is
-  how the cost model is calibrated for it;
+  given, the cost model is calibrated for it instead: on GPU the throughput of that model's own
+  layer (linear layers + norms + activation), on CPU the FLOP rate of a whole training step of the
+  model without attention (everything the cost model does not itemise is folded into the rate);
 - causal attention forward+backward throughput (same dtype, PyTorch SDPA; the model's head shape
   when a model is given);
 - bandwidth of every pair of ranks (one pair at a time, ping-pong of ``message_bytes``);
@@ -102,6 +103,59 @@ def measure_layer_flops(model: Any, device: torch.device, dtype: torch.dtype, op
     return _timed_rate(work, flops_per_token * T, opts.seconds_per_test)
 
 
+class _NoAttention(torch.nn.Module):
+    """Core attention that passes the query through: times everything in the model *but* attention."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        super().__init__()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        S, b, H, d = query.shape
+        return query.reshape(S, b, H * d)
+
+
+def measure_model_step_flops(model: Any, tokens: int, opts: ProfileOptions) -> float:
+    """CPU calibration: FLOP/s of a whole training step of the model *without* attention.
+
+    Builds the same megatron-core GPT the CPU driver trains (``train_cpu.build_gpt``) with a
+    pass-through core attention, runs forward + per-token loss + backward + AdamW step on
+    ``tokens`` tokens, and divides the model's non-attention FLOPs
+    (:func:`megatron_hexiseq.costmodel.linear_flops_per_token` x tokens) by the time. Everything
+    the cost model does not itemise — embedding, norms, RoPE, cross-entropy, optimizer step,
+    framework overhead — is folded into this rate; attention is measured separately. Collective
+    over the default group (Megatron's model-parallel state is initialised and torn down).
+    """
+    from megatron.core import parallel_state as mpu
+
+    from megatron_hexiseq.costmodel import linear_flops_per_token
+    from megatron_hexiseq.layout import make_layout
+    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt, cpu_device_shim, make_batch
+
+    H = model.num_attention_heads
+    layout = make_layout(seq_length=tokens, num_attention_heads=H, num_query_groups=model.num_query_groups,
+                         group_sizes=[1], segments=[[(0, tokens)]], heads=[list(range(H))])
+    cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    try:
+        with cpu_device_shim():
+            gpt = build_gpt(cfg, core_attention=_NoAttention)
+            opt = torch.optim.AdamW(gpt.parameters(), lr=1e-5)
+            batch = make_batch(cfg, 0, 0)
+
+            def work() -> None:
+                opt.zero_grad(set_to_none=True)
+                out = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                ((out * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+                opt.step()
+
+            return _timed_rate(work, linear_flops_per_token(model) * tokens, opts.seconds_per_test)
+    finally:
+        mpu.destroy_model_parallel()
+
+
 def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
     """Causal attention fwd+bwd FLOP/s counting only visible (q, k) pairs: 4*d fwd, 8*d bwd per pair-head.
 
@@ -110,6 +164,8 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: Prof
     s, h, d = opts.attention_seq, opts.attention_heads, opts.head_dim
     if opts.model is not None:
         s, h, d = min(opts.model.seq_length, 2048), opts.model.num_attention_heads, opts.model.kv_channels
+        if device.type == "cpu":
+            return measure_runtime_attention_flops(opts.model, s, opts)
     q = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
@@ -122,6 +178,31 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: Prof
             torch.cuda.synchronize(device)
 
     return _timed_rate(work, 12.0 * d * pairs * h, opts.seconds_per_test)
+
+
+def measure_runtime_attention_flops(model: Any, tokens: int, opts: ProfileOptions) -> float:
+    """CPU calibration: FLOP/s of HexiSeq's own attention (``kernel="sdpa"``) fwd+bwd on one rank.
+
+    Every rank runs a one-rank layout of its own (one domain per rank, no communication), so the
+    rate includes the runtime's block kernel, LSE bookkeeping and recompute-style backward — what
+    training executes — rather than PyTorch's fused SDPA alone. Collective (group construction).
+    """
+    from megatron_hexiseq.attention.groups import build_hexiseq_groups
+    from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
+    from megatron_hexiseq.layout import make_layout
+
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    layout = make_layout(seq_length=tokens, num_attention_heads=H, num_query_groups=G, group_sizes=[1],
+                         segments=[[(0, tokens)]], heads=[list(range(H))])
+    groups = build_hexiseq_groups(layout, domains=[[r] for r in range(dist.get_world_size())])
+    q = torch.randn(tokens, 1, H, d, requires_grad=True)
+    k = torch.randn(tokens, 1, G, d, requires_grad=True)
+    v = torch.randn(tokens, 1, G, d, requires_grad=True)
+
+    def work() -> None:
+        hexiseq_attn_func(q, k, v, groups=groups, kernel="sdpa").sum().backward()
+
+    return _timed_rate(work, 12.0 * d * H * tokens * (tokens + 1) / 2, opts.seconds_per_test)
 
 
 def measure_pair_bandwidth(a: int, b: int, device: torch.device, opts: ProfileOptions) -> float | None:
@@ -182,8 +263,12 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
 
     say("matmul throughput (all ranks at once)")
     dist.barrier()
-    mm = (measure_layer_flops(opts.model, device, dtype, opts) if opts.model is not None
-          else measure_matmul_flops(device, dtype, opts))
+    if opts.model is None:
+        mm = measure_matmul_flops(device, dtype, opts)
+    elif device.type == "cpu":  # calibrate with the very model the CPU driver trains
+        mm = measure_model_step_flops(opts.model, -(-opts.model.seq_length // world), opts)
+    else:
+        mm = measure_layer_flops(opts.model, device, dtype, opts)
     say("attention throughput (all ranks at once)")
     dist.barrier()
     attn = measure_attention_flops(device, dtype, opts)

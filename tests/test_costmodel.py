@@ -213,6 +213,21 @@ def test_ulysses_estimate_by_hand():
     assert mb.tokens_per_s == pytest.approx(3 * e.tokens_per_s)
 
 
+def test_iteration_is_slowest_linear_phase_plus_slowest_attention_phase():
+    # one group of 2: rank 0 holds 7 tokens and 0 heads (linear-heavy), rank 1 holds 1 token and
+    # both heads (attention-heavy). Each layer's attention synchronises them, so their phases add.
+    c = _cluster([("n0", 2, 1)])
+    lay = make_layout(seq_length=8, num_attention_heads=2, num_query_groups=2, group_sizes=[2],
+                      segments=[[(0, 7)], [(7, 8)]], heads=[[], [0, 1]], hosts=["n0"] * 2, gpus=["T"] * 2)
+    e = estimate(lay, c, TINY)
+    r0, r1 = e.per_rank
+    rest = [r.time_s - r.breakdown["linear_s"] for r in (r0, r1)]
+    assert r0.breakdown["linear_s"] == pytest.approx(7 * 3840e-12) and r0.breakdown["attention_s"] == 0.0
+    assert r1.breakdown["attention_s"] == pytest.approx(36 * 2 * 48e-12)
+    assert e.iteration_time_s == pytest.approx(7 * 3840e-12 + max(rest))
+    assert e.iteration_time_s > max(r0.time_s, r1.time_s)
+
+
 def test_ring_estimate_by_hand():
     c = _cluster([("n0", 1, 1), ("n1", 1, 2)])                       # one link of 1 GB/s
     lay = make_layout(seq_length=8, num_attention_heads=2, num_query_groups=2, group_sizes=[1, 1],

@@ -10,9 +10,10 @@ import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions
-from megatron_hexiseq.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config, tiny_gpt_from_spec
+from megatron_hexiseq.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
+from megatron_hexiseq.megatron.train_cpu import TinyGPT
 from megatron_hexiseq.model import model_from_dict
 from megatron_hexiseq.planner.hierarchical import plan
 
@@ -50,7 +51,7 @@ def test_planner_picks_an_uneven_layout_for_the_testbed():
 def test_cpu_driver_rejects_models_it_cannot_build():
     bad = model_from_dict({**MODEL, "kv_channels": 4})
     with pytest.raises(HexiSeqError, match="kv_channels"):
-        tiny_gpt_from_spec(bad)
+        TinyGPT.from_spec(bad)
 
 
 def test_layouts_megatron_cannot_run_fail_before_any_process_starts():

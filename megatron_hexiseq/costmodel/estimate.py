@@ -9,7 +9,11 @@ Per rank (all layers, one iteration = one micro-batch of ``b`` sequences, forwar
                     slowest member (a collective: everyone waits); passes = 2 (fwd, bwd) or 3 (+recompute)
 - ``kv_exchange_s`` / ``kv_exposed_s``: (forward passes + 2) x one forward exchange (backward moves
                     K/V again plus dK/dV back: twice the forward bytes against twice the forward compute)
-- ``time_s``      = compute_s + a2a_s + kv_exposed_s; ``iteration_time_s`` = max over ranks.
+- ``time_s``      = compute_s + a2a_s + kv_exposed_s (the rank's own busy time);
+  ``iteration_time_s`` = max over ranks of ``linear_s`` + max over ranks of ``time_s - linear_s``:
+  every layer's attention phase synchronises the CP domain (all-to-all, K/V exchange), the linear
+  phase between two attentions does not (bulk-synchronous phases; equals max of ``time_s`` when
+  every rank's two phases are balanced alike).
 
 Memory: static (params/grads/optimizer) + activations of own tokens + attention core of group tokens
 for the rank's heads + communication buffers. Formulas and sources: docs/cost_model.md.
@@ -142,7 +146,12 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
             breakdown={"linear_s": linear_s, "attention_s": attention_s, "a2a_s": a2a_s,
                        "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, **mem},
         ))
-    iteration = max(r.time_s for r in per_rank)
+    # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
+    # the whole CP domain, the linear work between two attentions does not. So the iteration is the
+    # slowest linear phase plus the slowest attention phase, not the slowest rank's sum: a rank
+    # heavy in linear work and another heavy in attention do not hide each other's time.
+    iteration = (max(r.breakdown["linear_s"] for r in per_rank)
+                 + max(r.time_s - r.breakdown["linear_s"] for r in per_rank))
     tokens = layout.seq_length * b * options.data_parallel_size
     return Estimate(iteration_time_s=iteration, tokens_per_s=tokens / iteration if iteration > 0 else 0.0,
                     per_rank=tuple(per_rank), feasible=all(r.fits for r in per_rank),

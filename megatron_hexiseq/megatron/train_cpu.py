@@ -46,6 +46,18 @@ class TinyGPT:
     normalization: str = "RMSNorm"
     position_embedding_type: str = "rope"
 
+    @classmethod
+    def from_spec(cls, model) -> "TinyGPT":
+        """From a ``ModelSpec`` (the planner's model description, Megatron field names)."""
+        from megatron_hexiseq.errors import HexiSeqError
+
+        if model.kv_channels * model.num_attention_heads != model.hidden_size:
+            raise HexiSeqError(f"model {model.name}: the CPU driver needs kv_channels * heads == hidden_size")
+        return cls(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                   num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+                   ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, swiglu=model.swiglu,
+                   normalization=model.normalization)
+
     def transformer_config(self, *, context_parallel_size: int = 1):
         """The megatron-core ``TransformerConfig`` (fp32, CPU init, no dropout, no bias)."""
         import torch.nn.functional as F
@@ -127,11 +139,12 @@ def make_batch(cfg: TrainConfig, step: int, replica: int) -> dict[str, torch.Ten
             "loss_mask": loss_mask, "position_ids": torch.arange(S).expand(b, S).contiguous()}
 
 
-def build_gpt(cfg: TrainConfig, *, runtime=None, pg_collection=None):
+def build_gpt(cfg: TrainConfig, *, runtime=None, pg_collection=None, core_attention=None):
     """The tiny ``GPTModel`` with the same weights on every process (seeded CPU init).
 
     With ``runtime`` (a ``HexiSeqRuntime``) the core attention is HexiSeq's and RoPE follows the
-    layout; without it, a single-device causal attention (the reference).
+    layout; without it, a single-device causal attention (the reference), or the module class
+    ``core_attention`` when given (``profile`` times the model without attention that way).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -149,7 +162,8 @@ def build_gpt(cfg: TrainConfig, *, runtime=None, pg_collection=None):
 
         from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
 
-        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=LocalCausalAttention)
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=core_attention or LocalCausalAttention)
     torch.manual_seed(cfg.seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
                      max_sequence_length=cfg.layout.seq_length, pre_process=True, post_process=True,
