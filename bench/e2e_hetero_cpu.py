@@ -83,7 +83,7 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     for i, r in enumerate(results):
         for j, key in enumerate(("symmetric", "hexiseq")):
             vals = [run[key]["tokens_per_s"] for run in r["runs"]]
@@ -95,7 +95,7 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_xticks([i * 3 + 0.5 for i in range(len(results))], [f"testbed {r['shape']}" for r in results])
     ax.set_ylabel("tokens/s (median, runs as dots)")
     ax.set_title("HexiSeq vs best symmetric layout on the CPU testbed")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -32,6 +32,7 @@ class RunSummary:
     losses: list[float]
     step_times_s: list[list[float]]  # [rank][step]
     predicted_step_s: float
+    predicted_per_rank: list[dict[str, float]]  # per rank: linear_s, attention_s (incl. exposed comm)
     warmup: int
 
     @property
@@ -53,6 +54,7 @@ class RunSummary:
             "per_rank_tokens": [r.num_tokens for r in self.layout.ranks],
             "per_rank_heads": [len(r.heads) for r in self.layout.ranks],
             "groups": [list(g.ranks) for g in self.layout.groups],
+            "predicted_per_rank": self.predicted_per_rank,
         }
 
 
@@ -108,9 +110,11 @@ def compare(cluster: Any, model: Any, options: Any, hexiseq: Layout, shape: str,
     runs = []
     for (name, lay), cfg in zip(named, cfgs):
         losses, times = train_on_testbed(cfg, shape)
-        pred = estimate(lay, cluster, model, options).iteration_time_s
+        est = estimate(lay, cluster, model, options)
+        per_rank = [{"linear_s": r.breakdown["linear_s"], "attention_s": r.time_s - r.breakdown["linear_s"]}
+                    for r in est.per_rank]
         runs.append(RunSummary(name=name, layout=lay, losses=losses, step_times_s=times,
-                               predicted_step_s=pred, warmup=warmup))
+                               predicted_step_s=est.iteration_time_s, predicted_per_rank=per_rank, warmup=warmup))
     s, h = runs
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(s.losses, h.losses))
     return {
@@ -144,26 +148,37 @@ def print_table(rec: dict[str, Any]) -> None:
 
 
 def plot(rec: dict[str, Any], path: str) -> None:
-    """Per-rank step time (measured median vs predicted) for both layouts, and the loss curves."""
+    """Left: per-rank predicted time breakdown (linear phase, attention phase incl. exposed comm,
+    idle up to the predicted step) for both layouts, with the measured step time. Right: losses."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    w = 0.38
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x, ticks, labels = 0.0, [], []
     for i, key in enumerate(("symmetric", "hexiseq")):
         r = rec[key]
-        per_rank = [statistics.median(t[rec["warmup"]:]) for t in r["step_times_s"]]
-        xs = [x + (i - 0.5) * w for x in range(len(per_rank))]
-        ax1.bar(xs, per_rank, w, label=f"{r['name']} (measured)")
-        ax1.hlines(r["predicted_step_s"], xs[0] - w / 2, xs[-1] + w / 2, colors=f"C{i}", linestyles="dashed",
-                   label=f"{r['name']} (predicted step)")
+        for rank, part in enumerate(r["predicted_per_rank"]):
+            lin, att = part["linear_s"], part["attention_s"]
+            idle = max(0.0, r["predicted_step_s"] - lin - att)
+            first = i == 0 and rank == 0
+            ax1.bar(x, lin, color="C0", label="linear (predicted)" if first else None)
+            ax1.bar(x, att, bottom=lin, color="C1", label="attention + exposed comm (predicted)" if first else None)
+            ax1.bar(x, idle, bottom=lin + att, color="0.85", label="idle (predicted)" if first else None)
+            ticks.append(x)
+            labels.append(f"r{rank}\n{r['per_rank_tokens'][rank]}t/{r['per_rank_heads'][rank]}h")
+            x += 1
+        ax1.hlines(r["measured_step_s"], x - len(r["predicted_per_rank"]) - 0.4, x - 0.6, colors="k",
+                   label="measured step (median)" if i == 0 else None)
+        ax1.text(x - len(r["predicted_per_rank"]) / 2 - 0.5, r["measured_step_s"] * 1.02, r["name"],
+                 ha="center", fontsize=8)
+        x += 0.8
         ax2.plot(r["losses"], label=r["name"], linestyle="-" if i == 0 else "--")
-    ax1.set_xlabel("rank")
-    ax1.set_ylabel("step time (s), median after warm-up")
-    ax1.set_title(f"speedup {rec['speedup_measured']:.2f}x measured, {rec['speedup_predicted']:.2f}x predicted")
-    ax1.legend(fontsize=7)
+    ax1.set_xticks(ticks, labels, fontsize=7)
+    ax1.set_ylabel("seconds per step")
+    ax1.set_title(f"speed-up {rec['speedup_measured']:.2f}x measured, {rec['speedup_predicted']:.2f}x predicted")
+    ax1.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, -0.42), ncol=2)
     ax2.set_xlabel("step")
     ax2.set_ylabel("per-token loss")
     ax2.set_title("loss curves (must coincide)")

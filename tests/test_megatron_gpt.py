@@ -17,7 +17,6 @@ from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.megatron.train_cpu import (TrainConfig, reference_rank_many, train_rank_many)
 from megatron_hexiseq.testing import run_ranks
 
-pytest.importorskip("megatron_hexiseq.attention.hexiseq")
 
 HETERO = make_layout(  # groups [3, 1]; rank 3 alone holds every head and the most tokens
     seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],

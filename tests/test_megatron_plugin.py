@@ -160,7 +160,6 @@ def _plugin_worker(rank: int, world: int, layout_path: str) -> dict:
 
 
 def test_model_provider_on_gloo_matches_reference(tmp_path):
-    pytest.importorskip("megatron_hexiseq.attention.hexiseq")
     path = tmp_path / "layout.json"
     LAYOUT.save(path)
     results = run_ranks(_plugin_worker, 4, str(path), timeout_s=600)
