@@ -5,7 +5,7 @@ GPU count, not only the equal splits Stage I tries — plus the single cross-nod
 ranks), every group's token count ``T_g``, and every
 rank's tokens ``t_r >= 1`` unit and heads ``h_r``; the same surrogate model as the stages
 (``planner.surrogate``) with the bilinear term ``w_r = h_r * T_g`` modelled exactly
-(``AddMultiplicationEquality``). Groupings are enumerated (nodes of one type are interchangeable,
+(``AddMultiplicationEquality``) and the same phase objective ``min Z_lin + Z_att``. Groupings are enumerated (nodes of one type are interchangeable,
 so only size multisets are enumerated per node) and pruned with Stage II's continuous value as an
 estimate; for each surviving grouping one joint CP-SAT model over (T, t, h) is solved to optimality.
 The result is the proven optimum of the surrogate over all decisions up to the enumerated set
@@ -66,7 +66,10 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
     # a group holds at least one unit per member
     T = {g: model.new_int_var(len(grouping[g]) * MIN_UNITS_PER_RANK, N, f"T_{g}") for g in range(len(grouping))}
     horizon = upper_ns if upper_ns is not None else 10**15
-    z = model.new_int_var(0, horizon, "z")
+    # the phase maxima over every rank (bulk-synchronous phases, as ``estimate``); objective zl + za
+    zl = model.new_int_var(0, horizon, "zl")
+    za = model.new_int_var(0, horizon, "za")
+    model.add(zl + za <= horizon)
     t, h = {}, {}
     model.add(sum(T.values()) == N)  # the groups partition the sequence
     for gi, (members, co) in enumerate(zip(grouping, coefs)):
@@ -78,11 +81,12 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
             model.add_multiplication_equality(w, [h[r], T[gi]])
             # memory: own activations + attention core of the group's tokens for own heads
             model.add(t[r] * co.mt[k] + w * co.mh[k] <= co.free[k])
-            # time: linear + max(attention, K/V ring) + A2A
+            # linear phase; attention phase = A2A + max(attention, K/V ring)
             att = model.new_int_var(0, horizon, f"att_{r}")
             model.add(att >= w * co.b[k])
             model.add(att >= (h[r] * N - w) * co.c[k])
-            model.add(t[r] * co.a[k] + att + w * co.e[k] <= z)
+            model.add(t[r] * co.a[k] <= zl)
+            model.add(t[r] * co.s_(k) + att + w * co.e[k] <= za)
         model.add(sum(t[r] for r in members) == T[gi])  # a group's tokens are its members'
         model.add(sum(h[r] for r in members) == H)      # each group holds every head
     # symmetry: identical members of a group hold non-increasing tokens
@@ -90,7 +94,7 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
         for k in range(len(members) - 1):
             if _same(co, k, k + 1):
                 model.add(t[members[k]] >= t[members[k + 1]])
-    model.minimize(z)
+    model.minimize(zl + za)
     # hint: the hierarchical solution for this grouping (Stage II split + Stage III per group)
     hint = _hierarchical_point(sur, grouping, coefs)
     if hint is not None:
@@ -114,19 +118,20 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
 
 
 def _same(co: Any, i: int, j: int) -> bool:
-    return all(getattr(co, f)[i] == getattr(co, f)[j] for f in ("a", "b", "c", "e", "free", "mt", "mh"))
+    return co.s_(i) == co.s_(j) and all(getattr(co, f)[i] == getattr(co, f)[j]
+                                        for f in ("a", "b", "c", "e", "free", "mt", "mh"))
 
 
 def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tuple[list[int], dict, dict] | None:
     from megatron_hexiseq.planner.stage2_split import split_sequence
-    from megatron_hexiseq.planner.stage3_refine import refine_group
+    from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 
     split = split_sequence(coefs, sur.num_units)
     if split is None:
         return None
     th, hh = {}, {}
     for members, co, u in zip(grouping, coefs, split.units):
-        sol = refine_group(co, u, 1.0)
+        sol = refine_group(co, u, 1.0, *floors(split))
         if sol.status == "INFEASIBLE":
             return None
         for r, x, y in zip(members, sol.tokens, sol.heads):

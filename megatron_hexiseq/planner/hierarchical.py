@@ -28,7 +28,7 @@ from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, 
 from megatron_hexiseq.planner.build import build_layout, with_fields
 from megatron_hexiseq.planner.stage1_groups import Grouping, candidate_groupings, score_grouping
 from megatron_hexiseq.planner.stage2_split import GroupCoef, Split
-from megatron_hexiseq.planner.stage3_refine import integer_split, refine_group
+from megatron_hexiseq.planner.stage3_refine import floors, integer_split, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 
 MEMORY_FLAGS = {
@@ -68,18 +68,23 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
     if repaired is None:
         return [], [], {"status": "INFEASIBLE"}
     units = repaired[1]
+    lin_floor, att_floor = floors(repaired[0])
+    lin_ns = att_ns = 0
     for members, coef, T in zip(grouping, coefs, units):
-        sol = refine_group(coef, T, per_group_limit)
+        # the other groups' phase maxima (Stage II's continuous L and A) are the group's floors
+        sol = refine_group(coef, T, per_group_limit, lin_floor, att_floor)
         statuses[sol.status] = statuses.get(sol.status, 0) + 1
         if sol.status == "INFEASIBLE":
             return [], [], {"status": "INFEASIBLE"}
         for r, t, h in zip(members, sol.tokens, sol.heads):
             tokens[r], heads[r] = t * sur.unit, h
-        z_ns, bound_ns = max(z_ns, sol.time_ns), max(bound_ns, sol.bound_ns)
+        lin_ns, att_ns = max(lin_ns, sol.lin_ns), max(att_ns, sol.att_ns)
+    # the phase objective over the whole domain: slowest linear phase + slowest attention phase
+    z_ns = lin_ns + att_ns
     status = "OPTIMAL" if set(statuses) == {"OPTIMAL"} else "FEASIBLE"
-    # bound: CP-SAT's proven bound of Stage III for this grouping and split (the gap says how far
-    # the per-rank refinement is from optimal; exact.py bounds the whole decision space)
-    lower = min(bound_ns, z_ns)
+    # bound: Stage II's continuous value of this grouping (the relaxation over every split, tokens
+    # and heads; a near-bound: its linear-phase search is numerical). exact.py proves the optimum.
+    lower = min(math.floor(split.z_relaxed_ns), z_ns)
     return tokens, heads, {"status": status, "group_statuses": statuses, "stage2_units": units,
                            "surrogate_time_s": z_ns * 1e-9,
                            "surrogate_bound_s": lower * 1e-9,
@@ -178,7 +183,7 @@ def _surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef],
     out = [0.0] * len(tokens)
     for members, co, T in zip(grouping, coefs, units):
         for k, r in enumerate(members):
-            out[r] = (tokens[r] // sur.unit * co.a[k] + heads[r] * co.beta(k, T)) * 1e-9
+            out[r] = (tokens[r] // sur.unit * (co.a[k] + co.s_(k)) + heads[r] * co.beta(k, T)) * 1e-9
     return out
 
 

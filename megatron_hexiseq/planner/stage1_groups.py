@@ -54,8 +54,8 @@ def make_grouping(blocks: Sequence[Sequence[int]], sizes: Sequence[int]) -> Grou
 def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int, spans_nodes: bool = False) -> GroupCoef:
     """Integer-ns coefficients of one group (see ``planner.surrogate``)."""
     cols = [sur.rank_coef_ns(r, len(members), num_groups, spans_nodes) for r in members]
-    return GroupCoef(a=tuple(c[0] for c in cols), b=tuple(c[1] for c in cols), c=tuple(c[2] for c in cols),
-                     e=tuple(c[3] for c in cols), free=tuple(sur.devices[r].free_bytes for r in members),
+    return GroupCoef(a=tuple(c[0] for c in cols), s=tuple(c[1] for c in cols), b=tuple(c[2] for c in cols),
+                     c=tuple(c[3] for c in cols), e=tuple(c[4] for c in cols), free=tuple(sur.devices[r].free_bytes for r in members),
                      mt=tuple(sur.devices[r].mem_tok_bytes for r in members),
                      mh=tuple(sur.devices[r].mem_head_bytes for r in members),
                      heads=sur.heads, num_units=sur.num_units)

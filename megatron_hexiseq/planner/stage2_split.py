@@ -32,7 +32,8 @@ MIN_UNITS_PER_RANK = 1  # every rank owns >= 1 token unit: Megatron cannot run a
 class GroupCoef:
     """Integer coefficients of a group's members (order = member order).
 
-    Time (ns): a (per own unit), b, c, e (per head; see ``beta``). Memory (bytes): free, mt (per own
+    Time (ns): a (linear phase, per own unit), s (A2A, attention phase, per own unit), b, c, e
+    (attention phase, per head; see ``beta``). Memory (bytes): free, mt (per own
     unit), mh (per head per group unit). ``cap`` = units that fit with no heads.
     """
 
@@ -45,13 +46,18 @@ class GroupCoef:
     mh: tuple[int, ...]
     heads: int
     num_units: int
+    s: tuple[int, ...] = ()  # A2A ns per own unit (attention phase); empty = 0 for every member
+
+    def s_(self, i: int) -> int:
+        """A2A ns per own unit of member i (attention phase)."""
+        return self.s[i] if self.s else 0
 
     @cached_property
     def classes(self) -> tuple[tuple[int, ...], ...]:
         """Members with identical coefficients, grouped (they behave identically in the continuous model)."""
         out: dict[tuple, list[int]] = {}
         for i in range(self.size):
-            key = (self.a[i], self.b[i], self.c[i], self.e[i], self.free[i], self.mt[i], self.mh[i])
+            key = (self.a[i], self.s_(i), self.b[i], self.c[i], self.e[i], self.free[i], self.mt[i], self.mh[i])
             out.setdefault(key, []).append(i)
         return tuple(tuple(v) for v in out.values())
 
@@ -73,11 +79,12 @@ class GroupCoef:
         return len(self.a)
 
 
-def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
-    """Most heads (continuous) the group can hold at time ``z`` with ``T`` units; -inf if the tokens don't fit.
+def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, list[float]]:
+    """Most heads (continuous) the group can hold with attention phase ``z`` and linear phase ``lin``
+    with ``T`` units; -inf if the tokens don't fit.
 
-    Member i can hold ``h_i(t) = min((z - a_i t)/beta_i, (free_i - mt_i t)/(T mh_i))`` heads with t own
-    units: concave, piecewise linear with at most two slopes. Every member holds at least one unit
+    Member i can hold ``h_i(t) = min((z - s_i t)/beta_i, (free_i - mt_i t)/(T mh_i))`` heads with
+    ``t <= lin / a_i`` own units: concave, piecewise linear with at most two slopes. Every member holds at least one unit
     (``MIN_UNITS_PER_RANK``: Megatron cannot run an empty sequence shard), so each starts at ``t = 1``
     and the remaining ``T - n`` units are placed. Maximising ``sum h_i(t_i)`` subject to
     ``sum t_i = T, t_i >= 1`` is separable concave, so filling the flattest slope pieces first is exact.
@@ -95,9 +102,10 @@ def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
         i, k = members[0], len(members)
         beta = g.beta(i, T)
         per = T * g.mh[i]
-        a0, sa = (z / beta, g.a[i] / beta) if beta > 0 else (INF, 0.0)
+        si = g.s_(i)
+        a0, sa = (z / beta, si / beta) if beta > 0 else (INF, 0.0)
         m0, sm = (g.free[i] / per, g.mt[i] / per) if per > 0 else (INF, 0.0)
-        tmax = min(g.cap[i], z / g.a[i] if g.a[i] > 0 else INF)
+        tmax = min(g.cap[i], z / si if si > 0 else INF, lin / g.a[i] if g.a[i] > 0 else INF)
         if tmax < lo:  # the member cannot hold its one unit within z (or memory)
             return -INF, []
         room += k * (tmax - lo)
@@ -131,22 +139,23 @@ def max_heads(g: GroupCoef, T: int, z: float) -> tuple[float, list[float]]:
     return heads, t
 
 
-def feasible(g: GroupCoef, T: int, z: float) -> bool:
-    return max_heads(g, T, z)[0] >= g.heads - 1e-9
+def feasible(g: GroupCoef, T: int, z: float, lin: float = INF) -> bool:
+    return max_heads(g, T, z, lin)[0] >= g.heads - 1e-9
 
 
 @lru_cache(maxsize=200_000)
-def group_time(g: GroupCoef, T: int) -> float:
-    """f_g(T): the group's continuous optimal time (ns) for T units; inf when T exceeds its memory."""
+def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
+    """A_g(T, L): the group's continuous optimal attention phase (ns) for T units within linear phase
+    ``lin``; inf when T exceeds its memory or the linear bound."""
     if T > sum(g.cap):
         return INF
-    hi = T * max(g.a) + g.heads * max(g.beta(i, T) for i in range(g.size)) + 1.0
-    if not feasible(g, T, hi):  # the heads' attention memory does not fit
+    hi = T * max(g.s or (0,)) + g.heads * max(g.beta(i, T) for i in range(g.size)) + 1.0
+    if not feasible(g, T, hi, lin):  # the heads' attention memory (or the linear bound) does not fit
         return INF
     lo = 0.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if feasible(g, T, mid):
+        if feasible(g, T, mid, lin):
             hi = mid
         else:
             lo = mid
@@ -155,21 +164,87 @@ def group_time(g: GroupCoef, T: int) -> float:
     return hi
 
 
+def linear_phase(g: GroupCoef, T: int, z: float, lin: float = INF) -> float:
+    """Linear phase (ns) of the continuous point ``max_heads`` picks (largest ``t_i a_i``)."""
+    _, t = max_heads(g, T, z, lin)
+    return max((ti * ai for ti, ai in zip(t, g.a)), default=0.0)
+
+
+@lru_cache(maxsize=200_000)
+def group_phase_time(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0) -> tuple[float, float]:
+    """Continuous optimum of ``max(L, lin_floor) + max(A, att_floor)`` for a group holding T units
+    (the other groups' phase maxima as floors): returns (L, A) with L >= lin_floor; (inf, inf) if
+    T does not fit. Searches L (``best_lin``); A = ``group_time(g, T, L)``."""
+    z_free = group_time(g, T)
+    if not math.isfinite(z_free):
+        return INF, INF
+    hi = max(lin_floor, linear_phase(g, T, z_free))  # beyond it a larger L no longer helps A
+    lo = max(lin_floor, T / sum(1.0 / a if a > 0 else INF for a in g.a) if min(g.a) > 0 else 0.0)
+    lo = min(lo, hi)
+    f = lambda L: L + max(group_time(g, T, L), att_floor)  # noqa: E731
+    L = best_lin(f, lo, hi)
+    return L, max(group_time(g, T, L), 0.0)
+
+
+LIN_GRID = 6     # coarse grid points of the linear-phase search
+LIN_GOLDEN = 14  # golden-section steps after the grid (bracket shrinks to 0.618^14 ~ 0.1%)
+
+
+def best_lin(f, lo: float, hi: float) -> float:
+    """argmin of f(L) over [lo, hi]: infeasible (inf) below some L, then (nearly) unimodal. A
+    bisection finds the first feasible L, a geometric grid brackets the best, golden section refines.
+    Deterministic."""
+    if hi <= lo or not math.isfinite(f(hi)):
+        return hi
+    if not math.isfinite(f(lo)):
+        a, b = lo, hi
+        for _ in range(40):
+            mid = (a + b) / 2
+            if math.isfinite(f(mid)):
+                b = mid
+            else:
+                a = mid
+            if b - a <= 1e-6 * b:
+                break
+        lo = b
+    pts = [lo + (hi - lo) * k / (LIN_GRID - 1) for k in range(LIN_GRID)]
+    vals = [f(p) for p in pts]
+    k = min(range(LIN_GRID), key=lambda j: (vals[j], j))
+    a, b = pts[max(0, k - 1)], pts[min(LIN_GRID - 1, k + 1)]
+    best, best_v = pts[k], vals[k]
+    r = (math.sqrt(5) - 1) / 2
+    c, d = b - r * (b - a), a + r * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(LIN_GOLDEN):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - r * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + r * (b - a)
+            fd = f(d)
+    for p, v in ((c, fc), (d, fd)):
+        if v < best_v:
+            best, best_v = p, v
+    return best
+
+
 def min_units(g: GroupCoef) -> int:
     """Fewest units a group can hold: one per member (no rank may own zero tokens)."""
     return g.size * MIN_UNITS_PER_RANK
 
 
 @lru_cache(maxsize=200_000)
-def max_units(g: GroupCoef, z: float) -> int:
+def max_units(g: GroupCoef, z: float, lin: float = INF) -> int:
     """T_g(z): most units the group can take within z (assumes feasibility monotone in T); 0 when it
     cannot even hold its minimum (one unit per member) within z."""
     lo, hi = min_units(g), min(g.num_units, sum(g.cap))
-    if lo > hi or not feasible(g, lo, z):
+    if lo > hi or not feasible(g, lo, z, lin):
         return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if feasible(g, mid, z):
+        if feasible(g, mid, z, lin):
             lo = mid
         else:
             hi = mid - 1
@@ -178,15 +253,55 @@ def max_units(g: GroupCoef, z: float) -> int:
 
 @dataclass(frozen=True)
 class Split:
-    """Units per group, the continuous optimum z* (a relaxation estimate), and the rounded max."""
+    """Units per group; the continuous optimum ``lin_ns + att_ns`` (phase maxima of the relaxation)
+    and the rounded units' value ``lin_ns + max_g A_g(units_g, lin_ns)``."""
 
     units: tuple[int, ...]
     z_relaxed_ns: float
     z_rounded_ns: float
+    lin_ns: float = 0.0  # linear-phase maximum L of the continuous split
+    att_ns: float = 0.0  # attention-phase maximum A of the continuous split
 
 
 def split_sequence(groups: Sequence[GroupCoef], num_units: int,
                    caps: dict[GroupCoef, int] | None = None) -> Split | None:
+    """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
+    memory can't hold it (or the groups have more members than there are units).
+
+    Minimises the phase objective ``L + A`` (slowest linear phase + slowest attention phase, both
+    over every rank of the domain): for a given linear bound ``L`` (each rank's tokens <= L / a_r) the
+    smallest ``A`` is a bisection (``_split_at``); ``L`` itself is searched by ``best_lin`` between the
+    smallest L that places every unit and the linear phase of the unconstrained (``L = inf``) split.
+
+    ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
+    integer repair in ``stage3_refine.integer_split``).
+    """
+    free = _split_at(groups, num_units, caps, INF)
+    if free is None:
+        return None
+    inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
+    lo = num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
+    hi = free.lin_ns
+    cache: dict[float, Split | None] = {}
+
+    def at(L: float) -> Split | None:
+        if L not in cache:
+            cache[L] = _split_at(groups, num_units, caps, L)
+        return cache[L]
+
+    def f(L: float) -> float:
+        sp = at(L)
+        return sp.z_relaxed_ns if sp is not None else INF
+
+    L = best_lin(f, min(lo, hi), hi)
+    best = at(L)
+    if best is None or best.z_rounded_ns > free.z_rounded_ns:
+        return free
+    return best
+
+
+def _split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
+              lin: float) -> Split | None:
     """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
     memory can't hold it (or the groups have more members than there are units).
 
@@ -196,7 +311,7 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
     caps = caps or {}
 
     def most(g: GroupCoef, z: float) -> int:
-        return min(max_units(g, z), caps.get(g, num_units))
+        return min(max_units(g, z, lin), caps.get(g, num_units))
 
     if sum(min(num_units, sum(g.cap), caps.get(g, num_units)) for g in groups) < num_units:
         return None
@@ -207,8 +322,11 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
         distinct[g] = distinct.get(g, 0) + 1
     # start from the slowest group's time for an even share (usually enough), else double
     share = -(-num_units // len(groups))
-    even = [group_time(g, min(max(share, min_units(g)), sum(g.cap))) for g in distinct]
+    even = [group_time(g, min(max(share, min_units(g)), sum(g.cap)), lin) for g in distinct]
     lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
+    if math.isfinite(lin) and (sum(k * most(g, 1e18) for g, k in distinct.items()) < num_units
+                               or any(most(g, 1e18) < min_units(g) for g in distinct)):
+        return None  # the linear bound cannot place every unit (or a group's one unit per member)
     while sum(k * most(g, hi) for g, k in distinct.items()) < num_units:  # find a feasible upper end
         lo, hi = hi, hi * 2
         if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
@@ -223,14 +341,14 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
             break
     units = [max(min_units(g), most(g, hi)) for g in groups]
     # trim the excess from the slowest groups (keep one unit per member), add any deficit to the fastest
-    heap = [(-group_time(g, u), i) for i, (g, u) in enumerate(zip(groups, units))]
+    heap = [(-group_time(g, u, lin), i) for i, (g, u) in enumerate(zip(groups, units))]
     heapq.heapify(heap)
     while sum(units) > num_units:
         _, i = heapq.heappop(heap)
         if units[i] > min_units(groups[i]):
             units[i] -= 1
-            heapq.heappush(heap, (-group_time(groups[i], units[i]), i))
-    add = [(group_time(g, u + 1), i) for i, (g, u) in enumerate(zip(groups, units))]
+            heapq.heappush(heap, (-group_time(groups[i], units[i], lin), i))
+    add = [(group_time(g, u + 1, lin), i) for i, (g, u) in enumerate(zip(groups, units))]
     heapq.heapify(add)
     while sum(units) < num_units:
         t, i = heapq.heappop(add)
@@ -239,6 +357,8 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
         if not math.isfinite(t):
             return None
         units[i] += 1
-        heapq.heappush(add, (group_time(groups[i], units[i] + 1), i))
-    z_round = max(group_time(g, u) for g, u in zip(groups, units))
-    return Split(units=tuple(units), z_relaxed_ns=hi, z_rounded_ns=z_round)
+        heapq.heappush(add, (group_time(groups[i], units[i] + 1, lin), i))
+    att_round = max(group_time(g, u, lin) for g, u in zip(groups, units))
+    lin_used = lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in zip(groups, units))
+    return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att_round,
+                 lin_ns=lin_used, att_ns=hi)

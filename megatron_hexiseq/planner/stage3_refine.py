@@ -3,7 +3,12 @@
 Data: the group's members (coefficients ``a_r``, ``beta_r(T)`` in integer ns, memory cap in units,
 see ``planner.surrogate``), its token count ``T`` (units, fixed by Stage II) and ``H`` heads.
 Variables: ``t[r] >= 1`` units (no rank may own zero tokens: Megatron cannot run an empty sequence
-shard), ``h[r]`` heads, ``z`` the group's time. Minimise ``z``.
+shard), ``h[r]`` heads, ``zl`` the linear phase (``>= t_r a_r``) and ``za`` the attention phase
+(``>= t_r s_r + h_r beta_r``). Minimise ``zl + za`` (bulk-synchronous phases, as ``estimate``).
+The phase maxima are global over the domain, so a group is solved with the *other groups' phase
+maxima as floors*: ``zl >= L*``, ``za >= A*`` (Stage II's continuous L and A). The group then pays
+only for exceeding the domain's maxima and uses the slack below them for free; the grouping's value
+is ``max_g zl_g + max_g za_g`` of the solutions.
 Seeded with a greedy hint (continuous optimum, largest-remainder rounding), fixed seed, one worker,
 a *deterministic* time budget (same stop point under any machine load, so the same inputs give the
 same layout) and a small relative gap; every solver status is handled (a feasible-but-not-proven result
@@ -20,8 +25,8 @@ from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
-from megatron_hexiseq.planner.stage2_split import (MIN_UNITS_PER_RANK, GroupCoef, Split, group_time, max_heads,
-                                                    min_units, split_sequence)
+from megatron_hexiseq.planner.stage2_split import (MIN_UNITS_PER_RANK, GroupCoef, Split, group_phase_time,
+                                                    max_heads, min_units, split_sequence)
 
 
 GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
@@ -37,9 +42,11 @@ SOLVE_DETERMINISTIC_TIME = 0.02  # per group solve (deterministic seconds); a gr
 class GroupSolution:
     tokens: tuple[int, ...]   # units per member
     heads: tuple[int, ...]
-    time_ns: int
-    bound_ns: int
+    time_ns: int              # own linear phase + own attention phase (no floors)
+    bound_ns: int             # lower bound of the floored objective max(zl, L*) + max(za, A*)
     status: str               # OPTIMAL, FEASIBLE, HINT (solver found nothing, greedy kept), INFEASIBLE
+    lin_ns: int = 0           # own linear phase: max t_r a_r
+    att_ns: int = 0           # own attention phase: max t_r s_r + h_r beta_r
 
 
 def largest_remainder(values: list[float], total: int, caps: list[int] | None = None, low: int = 0) -> list[int]:
@@ -69,19 +76,21 @@ def largest_remainder(values: list[float], total: int, caps: list[int] | None = 
     return base
 
 
-def greedy(g: GroupCoef, T: int) -> tuple[list[int], list[int]] | None:
-    """Rounded continuous optimum: a feasible integer point (or None when the tokens don't fit).
-    Every member keeps at least ``MIN_UNITS_PER_RANK`` units (the continuous optimum already does)."""
+def greedy(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0
+           ) -> tuple[list[int], list[int]] | None:
+    """Rounded continuous optimum (``group_phase_time`` with the floors): a feasible integer point (or
+    None when the tokens don't fit). Every member keeps at least ``MIN_UNITS_PER_RANK`` units (the
+    continuous optimum already does)."""
     n = g.size
     if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
         return None
-    z = group_time(g, T)
+    lin, z = group_phase_time(g, T, lin_floor, att_floor)
     if not math.isfinite(z):
         return None
-    _, t_cont = max_heads(g, T, z)
+    _, t_cont = max_heads(g, T, z, lin)
     t = largest_remainder(t_cont, T, list(g.cap), low=MIN_UNITS_PER_RANK)
     betas = [g.beta(i, T) for i in range(n)]
-    h_cont = [max(0.0, min((z - t[i] * g.a[i]) / betas[i] if betas[i] else 0.0, g.head_mem_cap(i, T, t[i])))
+    h_cont = [max(0.0, min((z - t[i] * g.s_(i)) / betas[i] if betas[i] else 0.0, g.head_mem_cap(i, T, t[i])))
               for i in range(n)]
     s = sum(h_cont) or 1.0
     # heads: proportional to the continuous head capacity, rounded within each member's memory when
@@ -94,7 +103,7 @@ def greedy(g: GroupCoef, T: int) -> tuple[list[int], list[int]] | None:
 
 
 def _member(g: GroupCoef, i: int) -> tuple:
-    return g.a[i], g.b[i], g.c[i], g.e[i], g.free[i], g.mt[i], g.mh[i]
+    return g.a[i], g.s_(i), g.b[i], g.c[i], g.e[i], g.free[i], g.mt[i], g.mh[i]
 
 
 def _identical_runs(g: GroupCoef) -> list[list[int]]:
@@ -110,44 +119,69 @@ def _fits(g: GroupCoef, T: int, t: list[int], h: list[int]) -> bool:
                for i in range(g.size))
 
 
+def _phases(g: GroupCoef, T: int, t: list[int], h: list[int]) -> tuple[int, int]:
+    """(linear phase, attention phase) of an integer point: max t a, max t s + h beta (ns)."""
+    return (max(t[i] * g.a[i] for i in range(g.size)),
+            max(t[i] * g.s_(i) + h[i] * g.beta(i, T) for i in range(g.size)))
+
+
 def _time(g: GroupCoef, T: int, t: list[int], h: list[int]) -> int:
-    return max(t[i] * g.a[i] + h[i] * g.beta(i, T) for i in range(g.size))
+    """The group's own phase objective (no floors)."""
+    return sum(_phases(g, T, t, h))
+
+
+def _floored(g: GroupCoef, T: int, t: list[int], h: list[int], lf: int, af: int) -> int:
+    lin, att = _phases(g, T, t, h)
+    return max(lin, lf) + max(att, af)
+
+
+def _solution(g: GroupCoef, T: int, t, h, bound: int, status: str) -> GroupSolution:
+    lin, att = _phases(g, T, list(t), list(h))
+    return GroupSolution(tuple(t), tuple(h), lin + att, bound, status, lin, att)
 
 
 @lru_cache(maxsize=100_000)
-def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSolution:
-    """Optimal (or best found) integer tokens/heads per member for a group holding T units."""
+def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0, lin_floor: int = 0,
+                 att_floor: int = 0) -> GroupSolution:
+    """Optimal (or best found) integer tokens/heads per member for a group holding T units:
+    minimises ``max(zl, lin_floor) + max(za, att_floor)`` (the floors: the other groups' phase maxima)."""
     n, H = g.size, g.heads
+    lf, af = int(lin_floor), int(att_floor)
     if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
         return GroupSolution((), (), 0, 0, "INFEASIBLE")
     if n == 1:
         t, h = [T], [H]
         if T * g.mt[0] + H * T * g.mh[0] > g.free[0]:
             return GroupSolution((), (), 0, 0, "INFEASIBLE")
-        z = _time(g, T, t, h)
-        return GroupSolution((T,), (H,), z, z, "OPTIMAL")
-    hint = greedy(g, T)
+        return _solution(g, T, t, h, _floored(g, T, t, h, lf, af), "OPTIMAL")
+    hint = greedy(g, T, lf, af)
     if hint and not _fits(g, T, *hint):
         hint = None
     betas = [g.beta(i, T) for i in range(n)]
-    ub = _time(g, T, *hint) if hint else max(T * max(g.a), 1) + H * max(betas)
+    ub = (_floored(g, T, *hint, lf, af) if hint else
+          max(lf, T * max(g.a), 1) + max(af, T * max(g.s or (0,)) + H * max(betas)))
     # the continuous optimum is a lower bound: a rounded point within GREEDY_GAP of it is kept as is
-    lp = group_time(g, T)
+    lp = sum(group_phase_time(g, T, lf, af)) if math.isfinite(group_phase_time(g, T, lf, af)[1]) else 0.0
+    lp = max(lp, lf + af)
     if hint and (ub <= lp * (1 + GREEDY_GAP) or n > CPSAT_MAX_MEMBERS):
-        return GroupSolution(tuple(hint[0]), tuple(hint[1]), ub, math.floor(lp), "FEASIBLE")
+        return _solution(g, T, hint[0], hint[1], min(ub, math.floor(lp)), "FEASIBLE")
 
     model = cp_model.CpModel()
-    # variables: tokens (units) and heads per member, the group time
+    # variables: tokens (units) and heads per member, the two phase maxima (floored by the other groups')
     t = {i: model.new_int_var(MIN_UNITS_PER_RANK, min(g.cap[i], T), f"t_{i}") for i in range(n)}
     h = {i: model.new_int_var(0, H, f"h_{i}") for i in range(n)}
-    z = model.new_int_var(0, ub, "z")
+    zl = model.new_int_var(min(lf, ub), ub, "zl")
+    za = model.new_int_var(min(af, ub), ub, "za")
+    z = zl + za
     # the group's tokens and heads are all placed
     model.add(sum(t.values()) == T)
     model.add(sum(h.values()) == H)
+    model.add(z <= ub)
     # every member owns >= 1 unit (t's lower bound): Megatron cannot run an empty sequence shard
-    # z bounds every member's modelled time
+    # zl bounds every member's linear phase, za its attention phase (A2A + attention/K-V ring)
     for i in range(n):
-        model.add(t[i] * g.a[i] + h[i] * betas[i] <= z)
+        model.add(t[i] * g.a[i] <= zl)
+        model.add(t[i] * g.s_(i) + h[i] * betas[i] <= za)
     # memory: own activations + attention core for the group's tokens and own heads
     for i in range(n):
         model.add(t[i] * g.mt[i] + h[i] * (T * g.mh[i]) <= g.free[i])
@@ -199,33 +233,36 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0) -> GroupSoluti
             if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 tv = [solver.value(t[i]) for i in range(n)]
                 hv = [solver.value(h[i]) for i in range(n)]
-        return GroupSolution(tuple(tv), tuple(hv), _time(g, T, tv, hv), bound,
-                             "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE")
+        return _solution(g, T, tv, hv, bound, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE")
     if status == cp_model.INFEASIBLE:
         return GroupSolution((), (), 0, 0, "INFEASIBLE")
     assert status != cp_model.MODEL_INVALID, model.validate()
     # UNKNOWN: time ran out before any solution; keep the valid greedy point
     if hint:
-        zt = _time(g, T, *hint)
-        return GroupSolution(tuple(hint[0]), tuple(hint[1]), zt, 0, "HINT")
+        return _solution(g, T, hint[0], hint[1], 0, "HINT")
     return GroupSolution((), (), 0, 0, "INFEASIBLE")
 
 
 @lru_cache(maxsize=200_000)
-def probe_time(g: GroupCoef, T: int) -> float:
-    """Cheap upper bound of a group's Stage III time for T units: the rounded continuous optimum
-    (``greedy``), or inf when it does not fit. Used by the integer repair of the split, so that
-    only the final per-group solve runs CP-SAT."""
+def probe_time(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -> float:
+    """Cheap upper bound of a group's (floored) Stage III objective for T units: the rounded continuous
+    optimum (``greedy``), or inf when it does not fit. Used by the integer repair of the split, so
+    that only the final per-group solve runs CP-SAT."""
     if T < min_units(g) or T > sum(g.cap):
         return math.inf
-    hint = greedy(g, T)
+    hint = greedy(g, T, lin_floor, att_floor)
     if hint is None or not _fits(g, T, *hint):
         return math.inf
-    return float(_time(g, T, *hint))
+    return float(_floored(g, T, *hint, lin_floor, att_floor))
+
+
+def floors(split: Split) -> tuple[int, int]:
+    """Stage III's phase floors from a split: its continuous linear and attention maxima (integer ns)."""
+    return math.floor(split.lin_ns), math.floor(split.att_ns)
 
 
 def rebalance_units(groups: list[GroupCoef], units: list[int], time_limit_s: float,
-                    target_ns: float, max_moves: int | None = None) -> list[int]:
+                    target_ns: float, max_moves: int | None = None, floor_ns: tuple[int, int] = (0, 0)) -> list[int]:
     """Integer repair of Stage II: while the slowest group's Stage III time (INFEASIBLE = infinite)
     is more than ``REPAIR_SLACK`` above the continuous split's ``target_ns``, move one unit from it to
     the currently fastest group, if that lowers the maximum.
@@ -236,7 +273,7 @@ def rebalance_units(groups: list[GroupCoef], units: list[int], time_limit_s: flo
     units = list(units)
 
     def f(i: int, T: int) -> float:
-        return probe_time(groups[i], T)
+        return probe_time(groups[i], T, *floor_ns)
 
     times = [f(i, T) for i, T in enumerate(units)]
     moves = max_moves if max_moves is not None else 4 * len(groups) + 16
@@ -265,8 +302,6 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
     """
     caps: dict[GroupCoef, int] = {}
 
-    f = probe_time
-
     split = None
     for _ in range(6):
         capped = split_sequence(groups, num_units, caps)
@@ -276,6 +311,11 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
             break
         split = capped
         target = split.z_rounded_ns * (1 + REPAIR_SLACK)
+        fl = floors(split)
+
+        def f(g: GroupCoef, T: int) -> float:
+            return probe_time(g, T, *fl)
+
         changed = False
         for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], groups.index(x[0]))):
             if T <= min_units(g) or f(g, T) <= target:
@@ -293,5 +333,5 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
         if not changed:
             break
     assert split is not None
-    units = rebalance_units(groups, list(split.units), time_limit_s, split.z_rounded_ns)
+    units = rebalance_units(groups, list(split.units), time_limit_s, split.z_rounded_ns, floor_ns=floors(split))
     return split, units

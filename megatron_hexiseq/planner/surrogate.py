@@ -10,10 +10,15 @@ every rank's share is resolved to within ~1/64 of an even share); time is **inte
 (µs would round away the per-unit cost of small models at thousands of GPUs).
 
 For rank ``r`` holding ``t_r`` units and ``h_r`` of ``H`` query heads in group ``g`` (``T_g``
-units; ``N`` units in the whole sequence; ``b`` = micro-batch size multiplies every term)::
+units; ``N`` units in the whole sequence; ``b`` = micro-batch size multiplies every term), two
+phases, as ``costmodel.estimate`` (bulk-synchronous: every layer's attention synchronises the CP
+domain, the linear work between two attentions does not)::
 
-    time_r = t_r * a_r  +  h_r * beta_r(T_g)
-    a_r         = unit * (k_lin * linear_flops_per_token / F_r  +  [|g|>1] a2a_bytes_per_token / bw_g)
+    linear_r    = t_r * l_r                                   (linear phase)
+    attention_r = t_r * s_r  +  h_r * beta_r(T_g)             (attention phase: A2A, attention, K/V ring)
+    objective   = Z_lin + Z_att,  Z_lin >= linear_r,  Z_att >= attention_r   for every rank r
+    l_r         = unit * k_lin * linear_flops_per_token / F_r
+    s_r         = unit * [|g|>1] a2a_bytes_per_token / bw_g
     beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped)
     b_r         = unit * k_att * attention_flops_per_pair_head * (S+1)/2 / F^att_r
     c_r         = unit * kv_bytes_per_token_per_head / bw_r              [more than one group]
@@ -82,14 +87,15 @@ class Surrogate:
     k_att: float = 1.0
 
     def rank_coef_ns(self, r: int, group_size: int, num_groups: int,
-                     spans_nodes: bool = False) -> tuple[int, int, int, int]:
-        """(a_r, b_r, c_r, e_r) in integer ns for rank r inside a group of ``group_size`` of ``num_groups``."""
+                     spans_nodes: bool = False) -> tuple[int, int, int, int, int]:
+        """(l_r, s_r, b_r, c_r, e_r) in integer ns for rank r inside a group of ``group_size`` of
+        ``num_groups``: l_r the linear phase per own unit, s_r the A2A per own unit (attention phase)."""
         d = self.devices[r]
         slow = d.net_over_nv if spans_nodes else 1.0
-        a = d.lin_s + (d.a2a_tok_s * slow if group_size > 1 else 0.0)
+        s = d.a2a_tok_s * slow if group_size > 1 else 0.0
         c = d.kv_s if num_groups > 1 else 0.0
         e = d.a2a_head_s * slow if group_size > 1 else 0.0
-        return _ns(a), _ns(d.att_s), _ns(c), _ns(e)
+        return _ns(d.lin_s), _ns(s), _ns(d.att_s), _ns(c), _ns(e)
 
     def scaled(self, factors: Sequence[float]) -> "Surrogate":
         """Every time coefficient of device r multiplied by ``factors[r]`` (feedback from ``estimate``)."""
