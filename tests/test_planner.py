@@ -289,3 +289,13 @@ def test_fewer_tokens_than_ranks_is_one_clear_error():
     assert "\n" not in str(e.value) and "--seq-length" in str(e.value)
     lay = plan(cl, model_from_dict({**TINY_GQA, "seq_length": 6}), 6, TrainOptions(), time_limit_s=1)
     assert [r.num_tokens for r in lay.ranks] == [1] * 6  # as many tokens as ranks: one each
+
+
+def test_stage2_minimises_the_phase_objective():
+    # one rank per group, 1 head each: g1 a=1, beta=T; g2 a=2, beta=4T; N = 12 units.
+    # Phase objective (by hand): max(T1, 2 T2) + max(T1, 4 T2): T2=2 -> 10 + 10 = 20, T2=3 -> 9 + 12 = 21,
+    # T2=1 -> 11 + 11 = 22. The old max-of-sums objective max(2 T1, 6 T2) picked T2 = 3 (18 vs 20 at T2=2).
+    g1, g2 = _coef(a=[1], b=[1], heads=1, units=12), _coef(a=[2], b=[4], heads=1, units=12)
+    split = split_sequence([g1, g2], 12)
+    assert split.units == (10, 2) and split.z_rounded_ns == pytest.approx(20, rel=1e-6)
+    assert split.lin_ns == pytest.approx(10, rel=1e-6) and split.att_ns == pytest.approx(10, rel=1e-6)

@@ -62,7 +62,7 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
     W = sum(len(g) for g in grouping)
     tokens, heads = [0] * W, [0] * W
     statuses: dict[str, int] = {}
-    z_ns, bound_ns = 0, 0
+    z_ns = 0
     per_group_limit = max(0.05, time_limit_s / max(1, len(set(zip(coefs, split.units)))))
     repaired = integer_split(list(coefs), sur.num_units, per_group_limit)
     if repaired is None:
