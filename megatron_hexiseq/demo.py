@@ -141,7 +141,7 @@ def print_table(rec: dict[str, Any]) -> None:
         t.add_row(r["name"], ",".join(map(str, r["per_rank_tokens"])), ",".join(map(str, r["per_rank_heads"])),
                   f"{r['tokens_per_s']:.0f}", f"{r['predicted_tokens_per_s']:.0f}",
                   f"{100 * r['prediction_error']:+.1f}%", f"{r['losses'][-1]:.6f}")
-    con = Console()
+    con = Console(width=120)
     con.print(t)
     con.print(f"speedup measured {rec['speedup_measured']:.2f}x, predicted {rec['speedup_predicted']:.2f}x; "
               f"losses agree: {rec['losses_agree']} (max rel diff {rec['loss_max_rel_diff']:.1e})")

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} and {raw_path}")
         for node in spec["nodes"]:
             t = spec["gpus"][node["gpu"]]
-            print(f"  {node['name']}: {node['count']} rank(s), {t['bf16_tflops'] * 1e3:.1f} GFLOP/s matmul, "
+            print(f"  {node['name']}: {node['count']} rank(s), {t['bf16_tflops'] * 1e3:.1f} GFLOP/s linear, "
                   f"{t['attention_tflops'] * 1e3:.1f} GFLOP/s attention, intra {node['nvlink_GBps']:.2f} GB/s, "
                   f"inter {node['network_GBps']:.2f} GB/s")
     return 0
