@@ -12,8 +12,9 @@ Candidates: nodes are grouped into *classes* (same GPU type, count, bandwidths, 
 splits its nodes into equal groups of a size ``s`` dividing the GPU count (``s = count``: one group per
 node, the [Foundation] planner; ``s = 1``: ring-like). Different classes may pick different sizes, so
 groups of different sizes coexist. Search: coordinate descent over the classes, starting from one
-group per node, each grouping scored by Stage II's continuous optimum (``stage2_split``) — the
-surrogate cost model prunes; the ``top_k`` best groupings go on to Stages II/III and ``estimate``.
+group per node, each grouping scored by Stage II's cheap ``L = inf`` split (``stage2_split``; an
+upper bound of its phase optimum) — the surrogate cost model prunes; the ``top_k`` best groupings
+get the full phase split and go on to Stages III and ``estimate``.
 """
 from __future__ import annotations
 
@@ -61,12 +62,13 @@ def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int, spans_no
                      heads=sur.heads, num_units=sur.num_units)
 
 
-def score_grouping(sur: Surrogate, grouping: Grouping,
-                   node_of: Sequence[str] | None = None) -> tuple[list[GroupCoef], Split | None]:
-    """Stage II's continuous split of one grouping; ``node_of[r]`` marks groups spanning nodes."""
+def score_grouping(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | None = None,
+                   search_lin: bool = True) -> tuple[list[GroupCoef], Split | None]:
+    """Stage II's continuous split of one grouping; ``node_of[r]`` marks groups spanning nodes.
+    ``search_lin=False``: the cheap ``L = inf`` split (an upper bound of the phase optimum)."""
     coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
              for g in grouping]
-    return coefs, split_sequence(coefs, sur.num_units)
+    return coefs, split_sequence(coefs, sur.num_units, search_lin=search_lin)
 
 
 def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
@@ -84,7 +86,7 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
     def evaluate(ch: dict) -> float:
         grouping = make_grouping(blocks, [ch[c] for c in classes])
         if grouping not in seen:
-            seen[grouping] = score_grouping(sur, grouping)
+            seen[grouping] = score_grouping(sur, grouping, search_lin=False)
         split = seen[grouping][1]
         return split.z_rounded_ns if split else float("inf")
 
@@ -93,7 +95,7 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
     if fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS:
         # one group of all ranks (uneven Ulysses; the A2A crosses the network)
         everyone: Grouping = (tuple(range(cluster.world_size)),)
-        seen[everyone] = score_grouping(sur, everyone, node_of)
+        seen[everyone] = score_grouping(sur, everyone, node_of, search_lin=False)
     if fixed_size != "node":
         for _ in range(2):  # coordinate-descent passes
             improved = False
@@ -109,4 +111,10 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
                 break
     ranked = sorted(((g, c, s) for g, (c, s) in seen.items() if s is not None),
                     key=lambda x: (x[2].z_rounded_ns, len(x[0])))
-    return ranked[:top_k]
+    # the survivors get the full phase split (the linear bound searched; see stage2_split)
+    out = []
+    for g, _, _ in ranked[:top_k]:
+        coefs, split = score_grouping(sur, g, node_of)  # no group spans nodes but the single one
+        if split is not None:
+            out.append((g, coefs, split))
+    return sorted(out, key=lambda x: (x[2].z_rounded_ns, len(x[0])))

@@ -1,16 +1,17 @@
 """Stage II: split the sequence between A2A groups by capability (continuous model + integer rounding).
 
-A group's capability is its surrogate time as a function of its token count ``T`` (in units; see
-``planner.surrogate``), with tokens and heads inside the group split optimally *continuously*:
-
-    f_g(T) = min z  s.t.  t_r*a_r + h_r*beta_r(T) <= z,  sum t_r = T,  sum h_r = H,  0 <= t_r <= cap_r.
-
-For fixed ``T`` and ``z`` this is a fractional knapsack: the most heads fit when tokens go first to
-ranks with the smallest ``a_r / beta_r`` (``max_heads`` below), so feasibility is exact and cheap.
-``T_g(z)`` = the most units group g can take within ``z`` (bisection on integers). The split is the
-smallest ``z*`` with ``sum_g T_g(z*) >= N`` (bisection), then units are trimmed from the slowest groups
-until they sum to ``N`` exactly. Groups with identical coefficients share every evaluation (cache),
-so thousands of GPUs of a few types cost about as much as a few groups.
+The objective is the cost model's bulk-synchronous phases (see ``planner.surrogate``):
+``Z_lin + Z_att`` with ``Z_lin >= t_r a_r`` (linear phase) and ``Z_att >= t_r s_r + h_r beta_r(T_g)``
+(attention phase) for every rank of the domain. Both maxima are global, so the split is searched
+with both: for a linear bound ``L`` (``t_r <= L / a_r``) and attention bound ``A``, a group's
+feasibility with ``T`` units and tokens/heads split *continuously* among its members is a fractional
+knapsack: the most heads fit when tokens go first to ranks with the smallest ``s_r / beta_r``
+(``max_heads`` below), so feasibility is exact and cheap. ``T_g(A, L)`` = the most units group g can
+take (bisection on integers); for a given ``L`` the split is the smallest ``A*`` with
+``sum_g T_g(A*, L) >= N`` (bisection), then units are trimmed from the slowest groups until they sum
+to ``N`` exactly; ``L`` is a 1-D search of ``L + A*(L)`` (``best_lin``). Groups with identical
+coefficients share every evaluation (cache), so thousands of GPUs of a few types cost about as
+much as a few groups.
 
 Causal balance is handled by the arrangement (``planner.build``: mirrored head+tail chunks), which
 makes a group's attention work proportional to ``T_g``; the compute-proportional rule is the special
@@ -182,29 +183,30 @@ def group_phase_time(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: fl
     lo = max(lin_floor, T / sum(1.0 / a if a > 0 else INF for a in g.a) if min(g.a) > 0 else 0.0)
     lo = min(lo, hi)
     f = lambda L: L + max(group_time(g, T, L), att_floor)  # noqa: E731
-    L = best_lin(f, lo, hi)
+    L = best_lin(f, lo, hi, lambda L: feasible(g, T, 1e30, L))
     return L, max(group_time(g, T, L), 0.0)
 
 
 LIN_GRID = 6     # coarse grid points of the linear-phase search
-LIN_GOLDEN = 14  # golden-section steps after the grid (bracket shrinks to 0.618^14 ~ 0.1%)
+LIN_GOLDEN = 12  # golden-section steps after the grid (bracket shrinks to 0.618^12 ~ 0.3%)
 
 
-def best_lin(f, lo: float, hi: float) -> float:
+def best_lin(f, lo: float, hi: float, ok=None) -> float:
     """argmin of f(L) over [lo, hi]: infeasible (inf) below some L, then (nearly) unimodal. A
-    bisection finds the first feasible L, a geometric grid brackets the best, golden section refines.
-    Deterministic."""
-    if hi <= lo or not math.isfinite(f(hi)):
+    bisection on the cheap feasibility test ``ok(L)`` (default: f(L) finite) finds the first feasible
+    L, a uniform grid brackets the best, golden section refines. Deterministic."""
+    ok = ok or (lambda L: math.isfinite(f(L)))
+    if hi <= lo or not ok(hi):
         return hi
-    if not math.isfinite(f(lo)):
+    if not ok(lo):
         a, b = lo, hi
         for _ in range(40):
             mid = (a + b) / 2
-            if math.isfinite(f(mid)):
+            if ok(mid):
                 b = mid
             else:
                 a = mid
-            if b - a <= 1e-6 * b:
+            if b - a <= 1e-5 * b:
                 break
         lo = b
     pts = [lo + (hi - lo) * k / (LIN_GRID - 1) for k in range(LIN_GRID)]
@@ -264,7 +266,7 @@ class Split:
 
 
 def split_sequence(groups: Sequence[GroupCoef], num_units: int,
-                   caps: dict[GroupCoef, int] | None = None) -> Split | None:
+                   caps: dict[GroupCoef, int] | None = None, search_lin: bool = True) -> Split | None:
     """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
     memory can't hold it (or the groups have more members than there are units).
 
@@ -274,11 +276,24 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
     smallest L that places every unit and the linear phase of the unconstrained (``L = inf``) split.
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
-    integer repair in ``stage3_refine.integer_split``).
+    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: only the ``L = inf``
+    split (its value is an upper bound of the phase optimum; Stage I ranks groupings with it).
     """
-    free = _split_at(groups, num_units, caps, INF)
-    if free is None:
-        return None
+    if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
+        return _split_cached(tuple(groups), num_units)
+    return _split_search(groups, num_units, caps, search_lin)
+
+
+@lru_cache(maxsize=4096)
+def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None:
+    return _split_search(groups, num_units, None, True)
+
+
+def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
+                  search_lin: bool) -> Split | None:
+    free = split_at(groups, num_units, caps, INF)
+    if free is None or not search_lin:
+        return free
     inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
     lo = num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
     hi = free.lin_ns
@@ -286,24 +301,33 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
 
     def at(L: float) -> Split | None:
         if L not in cache:
-            cache[L] = _split_at(groups, num_units, caps, L)
+            cache[L] = split_at(groups, num_units, caps, L)
         return cache[L]
 
     def f(L: float) -> float:
         sp = at(L)
         return sp.z_relaxed_ns if sp is not None else INF
 
-    L = best_lin(f, min(lo, hi), hi)
+    count: dict[GroupCoef, int] = {}
+    for g in groups:
+        count[g] = count.get(g, 0) + 1
+
+    def ok(L: float) -> bool:  # every unit (and each group's one unit per member) placeable within L
+        most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
+        return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
+
+    L = best_lin(f, min(lo, hi), hi, ok)
     best = at(L)
     if best is None or best.z_rounded_ns > free.z_rounded_ns:
         return free
     return best
 
 
-def _split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
-              lin: float) -> Split | None:
-    """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
-    memory can't hold it (or the groups have more members than there are units).
+def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
+             lin: float) -> Split | None:
+    """The split for a fixed linear bound ``lin`` (``inf``: none): units per group summing to
+    ``num_units`` (every group >= one unit per member) at the smallest attention bound; None if memory
+    or ``lin`` can't hold it (or the groups have more members than there are units).
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
     integer repair in ``stage3_refine.integer_split``).
@@ -324,8 +348,8 @@ def _split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef,
     share = -(-num_units // len(groups))
     even = [group_time(g, min(max(share, min_units(g)), sum(g.cap)), lin) for g in distinct]
     lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    if math.isfinite(lin) and (sum(k * most(g, 1e18) for g, k in distinct.items()) < num_units
-                               or any(most(g, 1e18) < min_units(g) for g in distinct)):
+    if math.isfinite(lin) and (sum(k * most(g, 1e30) for g, k in distinct.items()) < num_units
+                               or any(most(g, 1e30) < min_units(g) for g in distinct)):
         return None  # the linear bound cannot place every unit (or a group's one unit per member)
     while sum(k * most(g, hi) for g, k in distinct.items()) < num_units:  # find a feasible upper end
         lo, hi = hi, hi * 2

@@ -26,7 +26,7 @@ from functools import lru_cache
 from ortools.sat.python import cp_model
 
 from megatron_hexiseq.planner.stage2_split import (MIN_UNITS_PER_RANK, GroupCoef, Split, group_phase_time,
-                                                    max_heads, min_units, split_sequence)
+                                                    max_heads, min_units, split_at, split_sequence)
 
 
 GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
@@ -304,7 +304,10 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
 
     split = None
     for _ in range(6):
-        capped = split_sequence(groups, num_units, caps)
+        # later rounds keep the first round's linear bound L (one bisection on A instead of the L
+        # search); the full search only when the caps make that L infeasible
+        capped = (split_sequence(groups, num_units, caps) if split is None else
+                  split_at(groups, num_units, caps, split.lin_ns) or split_sequence(groups, num_units, caps))
         if capped is None:  # the caps leave too little room: keep the last split and repair by single units
             if split is None:
                 return None
