@@ -191,7 +191,7 @@ LIN_GRID = 6     # coarse grid points of the linear-phase search
 LIN_GOLDEN = 12  # golden-section steps after the grid (bracket shrinks to 0.618^12 ~ 0.3%)
 
 
-def best_lin(f, lo: float, hi: float, ok=None) -> float:
+def best_lin(f, lo: float, hi: float, ok=None, grid: int = LIN_GRID, golden: int = LIN_GOLDEN) -> float:
     """argmin of f(L) over [lo, hi]: infeasible (inf) below some L, then (nearly) unimodal. A
     bisection on the cheap feasibility test ``ok(L)`` (default: f(L) finite) finds the first feasible
     L, a uniform grid brackets the best, golden section refines. Deterministic."""
@@ -209,15 +209,17 @@ def best_lin(f, lo: float, hi: float, ok=None) -> float:
             if b - a <= 1e-5 * b:
                 break
         lo = b
-    pts = [lo + (hi - lo) * k / (LIN_GRID - 1) for k in range(LIN_GRID)]
+    pts = [lo + (hi - lo) * k / (grid - 1) for k in range(grid)]
     vals = [f(p) for p in pts]
-    k = min(range(LIN_GRID), key=lambda j: (vals[j], j))
-    a, b = pts[max(0, k - 1)], pts[min(LIN_GRID - 1, k + 1)]
+    k = min(range(grid), key=lambda j: (vals[j], j))
+    if golden == 0:
+        return pts[k]
+    a, b = pts[max(0, k - 1)], pts[min(grid - 1, k + 1)]
     best, best_v = pts[k], vals[k]
     r = (math.sqrt(5) - 1) / 2
     c, d = b - r * (b - a), a + r * (b - a)
     fc, fd = f(c), f(d)
-    for _ in range(LIN_GOLDEN):
+    for _ in range(golden):
         if fc <= fd:
             b, d, fd = d, c, fc
             c = b - r * (b - a)
@@ -276,8 +278,9 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
     smallest L that places every unit and the linear phase of the unconstrained (``L = inf``) split.
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
-    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: only the ``L = inf``
-    split (its value is an upper bound of the phase optimum; Stage I ranks groupings with it).
+    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: a coarse search (the
+    first feasible L, the midpoint and the ``L = inf`` split's L; no golden section), an upper bound
+    of the phase optimum that Stage I ranks groupings with.
     """
     if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
         return _split_cached(tuple(groups), num_units)
@@ -292,7 +295,7 @@ def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None
 def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
                   search_lin: bool) -> Split | None:
     free = split_at(groups, num_units, caps, INF)
-    if free is None or not search_lin:
+    if free is None:
         return free
     inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
     lo = num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
@@ -316,7 +319,7 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
         most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
         return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
 
-    L = best_lin(f, min(lo, hi), hi, ok)
+    L = best_lin(f, min(lo, hi), hi, ok, *((LIN_GRID, LIN_GOLDEN) if search_lin else (3, 0)))
     best = at(L)
     if best is None or best.z_rounded_ns > free.z_rounded_ns:
         return free
