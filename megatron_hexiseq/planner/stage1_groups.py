@@ -18,6 +18,7 @@ get the full phase split and go on to Stages III and ``estimate``.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 from megatron_hexiseq.planner.stage2_split import GroupCoef, Split, split_sequence
@@ -25,6 +26,8 @@ from megatron_hexiseq.planner.surrogate import Surrogate
 
 Grouping = tuple[tuple[int, ...], ...]
 SINGLE_GROUP_MAX_GPUS = 256  # the cross-node single group is a candidate up to this many GPUs
+EXHAUSTIVE_MAX = 32  # class-size combinations up to this many are all scored (else coordinate descent)
+FULL_RESCORE = 8  # the best groupings by the coarse phase search that get the full one before the top_k cut
 
 
 def node_blocks(cluster: Any) -> list[list[int]]:
@@ -96,7 +99,13 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
         # one group of all ranks (uneven Ulysses; the A2A crosses the network)
         everyone: Grouping = (tuple(range(cluster.world_size)),)
         seen[everyone] = score_grouping(sur, everyone, node_of, search_lin=False)
-    if fixed_size != "node":
+    combos = 1
+    for k in keys:
+        combos *= len(divisors(k[1]))
+    if fixed_size != "node" and combos <= EXHAUSTIVE_MAX:  # few classes and sizes: every combination
+        for sizes in itertools.product(*[divisors(k[1]) for k in keys]):
+            evaluate(dict(zip(keys, sizes)))
+    elif fixed_size != "node":
         for _ in range(2):  # coordinate-descent passes
             improved = False
             for k in keys:
@@ -113,8 +122,8 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
                     key=lambda x: (x[2].z_rounded_ns, len(x[0])))
     # the survivors get the full phase split (the linear bound searched; see stage2_split)
     out = []
-    for g, _, _ in ranked[:top_k]:
+    for g, _, _ in ranked[:max(top_k, FULL_RESCORE)]:
         coefs, split = score_grouping(sur, g, node_of)  # no group spans nodes but the single one
         if split is not None:
             out.append((g, coefs, split))
-    return sorted(out, key=lambda x: (x[2].z_rounded_ns, len(x[0])))
+    return sorted(out, key=lambda x: (x[2].z_rounded_ns, len(x[0])))[:top_k]

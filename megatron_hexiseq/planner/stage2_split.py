@@ -244,8 +244,16 @@ def max_units(g: GroupCoef, z: float, lin: float = INF) -> int:
     """T_g(z): most units the group can take within z (assumes feasibility monotone in T); 0 when it
     cannot even hold its minimum (one unit per member) within z."""
     lo, hi = min_units(g), min(g.num_units, sum(g.cap))
-    if lo > hi or not feasible(g, lo, z, lin):
+    if lo > hi:
         return 0
+    if not feasible(g, lo, z, lin):
+        # the K/V ring term (N - T) c makes a group with few units slow: its feasible T are an
+        # interval that starts above the minimum; probe the balance point T b = (N - T) c
+        b, c = g.b[0], g.c[0]
+        mid = min(max(round(g.num_units * c / (b + c)) if b + c > 0 else lo, lo), hi)
+        if mid == lo or not feasible(g, mid, z, lin):
+            return 0
+        lo = mid
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if feasible(g, mid, z, lin):
