@@ -17,11 +17,11 @@ Writes results/bench/optimality_gap.{json,md,png} and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
 import time
+
+from _common import write_outputs
 
 TYPES = (("H100-SXM-80GB", 25), ("A100-SXM-80GB", 25), ("A800-80GB", 25), ("L40S-48GB", 12.5))
 MODELS = (("gpt-3b", 32768), ("gpt-7b", 65536), ("llama3-8b", 65536), ("llama2-7b", 32768))
@@ -94,13 +94,10 @@ def one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
 
 
 def write(rows: list[dict], out: str) -> str:
-    os.makedirs(out, exist_ok=True)
     gaps = [r["gap"] for r in rows if r.get("gap") is not None]
     summary = {"instances": len(rows), "solved": len(gaps), "max_gap": max(gaps, default=None),
                "mean_gap": sum(gaps) / len(gaps) if gaps else None,
                "within_1pct": sum(g <= 0.01 for g in gaps)}
-    with open(os.path.join(out, "optimality_gap.json"), "w") as f:
-        json.dump({"summary": summary, "rows": rows}, f, indent=2)
     lines = ["| # | cluster | model | seq | hier surrogate s | exact s | status | gap % | hier groups | exact groups | "
              "plan() hier s | plan() exact s | t hier s | t exact s |",
              "|---:|---|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|"]
@@ -115,25 +112,16 @@ def write(rows: list[dict], out: str) -> str:
     lines.append(f"max gap {100 * (summary['max_gap'] or 0):.3f}%, mean {100 * (summary['mean_gap'] or 0):.3f}%, "
                  f"{summary['within_1pct']}/{summary['solved']} within 1%")
     table = "\n".join(lines)
-    with open(os.path.join(out, "optimality_gap.md"), "w") as f:
-        f.write("# Hierarchical vs exact (surrogate time)\n\n" + table + "\n")
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+    def plot(ax) -> None:
         ax.bar(range(len(rows)), [100 * (r.get("gap") or 0) for r in rows])
         ax.axhline(1.0, color="k", ls="--", lw=1, label="1% target")
         ax.set_xlabel("instance")
         ax.set_ylabel("gap to exact optimum %")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "optimality_gap.png"), dpi=100)
-        plt.close(fig)
-    except ImportError:
-        pass
+
+    write_outputs(out, "optimality_gap", data={"summary": summary, "rows": rows},
+                  title="Hierarchical vs exact (surrogate time)", table=table, plot=plot, figsize=(7, 3.5))
     return table
 
 

@@ -18,12 +18,12 @@ Writes results/bench/planner_scale.{json,md,png} and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import resource
 import sys
 import time
+
+from _common import write_outputs
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 TYPES = (("H100-SXM-80GB", 25), ("A100-SXM-80GB", 25), ("A800-80GB", 25), ("L40S-48GB", 12.5))
@@ -80,9 +80,6 @@ def run(sizes, time_limit: float) -> list[dict]:
 
 
 def write(rows: list[dict], out: str) -> str:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "planner_scale.json"), "w") as f:
-        json.dump({"rows": rows, "targets_s": TARGETS, "note": "wall clock, shared 2-core CPU (noisy)"}, f, indent=2)
     lines = ["| GPUs | seq | stages s | total s (incl. baselines) | target s | peak RSS MiB | groups | sizes | mode | speedup vs best baseline |",
              "|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for r in rows:
@@ -90,26 +87,17 @@ def write(rows: list[dict], out: str) -> str:
                      f"{TARGETS.get(r['gpus'], '')} | {r['peak_rss_mib']:.0f} | {r['groups']} | {r['group_sizes']} | "
                      f"{r['memory_mode']} | {r['speedup_vs_best_baseline']} |")
     table = "\n".join(lines)
-    with open(os.path.join(out, "planner_scale.md"), "w") as f:
-        f.write("# Planner scale\n\n" + table + "\n")
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+    def plot(ax) -> None:
         ax.loglog([r["gpus"] for r in rows], [r["stages_s"] for r in rows], "o-", label="stages I-III")
         ax.loglog([r["gpus"] for r in rows], [r["total_s"] for r in rows], "s-", label="plan() incl. baselines")
         ax.loglog(list(TARGETS), list(TARGETS.values()), "k^", label="targets")
         ax.set_xlabel("GPUs")
         ax.set_ylabel("wall time s")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "planner_scale.png"), dpi=100)
-        plt.close(fig)
-    except ImportError:
-        pass
+
+    write_outputs(out, "planner_scale", data={"rows": rows, "targets_s": TARGETS, "note": "wall clock, shared 2-core CPU (noisy)"}, title="Planner scale", table=table, plot=plot,
+                  figsize=(6, 4))
     return table
 
 

@@ -21,10 +21,10 @@ Writes results/bench/sim_suite.{json,md,png} and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
+
+from _common import write_outputs
 
 FOUR = (("H100-SXM-80GB", 25), ("A100-SXM-80GB", 25), ("A800-80GB", 25), ("L40S-48GB", 12.5))
 
@@ -104,12 +104,9 @@ def flop_pairs(smoke: bool) -> list[tuple[str, dict, dict]]:
 
 
 def write(rows: list[dict], pairs: list[dict], out: str) -> str:
-    os.makedirs(out, exist_ok=True)
     sp = [r["speedup"] for r in rows if r.get("speedup")]
     summary = {"settings": len(rows), "with_baseline": len(sp), "mean_speedup": sum(sp) / len(sp) if sp else None,
                "max_speedup": max(sp, default=None), "min_speedup": min(sp, default=None)}
-    with open(os.path.join(out, "sim_suite.json"), "w") as f:
-        json.dump({"summary": summary, "rows": rows, "flop_pairs": pairs}, f, indent=2)
     fmt = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"
     lines = ["| setting | model | seq | planned s | best baseline | baseline s | speedup | mode | groups | solve s |",
              "|---|---|---:|---:|---|---:|---:|---|---|---:|"]
@@ -128,26 +125,17 @@ def write(rows: list[dict], pairs: list[dict], out: str) -> str:
             lines.append(f"| {p['label']} | {p['model']} | {p['seq_length']} | {fmt(p['hetero_tokens_per_s'], 0)} | "
                          f"{fmt(p['homo_tokens_per_s'], 0)} ({p['homo_baseline']}) | {fmt(p['ratio'], 3)} |")
     table = "\n".join(lines)
-    with open(os.path.join(out, "sim_suite.md"), "w") as f:
-        f.write("# Simulation suite (cost model)\n\n" + table + "\n")
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4))
+    def plot(ax) -> None:
         ax.bar(range(len(rows)), [r.get("speedup") or 0 for r in rows])
         ax.axhline(1.0, color="k", lw=1)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([f"{r['gpus']}/{r['model'].split('-')[-1]}/{r['seq_length'] // 1024}K" for r in rows],
                            rotation=60, fontsize=7)
         ax.set_ylabel("speedup over strongest baseline")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "sim_suite.png"), dpi=100)
-        plt.close(fig)
-    except ImportError:
-        pass
+
+    write_outputs(out, "sim_suite", data={"summary": summary, "rows": rows, "flop_pairs": pairs},
+                  title="Simulation suite (cost model)", table=table, plot=plot, figsize=(10, 4))
     return table
 
 

@@ -1,0 +1,31 @@
+"""What every benchmark does at the end: write ``NAME.json``, ``NAME.md`` and ``NAME.png`` into the
+output folder (atomically, so an interrupted run leaves no half-written result)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
+
+
+def write_outputs(out: str, name: str, *, data: Any, title: str, table: str,
+                  plot: Callable[[Any], None] | None = None, figsize: tuple[float, float] = (7, 4)) -> None:
+    """JSON of ``data``, markdown ``# title`` + ``table``, and a PNG drawn by ``plot(ax)`` if given."""
+    os.makedirs(out, exist_ok=True)
+    write_json_atomic(os.path.join(out, f"{name}.json"), data)
+    write_text_atomic(os.path.join(out, f"{name}.md"), f"# {title}\n\n{table}\n")
+    if plot is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    plot(ax)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=100)
+    plt.close(fig)
