@@ -63,6 +63,17 @@ class GroupCoef:
         return tuple(tuple(v) for v in out.values())
 
     @cached_property
+    def rows(self) -> tuple[tuple[int, int, int, int, int, int, int, int, int, int], ...]:
+        """Per class of identical members: (count, a, s, b, c, e, free, mt, mh, cap) of its first
+        member, precomputed for ``max_heads`` (the planner's innermost loop)."""
+        out = []
+        for members in self.classes:
+            i = members[0]
+            out.append((len(members), self.a[i], self.s_(i), self.b[i], self.c[i], self.e[i], self.free[i],
+                        self.mt[i], self.mh[i], self.cap[i]))
+        return tuple(out)
+
+    @cached_property
     def cap(self) -> tuple[int, ...]:
         return tuple(f // m if m else 1 << 40 for f, m in zip(self.free, self.mt))
 
@@ -94,19 +105,28 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
     n = g.size
     if T < n * MIN_UNITS_PER_RANK:
         return -INF, []
+    lo = float(MIN_UNITS_PER_RANK)
+    rest = g.num_units - T
+    if len(g.rows) == 1:  # identical members: the even split is optimal (separable, concave, symmetric)
+        k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
+        beta = max(T * b, rest * c) + T * e
+        per = T * mh
+        t = T / n
+        tmax = min(cap, z / s if s > 0 else INF, lin / a if a > 0 else INF)
+        if tmax < lo or tmax < t:
+            return -INF, []
+        att = (z - s * t) / beta if beta > 0 else INF
+        mem = (free - mt * t) / per if per > 0 else INF
+        return n * min(att, mem), [t] * n
     pieces: list[tuple[float, int, float]] = []  # (slope, class, length for the whole class)
     heads0 = 0.0
     room = 0.0
-    classes = g.classes
-    lo = float(MIN_UNITS_PER_RANK)
-    for ci, members in enumerate(classes):
-        i, k = members[0], len(members)
-        beta = g.beta(i, T)
-        per = T * g.mh[i]
-        si = g.s_(i)
-        a0, sa = (z / beta, si / beta) if beta > 0 else (INF, 0.0)
-        m0, sm = (g.free[i] / per, g.mt[i] / per) if per > 0 else (INF, 0.0)
-        tmax = min(g.cap[i], z / si if si > 0 else INF, lin / g.a[i] if g.a[i] > 0 else INF)
+    for ci, (k, a, s, b, c, e, free, mt, mh, cap) in enumerate(g.rows):
+        beta = max(T * b, rest * c) + T * e
+        per = T * mh
+        a0, sa = (z / beta, s / beta) if beta > 0 else (INF, 0.0)
+        m0, sm = (free / per, mt / per) if per > 0 else (INF, 0.0)
+        tmax = min(cap, z / s if s > 0 else INF, lin / a if a > 0 else INF)
         if tmax < lo:  # the member cannot hold its one unit within z (or memory)
             return -INF, []
         room += k * (tmax - lo)
@@ -124,7 +144,8 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
     left = float(T - n * MIN_UNITS_PER_RANK)
     if room < left:
         return -INF, []
-    pieces.sort(key=lambda p: (p[0], p[1]))
+    pieces.sort()
+    classes = g.classes
     per_class, heads = [0.0] * len(classes), heads0
     for slope, ci, length in pieces:
         if left <= 0:
@@ -150,6 +171,11 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
     ``lin``; inf when T exceeds its memory or the linear bound."""
     if T > sum(g.cap):
         return INF
+    if len(g.rows) == 1 and g.beta(0, T) > 0:
+        # identical members: even tokens and heads, so A = s T/n + H beta(T)/n exactly (when it fits)
+        n = g.size
+        z = g.s_(0) * T / n + g.heads * g.beta(0, T) / n
+        return z if feasible(g, T, z, lin) else INF
     hi = T * max(g.s or (0,)) + g.heads * max(g.beta(i, T) for i in range(g.size)) + 1.0
     if not feasible(g, T, hi, lin):  # the heads' attention memory (or the linear bound) does not fit
         return INF
@@ -187,14 +213,21 @@ def group_phase_time(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: fl
     return L, max(group_time(g, T, L), 0.0)
 
 
-LIN_GRID = 6     # coarse grid points of the linear-phase search
-LIN_GOLDEN = 12  # golden-section steps after the grid (bracket shrinks to 0.618^12 ~ 0.3%)
+LIN_TOL = 1e-4   # the linear-phase search stops once its best point is proven within 0.01%
+LIN_EVALS = 24   # at most this many evaluations of f per search (full search)
+LIN_COARSE_EVALS = 3  # Stage I's coarse search: the first feasible L, the L = inf split's L, one midpoint
 
 
-def best_lin(f, lo: float, hi: float, ok=None, grid: int = LIN_GRID, golden: int = LIN_GOLDEN) -> float:
-    """argmin of f(L) over [lo, hi]: infeasible (inf) below some L, then (nearly) unimodal. A
-    bisection on the cheap feasibility test ``ok(L)`` (default: f(L) finite) finds the first feasible
-    L, a uniform grid brackets the best, golden section refines. Deterministic."""
+def best_lin(f, lo: float, hi: float, ok=None, max_evals: int = LIN_EVALS, tol: float = LIN_TOL) -> float:
+    """argmin of ``f(L) = L + A(L)`` over [lo, hi] where ``A`` is non-increasing (a larger linear bound
+    never raises the attention bound) and f is infinite below the first feasible L. Deterministic.
+
+    A bisection on the cheap feasibility test ``ok(L)`` (default: f(L) finite) finds the first feasible
+    L; then branch and bound on intervals: on [x, y] every f(L) >= x + A(y), so the interval with the
+    smallest such bound is halved until the best value found is within ``tol`` of the smallest bound
+    (or ``max_evals`` evaluations). When A is flat (the attention phase does not need a larger
+    linear bound, the common case) the two ends prove the first feasible L optimal: 2 evaluations.
+    """
     ok = ok or (lambda L: math.isfinite(f(L)))
     if hi <= lo or not ok(hi):
         return hi
@@ -209,28 +242,21 @@ def best_lin(f, lo: float, hi: float, ok=None, grid: int = LIN_GRID, golden: int
             if b - a <= 1e-5 * b:
                 break
         lo = b
-    pts = [lo + (hi - lo) * k / (grid - 1) for k in range(grid)]
-    vals = [f(p) for p in pts]
-    k = min(range(grid), key=lambda j: (vals[j], j))
-    if golden == 0:
-        return pts[k]
-    a, b = pts[max(0, k - 1)], pts[min(grid - 1, k + 1)]
-    best, best_v = pts[k], vals[k]
-    r = (math.sqrt(5) - 1) / 2
-    c, d = b - r * (b - a), a + r * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(golden):
-        if fc <= fd:
-            b, d, fd = d, c, fc
-            c = b - r * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + r * (b - a)
-            fd = f(d)
-    for p, v in ((c, fc), (d, fd)):
-        if v < best_v:
-            best, best_v = p, v
+    val = {lo: f(lo), hi: f(hi)}
+    best = min((lo, hi), key=lambda x: (val[x], x))
+    heap = [(lo + val[hi] - hi, lo, hi)]  # (lower bound of f on [x, y], x, y)
+    while heap and len(val) < max_evals:
+        bound, x, y = heapq.heappop(heap)
+        if math.isfinite(val[best]) and val[best] - bound <= tol * val[best]:
+            break
+        m = (x + y) / 2
+        if m in val:  # the interval cannot be halved further
+            continue
+        val[m] = f(m)
+        if (val[m], m) < (val[best], best):
+            best = m
+        heapq.heappush(heap, (x + val[m] - m, x, m))
+        heapq.heappush(heap, (m + val[y] - y, m, y))
     return best
 
 
@@ -243,17 +269,29 @@ def min_units(g: GroupCoef) -> int:
 def max_units(g: GroupCoef, z: float, lin: float = INF) -> int:
     """T_g(z): most units the group can take within z (assumes feasibility monotone in T); 0 when it
     cannot even hold its minimum (one unit per member) within z."""
-    lo, hi = min_units(g), min(g.num_units, sum(g.cap))
+    return max_units_between(g, z, lin)
+
+
+def max_units_between(g: GroupCoef, z: float, lin: float = INF, known_lo: int = 0, known_hi: int | None = None) -> int:
+    """``max_units(g, z, lin)`` with a bracket from earlier calls at the same ``lin``: ``known_lo`` =
+    ``max_units`` at some z' <= z (0: unknown), ``known_hi`` = at some z'' >= z. ``max_units`` is
+    non-decreasing in z (a larger attention bound only adds feasible points), so the answer lies in
+    [known_lo, known_hi] and the bisection over T costs log2 of the bracket, not of the whole range:
+    ``split_at``'s bisection on z narrows the bracket at every step (same result, far fewer calls)."""
+    lo, full_hi = min_units(g), min(g.num_units, sum(g.cap))
+    hi = full_hi if known_hi is None else min(full_hi, known_hi)
     if lo > hi:
         return 0
-    if not feasible(g, lo, z, lin):
+    if known_lo >= lo:
+        lo = known_lo  # feasible at a smaller z, so feasible at z
+    elif not feasible(g, lo, z, lin):
         # the K/V ring term (N - T) c makes a group with few units slow: its feasible T are an
         # interval that starts above the minimum; probe the balance point T b = (N - T) c
         b, c = g.b[0], g.c[0]
-        mid = min(max(round(g.num_units * c / (b + c)) if b + c > 0 else lo, lo), hi)
+        mid = min(max(round(g.num_units * c / (b + c)) if b + c > 0 else lo, lo), full_hi)
         if mid == lo or not feasible(g, mid, z, lin):
             return 0
-        lo = mid
+        lo, hi = mid, max(hi, mid)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if feasible(g, mid, z, lin):
@@ -327,7 +365,7 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
         most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
         return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
 
-    L = best_lin(f, min(lo, hi), hi, ok, *((LIN_GRID, LIN_GOLDEN) if search_lin else (3, 0)))
+    L = best_lin(f, min(lo, hi), hi, ok, LIN_EVALS if search_lin else LIN_COARSE_EVALS)
     best = at(L)
     if best is None or best.z_rounded_ns > free.z_rounded_ns:
         return free
@@ -362,19 +400,31 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
     if math.isfinite(lin) and (sum(k * most(g, 1e30) for g, k in distinct.items()) < num_units
                                or any(most(g, 1e30) < min_units(g) for g in distinct)):
         return None  # the linear bound cannot place every unit (or a group's one unit per member)
-    while sum(k * most(g, hi) for g, k in distinct.items()) < num_units:  # find a feasible upper end
-        lo, hi = hi, hi * 2
+    # raw max_units (before caps) at the bisection's ends: each step brackets the next one
+    at_lo = {g: 0 for g in distinct}
+    at_hi = {g: max_units(g, 1e30, lin) for g in distinct}
+
+    def placed(at: dict[GroupCoef, int]) -> int:
+        return sum(k * min(at[g], caps.get(g, num_units)) for g, k in distinct.items())
+
+    while True:  # find a feasible upper end
+        at_mid = {g: max_units_between(g, hi, lin, at_lo[g], at_hi[g]) for g in distinct}
+        if placed(at_mid) >= num_units:
+            at_hi = at_mid
+            break
+        lo, hi, at_lo = hi, hi * 2, at_mid
         if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
             return None
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(k * most(g, mid) for g, k in distinct.items()) >= num_units:
-            hi = mid
+        at_mid = {g: max_units_between(g, mid, lin, at_lo[g], at_hi[g]) for g in distinct}
+        if placed(at_mid) >= num_units:
+            hi, at_hi = mid, at_mid
         else:
-            lo = mid
+            lo, at_lo = mid, at_mid
         if hi - lo <= 1e-6 * hi:
             break
-    units = [max(min_units(g), most(g, hi)) for g in groups]
+    units = [max(min_units(g), min(at_hi[g], caps.get(g, num_units))) for g in groups]
     # trim the excess from the slowest groups (keep one unit per member), add any deficit to the fastest
     heap = [(-group_time(g, u, lin), i) for i, (g, u) in enumerate(zip(groups, units))]
     heapq.heapify(heap)
