@@ -69,8 +69,10 @@ def score_grouping(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | 
                    search_lin: bool = True) -> tuple[list[GroupCoef], Split | None]:
     """Stage II's continuous split of one grouping; ``node_of[r]`` marks groups spanning nodes.
     ``search_lin=False``: the cheap ``L = inf`` split (an upper bound of the phase optimum)."""
-    coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
-             for g in grouping]
+    same: dict[GroupCoef, GroupCoef] = {}  # identical groups share one object: cache lookups hit by identity
+    coefs = [same.setdefault(c, c) for c in
+             (group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
+              for g in grouping)]
     return coefs, split_sequence(coefs, sur.num_units, search_lin=search_lin)
 
 

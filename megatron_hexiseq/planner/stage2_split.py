@@ -49,6 +49,13 @@ class GroupCoef:
     num_units: int
     s: tuple[int, ...] = ()  # A2A ns per own unit (attention phase); empty = 0 for every member
 
+    def __hash__(self) -> int:  # hashed on every cache lookup: computed once
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads, self.num_units, self.s))
+
     def s_(self, i: int) -> int:
         """A2A ns per own unit of member i (attention phase)."""
         return self.s[i] if self.s else 0
@@ -424,26 +431,105 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
             lo, at_lo = mid, at_mid
         if hi - lo <= 1e-6 * hi:
             break
-    units = [max(min_units(g), min(at_hi[g], caps.get(g, num_units))) for g in groups]
-    # trim the excess from the slowest groups (keep one unit per member), add any deficit to the fastest
-    heap = [(-group_time(g, u, lin), i) for i, (g, u) in enumerate(zip(groups, units))]
-    heapq.heapify(heap)
-    while sum(units) > num_units:
-        _, i = heapq.heappop(heap)
-        if units[i] > min_units(groups[i]):
-            units[i] -= 1
-            heapq.heappush(heap, (-group_time(groups[i], units[i], lin), i))
-    add = [(group_time(g, u + 1, lin), i) for i, (g, u) in enumerate(zip(groups, units))]
-    heapq.heapify(add)
-    while sum(units) < num_units:
-        t, i = heapq.heappop(add)
-        if units[i] >= caps.get(groups[i], num_units):
-            continue
-        if not math.isfinite(t):
-            return None
-        units[i] += 1
-        heapq.heappush(add, (group_time(groups[i], units[i] + 1, lin), i))
-    att_round = max(group_time(g, u, lin) for g, u in zip(groups, units))
-    lin_used = lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in zip(groups, units))
+    start = {g: max(min_units(g), min(at_hi[g], caps.get(g, num_units))) for g in distinct}
+    units = _round_units(groups, start, num_units, caps, lin)
+    if units is None:
+        return None
+    pairs = set(zip(groups, units))
+    att_round = max(group_time(g, u, lin) for g, u in pairs)
+    lin_used = lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in pairs)
     return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att_round,
                  lin_ns=lin_used, att_ns=hi)
+
+
+def _round_units(groups: Sequence[GroupCoef], start: dict[GroupCoef, int], num_units: int,
+                 caps: dict[GroupCoef, int], lin: float) -> list[int] | None:
+    """Units per group summing to ``num_units`` from ``start`` (units per group class at the split's
+    attention bound); None if a unit cannot be placed.
+
+    Excess: one unit at a time from the slowest group among those a trim does not slow down (never
+    below one unit per member); when every trim slows its group down, from the group that stays
+    fastest. A group's time is not always increasing in its units: with many groups the K/V ring
+    term ``(N - T) c`` dominates and a group with fewer units is *slower*; trimming the slowest group
+    there would crush it to its minimum, one unit at a time. Deficit: one unit to the group whose
+    time after the addition is smallest (within ``caps``).
+
+    Worked per *class* of identical groups (thousands of GPUs, a few classes): its groups sit at a
+    few unit levels, and when the next choice would be a class mate at the same level anyway, every
+    mate at that level moves in one step. Ties go to the class of the lowest group index; inside a
+    class the lower group indices hold the fewer units.
+    """
+    first: dict[GroupCoef, int] = {}
+    for i, g in enumerate(groups):
+        first.setdefault(g, i)
+    by_order = {o: g for g, o in first.items()}
+    levels: dict[GroupCoef, dict[int, int]] = {g: {} for g in first}
+    for g in groups:
+        levels[g][start[g]] = levels[g].get(start[g], 0) + 1
+
+    def t(g: GroupCoef, u: int) -> float:
+        return group_time(g, u, lin) if u >= min_units(g) else INF
+
+    def live(heap: list[tuple[float, int, int]]) -> tuple[float, int, int] | None:
+        while heap and not levels[by_order[heap[0][1]]].get(heap[0][2]):
+            heapq.heappop(heap)  # stale: that level was emptied
+        return heap[0] if heap else None
+
+    def move(g: GroupCoef, u: int, v: int, m: int) -> None:
+        levels[g][u] -= m
+        if not levels[g][u]:
+            del levels[g][u]
+        levels[g][v] = levels[g].get(v, 0) + m
+        for w in (v, u):
+            if w in levels[g]:
+                push(g, w)
+
+    excess = sum(start[g] for g in groups) - num_units
+    shrinking: list[tuple[float, int, int]] = []  # excess, trim no slower: (-time, class order, level)
+    cheapest: list[tuple[float, int, int]] = []  # excess: (time after one trim, class order, level)
+    fastest: list[tuple[float, int, int]] = []  # deficit: (time after one more unit, class order, level)
+
+    def push(g: GroupCoef, u: int) -> None:
+        if excess > 0 and u > min_units(g):
+            after = t(g, u - 1)
+            heapq.heappush(cheapest, (after, first[g], u))
+            if after <= t(g, u):
+                heapq.heappush(shrinking, (-t(g, u), first[g], u))
+        elif excess < 0 and u < caps.get(g, num_units):
+            heapq.heappush(fastest, (t(g, u + 1), first[g], u))
+
+    for g in first:
+        for u in levels[g]:
+            push(g, u)
+    while excess > 0:
+        top = live(shrinking)
+        if top is not None:  # the slowest group that a trim does not slow down; its mates are next
+            heapq.heappop(shrinking)
+            g, u = by_order[top[1]], top[2]
+            m = min(levels[g][u], excess) if t(g, u - 1) < -top[0] else 1
+        else:  # every trim slows a group down: the one that stays fastest
+            top = live(cheapest)
+            if top is None:  # every group at its minimum (excluded by the caller's checks)
+                return None
+            heapq.heappop(cheapest)
+            g, u = by_order[top[1]], top[2]
+            m = min(levels[g][u], excess) if t(g, u - 2) >= top[0] else 1
+        move(g, u, u - 1, m)
+        excess -= m
+    while excess < 0:
+        top = live(fastest)
+        if top is None or not math.isfinite(top[0]):
+            return None
+        heapq.heappop(fastest)
+        g, u = by_order[top[1]], top[2]
+        m = min(levels[g][u], -excess) if t(g, u + 2) >= top[0] else 1
+        move(g, u, u + 1, m)
+        excess += m
+    # hand the levels out: inside a class, ascending group index gets ascending units
+    queue = {g: sorted(u for u, k in lv.items() for _ in range(k)) for g, lv in levels.items()}
+    taken = {g: 0 for g in first}
+    units = []
+    for g in groups:
+        units.append(queue[g][taken[g]])
+        taken[g] += 1
+    return units
