@@ -22,6 +22,7 @@ domain, the linear work between two attentions does not)::
     beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped)
     b_r         = unit * k_att * attention_flops_per_pair_head * (S+1)/2 / F^att_r
     c_r         = unit * kv_bytes_per_token_per_head / bw_r              [more than one group]
+                  (bw_r: harmonic mean of min(own, sender) network bandwidth, ``effective_ring_bw``)
     e_r         = unit * a2a_bytes_per_token / H / bw_g                  [|g|>1]
 
 ``bw_g`` is NVLink when the group sits inside one node, the network when it spans nodes.
@@ -138,6 +139,20 @@ def kv_bytes_per_token_per_head(model: Any, recompute: bool = False) -> float:
     return model.num_layers * passes * 2 * d * BYTES_PER_ELEMENT * G / H
 
 
+def effective_ring_bw(own_bw: float, ring_bws: Sequence[float]) -> float:
+    """K/V-exchange bandwidth of a rank (bytes/s): a transfer runs at the slower end of its link, and
+    the rank receives from every other group, so the rate is the harmonic mean over the cluster's
+    devices of ``min(own, sender)`` (senders weighted equally: their tokens are not known yet). With
+    one slow GPU type on the network the fast ranks' exchange slows too (the cost model's rounds:
+    ``costmodel.exchange``); the own bandwidth alone made the slow type look twice as slow as the rest
+    and hid the cost of more heads per fast rank (4096-GPU planner_scale: groups of 4 H100s)."""
+    counts: dict[float, int] = {}
+    for bw in ring_bws:
+        counts[bw] = counts.get(bw, 0) + 1
+    total = sum(counts.values())
+    return total / sum(k / min(own_bw, bw) for bw, k in counts.items())
+
+
 def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
                     *, k_lin: float = 1.0, k_att: float = 1.0) -> Surrogate:
     """Surrogate coefficients for every device (see module docstring for the formulas)."""
@@ -158,10 +173,11 @@ def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
     att_mem = b * costmodel.attention_bytes_per_group_token(model, options, H, G) / H  # per head, kv shared
     frac = getattr(options, "capacity_fraction", 0.95)
     multi_node = len({d.node for d in cluster.devices}) > 1
+    ring_bws = [(d.network_GBps if multi_node else d.nvlink_GBps) * 1e9 for d in cluster.devices]
     devs = []
-    for dev in cluster.devices:
+    for dev, own_bw in zip(cluster.devices, ring_bws):
         nv = dev.nvlink_GBps * 1e9
-        ring_bw = (dev.network_GBps if multi_node else dev.nvlink_GBps) * 1e9
+        ring_bw = effective_ring_bw(own_bw, ring_bws)
         att_fps = getattr(dev, "attention_flops_per_s", dev.flops_per_s)
         free = frac * dev.memory_bytes - static
         devs.append(DeviceCoef(
