@@ -99,7 +99,31 @@ def greedy(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0
     head_caps = [max(0, min(g.heads, math.floor(x + 1e-9))) if math.isfinite(x) else g.heads for x in mem]
     h = largest_remainder([x * g.heads / s for x in h_cont], g.heads,
                           head_caps if sum(head_caps) >= g.heads else None)
+    if not _fits(g, T, t, h):
+        t = _make_room(g, T, t, h) or t
     return t, h
+
+
+def _make_room(g: GroupCoef, T: int, t: list[int], h: list[int]) -> list[int] | None:
+    """Tokens moved off members that a rounded head pushed over memory, onto the members with room
+    (fastest linear coefficient first), heads kept; None if they do not fit. A member whose
+    continuous share is a fraction of a head (tight memory, e.g. L40S in a large cross-node group)
+    otherwise left the rounded point invalid and Stage III without a hint (CP-SAT then ran its whole
+    budget for a poor point)."""
+    room = [(g.free[i] - h[i] * T * g.mh[i]) // g.mt[i] if g.mt[i] else T for i in range(g.size)]
+    if any(r < MIN_UNITS_PER_RANK for r in room):
+        return None
+    t = list(t)
+    spare = 0
+    for i in range(g.size):
+        if t[i] > room[i]:
+            spare += t[i] - room[i]
+            t[i] = room[i]
+    for i in sorted(range(g.size), key=lambda j: (g.a[j], j)):
+        take = min(spare, room[i] - t[i]) if room[i] > t[i] else 0
+        t[i] += take
+        spare -= take
+    return t if spare == 0 else None
 
 
 def _member(g: GroupCoef, i: int) -> tuple:
