@@ -299,3 +299,78 @@ def test_stage2_minimises_the_phase_objective():
     split = split_sequence([g1, g2], 12)
     assert split.units == (10, 2) and split.z_rounded_ns == pytest.approx(20, rel=1e-6)
     assert split.lin_ns == pytest.approx(10, rel=1e-6) and split.att_ns == pytest.approx(10, rel=1e-6)
+
+
+# ---- speed paths (issue 5): same answers as the plain definitions ------------------------------------
+def test_best_lin_branch_and_bound_finds_the_minimum_of_l_plus_a():
+    from megatron_hexiseq.planner.stage2_split import best_lin
+
+    # A(L) non-increasing: 100 - 3 L up to L = 20, flat 40 after: L + A(L) is smallest at L = 20 (60)
+    calls = []
+
+    def f(L):
+        calls.append(L)
+        return L + max(40.0, 100.0 - 3.0 * L) if L >= 5 else float("inf")
+    L = best_lin(f, 0.0, 64.0, lambda L: L >= 5)
+    assert f(L) == pytest.approx(60.0, rel=1e-4) and L == pytest.approx(20.0, rel=1e-3)
+    # flat A: the first feasible L is proven optimal with its two end evaluations
+    flat_calls = []
+    L = best_lin(lambda L: flat_calls.append(L) or L + 50.0, 10.0, 30.0, lambda L: True)
+    assert L == 10.0 and len(flat_calls) == 2
+
+
+def test_max_units_between_matches_max_units_and_identical_members_are_exact():
+    from megatron_hexiseq.planner.stage2_split import group_time, max_units, max_units_between
+
+    rng = random.Random(3)
+    g = GroupCoef(a=(3, 3, 5), b=(7, 7, 2), c=(4, 4, 9), e=(1, 1, 1), free=(900, 900, 600), mt=(5, 5, 4),
+                  mh=(1, 1, 1), heads=6, num_units=60, s=(2, 2, 3))
+    zs = sorted(rng.uniform(100, 4000) for _ in range(30))
+    plain = [max_units(g, z) for z in zs]
+    assert plain == sorted(plain)  # non-decreasing in z: what the bracket relies on
+    for k in range(1, len(zs) - 1):
+        assert max_units_between(g, zs[k], known_lo=plain[k - 1], known_hi=plain[k + 1]) == plain[k]
+    # identical members: the closed form A = s T/n + H beta(T)/n is the smallest feasible attention bound
+    same = GroupCoef(a=(3,) * 4, b=(7,) * 4, c=(4,) * 4, e=(1,) * 4, free=(10**6,) * 4, mt=(5,) * 4,
+                     mh=(1,) * 4, heads=6, num_units=60, s=(2,) * 4)
+    for T in (4, 9, 20, 33):
+        z = group_time(same, T)
+        assert z == pytest.approx((2 * T + 6 * same.beta(0, T)) / 4)
+        assert max_heads(same, T, z * (1 + 1e-9))[0] >= 6 - 1e-9 > max_heads(same, T, z * (1 - 1e-6))[0]
+
+
+def test_split_rounding_does_not_crush_ring_bound_groups():
+    # 40 single-rank groups whose attention is K/V-ring bound: beta(T) = max(T b, (N - T) c), so a
+    # group with fewer units is *slower*. The old rounding trimmed the slowest group one unit at a time
+    # and crushed the 20 slow-network groups to 1 unit each (rounded value 39920 vs 39314 now).
+    N = 400
+    fast = GroupCoef(a=(1,), b=(1,), c=(50,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N)
+    slow = GroupCoef(a=(2,), b=(3,), c=(100,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N)
+    split = split_sequence([fast] * 20 + [slow] * 20, N)
+    assert sum(split.units) == N and min(split.units) > 1
+    for part in (split.units[:20], split.units[20:]):  # identical groups stay within one unit
+        assert max(part) - min(part) <= 1
+    assert split.z_rounded_ns < 39920
+
+
+def test_effective_ring_bandwidth_is_the_harmonic_mean_of_link_minima():
+    from megatron_hexiseq.planner.surrogate import effective_ring_bw
+
+    bws = [25.0] * 3 + [12.5]
+    # a fast rank: 3 of 4 senders at 25, one at 12.5 -> 4 / (3/25 + 1/12.5) = 20
+    assert effective_ring_bw(25.0, bws) == pytest.approx(20.0)
+    assert effective_ring_bw(12.5, bws) == pytest.approx(12.5)
+    assert effective_ring_bw(25.0, [25.0] * 8) == pytest.approx(25.0)
+
+
+def test_greedy_hint_moves_tokens_off_members_a_rounded_head_overflows():
+    from megatron_hexiseq.planner.stage3_refine import _fits, _make_room
+
+    # member 1 has memory for 10 units with no head, 4 with one head (T * mh = 6 bytes per head)
+    g = GroupCoef(a=(1, 1), b=(1, 1), c=(0, 0), e=(0, 0), free=(100, 10), mt=(1, 1), mh=(1, 1),
+                  heads=2, num_units=6)
+    t, h = [1, 5], [1, 1]
+    assert not _fits(g, 6, t, h)  # member 1: 5 + 6 > 10
+    fixed = _make_room(g, 6, t, h)
+    assert fixed == [2, 4] and _fits(g, 6, fixed, h)
+    assert _make_room(g, 6, [1, 5], [0, 2]) is None  # two heads (12 bytes) leave no room for one unit
