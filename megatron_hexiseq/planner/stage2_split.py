@@ -172,6 +172,9 @@ def feasible(g: GroupCoef, T: int, z: float, lin: float = INF) -> bool:
     return max_heads(g, T, z, lin)[0] >= g.heads - 1e-9
 
 
+GROUP_TIME_TOL = 1e-7  # relative precision of ``group_time``
+
+
 @lru_cache(maxsize=200_000)
 def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
     """A_g(T, L): the group's continuous optimal attention phase (ns) for T units within linear phase
@@ -184,17 +187,31 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
         z = g.s_(0) * T / n + g.heads * g.beta(0, T) / n
         return z if feasible(g, T, z, lin) else INF
     hi = T * max(g.s or (0,)) + g.heads * max(g.beta(i, T) for i in range(g.size)) + 1.0
-    if not feasible(g, T, hi, lin):  # the heads' attention memory (or the linear bound) does not fit
+    H = g.heads - 1e-9  # ``feasible``'s test
+    f_hi = max_heads(g, T, hi, lin)[0]
+    if f_hi < H:  # the heads' attention memory (or the linear bound) does not fit
         return INF
-    lo = 0.0
+    # F(z) = max_heads(z) is concave in z (a partial maximisation of a jointly concave function over
+    # a convex set) and piecewise linear: the chord from an infeasible lo to a feasible hi lies below
+    # F, so its root is feasible (a new hi); one probe just below it proves it within the tolerance
+    # (exact once lo and hi share a linear piece). Bisection steps when the chord is not usable.
+    lo, f_lo = 0.0, max_heads(g, T, 0.0, lin)[0]
     for _ in range(60):
-        mid = (lo + hi) / 2
-        if feasible(g, T, mid, lin):
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-7 * hi:
+        if hi - lo <= GROUP_TIME_TOL * hi:
             break
+        z = (lo + hi) / 2
+        if math.isfinite(f_lo) and f_hi > f_lo:
+            chord = lo + (H - f_lo) * (hi - lo) / (f_hi - f_lo)
+            if lo < chord < hi:
+                f_c = max_heads(g, T, chord, lin)[0]
+                if f_c >= H:
+                    hi, f_hi = chord, f_c
+                    z = max(lo, hi * (1 - GROUP_TIME_TOL))
+        f_z = max_heads(g, T, z, lin)[0]
+        if f_z >= H:
+            hi, f_hi = z, f_z
+        else:
+            lo, f_lo = z, f_z
     return hi
 
 
