@@ -2,7 +2,6 @@
 never-worse-than-baselines on random mixed clusters, determinism, infeasibility explanations."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest

@@ -12,7 +12,7 @@ Candidates: nodes are grouped into *classes* (same GPU type, count, bandwidths, 
 splits its nodes into equal groups of a size ``s`` dividing the GPU count (``s = count``: one group per
 node, the [Foundation] planner; ``s = 1``: ring-like). Different classes may pick different sizes, so
 groups of different sizes coexist. Search: coordinate descent over the classes, starting from one
-group per node, each grouping scored by Stage II's cheap ``L = inf`` split (``stage2_split``; an
+group per node, each grouping scored by Stage II's coarse phase split (3 linear bounds, ``stage2_split``; an
 upper bound of its phase optimum) — the surrogate cost model prunes; the ``top_k`` best groupings
 get the full phase split and go on to Stages III and ``estimate``.
 """
@@ -68,7 +68,7 @@ def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int, spans_no
 def score_grouping(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | None = None,
                    search_lin: bool = True) -> tuple[list[GroupCoef], Split | None]:
     """Stage II's continuous split of one grouping; ``node_of[r]`` marks groups spanning nodes.
-    ``search_lin=False``: the cheap ``L = inf`` split (an upper bound of the phase optimum)."""
+    ``search_lin=False``: the coarse split (3 linear bounds; an upper bound of the phase optimum)."""
     same: dict[GroupCoef, GroupCoef] = {}  # identical groups share one object: cache lookups hit by identity
     coefs = [same.setdefault(c, c) for c in
              (group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)

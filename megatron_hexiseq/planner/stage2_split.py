@@ -9,7 +9,7 @@ knapsack: the most heads fit when tokens go first to ranks with the smallest ``s
 (``max_heads`` below), so feasibility is exact and cheap. ``T_g(A, L)`` = the most units group g can
 take (bisection on integers); for a given ``L`` the split is the smallest ``A*`` with
 ``sum_g T_g(A*, L) >= N`` (bisection), then units are trimmed from the slowest groups until they sum
-to ``N`` exactly; ``L`` is a 1-D search of ``L + A*(L)`` (``best_lin``). Groups with identical
+to ``N`` exactly (``_round_units``); ``L`` is a branch-and-bound search of ``L + A*(L)`` (``best_lin``). Groups with identical
 coefficients share every evaluation (cache), so thousands of GPUs of a few types cost about as
 much as a few groups.
 
@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Sequence
+
+from megatron_hexiseq.planner.linsearch import LIN_COARSE_EVALS, LIN_EVALS, best_lin
 
 INF = float("inf")
 MIN_UNITS_PER_RANK = 1  # every rank owns >= 1 token unit: Megatron cannot run an empty sequence shard
@@ -237,53 +239,6 @@ def group_phase_time(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: fl
     return L, max(group_time(g, T, L), 0.0)
 
 
-LIN_TOL = 1e-4   # the linear-phase search stops once its best point is proven within 0.01%
-LIN_EVALS = 24   # at most this many evaluations of f per search (full search)
-LIN_COARSE_EVALS = 3  # Stage I's coarse search: the first feasible L, the L = inf split's L, one midpoint
-
-
-def best_lin(f, lo: float, hi: float, ok=None, max_evals: int = LIN_EVALS, tol: float = LIN_TOL) -> float:
-    """argmin of ``f(L) = L + A(L)`` over [lo, hi] where ``A`` is non-increasing (a larger linear bound
-    never raises the attention bound) and f is infinite below the first feasible L. Deterministic.
-
-    A bisection on the cheap feasibility test ``ok(L)`` (default: f(L) finite) finds the first feasible
-    L; then branch and bound on intervals: on [x, y] every f(L) >= x + A(y), so the interval with the
-    smallest such bound is halved until the best value found is within ``tol`` of the smallest bound
-    (or ``max_evals`` evaluations). When A is flat (the attention phase does not need a larger
-    linear bound, the common case) the two ends prove the first feasible L optimal: 2 evaluations.
-    """
-    ok = ok or (lambda L: math.isfinite(f(L)))
-    if hi <= lo or not ok(hi):
-        return hi
-    if not ok(lo):
-        a, b = lo, hi
-        for _ in range(40):
-            mid = (a + b) / 2
-            if ok(mid):
-                b = mid
-            else:
-                a = mid
-            if b - a <= 1e-5 * b:
-                break
-        lo = b
-    val = {lo: f(lo), hi: f(hi)}
-    best = min((lo, hi), key=lambda x: (val[x], x))
-    heap = [(lo + val[hi] - hi, lo, hi)]  # (lower bound of f on [x, y], x, y)
-    while heap and len(val) < max_evals:
-        bound, x, y = heapq.heappop(heap)
-        if math.isfinite(val[best]) and val[best] - bound <= tol * val[best]:
-            break
-        m = (x + y) / 2
-        if m in val:  # the interval cannot be halved further
-            continue
-        val[m] = f(m)
-        if (val[m], m) < (val[best], best):
-            best = m
-        heapq.heappush(heap, (x + val[m] - m, x, m))
-        heapq.heappush(heap, (m + val[y] - y, m, y))
-    return best
-
-
 def min_units(g: GroupCoef) -> int:
     """Fewest units a group can hold: one per member (no rank may own zero tokens)."""
     return g.size * MIN_UNITS_PER_RANK
@@ -349,7 +304,7 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
     integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: a coarse search (the
-    first feasible L, the midpoint and the ``L = inf`` split's L; no golden section), an upper bound
+    first feasible L, the ``L = inf`` split's L and one branch-and-bound midpoint), an upper bound
     of the phase optimum that Stage I ranks groupings with.
     """
     if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
