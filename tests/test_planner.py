@@ -373,3 +373,14 @@ def test_greedy_hint_moves_tokens_off_members_a_rounded_head_overflows():
     fixed = _make_room(g, 6, t, h)
     assert fixed == [2, 4] and _fits(g, 6, fixed, h)
     assert _make_room(g, 6, [1, 5], [0, 2]) is None  # two heads (12 bytes) leave no room for one unit
+
+
+def test_single_cross_node_group_only_when_every_rank_can_hold_a_head():
+    from megatron_hexiseq.planner.stage1_groups import candidate_groupings
+
+    m = model_from_dict(TINY_GQA)  # 8 heads
+    for nodes, offered in ((4, True), (8, False)):  # 8 GPUs: offered; 16 GPUs > 8 heads: not
+        cl = _cluster(("H100-SXM-80GB", nodes), ("A100-SXM-80GB", nodes))
+        sur = build_surrogate(cl, m, TrainOptions(), 4096)
+        found = candidate_groupings(cl, sur, top_k=50)
+        assert any(len(g) == 1 for g, _, _ in found) == offered, (nodes, [len(g) for g, _, _ in found])

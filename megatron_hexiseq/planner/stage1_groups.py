@@ -6,7 +6,11 @@ the slow network. The one cross-node candidate is a single group of all ranks (u
 scored with the network bandwidth for its all-to-all; it wins when the K/V exchange would cost
 more than the all-to-all over the network (e.g. few fast GPUs spread over several nodes). It is
 offered up to ``SINGLE_GROUP_MAX_GPUS`` GPUs (beyond, an all-to-all over every rank and the network
-never wins in the cost model, and scoring it is quadratic in the ranks).
+never wins in the cost model, and scoring it is quadratic in the ranks) and only when every rank can
+hold a head (``W <= H``): with more ranks than heads the continuous split spreads fractions of a head
+over all ranks, but whole heads leave most ranks without attention and the rest with all of it
+(planner_scale, 128 GPUs, 40 heads: 69.7 s continuous, 200 s as integers; its Stage III and cost-model
+scoring were a fifth of the planner's time there).
 
 Candidates: nodes are grouped into *classes* (same GPU type, count, bandwidths, memory); each class
 splits its nodes into equal groups of a size ``s`` dividing the GPU count (``s = count``: one group per
@@ -97,7 +101,8 @@ def candidate_groupings(cluster: Any, sur: Surrogate, *, top_k: int = 3,
 
     best = evaluate(choice)
     node_of = [d.node for d in cluster.devices]
-    if fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS:
+    if (fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS
+            and cluster.world_size <= sur.heads):
         # one group of all ranks (uneven Ulysses; the A2A crosses the network)
         everyone: Grouping = (tuple(range(cluster.world_size)),)
         seen[everyone] = score_grouping(sur, everyone, node_of, search_lin=False)
