@@ -48,6 +48,12 @@ class GpuType:
     ``bf16_tflops``: dense BF16 tensor-core peak (no sparsity); ``efficiency``: the achievable
     fraction of it; ``attention_tflops``: optional separate peak for the attention kernel (same
     efficiency scale; ``profile`` measures it), default = ``bf16_tflops``.
+
+    Fixed costs (default 0, which is what the catalog assumes for GPUs; ``profile`` measures them on
+    the CPU testbed, where they are large; docs/cost_model.md "Fixed costs"):
+    ``step_overhead_ms`` per training iteration whatever the tokens (optimizer step, framework);
+    ``collective_latency_us`` per head all-to-all collective; ``p2p_latency_us`` per K/V exchange
+    step (one sub-ring round of one layer, one direction of the pass).
     """
 
     name: str
@@ -57,6 +63,9 @@ class GpuType:
     efficiency: float = DEFAULT_EFFICIENCY
     source: str = ""
     attention_tflops: float | None = None
+    step_overhead_ms: float = 0.0
+    collective_latency_us: float = 0.0
+    p2p_latency_us: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +102,21 @@ class Device:
         """Achievable attention-kernel FLOP/s (``attention_tflops`` or ``bf16_tflops``, times efficiency)."""
         peak = self.gpu.attention_tflops if self.gpu.attention_tflops is not None else self.gpu.bf16_tflops
         return peak * 1e12 * self.gpu.efficiency
+
+    @property
+    def step_overhead_s(self) -> float:
+        """Fixed seconds per iteration (optimizer step, framework), whatever the tokens."""
+        return self.gpu.step_overhead_ms * 1e-3
+
+    @property
+    def collective_latency_s(self) -> float:
+        """Fixed seconds per head all-to-all collective this device takes part in."""
+        return self.gpu.collective_latency_us * 1e-6
+
+    @property
+    def p2p_latency_s(self) -> float:
+        """Fixed seconds per K/V exchange step (one sub-ring round of one layer and pass)."""
+        return self.gpu.p2p_latency_us * 1e-6
 
     @property
     def memory_bytes(self) -> int:
@@ -171,7 +195,8 @@ GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType({g.name: g for g in (
          efficiency=1.0),
 )})
 
-_GPU_KEYS = {"bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "source", "attention_tflops"}
+_FIXED_COST_KEYS = ("step_overhead_ms", "collective_latency_us", "p2p_latency_us")
+_GPU_KEYS = {"bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "source", "attention_tflops", *_FIXED_COST_KEYS}
 _GPU_REQUIRED = ("bf16_tflops", "memory_gib", "nvlink_GBps")
 _NODE_KEYS = {"name", "gpu", "count", "nvlink_GBps", "network_GBps", "memory_gib"}
 _TOP_KEYS = {"name", "gpus", "nodes"}
@@ -204,6 +229,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                                  "nvlink_GBps": g.nvlink_GBps, "efficiency": g.efficiency, "source": g.source}
         if g.attention_tflops is not None:
             entry["attention_tflops"] = g.attention_tflops
+        for key in _FIXED_COST_KEYS:
+            if getattr(g, key):
+                entry[key] = getattr(g, key)
         gpus[g.name] = entry
     nodes = [{"name": n.name, "gpu": n.gpu.name, "count": n.count, "nvlink_GBps": n.nvlink_GBps,
               "network_GBps": n.network_GBps, "memory_gib": n.memory_gib} for n in cluster.nodes]
@@ -256,6 +284,9 @@ def _gpu_type(name: str, spec: Any, base: GpuType | None, source: str) -> GpuTyp
     for key in ("bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "attention_tflops"):
         if key in spec:
             fields[key] = _positive(spec[key], f"{where}.{key}")
+    for key in _FIXED_COST_KEYS:
+        if key in spec:
+            fields[key] = _non_negative(spec[key], f"{where}.{key}")
     if "efficiency" in fields and fields["efficiency"] > 1:
         raise HexiSeqError(f"{where}.efficiency must be in (0, 1], got {fields['efficiency']}")
     if "source" in spec:
@@ -290,6 +321,12 @@ def _node(i: int, raw: Any, types: Mapping[str, GpuType]) -> Node:
         network_GBps=_positive(raw["network_GBps"], f"{where}: network_GBps"),
         memory_gib=_positive(raw.get("memory_gib", gpu.memory_gib), f"{where}: memory_gib"),
     )
+
+
+def _non_negative(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise HexiSeqError(f"{what} must be a number >= 0, got {x!r}")
+    return x
 
 
 def _positive(x: Any, what: str) -> float:

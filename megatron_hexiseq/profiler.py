@@ -117,43 +117,89 @@ class _NoAttention(torch.nn.Module):
         return query.reshape(S, b, H * d)
 
 
-def measure_model_step_flops(model: Any, tokens: int, opts: ProfileOptions) -> float:
-    """CPU calibration: FLOP/s of a whole training step of the model *without* attention.
+def measure_model_step(model: Any, tokens: int, opts: ProfileOptions) -> dict[str, Any]:
+    """CPU calibration: a whole training step of the model *without* attention, as a rate plus a
+    fixed cost: ``time(T) = step_overhead_s + T * flops_per_token / flops_per_s``.
 
     Builds the same megatron-core GPT the CPU driver trains (``train_cpu.build_gpt``) with a
-    pass-through core attention, runs forward + per-token loss + backward + AdamW step on
-    ``tokens`` tokens, and divides the model's non-attention FLOPs
-    (:func:`megatron_hexiseq.costmodel.linear_flops_per_token` x tokens) by the time. Everything
-    the cost model does not itemise — embedding, norms, RoPE, cross-entropy, optimizer step,
-    framework overhead — is folded into this rate; attention is measured separately. Collective
-    over the default group (Megatron's model-parallel state is initialised and torn down).
+    pass-through core attention, wrapped in Megatron's DDP over all ranks, and runs the driver's
+    step (forward, per-token loss, backward; ``finalize_model_grads`` and the loss all-reduce; AdamW)
+    at ``tokens // 2``, ``tokens`` and ``2 * tokens`` tokens per rank (``repeats`` steps after a
+    warm-up), every rank at once. Each
+    rank's local work (everything but the two collectives) is fitted with a least-squares line:
+    the slope gives ``flops_per_s`` with the model's non-attention FLOPs
+    (:func:`megatron_hexiseq.costmodel.linear_flops_per_token`; embedding, norms, RoPE and
+    cross-entropy are folded in), the intercept is the rank's fixed local cost (optimizer step,
+    framework). ``step_overhead_s`` = that intercept + the gradient and loss reduction (the fastest
+    rank's median time in the collectives: the others also wait for stragglers, which the phase
+    model already counts). A negative intercept (noise) becomes 0 and the rate the one at
+    ``tokens``. Collective over the default group (Megatron's parallel state is set up and torn down).
     """
     from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megatron_hexiseq.costmodel import linear_flops_per_token
     from megatron_hexiseq.layout import make_layout
+    from megatron_hexiseq.megatron.loss import per_token_loss
     from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt, cpu_device_shim, make_batch
 
     H = model.num_attention_heads
-    layout = make_layout(seq_length=tokens, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                         group_sizes=[1], segments=[[(0, tokens)]], heads=[list(range(H))])
-    cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=1)
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
+    local_s, sync_s = [], []
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)  # DP = all ranks
+    shim = cpu_device_shim()  # megatron's RoPE asks torch.cuda for its device
+    shim.__enter__()
     try:
-        with cpu_device_shim():
+        for T in sizes:
+            layout = make_layout(seq_length=T, num_attention_heads=H, num_query_groups=model.num_query_groups,
+                                 group_sizes=[1], segments=[[(0, T)]], heads=[list(range(H))])
+            cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=1)
             gpt = build_gpt(cfg, core_attention=_NoAttention)
-            opt = torch.optim.AdamW(gpt.parameters(), lr=1e-5)
-            batch = make_batch(cfg, 0, 0)
-
-            def work() -> None:
+            ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
+            params = [p for p in ddp.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-5)
+            batch = make_batch(cfg, 0, dist.get_rank())
+            loc, syn = [], []
+            dist.barrier()  # every rank times the same size at the same time
+            for _ in range(opts.repeats + 1):  # the same count on every rank: the loop has collectives
+                t0 = time.perf_counter()
+                ddp.zero_grad_buffer()
                 opt.zero_grad(set_to_none=True)
-                out = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-                ((out * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+                out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
+                loss_sum.backward()
+                t1 = time.perf_counter()
+                finalize_model_grads([ddp], num_tokens=num_tokens.clone())
+                dist.all_reduce(torch.stack([loss_sum.detach(), num_tokens.float()]))
+                t2 = time.perf_counter()
+                for p in params:
+                    p.grad = p.main_grad
                 opt.step()
-
-            return _timed_rate(work, linear_flops_per_token(model) * tokens, opts.seconds_per_test)
+                loc.append(t1 - t0 + time.perf_counter() - t2)
+                syn.append(t2 - t1)
+            local_s.append(statistics.median(loc[1:]))  # the first step warms up
+            sync_s.append(statistics.median(syn[1:]))
     finally:
+        shim.__exit__(None, None, None)
         mpu.destroy_model_parallel()
+    sync = torch.tensor([statistics.median(sync_s)], dtype=torch.float64)
+    dist.all_reduce(sync, op=dist.ReduceOp.MIN)
+    slope, intercept = _line(sizes, local_s)
+    if intercept < 0 or slope <= 0:
+        k = sizes.index(tokens)
+        slope, intercept = local_s[k] / tokens, 0.0
+    return {"flops_per_s": linear_flops_per_token(model) / slope, "step_overhead_s": intercept + float(sync),
+            "local_overhead_s": intercept, "grad_sync_s": float(sync),
+            "points": [{"tokens": T, "local_s": t, "sync_s": y} for T, t, y in zip(sizes, local_s, sync_s)]}
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = slope * x + intercept``."""
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return slope, my - slope * mx
 
 
 def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
@@ -261,12 +307,14 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
     say = progress if (progress and rank == 0) else (lambda _msg: None)
     node = opts.node_names[rank] if opts.node_names else socket.gethostname()
 
+    fixed: dict[str, Any] = {}  # fixed costs (CPU testbed with a model): see megatron_hexiseq.fixed_costs
     say("matmul throughput (all ranks at once)")
     dist.barrier()
     if opts.model is None:
         mm = measure_matmul_flops(device, dtype, opts)
     elif device.type == "cpu":  # calibrate with the very model the CPU driver trains
-        mm = measure_model_step_flops(opts.model, -(-opts.model.seq_length // world), opts)
+        step = measure_model_step(opts.model, -(-opts.model.seq_length // world), opts)
+        mm, fixed["step_overhead_s"], fixed["model_step"] = step["flops_per_s"], step["step_overhead_s"], step["points"]
     else:
         mm = measure_layer_flops(opts.model, device, dtype, opts)
     say("attention throughput (all ranks at once)")
@@ -282,9 +330,14 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
                 pair_bw[f"{a}-{b}"] = bw
     say("all-to-all bandwidth")
     a2a = measure_alltoall_bandwidth(device, opts) if world > 1 else None
+    if opts.model is not None and device.type == "cpu" and world > 1:
+        from megatron_hexiseq.fixed_costs import time_calibration_layouts
+
+        say("collective and K/V-step latency inside the attention runtime")
+        fixed["calibration"] = time_calibration_layouts(opts.model, opts)
     mine = {"rank": rank, "node": node, "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "matmul_flops": mm, "attention_flops": attn, "alltoall_Bps": a2a, "pair_Bps": pair_bw,
-            "memory_gib": _memory_gib(device, opts)}
+            "memory_gib": _memory_gib(device, opts), **fixed}
     everyone: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
     if rank != 0:
@@ -292,7 +345,12 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
     raw = {"ranks": everyone, "world_size": world,
            "options": opts.__dict__ | {"node_names": list(opts.node_names or []),
                                        "model": opts.model.to_dict() if opts.model is not None else None}}
-    return cluster_spec_from_measurements(everyone), raw
+    spec = cluster_spec_from_measurements(everyone)
+    if "calibration" in everyone[0]:
+        from megatron_hexiseq.fixed_costs import fit_latencies
+
+        raw["latency_fit"] = fit_latencies(spec, everyone[0]["calibration"], opts.model)
+    return spec, raw
 
 
 def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "profiled") -> dict[str, Any]:
@@ -331,6 +389,8 @@ def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "
             "nvlink_GBps": _sig(intra / 1e9),
             "efficiency": 1.0,
         }
+        if all("step_overhead_s" in r for r in members):
+            gpus[type_name]["step_overhead_ms"] = _sig(statistics.mean(r["step_overhead_s"] for r in members) * 1e3)
         nodes.append({"name": node, "gpu": type_name, "count": len(members),
                       "nvlink_GBps": _sig(intra / 1e9), "network_GBps": _sig(inter / 1e9)})
     return {"name": name, "gpus": gpus, "nodes": nodes}

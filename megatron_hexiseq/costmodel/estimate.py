@@ -2,13 +2,18 @@
 
 Per rank (all layers, one iteration = one micro-batch of ``b`` sequences, forward + backward):
 
-- ``linear_s``    = b * tokens_r * train_flops(linear_flops_per_token) / flops_per_s
+- ``linear_s``    = b * tokens_r * train_flops(linear_flops_per_token) / flops_per_s + ``overhead_s``
+                    (the device's fixed ``step_overhead_s`` per iteration: optimizer, framework)
 - ``attention_s`` = b * causal_pairs(group segments, [0, S)) * heads_r
                     * train_flops(attention_flops_per_pair_head) / attention_flops_per_s
 - ``a2a_s``       = passes * sum over q, k, v, out of alltoall_time_s(one layer) * L, the group's
                     slowest member (a collective: everyone waits); passes = 2 (fwd, bwd) or 3 (+recompute)
 - ``kv_exchange_s`` / ``kv_exposed_s``: (forward passes + 2) x one forward exchange (backward moves
                     K/V again plus dK/dV back: twice the forward bytes against twice the forward compute)
+- fixed costs (0 on the catalog's GPUs; ``profile`` measures them): ``a2a_s`` adds the group's largest
+  ``collective_latency_s`` per collective (4 per layer and pass), ``kv_exposed_s`` adds the rank's
+  ``p2p_latency_s`` per exchange step ((forward passes + 2) x rounds with something to receive x L),
+  never hidden (on the CPU testbed it is scheduler time the compute cannot overlap)
 - ``time_s``      = compute_s + a2a_s + kv_exposed_s (the rank's own busy time);
   ``iteration_time_s`` = max over ranks of ``linear_s`` + max over ranks of ``time_s - linear_s``:
   every layer's attention phase synchronises the CP domain (all-to-all, K/V exchange), the linear
@@ -117,17 +122,22 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     for g in layout.groups:
         group_pairs[g.id] = causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)])
         group_a2a_s[g.id] = (passes_fwd + 1) * L * _a2a_layer_s(layout, cluster, model, g.ranks, b)
+        if len(g.ranks) > 1:  # fixed cost per collective: 4 per layer and pass, the slowest member's
+            group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * max(cluster.devices[r].collective_latency_s
+                                                                for r in g.ranks)
 
     per_rank = []
     for plan in layout.ranks:
         dev = cluster.devices[plan.rank]
         heads, kv = len(plan.heads), len(layout.kv_heads(plan.rank))
         group_tokens = layout.group_num_tokens(plan.group)
-        linear_s = plan.num_tokens * linear_s_per_token(model, dev, options)
+        overhead_s = dev.step_overhead_s
+        linear_s = plan.num_tokens * linear_s_per_token(model, dev, options) + overhead_s
         attention_s = group_pairs[plan.group] * heads * attention_s_per_pair_head(model, dev, options)
         a2a_s = group_a2a_s[plan.group]
-        kv_s = (passes_fwd + 2) * exchange.comm_s[plan.rank]
-        kv_exposed_s = (passes_fwd + 2) * exchange.exposed_s[plan.rank]
+        kv_latency_s = (passes_fwd + 2) * L * exchange.rounds[plan.rank] * dev.p2p_latency_s
+        kv_s = (passes_fwd + 2) * exchange.comm_s[plan.rank] + kv_latency_s
+        kv_exposed_s = (passes_fwd + 2) * exchange.exposed_s[plan.rank] + kv_latency_s
         compute_s = linear_s + attention_s
         exposed_s = a2a_s + kv_exposed_s
         mem = {
@@ -143,8 +153,8 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
             compute_s=compute_s, comm_s=a2a_s + kv_s, exposed_comm_s=exposed_s, time_s=compute_s + exposed_s,
             memory_bytes=memory, capacity_bytes=int(options.capacity_fraction * dev.memory_bytes),
             device_memory_gib=dev.memory_gib,
-            breakdown={"linear_s": linear_s, "attention_s": attention_s, "a2a_s": a2a_s,
-                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, **mem},
+            breakdown={"linear_s": linear_s, "overhead_s": overhead_s, "attention_s": attention_s, "a2a_s": a2a_s,
+                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, "kv_latency_s": kv_latency_s, **mem},
         ))
     # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
     # the whole CP domain, the linear work between two attentions does not. So the iteration is the

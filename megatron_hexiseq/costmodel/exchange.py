@@ -33,6 +33,7 @@ class ExchangeForward:
     comm_s: tuple[float, ...]          # sum of the rounds' transfer times
     exposed_s: tuple[float, ...]       # transfer time not hidden behind attention compute
     max_block_tokens: tuple[int, ...]  # largest visible block received (sizes the buffers)
+    rounds: tuple[int, ...] = ()       # rounds with something to receive, per layer (fixed-cost steps)
 
 
 def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
@@ -77,7 +78,8 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     W, groups = layout.world_size, layout.groups
     n = len(groups)
     if n == 1:
-        return ExchangeForward(comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W)
+        return ExchangeForward(comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W,
+                               rounds=(0,) * W)
     # data: padded group segments, per-group and per-rank arrays
     segs = [layout.group_segments(g.id) for g in groups]
     width = max(len(s) for s in segs)
@@ -149,4 +151,4 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     exposed = comp_end - comp_sum
     exposed = np.where(exposed > 1e-9 * comp_sum, exposed, 0.0)   # float noise of a fully hidden pipeline
     return ExchangeForward(comm_s=tuple(comm_sum.tolist()), exposed_s=tuple(exposed.tolist()),
-                           max_block_tokens=tuple(int(v) for v in vmax))
+                           max_block_tokens=tuple(int(v) for v in vmax), rounds=tuple(int(v) for v in blocks))
