@@ -41,7 +41,8 @@ def bench_shape(shape: str, model, runs: int, steps: int, warmup: int) -> dict:
     plan_s = time.perf_counter() - t0
     records = [compare(cluster, model, options, layout, shape, steps=steps, warmup=warmup) for _ in range(runs)]
     speed = [r["speedup_measured"] for r in records]
-    out = {"shape": shape, "profile": spec, "plan_s": plan_s, "runs": records,
+    out = {"shape": shape, "profile": spec, "latency_fit": raw.get("latency_fit"),
+           "model_step": [r.get("model_step") for r in raw["ranks"]], "plan_s": plan_s, "runs": records,
            "symmetric_name": records[0]["symmetric"]["name"],
            "speedup_median": statistics.median(speed), "speedup_min": min(speed), "speedup_max": max(speed),
            "speedup_predicted": records[0]["speedup_predicted"],

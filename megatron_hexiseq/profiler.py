@@ -6,8 +6,15 @@ power/thermal budget see the speed they will see in training. Measurements:
 
 - matmul throughput (GPU: BF16; CPU: float32, the dtype the CPU testbed trains in); with a model
   given, the cost model is calibrated for it instead: on GPU the throughput of that model's own
-  layer (linear layers + norms + activation), on CPU the FLOP rate of a whole training step of the
-  model without attention (everything the cost model does not itemise is folded into the rate);
+  layer (linear layers + norms + activation), on CPU a whole training step of the model without
+  attention under Megatron DDP at three token counts, fitted as a FLOP rate (everything the cost
+  model does not itemise is folded in) plus a fixed ``step_overhead_ms`` (optimizer step, gradient
+  and loss reduction, framework);
+- on CPU with a model and more than one rank: the fixed cost of each head all-to-all and each K/V
+  exchange step, fitted from HexiSeq's own attention timed in place
+  (:mod:`megatron_hexiseq.fixed_costs`: ``collective_latency_us``, ``p2p_latency_us``); on GPU
+  these three fixed costs stay 0 (NCCL latency and Megatron's overlapped gradient reduction are
+  below the model's resolution; set them in the spec by hand if you measured them);
 - causal attention forward+backward throughput (same dtype, PyTorch SDPA; the model's head shape
   when a model is given);
 - bandwidth of every pair of ranks (one pair at a time, ping-pong of ``message_bytes``);
