@@ -73,9 +73,15 @@ def calibration_layouts(world: int, seq_length: int, num_heads: int, num_query_g
     return {"a2a": a2a, "p2p": p2p}
 
 
+def can_calibrate(model: Any, world: int) -> bool:
+    """The zig-zag ring needs two chunks of at least one token per rank."""
+    return world > 1 and min(model.seq_length, CALIBRATION_SEQ) >= 2 * world
+
+
 def time_calibration_layouts(model: Any, opts: Any) -> dict[str, Any]:
     """Collective over the default group: seconds per attention call (forward + backward, slowest
-    rank, median of ``opts.repeats``) of each calibration layout. Same dict on every rank."""
+    rank, median of ``opts.repeats``) of each calibration layout. Same dict on every rank.
+    Requires :func:`can_calibrate`."""
     from megatron_hexiseq.attention.groups import build_hexiseq_groups
     from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
 
@@ -85,7 +91,9 @@ def time_calibration_layouts(model: Any, opts: Any) -> dict[str, Any]:
     nodes = list(opts.node_names) if opts.node_names else [str(r) for r in range(world)]
     layouts = calibration_layouts(world, S, H, G, hosts=nodes)
     # the a2a layout's compute alone: each rank its own heads over the whole sequence, no communication
-    heads_r = len(layouts["a2a"].ranks[me].heads)
+    # more ranks than heads: a head-less rank still times one head (its compute reference is a
+    # little high, so the fitted latency a little low)
+    heads_r = max(1, len(layouts["a2a"].ranks[me].heads))
     alone = make_layout(seq_length=S, num_attention_heads=heads_r, num_query_groups=1, group_sizes=[1],
                         segments=[[(0, S)]], heads=[list(range(heads_r))])
     layers = max(1, min(model.num_layers, CALIBRATION_LAYERS))

@@ -337,11 +337,12 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
                 pair_bw[f"{a}-{b}"] = bw
     say("all-to-all bandwidth")
     a2a = measure_alltoall_bandwidth(device, opts) if world > 1 else None
-    if opts.model is not None and device.type == "cpu" and world > 1:
-        from megatron_hexiseq.fixed_costs import time_calibration_layouts
+    if opts.model is not None and device.type == "cpu":
+        from megatron_hexiseq.fixed_costs import can_calibrate, time_calibration_layouts
 
-        say("collective and K/V-step latency inside the attention runtime")
-        fixed["calibration"] = time_calibration_layouts(opts.model, opts)
+        if can_calibrate(opts.model, world):  # else the latencies stay 0 (one rank, or a tiny sequence)
+            say("collective and K/V-step latency inside the attention runtime")
+            fixed["calibration"] = time_calibration_layouts(opts.model, opts)
     mine = {"rank": rank, "node": node, "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "matmul_flops": mm, "attention_flops": attn, "alltoall_Bps": a2a, "pair_Bps": pair_bw,
             "memory_gib": _memory_gib(device, opts), **fixed}

@@ -12,7 +12,7 @@ from megatron_hexiseq.cli import main
 from megatron_hexiseq.cluster import cluster_from_dict, cluster_to_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.fixed_costs import calibration_heads, calibration_layouts, fit_latencies
+from megatron_hexiseq.fixed_costs import calibration_heads, calibration_layouts, can_calibrate, fit_latencies
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.planner.baselines import hosts_and_gpus
 
@@ -66,6 +66,9 @@ def test_calibration_heads_are_equal_within_a_node():
     assert calibration_heads(8, ["a", "b", "b", "b"]) == [2, 2, 2, 2]
     assert calibration_heads(9, ["a", "b", "b", "c"]) == [3, 2, 2, 2]
     assert calibration_heads(7, ["a", "b"]) == [4, 3]  # no way to keep both equal: leftover to rank 0
+    assert calibration_heads(2, ["a", "b", "b"]) == [2, 0, 0]  # more ranks than heads
+    assert not can_calibrate(replace(MODEL, seq_length=5), 3) and not can_calibrate(MODEL, 1)
+    assert can_calibrate(replace(MODEL, seq_length=6), 3)
 
 
 def test_fit_recovers_latencies_that_reproduce_the_measured_calls():
