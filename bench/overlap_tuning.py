@@ -105,11 +105,9 @@ class _HexiSeqScenario:
     def measure(self, config: OverlapConfig) -> dict:
         import torch
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         from megatron_hexiseq.megatron.batch import slice_batch
-        from megatron_hexiseq.megatron.loss import per_token_loss
-        from megatron_hexiseq.megatron.train_cpu import cpu_device_shim, make_batch
+        from megatron_hexiseq.megatron.train_cpu import cpu_device_shim, make_batch, train_step
 
         o = self.opts
         cfg = self.TrainConfig(model=self.model, layout=self.layout, kernel="sdpa", comm_chunks=config.comm_chunks,
@@ -126,17 +124,8 @@ class _HexiSeqScenario:
         times = []
         for step in range(o["warmup"] + o["steps"]):
             dist.barrier(group=self.dp_cp)
-            t0 = time.perf_counter()
-            ddp.zero_grad_buffer()
-            opt.zero_grad(set_to_none=True)
-            out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
-            loss_sum.backward()
-            finalize_model_grads([ddp], num_tokens=num_tokens.clone())
-            for p in params:
-                p.grad = p.main_grad
-            opt.step()
-            times.append(time.perf_counter() - t0)
+            _, timing = train_step(ddp, opt, params, batch, report_group=self.dp_cp)
+            times.append(timing.local_s + timing.sync_s)
         z = statistics.median(times[o["warmup"]:]) * 1e6
         return {"y_us": 0.0, "exposed_us": 0.0, "z_us": z, "buckets": -1}
 

@@ -144,12 +144,11 @@ def measure_model_step(model: Any, tokens: int, opts: ProfileOptions) -> dict[st
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megatron_hexiseq.costmodel import linear_flops_per_token
     from megatron_hexiseq.layout import make_layout
-    from megatron_hexiseq.megatron.loss import per_token_loss
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt, cpu_device_shim, make_batch
+    from megatron_hexiseq.megatron.train_cpu import (TinyGPT, TrainConfig, build_gpt, cpu_device_shim, make_batch,
+                                                     train_step)
 
     H = model.num_attention_heads
     sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
@@ -170,21 +169,9 @@ def measure_model_step(model: Any, tokens: int, opts: ProfileOptions) -> dict[st
             loc, syn = [], []
             dist.barrier()  # every rank times the same size at the same time
             for _ in range(opts.repeats + 1):  # the same count on every rank: the loop has collectives
-                t0 = time.perf_counter()
-                ddp.zero_grad_buffer()
-                opt.zero_grad(set_to_none=True)
-                out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-                loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
-                loss_sum.backward()
-                t1 = time.perf_counter()
-                finalize_model_grads([ddp], num_tokens=num_tokens.clone())
-                dist.all_reduce(torch.stack([loss_sum.detach(), num_tokens.float()]))
-                t2 = time.perf_counter()
-                for p in params:
-                    p.grad = p.main_grad
-                opt.step()
-                loc.append(t1 - t0 + time.perf_counter() - t2)
-                syn.append(t2 - t1)
+                _, timing = train_step(ddp, opt, params, batch)
+                loc.append(timing.local_s)
+                syn.append(timing.sync_s)
             local_s.append(statistics.median(loc[1:]))  # the first step warms up
             sync_s.append(statistics.median(syn[1:]))
     finally:

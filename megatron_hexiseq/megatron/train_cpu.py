@@ -126,6 +126,42 @@ def cpu_device_shim() -> Iterator[None]:
         torch.cuda.current_device = original  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """Wall time of one driver step, split at the collectives."""
+
+    local_s: float  # zero grads, forward, loss, backward, optimizer step
+    sync_s: float   # finalize_model_grads (gradient reduction) + the loss/token all-reduce
+
+
+def train_step(ddp, opt, params, batch: dict[str, torch.Tensor], *, report_group=None,
+               before_update=None) -> tuple[torch.Tensor, StepTiming]:
+    """One step of the driver: zero the grad buffers, forward, per-token loss sum, backward;
+    ``finalize_model_grads`` (sums gradients, divides by the global token count) and the all-reduce
+    of ``[loss_sum, num_tokens]`` over ``report_group``; ``before_update()`` if given; AdamW on the
+    gradient buffers. Returns the reduced ``report [2]`` (global loss sum, token count) and the
+    timing. Used by :func:`train_rank`, ``profile``'s model-step measurement and the overlap bench."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    t0 = time.perf_counter()
+    ddp.zero_grad_buffer()
+    opt.zero_grad(set_to_none=True)
+    out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
+    loss_sum.backward()
+    t1 = time.perf_counter()
+    finalize_model_grads([ddp], num_tokens=num_tokens.clone())  # sums grads, / global tokens
+    report = torch.stack([loss_sum.detach(), num_tokens.float()])
+    dist.all_reduce(report, group=report_group)
+    t2 = time.perf_counter()
+    for p in params:
+        p.grad = p.main_grad
+    if before_update is not None:
+        before_update()
+    opt.step()
+    return report, StepTiming(local_s=t1 - t0 + time.perf_counter() - t2, sync_s=t2 - t1)
+
+
 def make_batch(cfg: TrainConfig, step: int, replica: int) -> dict[str, torch.Tensor]:
     """Deterministic synthetic batch of one DP replica: tokens/labels/loss_mask/position_ids [b, S].
 
@@ -189,7 +225,6 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel`` ranks."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megatron_hexiseq.megatron.parallel_state import build_runtime
 
@@ -209,26 +244,21 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
         opt = torch.optim.AdamW(params, lr=cfg.lr)
         replica = mpu.get_data_parallel_rank()
         dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
-        losses, times, grads = [], [], None
+        losses, times, kept = [], [], {}
+
+        def keep_grads() -> None:
+            kept["grads"] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+
         for step in range(cfg.steps):
             start = time.perf_counter()
-            ddp.zero_grad_buffer()
-            opt.zero_grad(set_to_none=True)
             batch = slice_batch(make_batch(cfg, step, replica), segments=runtime.segments,
                                 seq_length=cfg.layout.seq_length)
-            out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
-            loss_sum.backward()
-            report = torch.stack([loss_sum.detach(), num_tokens.float()])
-            finalize_model_grads([ddp], num_tokens=num_tokens.clone())  # sums grads, / global tokens
-            for p in params:
-                p.grad = p.main_grad
-            if step == 0 and cfg.return_grads and rank == 0:
-                grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
-            opt.step()
-            dist.all_reduce(report, group=dp_cp)
+            want = step == 0 and cfg.return_grads and rank == 0
+            report, _ = train_step(ddp, opt, params, batch, report_group=dp_cp,
+                                   before_update=keep_grads if want else None)
             times.append(time.perf_counter() - start)
             losses.append(float(report[0] / report[1]))
+        grads = kept.get("grads")
         final = ({n: p.detach().clone() for n, p in model.named_parameters()}
                  if cfg.return_params and rank == 0 else None)
         return TrainResult(losses, times, grads, final)
