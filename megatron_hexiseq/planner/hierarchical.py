@@ -39,6 +39,9 @@ MEMORY_FLAGS = {
 }
 RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 FEEDBACK_GROUPINGS = 2
+# time-feedback schemes, each its own track of rounds from round 0 ("one": one factor per rank;
+# "kv": the K/V ring calibrated apart; see feedback_factors)
+FEEDBACK_SCHEMES = ("one", "kv")
 AUTO_MODES = (("distributed_optimizer", False), ("fsdp", False), ("distributed_optimizer", True), ("fsdp", True))
 
 
@@ -93,7 +96,7 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
 
 def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, score: Callable[[Layout], Any],
                        *, time_limit_s: float, method: str = "hierarchical", top_k: int = 3,
-                       feedback_rounds: int = 2) -> list[Candidate]:
+                       feedback_rounds: int = 2, feedback_schemes: Sequence[str] = FEEDBACK_SCHEMES) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
 
     Round 0 solves the ``top_k`` groupings of Stage I; time-feedback rounds re-split the
@@ -101,90 +104,157 @@ def planner_candidates(cluster: Any, model: Any, seq_length: int, options: Any, 
 
     Memory feedback: ranks ``estimate`` finds over capacity get their free memory lowered by the
     overflow. Time feedback: each rank's time coefficients are scaled by (estimated time / surrogate
-    time) of the best candidate so far, so terms the surrogate leaves out (K/V fan-out between groups
-    of different sizes, causal visibility, collective A2A) steer the next round. Empty when nothing fits.
+    time) of the round's best candidate, so terms the surrogate leaves out (K/V fan-out between groups
+    of different sizes, causal visibility, collective A2A) steer the next round. Two tracks of
+    ``feedback_rounds`` rounds each start from round 0 (``feedback_schemes``): one factor per rank,
+    and the K/V ring calibrated apart (``feedback_factors``); they win on different instances, and
+    the cost model picks among all candidates. Empty when nothing fits.
     """
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
-    sur = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)
+    sur0 = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)
     hosts, gpus = hosts_and_gpus(cluster)
     out: list[Candidate] = []
     node_of = [d.node for d in cluster.devices]
-    memory_rounds = 0
-    groupings: list = []
-    for round_ in range(4 + feedback_rounds):
-        if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
-            groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
-        else:
-            rescored = [(g, *score_grouping(sur, g, node_of)) for g, _, _ in groupings]
-            groupings = [(g, c, sp) for g, c, sp in rescored if sp is not None]
-        over: dict[int, int] = {}
-        new: list[tuple[Candidate, list[float]]] = []
-        for grouping, coefs, split in groupings:
-            tokens, heads, info = solve_grouping(sur, grouping, coefs, split, time_limit_s / max(1, len(groupings)))
-            if info["status"] == "INFEASIBLE":
+    last_round = 4 + feedback_rounds
+
+    def rounds(sur: Surrogate, groupings: list, round_: int, memory_rounds: int, feedback_left: int,
+               scheme: str | None) -> tuple | None:
+        """Rounds from ``round_`` on; ``scheme=None`` stops at the first time feedback and returns the
+        state to fork from: (surrogate, groupings, best candidate, its SurrogateTimes, next round,
+        memory rounds, feedback rounds left)."""
+        while round_ < last_round:
+            if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
+                groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
+            else:
+                rescored = [(g, *score_grouping(sur, g, node_of)) for g, _, _ in groupings]
+                groupings = [(g, c, sp) for g, c, sp in rescored if sp is not None]
+            over: dict[int, int] = {}
+            new: list[tuple[Candidate, SurrogateTimes]] = []
+            for grouping, coefs, split in groupings:
+                tokens, heads, info = solve_grouping(sur, grouping, coefs, split, time_limit_s / max(1, len(groupings)))
+                if info["status"] == "INFEASIBLE":
+                    continue
+                layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
+                                      num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
+                                      rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
+                est = score(layout)
+                info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(split.units),
+                            stage2_relaxed_s=split.z_relaxed_ns * 1e-9, round=round_, feedback=scheme,
+                            granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
+                cand = Candidate(layout, est, info)
+                out.append(cand)
+                new.append((cand, _surrogate_times(sur, grouping, coefs, tokens, heads)))
+                if not est.feasible:
+                    for pr in est.per_rank:
+                        if pr.memory_bytes > pr.capacity_bytes:
+                            over[pr.rank] = max(over.get(pr.rank, 0), pr.memory_bytes - pr.capacity_bytes)
+            round_ += 1
+            feasible = [(c, st) for c, st in new if c.estimate.feasible]
+            if not feasible:
+                if not over or memory_rounds == 4:
+                    return None
+                memory_rounds += 1
+                sur = _lower_free(sur, over)
+                groupings = []  # memory changed: form groups again
                 continue
-            layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
-                                  num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
-                                  rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
-            est = score(layout)
-            info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(split.units),
-                        stage2_relaxed_s=split.z_relaxed_ns * 1e-9, round=round_,
-                        granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
-            cand = Candidate(layout, est, info)
-            out.append(cand)
-            new.append((cand, _surrogate_times(sur, grouping, coefs, split.units, tokens, heads)))
-            if not est.feasible:
-                for pr in est.per_rank:
-                    if pr.memory_bytes > pr.capacity_bytes:
-                        over[pr.rank] = max(over.get(pr.rank, 0), pr.memory_bytes - pr.capacity_bytes)
-        feasible = [(c, st) for c, st in new if c.estimate.feasible]
-        if not feasible:
-            if not over or memory_rounds == 4:
-                break
-            memory_rounds += 1
-            free = [d.free_bytes for d in sur.devices]
-            for r, extra in over.items():
-                free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
-            sur = sur.with_free(free)
-            groupings = []  # memory changed: form groups again
-            continue
-        if feedback_rounds == 0:
-            break
-        feedback_rounds -= 1
-        best, st = min(feasible, key=lambda x: x[0].estimate.iteration_time_s)
-        # feedback rounds refine the groupings that did best by the cost model; one that was faster
-        # but over memory stays in, with the memory feedback applied
-        by_time = sorted(new, key=lambda x: x[0].estimate.iteration_time_s)
-        keep = [c.info["group_sizes"] for c, _ in by_time[:FEEDBACK_GROUPINGS]]
-        groupings = [x for x in groupings if [len(g) for g in x[0]] in keep] or groupings
-        if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
-            free = [d.free_bytes for d in sur.devices]
-            for r, extra in over.items():
-                free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
-            sur = sur.with_free(free)
-        raw = [min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0 for p, s in zip(best.estimate.per_rank, st)]
-        # one factor per (device coefficients, tokens, heads) class: identical groups stay identical,
-        # so Stage II/III keep sharing their work across them (thousands of GPUs, few classes)
-        classes: dict[tuple, list[int]] = {}
-        for r, (dev, lay_r) in enumerate(zip(sur.devices, best.layout.ranks)):
-            classes.setdefault((dev, lay_r.num_tokens, len(lay_r.heads)), []).append(r)
-        factors = [1.0] * len(raw)
-        for members in classes.values():
-            mean = sum(raw[r] for r in members) / len(members)
-            for r in members:
-                factors[r] = round(mean, 3)
-        sur = sur.scaled(factors)
+            if feedback_left == 0:
+                return None
+            feedback_left -= 1
+            best, st = min(feasible, key=lambda x: x[0].estimate.iteration_time_s)
+            # feedback rounds refine the groupings that did best by the cost model; one that was faster
+            # but over memory stays in, with the memory feedback applied
+            by_time = sorted(new, key=lambda x: x[0].estimate.iteration_time_s)
+            keep = [c.info["group_sizes"] for c, _ in by_time[:FEEDBACK_GROUPINGS]]
+            groupings = [x for x in groupings if [len(g) for g in x[0]] in keep] or groupings
+            if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
+                sur = _lower_free(sur, over)
+            if scheme is None:
+                return sur, groupings, best, st, round_, memory_rounds, feedback_left
+            sur = sur.scaled(*feedback_factors(sur, best.layout, best.estimate, st, separate_kv=scheme == "kv"))
+        return None
+
+    fork = rounds(sur0, [], 0, 0, feedback_rounds, None)
+    if fork is not None:  # one track of time-feedback rounds per scheme, from the same round-0 state
+        sur, groupings, best, st, round_, memory_rounds, left = fork
+        tracks: dict[Surrogate, str] = {}  # a track whose surrogate equals another's would repeat it
+        for scheme in feedback_schemes:
+            fed = sur.scaled(*feedback_factors(sur, best.layout, best.estimate, st, separate_kv=scheme == "kv"))
+            tracks.setdefault(fed, scheme)
+        for fed, scheme in tracks.items():
+            rounds(fed, list(groupings), round_, memory_rounds, left, scheme)
     return out
 
 
-def _surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], units: Sequence[int],
-                     tokens: Sequence[int], heads: Sequence[int]) -> list[float]:
-    """Surrogate seconds per rank of a solved grouping."""
-    out = [0.0] * len(tokens)
-    for members, co, T in zip(grouping, coefs, units):
+def _lower_free(sur: Surrogate, over: dict[int, int]) -> Surrogate:
+    """Memory feedback: each over-capacity rank's free memory lowered by its overflow (and one unit)."""
+    free = [d.free_bytes for d in sur.devices]
+    for r, extra in over.items():
+        free[r] = max(0, free[r] - extra - sur.devices[r].mem_tok_bytes)
+    return sur.with_free(free)
+
+
+@dataclass(frozen=True)
+class SurrogateTimes:
+    """Surrogate seconds per rank of a solved grouping (lists indexed by rank).
+
+    ``total``: l_r t_r + s_r t_r + h_r beta_r(T_g); ``kv``: the K/V ring term h_r (N - T_g) c_r (the
+    transfer); ``kv_exposed``: the part of it not hidden behind attention, h_r max(0, (N - T_g) c_r - T_g b_r).
+    """
+
+    total: list[float]
+    kv: list[float]
+    kv_exposed: list[float]
+
+
+def _surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef],
+                     tokens: Sequence[int], heads: Sequence[int]) -> SurrogateTimes:
+    """Surrogate seconds per rank of a solved grouping (``tokens`` per rank), with its K/V ring term apart."""
+    W = len(tokens)
+    total, kv, exposed = [0.0] * W, [0.0] * W, [0.0] * W
+    for members, co in zip(grouping, coefs):
+        T = sum(tokens[r] for r in members) // sur.unit
+        ring = co.num_units - T
         for k, r in enumerate(members):
-            out[r] = (tokens[r] // sur.unit * (co.a[k] + co.s_(k)) + heads[r] * co.beta(k, T)) * 1e-9
-    return out
+            total[r] = (tokens[r] // sur.unit * (co.a[k] + co.s_(k)) + heads[r] * co.beta(k, T)) * 1e-9
+            kv[r] = heads[r] * ring * co.c[k] * 1e-9
+            exposed[r] = heads[r] * max(0, ring * co.c[k] - T * co.b[k]) * 1e-9
+    return SurrogateTimes(total, kv, exposed)
+
+
+def feedback_factors(sur: Surrogate, layout: Layout, est: Any, st: SurrogateTimes,
+                     separate_kv: bool = True) -> tuple[list[float], list[float]]:
+    """Time feedback: per-rank factors for (every other time coefficient, the K/V ring coefficient c_r).
+
+    ``separate_kv=False``: one factor for all of a rank's coefficients, ``estimate``'s time over the
+    surrogate's. ``separate_kv=True``: K/V gets ``estimate``'s transfer time (``kv_exchange_s``: only
+    causally visible K/V is sent) over the surrogate's ring term h_r (N - T_g) c_r (an upper bound
+    that counts hidden tokens; ranks without heads or without a ring take the other factor), the rest
+    ``estimate``'s time without its exposed K/V over the surrogate's time without its exposed ring.
+    Each clipped to [0.25, 4] and averaged per class of (device coefficients, tokens, heads), so
+    identical groups stay identical and Stage II/III keep sharing their work across them (thousands
+    of GPUs, few classes).
+    """
+    raw: list[float] = []
+    raw_kv: list[float | None] = []
+    for p, s, s_kv, s_exp in zip(est.per_rank, st.total, st.kv, st.kv_exposed):
+        if not separate_kv:
+            raw.append(min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0)
+            raw_kv.append(None)
+            continue
+        rest = s - s_exp
+        raw.append(min(4.0, max(0.25, (p.time_s - p.breakdown["kv_exposed_s"]) / rest)) if rest > 0 else 1.0)
+        raw_kv.append(min(4.0, max(0.25, p.breakdown["kv_exchange_s"] / s_kv)) if s_kv > 0 else None)
+    classes: dict[tuple, list[int]] = {}
+    for r, (dev, lay_r) in enumerate(zip(sur.devices, layout.ranks)):
+        classes.setdefault((dev, lay_r.num_tokens, len(lay_r.heads)), []).append(r)
+    factors, kv_factors = [1.0] * len(raw), [1.0] * len(raw)
+    for members in classes.values():
+        mean = round(sum(raw[r] for r in members) / len(members), 3)
+        kvs = [raw_kv[r] for r in members if raw_kv[r] is not None]
+        mean_kv = round(sum(kvs) / len(kvs), 3) if kvs else mean
+        for r in members:
+            factors[r], kv_factors[r] = mean, mean_kv
+    return factors, kv_factors
 
 
 def plan(cluster: Any, model: Any, seq_length: int, options: Any, *,
