@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
+from megatron_hexiseq.profiler import _sig
 
 CALIBRATION_SEQ = 2048  # longest sequence the calibration runs (the CPU profile's attention cap)
 CALIBRATION_LAYERS = 4  # attention calls per timed repetition (forward all, then backward all)
@@ -160,6 +161,3 @@ def fit_latencies(spec: dict[str, Any], calibration: dict[str, Any], model: Any)
         entry["p2p_latency_us"] = fit["p2p"]["latency_us"]
     return fit
 
-
-def _sig(x: float, digits: int = 6) -> float:
-    return float(f"{x:.{digits}g}")

@@ -154,46 +154,37 @@ def measure_model_step(model: Any, tokens: int, opts: ProfileOptions) -> dict[st
     sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
     local_s, sync_s = [], []
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)  # DP = all ranks
-    shim = cpu_device_shim()  # megatron's RoPE asks torch.cuda for its device
-    shim.__enter__()
     try:
-        for T in sizes:
-            layout = make_layout(seq_length=T, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                                 group_sizes=[1], segments=[[(0, T)]], heads=[list(range(H))])
-            cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=1)
-            gpt = build_gpt(cfg, core_attention=_NoAttention)
-            ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
-            params = [p for p in ddp.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=1e-5)
-            batch = make_batch(cfg, 0, dist.get_rank())
-            loc, syn = [], []
-            dist.barrier()  # every rank times the same size at the same time
-            for _ in range(opts.repeats + 1):  # the same count on every rank: the loop has collectives
-                _, timing = train_step(ddp, opt, params, batch)
-                loc.append(timing.local_s)
-                syn.append(timing.sync_s)
-            local_s.append(statistics.median(loc[1:]))  # the first step warms up
-            sync_s.append(statistics.median(syn[1:]))
+        with cpu_device_shim():  # megatron's RoPE asks torch.cuda for its device
+            for T in sizes:
+                layout = make_layout(seq_length=T, num_attention_heads=H, num_query_groups=model.num_query_groups,
+                                     group_sizes=[1], segments=[[(0, T)]], heads=[list(range(H))])
+                cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=1)
+                gpt = build_gpt(cfg, core_attention=_NoAttention)
+                ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                              gpt)
+                params = [p for p in ddp.parameters() if p.requires_grad]
+                opt = torch.optim.AdamW(params, lr=1e-5)
+                batch = make_batch(cfg, 0, dist.get_rank())
+                loc, syn = [], []
+                dist.barrier()  # every rank times the same size at the same time
+                for _ in range(opts.repeats + 1):  # the same count on every rank: the loop has collectives
+                    _, timing = train_step(ddp, opt, params, batch)
+                    loc.append(timing.local_s)
+                    syn.append(timing.sync_s)
+                local_s.append(statistics.median(loc[1:]))  # the first step warms up
+                sync_s.append(statistics.median(syn[1:]))
     finally:
-        shim.__exit__(None, None, None)
         mpu.destroy_model_parallel()
     sync = torch.tensor([statistics.median(sync_s)], dtype=torch.float64)
     dist.all_reduce(sync, op=dist.ReduceOp.MIN)
-    slope, intercept = _line(sizes, local_s)
+    slope, intercept = statistics.linear_regression(sizes, local_s)
     if intercept < 0 or slope <= 0:
         k = sizes.index(tokens)
         slope, intercept = local_s[k] / tokens, 0.0
     return {"flops_per_s": linear_flops_per_token(model) / slope, "step_overhead_s": intercept + float(sync),
             "local_overhead_s": intercept, "grad_sync_s": float(sync),
             "points": [{"tokens": T, "local_s": t, "sync_s": y} for T, t, y in zip(sizes, local_s, sync_s)]}
-
-
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``y = slope * x + intercept``."""
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return slope, my - slope * mx
 
 
 def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
