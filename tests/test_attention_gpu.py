@@ -1,40 +1,74 @@
 """Layer (c): GPU-only checks of the attention kernels (skipped without CUDA).
 
-The reference block kernel on CUDA must equal the same kernel on CPU; the CPU-only fused ``sdpa``
-kernel must refuse CUDA tensors with a clear error instead of running a path nobody validated.
+Each CUDA kernel (flash, efficient, and flash-attn when installed) is run on a square causal block
+and a non-square full block (GQA) in every dtype it takes, forward and recompute backward, against
+the reference kernel in float64 on the same rounded inputs, with the normwise bounds of
+``kernel_check`` (derived from the dtype's unit roundoff); ``auto`` must pass its start-up check;
+and a received block's peak memory must grow linearly with the key count (no [S, T] tensor).
 """
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
-from megatron_hexiseq.attention.kernels import block_backward, block_forward, visible_mask
+from megatron_hexiseq.attention.kernel_check import (BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, LSE_ROUNDINGS,
+                                                     check_kernel, normwise_bound, normwise_error)
+from megatron_hexiseq.attention.kernels import Kernel, block_backward, block_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+CASES = [(Kernel.FLASH, torch.bfloat16), (Kernel.FLASH, torch.float16), (Kernel.EFFICIENT, torch.bfloat16),
+         (Kernel.EFFICIENT, torch.float16), (Kernel.EFFICIENT, torch.float32)]
+if importlib.util.find_spec("flash_attn") is not None:
+    CASES += [(Kernel.FLASH_ATTN, torch.bfloat16)]
 
-def test_reference_kernel_on_cuda_matches_cpu() -> None:
+
+def _run(kernel, q, k, v, dout, causal, dtype):
+    kw = dict(causal=causal, kv_of_head_H=torch.tensor([0, 0, 1, 1], device=q.device), scale=q.shape[-1] ** -0.5,
+              kernel=kernel)
+    out, lse = block_forward(q, k, v, **kw)
+    final = out if kernel is Kernel.REFERENCE else out.to(dtype)
+    return (out, lse, *block_backward(dout, q, k, v, final, lse, **kw))
+
+
+@pytest.mark.parametrize("kernel,dtype", CASES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_kernels_match_float64_reference(kernel: Kernel, dtype: torch.dtype, causal: bool, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(9, 2, 4, 8, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(7, 2, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    mask = visible_mask(torch.arange(3, 12), torch.arange(0, 14, 2))
-    kv_of_head = torch.tensor([0, 0, 1, 1])
-    kw = dict(kv_of_head_H=kv_of_head, scale=0.4, kernel="reference")
-    out, lse = block_forward(q, k, v, mask_ST=mask, **kw)
-    out_c, lse_c = block_forward(q.cuda(), k.cuda(), v.cuda(), mask_ST=mask.cuda(),
-                                 **{**kw, "kv_of_head_H": kv_of_head.cuda()})
-    torch.testing.assert_close(out_c.cpu(), out)
-    torch.testing.assert_close(lse_c.cpu(), lse)
-    dout = torch.randn_like(out)
-    delta = (dout * out).sum(-1)
-    grads = block_backward(dout, q, k, v, out, lse, delta, mask_ST=mask, **kw)
-    grads_c = block_backward(dout.cuda(), q.cuda(), k.cuda(), v.cuda(), out_c, lse_c, delta.cuda(), mask_ST=mask.cuda(),
-                             **{**kw, "kv_of_head_H": kv_of_head.cuda()})
-    for g, gc in zip(grads, grads_c):
-        torch.testing.assert_close(gc.cpu(), g)
+    S, T, B = 200, (200 if causal else 333), 2
+    q = torch.randn(S, B, 4, head_dim, generator=gen).to(dtype).cuda()
+    k, v = (torch.randn(T, B, 2, head_dim, generator=gen).to(dtype).cuda() for _ in range(2))
+    dout = torch.randn(S, B, 4, head_dim, generator=gen).to(dtype).cuda()
+    got = _run(kernel, q, k, v, dout, causal, dtype)
+    want = _run(Kernel.REFERENCE, *(x.double() for x in (q, k, v, dout)), causal, torch.float64)
+    for name, g, w, r in zip(("out", "lse", "dq", "dk", "dv"), got, want,
+                             (FORWARD_ROUNDINGS, LSE_ROUNDINGS, *(BACKWARD_ROUNDINGS,) * 3)):
+        err, bound = normwise_error(g, w), normwise_bound(dtype, roundings=r, reduction=T, device=q.device)
+        assert err <= bound, f"{kernel.value} {dtype} {name}: normwise error {err:.3g} > {bound:.3g}"
 
 
-def test_sdpa_kernel_refuses_cuda() -> None:
-    x = torch.randn(4, 1, 2, 8, device="cuda")
-    with pytest.raises(ValueError, match="CPU tensors only"):
-        block_forward(x, x, x, mask_ST=None, causal=True, kv_of_head_H=None, scale=1.0, kernel="sdpa")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_auto_passes_its_start_up_check(dtype: torch.dtype) -> None:
+    kernel = check_kernel("auto", device=torch.device("cuda"), dtype=dtype, head_dim=128)
+    assert kernel is (Kernel.EFFICIENT if dtype == torch.float32 else Kernel.FLASH)
+
+
+def test_received_block_memory_is_linear_in_keys() -> None:
+    """Peak extra memory of one full block fwd+bwd at T and 4T keys: ratio ~4 (S*T would be 16)."""
+    def peak(T: int) -> int:
+        q = torch.randn(1024, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(T, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        kw = dict(causal=False, kv_of_head_H=None, scale=128 ** -0.5, kernel=Kernel.FLASH)
+        out, lse = block_forward(q, k, v, **kw)
+        block_backward(torch.ones_like(q), q, k, v, out, lse, **kw)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    small, large = peak(8192), peak(32768)
+    assert large / small < 6, (small, large)

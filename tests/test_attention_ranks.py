@@ -2,7 +2,9 @@
 
 Each spawned world runs a batch of cases (layouts x dtype x kernel x comm_chunks); every rank
 compares its output and dq/dk/dv shard with ``reference_attention`` on the whole sequence, with
-``torch.testing.assert_close`` (float64: 1e-10; float32: 1e-5 relative, against a float64 oracle).
+``torch.testing.assert_close`` (float64: 1e-10; float32: 1e-5 relative, against a float64 oracle), and
+for bf16/fp16 with the normwise bounds of ``attention.kernel_check`` (derived from the dtype's unit
+roundoff; the oracle runs in float64 on the same rounded inputs).
 Worlds 1, 2, 3, 4, 6, 8; at least 50 seeded random layouts in all, plus named edge cases.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func, reference_attention
+from megatron_hexiseq.attention.kernel_check import BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound, normwise_error
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
 from megatron_hexiseq.testing import run_ranks
@@ -31,10 +34,14 @@ class Case:
     batch: int = 2
     head_dim: int = 4
     seed: int = 0
+    fp32_grad_wire: bool = False
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _full_inputs(case: Case):
-    """Seeded full-sequence q, k, v, dout (float64) on every rank."""
+    """Seeded full-sequence q, k, v, dout (float64; already rounded to bf16/fp16 for those cases)."""
     lay = case.layout
     gen = torch.Generator().manual_seed(case.seed)
     S, B, D, H, G = lay.seq_length, case.batch, case.head_dim, lay.num_attention_heads, lay.num_query_groups
@@ -42,6 +49,8 @@ def _full_inputs(case: Case):
     k = torch.randn(S, B, G, D, generator=gen, dtype=torch.float64)
     v = torch.randn(S, B, G, D, generator=gen, dtype=torch.float64)
     dout = torch.randn(S, B, H * D, generator=gen, dtype=torch.float64)
+    if case.dtype in LOW_PRECISION:
+        q, k, v, dout = (x.to(case.dtype).double() for x in (q, k, v, dout))
     return q, k, v, dout
 
 
@@ -58,9 +67,16 @@ def _run_case(case: Case, groups, pos: torch.Tensor, select=None) -> None:
     ref = _reference(q, k, v, dout)
     select = select or (lambda x: x[pos])
     ql, kl, vl = (select(x).to(case.dtype).requires_grad_() for x in (q, k, v))
-    out = hexiseq_attn_func(ql, kl, vl, groups=groups, kernel=case.kernel, comm_chunks=case.comm_chunks)
+    out = hexiseq_attn_func(ql, kl, vl, groups=groups, kernel=case.kernel, comm_chunks=case.comm_chunks,
+                            fp32_grad_wire=case.fp32_grad_wire)
     out.backward(select(dout).to(case.dtype))
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref):
+        if case.dtype in LOW_PRECISION:
+            bound = normwise_bound(case.dtype, roundings=FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS,
+                                   reduction=case.layout.seq_length)
+            err = normwise_error(got, select(want))
+            assert err <= bound, f"{case.name} rank {groups.rank} {name}: normwise error {err:.3g} > {bound:.3g}"
+            continue
         torch.testing.assert_close(got.double(), select(want), **TOL[case.dtype],
                                    msg=lambda m, n=name: f"{case.name} rank {groups.rank} {n}: {m}")
 
@@ -81,7 +97,10 @@ def _named_cases(world: int) -> list[Case]:
                           segments=[[(0, 3), (17, 23)], [], [(3, 5), (9, 11)], [(5, 9), (11, 17)]],
                           heads=[[0, 1, 2], [3, 4, 5, 6, 7], [], list(range(8))])
         out.append(Case("groups31_zero_token_zero_head", lay))
-        out.append(Case("groups31_sdpa_fp32", lay, dtype=torch.float32, kernel="sdpa", comm_chunks=2))
+        out.append(Case("groups31_sdpa_fp32", lay, dtype=torch.float32, kernel="cpu-flash", comm_chunks=2))
+        out.append(Case("groups31_bf16", lay, dtype=torch.bfloat16, kernel="auto", comm_chunks=2, head_dim=8))
+        out.append(Case("groups31_bf16_fp32_wire", lay, dtype=torch.bfloat16, comm_chunks=2, head_dim=8,
+                        kernel="auto", fp32_grad_wire=True))
     if world == 5:
         # groups [2, 2, 1]; H=6/G=3, non-contiguous heads; a 0-token rank in the middle group
         lay = make_layout(seq_length=31, num_attention_heads=6, num_query_groups=3, group_sizes=[2, 2, 1],
@@ -116,8 +135,8 @@ def _random_cases(world: int) -> list[Case]:
     cases = []
     for i in range(RANDOM_LAYOUTS[world]):
         lay = random_layout(rng, world)
-        dtype = torch.float32 if i % 3 == 2 else torch.float64
-        kernel = "sdpa" if i % 4 == 1 else "reference"
+        dtype = torch.float32 if i % 3 == 2 else torch.bfloat16 if i % 5 == 3 else torch.float64
+        kernel = "auto" if i % 4 == 1 or dtype == torch.bfloat16 else "reference"
         cases.append(Case(f"random{world}_{i}", lay, dtype=dtype, kernel=kernel, comm_chunks=1 + i % 3,
                           batch=1 + i % 2, head_dim=2 + 2 * (i % 3), seed=i))
     return cases
@@ -169,7 +188,7 @@ def _megatron_worker(rank: int, world: int, S: int) -> int:
         def megatron_split(x):  # [S, B, ...] -> this rank's Megatron shard [s, B, ...]
             return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)}, cp_group=groups.cp_group)["x"].transpose(0, 1)
 
-        for kernel in ("reference", "sdpa"):
+        for kernel in ("reference", "auto"):
             _run_case(Case(f"megatron_{name}_{kernel}", lay, kernel=kernel), groups, None, select=megatron_split)
             done += 1
     return done

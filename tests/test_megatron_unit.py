@@ -39,8 +39,8 @@ def _run(**kw) -> RunShape:
 
 # ---- flags ---------------------------------------------------------------------------------
 def test_flag_set_is_pinned():
-    assert flag_names() == ("--hexiseq-layout", "--hexiseq-kernel", "--hexiseq-comm-chunks",
-                            "--hexiseq-allow-mismatch", "--hexiseq-overlap-tune",
+    assert flag_names() == ("--hexiseq-layout", "--hexiseq-kernel", "--hexiseq-fp32-grad-wire",
+                            "--hexiseq-comm-chunks", "--hexiseq-allow-mismatch", "--hexiseq-overlap-tune",
                             "--hexiseq-overlap-config")
 
 
@@ -188,10 +188,11 @@ def test_per_token_loss_weighs_tokens_not_ranks():
 
 # ---- spec swap -----------------------------------------------------------------------------
 def _runtime():
+    from megatron_hexiseq.attention.kernels import Kernel
     from megatron_hexiseq.megatron.parallel_state import HexiSeqRuntime
 
     lay = _layout()
-    return HexiSeqRuntime(layout=lay, groups=SimpleNamespace(rank=0, layout=lay))
+    return HexiSeqRuntime(layout=lay, groups=SimpleNamespace(rank=0, layout=lay), kernel=Kernel.REFERENCE)
 
 
 def test_spec_swap_local_and_moe():

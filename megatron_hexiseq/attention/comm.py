@@ -8,6 +8,9 @@ Legend: flat tensors are 1-D ``[N]`` (element counts in the split tables).
 - ``post_p2p(sends, recvs, *, group, tag)``: posts one ``batch_isend_irecv`` batch and returns the
   works to wait on later (no autograd: the sub-ring attention Function drives it in forward and
   backward itself, like ring-flash-attention).
+- ``warm_up(group, device)``: one tiny all-reduce in which every member takes part, so that a
+  communicator that NCCL creates lazily exists before the first ``batch_isend_irecv`` on it (torch:
+  every rank of a group must take part in its first P2P batch; a rank with no heads posts none).
 - ``CommStats``: an optional, explicitly passed counter of bytes and computed blocks. It is the only
   mutable object here; pass one to ``hexiseq_attn_func(..., stats=...)`` to count, ``None`` to not.
 
@@ -117,6 +120,11 @@ def post_p2p(sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Ten
     if not ops:
         return []
     return dist.batch_isend_irecv(ops)
+
+
+def warm_up(group: ProcessGroup, device: torch.device) -> None:
+    """Every member of ``group`` calls this once, right after the group is created (collective)."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def wait_all(works: list) -> None:

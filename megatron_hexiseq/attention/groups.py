@@ -1,22 +1,34 @@
 """Process groups and peer tables of one layout, built once at the boundary and passed explicitly.
 
-``build_hexiseq_groups(layout, domains=..., cp_groups=...)`` is collective over the default group:
-every process calls it with the same arguments. It creates (``dist.new_group``, same order on all
-processes) one CP group per domain (unless ``cp_groups`` are given) and one A2A group per
-(domain, layout group) with more than one rank. A *domain* is one copy of the layout: the global ranks
-of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group).
+``build_hexiseq_groups(layout, domains=..., cp_groups=..., device=..., timeout=..., pg_options=...)``
+is collective over the default group: every process calls it with the same arguments. It creates
+(``dist.new_group``, same order on all processes) one CP group per domain (unless ``cp_groups`` are
+given) and one A2A group per (domain, layout group) with more than one rank, each with the given
+``timeout`` and backend options (``pg_options(kind)``, kind ``"cp"`` or ``"a2a"``; Megatron's NCCL
+options at the Megatron boundary). Then every process warms up each group it belongs to with one
+collective in which all members take part (CP group first, then its A2A group; the same order on
+every process), so no lazily created communicator waits for a member that never posts to it (a rank
+with no heads takes no part in the sub-ring exchange). A *domain* is one copy of the layout: the
+global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group).
 
 Global ranks of a domain must be ascending in layout-rank order, so that the group rank torch assigns
 (position among the sorted global ranks) equals the layout rank, in the CP group and in A2A groups.
+
+``HexiSeqGroups.index(ix, device)`` returns index tensors built once per layout and device, so the
+hot path never copies index lists from host to device after the first call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from datetime import timedelta
+from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megatron_hexiseq.attention.comm import warm_up
 from megatron_hexiseq.attention.peers import RankSchedule, build_schedule
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
@@ -37,6 +49,7 @@ class HexiSeqGroups:
     a2a_group: ProcessGroup | None           # this rank's A2A group (None when it has 1 rank)
     a2a_global_ranks: tuple[int, ...]        # global ranks of my A2A group, in layout-rank order
     _schedules: dict = field(default_factory=dict, compare=False, repr=False)
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)
 
     def schedule(self, comm_chunks: int = 1) -> RankSchedule:
         if comm_chunks not in self._schedules:
@@ -46,10 +59,20 @@ class HexiSeqGroups:
     def global_rank(self, layout_rank: int) -> int:
         return self.cp_global_ranks[layout_rank]
 
+    def index(self, ix: tuple[int, ...], device: torch.device) -> Tensor:
+        """``torch.tensor(ix)`` on ``device``, created once per (ix, device) for this layout."""
+        key = (ix, device)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(ix, dtype=torch.long, device=device)
+        return self._indices[key]
+
 
 def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | None = None,
-                         cp_groups: Sequence[ProcessGroup] | None = None) -> HexiSeqGroups:
-    """Collective over the default group; see the module docstring."""
+                         cp_groups: Sequence[ProcessGroup] | None = None, device: torch.device | None = None,
+                         timeout: timedelta | None = None,
+                         pg_options: Callable[[str], Any] | None = None) -> HexiSeqGroups:
+    """Collective over the default group; see the module docstring. ``device``: where the warm-up
+    collective's tensor lives (the backend's device: CUDA for NCCL; default CPU)."""
     world, me = dist.get_world_size(), dist.get_rank()
     if domains is None:
         domains = [list(range(world))]
@@ -68,22 +91,35 @@ def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | N
     dom = mine[0]
     rank = domains[dom].index(me)
 
+    def new_group(ranks: Sequence[int], kind: str) -> ProcessGroup:
+        kwargs: dict[str, Any] = {}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        options = pg_options(kind) if pg_options is not None else None
+        if options is not None:
+            kwargs["pg_options"] = options
+        return dist.new_group(list(ranks), **kwargs)
+
     cp_group = None
     a2a_group = None
     for i, d in enumerate(domains):  # same order of new_group calls on every process
-        g = cp_groups[i] if cp_groups is not None else dist.new_group(list(d))
+        g = cp_groups[i] if cp_groups is not None else new_group(d, "cp")
         if i == dom:
             cp_group = g
         for grp in layout.groups:
             members = [d[r] for r in grp.ranks]
             if len(members) > 1:
-                pg = dist.new_group(members)
+                pg = new_group(members, "a2a")
                 if i == dom and rank in grp.ranks:
                     a2a_group = pg
     assert cp_group is not None
     if dist.get_rank(cp_group) != rank:
         raise HexiSeqError(f"global rank {me} is rank {dist.get_rank(cp_group)} of its CP group but layout "
                            f"rank {rank} of its domain; pass domains in CP-rank order")
+    warm = device if device is not None else torch.device("cpu")
+    for pg in (cp_group, a2a_group):  # every member, the same order everywhere: CP first, then A2A
+        if pg is not None:
+            warm_up(pg, warm)
     my_group = layout.group_of(rank)
     return HexiSeqGroups(layout=layout, rank=rank, cp_group=cp_group, cp_global_ranks=domains[dom],
                          a2a_group=a2a_group,

@@ -27,9 +27,9 @@ from torch import Tensor
 
 from megatron_hexiseq.attention.comm import CommStats, uneven_all_to_all
 from megatron_hexiseq.attention.groups import HexiSeqGroups
-from megatron_hexiseq.attention.kernels import KERNELS
+from megatron_hexiseq.attention.kernels import Kernel, resolve_kernel
 from megatron_hexiseq.attention.peers import group_pieces
-from megatron_hexiseq.attention.subring import _index, _select_heads, subring_attn_func
+from megatron_hexiseq.attention.subring import select_heads, subring_attn_func
 
 
 def _members(groups: HexiSeqGroups) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
@@ -47,15 +47,15 @@ class _PackHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, heads: tuple) -> Tensor:
+    def forward(ctx, q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, heads: tuple, groups: HexiSeqGroups) -> Tensor:
         s, B, _, D = q_sBHD.shape
-        ctx.heads, ctx.shapes = heads, (q_sBHD.shape, k_sBGD.shape)
+        ctx.heads, ctx.shapes, ctx.groups = heads, (q_sBHD.shape, k_sBGD.shape), groups
         flat = q_sBHD.new_empty(sum(s * B * D * (len(hj) + 2 * len(gj)) for hj, gj in heads))
         off = 0
         for hj, gj in heads:
             for x, ix in ((q_sBHD, hj), (k_sBGD, gj), (v_sBGD, gj)):
                 n = s * B * len(ix) * D
-                flat[off:off + n].view(s, B, len(ix), D).copy_(_select_heads(x, 2, ix, x.shape[2]))
+                flat[off:off + n].view(s, B, len(ix), D).copy_(select_heads(x, 2, ix, x.shape[2], groups))
                 off += n
         return flat
 
@@ -71,11 +71,11 @@ class _PackHeads(torch.autograd.Function):
                 n = s * B * len(ix) * D
                 piece = grad_N[off:off + n].view(s, B, len(ix), D)
                 if ix and first:
-                    dx.index_copy_(2, _index(ix, dx), piece)
+                    dx.index_copy_(2, ctx.groups.index(ix, dx.device), piece)
                 elif ix:
-                    dx.index_add_(2, _index(ix, dx), piece)
+                    dx.index_add_(2, ctx.groups.index(ix, dx.device), piece)
                 off += n
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 class _PackRows(torch.autograd.Function):
@@ -115,7 +115,7 @@ def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: He
     H, G = len(me.heads), len(groups.layout.kv_heads(groups.rank))
     send = [s * B * D * (len(hj) + 2 * len(gj)) for _, _, hj, gj in members]
     recv = [si * B * D * (H + 2 * G) for _, si, _, _ in members]
-    packed = _PackHeads.apply(q_sBHD, k_sBGD, v_sBGD, tuple((hj, gj) for _, _, hj, gj in members))
+    packed = _PackHeads.apply(q_sBHD, k_sBGD, v_sBGD, tuple((hj, gj) for _, _, hj, gj in members), groups)
     flat = uneven_all_to_all(packed, group=groups.a2a_group, send_splits=send, recv_splits=recv,
                              stats=stats, peers=[j for j, _, _, _ in members])
     qs, ks, vs = {}, {}, {}
@@ -153,20 +153,22 @@ def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
     order = [h for _, _, hi, _ in members for h in hi]
     if order != list(range(num_heads)):
         where = {h: i for i, h in enumerate(order)}
-        out_sBHD = _select_heads(out_sBHD, 2, tuple(where[h] for h in range(num_heads)), num_heads)
+        out_sBHD = select_heads(out_sBHD, 2, tuple(where[h] for h in range(num_heads)), num_heads, groups)
     return out_sBHD.reshape(s, B, num_heads * D)
 
 
 def hexiseq_attn_func(q: Tensor, k: Tensor, v: Tensor, *, groups: HexiSeqGroups, softmax_scale: float | None = None,
-                      kernel: str = "reference", comm_chunks: int = 1, stats: CommStats | None = None) -> Tensor:
+                      kernel: str | Kernel = Kernel.AUTO, comm_chunks: int = 1, stats: CommStats | None = None,
+                      fp32_grad_wire: bool = False) -> Tensor:
     """Exact causal (GQA/MQA) attention of the full sequence, restricted to this rank's tokens.
 
     ``q [s_r, B, H, D]``, ``k, v [s_r, B, G, D]``: this rank's tokens in segment order (RoPE
     applied), every head. Returns ``[s_r, B, H * D]``; differentiable in q, k, v.
-    ``kernel``: ``"reference"`` | ``"sdpa"`` (see ``kernels.py``). ``comm_chunks``: each sub-ring
-    round's K/V is sent in this many token pieces, each a separate P2P step overlapped with the
-    previous piece's block compute (see ``peers.py``); every rank must pass the same value in a
-    given call. ``stats``: optional byte/block counter.
+    ``kernel``: a ``kernels.Kernel`` or its name (``auto`` picks by device and dtype). ``comm_chunks``:
+    each sub-ring round's K/V is sent in this many token pieces, each a separate P2P step overlapped
+    with the previous piece's block compute (see ``peers.py``); every rank must pass the same value in
+    a given call. ``fp32_grad_wire``: return dK/dV to their holders in float32 instead of the input
+    dtype. ``stats``: optional byte/block counter.
     """
     lay = groups.layout
     H, G = lay.num_attention_heads, lay.num_query_groups
@@ -175,10 +177,9 @@ def hexiseq_attn_func(q: Tensor, k: Tensor, v: Tensor, *, groups: HexiSeqGroups,
             or k.shape[0] != s_r or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
         raise ValueError(f"layout rank {groups.rank} expects q [{s_r}, b, {H}, d] and k, v [{s_r}, b, {G}, d]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    concrete = resolve_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[3])
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     q_SBHD, k_SBGD, v_SBGD = heads_to_group(q, k, v, groups=groups, stats=stats)
-    out_SBHD = subring_attn_func(q_SBHD, k_SBGD, v_SBGD, groups=groups, scale=scale, kernel=kernel,
-                                 comm_chunks=comm_chunks, stats=stats)
+    out_SBHD = subring_attn_func(q_SBHD, k_SBGD, v_SBGD, groups=groups, scale=scale, kernel=concrete,
+                                 comm_chunks=comm_chunks, stats=stats, fp32_grad_wire=fp32_grad_wire)
     return group_to_tokens(out_SBHD, groups=groups, num_heads=H, stats=stats)

@@ -3,8 +3,7 @@
 Every rank computes the same tables from the same layout, so no communication is needed to agree.
 
 Vocabulary. A group's *sequence* is its members' tokens in position order (the runtime's own
-order: queries and keys of the local block are then causally aligned, and every received block's
-rows split into "sees nothing" / "sees some" / "sees all" ranges). After the head all-to-all,
+order: queries and keys of the local block are then causally aligned, one square causal call). After the head all-to-all,
 rank r holds, for its query heads ``H_r``, the queries of its whole group sequence, and for its K/V
 heads ``K_r`` (the query groups its heads read) the keys/values of the whole group sequence.
 Every group holds every query head, so every K/V head has at least one *holder* in every group.
@@ -17,6 +16,13 @@ one holder in s is chosen: the holder with the least load (tokens x heads) so fa
 lowest rank on ties, receivers and heads visited in ascending order — deterministic and balanced.
 All heads a holder sends to one receiver in one step travel as one message ``[2, T, B, h, D]``.
 
+Mask-free blocks. The tokens of a received block are position-sorted and belong to another group,
+so no key position lies inside a *query run* (a run of consecutive positions of my group sequence):
+every query of a run sees the same prefix of the block, the keys with smaller positions. A block is
+therefore computed as unmasked calls ``(row_lo, row_hi, keys)``: rows ``[row_lo, row_hi)`` of my group
+sequence against the first ``keys`` keys of the block; consecutive runs with the same prefix share
+one call, runs that see nothing are skipped. No ``[S, T]`` mask exists anywhere.
+
 Chunks. ``comm_chunks = c`` splits every round's trimmed tokens into up to c contiguous pieces of
 near-equal length (an empty piece is dropped); each piece is one *step*: one batch of P2P posted
 before the previous step's block is computed, and one (q, kv) block computed. Step index =
@@ -25,6 +31,7 @@ before the previous step's block is computed, and one (q, kv) block computed. St
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from megatron_hexiseq.layout import Layout, split_evenly
 
@@ -130,6 +137,10 @@ class KVTransfer:
         return runs_num_tokens(self.runs)
 
 
+# (row_lo, row_hi, keys): rows [row_lo, row_hi) of the group sequence see the first `keys` keys of a block
+Call = tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class RankStep:
     """What one rank does in one step: its sends as holder, its receives (and block) as receiver."""
@@ -137,7 +148,7 @@ class RankStep:
     step: int
     sends: tuple[KVTransfer, ...]
     recvs: tuple[KVTransfer, ...]
-    rows: tuple[int, int]  # (a, b): query rows [0, a) see no key of the block, [a, b) some, [b, S) all
+    calls: tuple[Call, ...]  # the received block's unmasked calls (empty when I receive nothing)
 
     @property
     def computes(self) -> bool:
@@ -160,6 +171,14 @@ class RankSchedule:
     q_runs: tuple[Run, ...]          # my group sequence (= my queries and my own K/V after A2A)
     steps: tuple[RankStep, ...]      # only steps where I send or receive, in global step order
     num_steps: int                   # global number of steps (tags of backward dK/dV offset by it)
+
+    def step_at(self, step: int) -> RankStep | None:
+        """My part in global step ``step``, or None when I neither send nor receive in it."""
+        return self._by_step.get(step)
+
+    @cached_property
+    def _by_step(self) -> dict[int, RankStep]:
+        return {s.step: s for s in self.steps}
 
 
 def kv_of_head(layout: Layout, heads: tuple[int, ...], kv_heads: tuple[int, ...]) -> tuple[int, ...]:
@@ -201,24 +220,38 @@ def build_transfers(layout: Layout, comm_chunks: int = 1) -> tuple[tuple[KVTrans
     return tuple(transfers), (n - 1) * comm_chunks
 
 
+def block_calls(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]) -> tuple[Call, ...]:
+    """The unmasked calls of one received block (see "Mask-free blocks" above).
+
+    ``q_runs``: my group sequence; ``k_runs``: the block's tokens (another group's, position-sorted).
+    """
+    calls: list[Call] = []
+    for s, e, p in q_runs:
+        keys = count_below(k_runs, p)
+        if not keys:
+            continue
+        if calls and calls[-1][1] == s and calls[-1][2] == keys:
+            calls[-1] = (calls[-1][0], e, keys)
+        else:
+            calls.append((s, e, keys))
+    return tuple(calls)
+
+
 def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSchedule:
     """The schedule of one rank (see the module docstring)."""
     transfers, num_steps = build_transfers(layout, comm_chunks)
     plan = layout.ranks[rank]
     group = layout.group(plan.group)
     q_runs = group_runs(layout, group.id)
+    mine: dict[int, tuple[list[KVTransfer], list[KVTransfer]]] = {}
+    for x in transfers:  # sorted by (step, dst, src)
+        if rank in (x.src, x.dst):
+            sends, recvs = mine.setdefault(x.step, ([], []))
+            (sends if x.src == rank else recvs).append(x)
     steps = []
-    for step in range(num_steps):
-        sends = tuple(x for x in transfers if x.step == step and x.src == rank)
-        recvs = tuple(x for x in transfers if x.step == step and x.dst == rank)
-        if not sends and not recvs:
-            continue
-        rows = (0, 0)
-        if recvs:
-            k_runs = recvs[0].runs
-            k_min, k_max = k_runs[0][2], k_runs[-1][2] + k_runs[-1][1] - k_runs[-1][0] - 1
-            rows = (count_below(q_runs, k_min), count_below(q_runs, k_max))
-        steps.append(RankStep(step=step, sends=sends, recvs=recvs, rows=rows))
+    for step, (sends, recvs) in sorted(mine.items()):
+        calls = block_calls(q_runs, recvs[0].runs) if recvs else ()
+        steps.append(RankStep(step=step, sends=tuple(sends), recvs=tuple(recvs), calls=calls))
     kv_heads = layout.kv_heads(rank)
     return RankSchedule(rank=rank, group_ranks=group.ranks, heads=plan.heads, kv_heads=kv_heads,
                         kv_of_head=kv_of_head(layout, plan.heads, kv_heads), q_runs=q_runs,

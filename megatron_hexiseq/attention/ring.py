@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_hexiseq.attention.comm import post_p2p, wait_all
-from megatron_hexiseq.attention.kernels import acc_dtype, block_backward, block_forward, merge_into
+from megatron_hexiseq.attention.kernels import Kernel, acc_dtype, block_backward, block_forward, merge_into, resolve_kernel
 
 
 def _ring_peers(group: ProcessGroup) -> tuple[int, int, int, int]:
@@ -39,13 +39,14 @@ def ring_forward(q, k, v, group, scale, kernel):
     kv2_cur = torch.stack([k, v])
     kv2_next = torch.empty_like(kv2_cur)
     works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=1) if W > 1 else []
-    out, lse = block_forward(q, k, v, mask_ST=None, causal=True, **kw)
+    out, lse = block_forward(q, k, v, causal=True, **kw)
+    out, lse = out.to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
     for t in range(1, W):
         wait_all(works)
         kv2_cur, kv2_next = kv2_next, torch.empty_like(kv2_next)
         works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1) if t + 1 < W else []
         rows, cols = _blocks(i, (i - t) % W, c)
-        blk_out, blk_lse = block_forward(q[rows], kv2_cur[0][cols], kv2_cur[1][cols], mask_ST=None, **kw)
+        blk_out, blk_lse = block_forward(q[rows], kv2_cur[0][cols], kv2_cur[1][cols], causal=False, **kw)
         out[rows], lse[rows] = merge_into(out[rows], lse[rows], blk_out, blk_lse)
     return out, lse
 
@@ -54,11 +55,10 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, kernel):
     W, i, nxt, prv = _ring_peers(group)
     c = q.shape[0] // 2
     kw = dict(kv_of_head_H=_gqa_index(q, k), scale=scale, kernel=kernel)
-    delta = (dout.to(out.dtype) * out).sum(-1)
     kv2_cur = torch.stack([k, v])
     kv2_next = torch.empty_like(kv2_cur)
     kv_works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=1) if W > 1 else []
-    dq, dk, dv = block_backward(dout, q, k, v, out, lse, delta, mask_ST=None, causal=True, **kw)
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=True, **kw)
     dkv2 = torch.stack([dk, dv])          # the accumulator for the K/V I hold now (my own)
     dkv2_next = torch.empty_like(dkv2)
     for t in range(1, W):
@@ -68,7 +68,7 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, kernel):
         kv_works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1) if t + 1 < W else []
         rows, cols = _blocks(i, (i - t) % W, c)
         gq, gk, gv = block_backward(dout[rows], q[rows], kv2_cur[0][cols], kv2_cur[1][cols], out[rows], lse[rows],
-                                    delta[rows], mask_ST=None, **kw)
+                                    causal=False, **kw)
         dq[rows] += gq
         wait_all(d_works)
         dkv2, dkv2_next = dkv2_next, torch.empty_like(dkv2_next)
@@ -91,9 +91,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, kernel):
         out, lse = ring_forward(q, k, v, group, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+        final = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out if kernel is Kernel.REFERENCE else final, lse)
         ctx.args = (group, scale, kernel)
-        return out.to(q.dtype)
+        return final
 
     @staticmethod
     def backward(ctx, dout):
@@ -103,8 +104,9 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: ProcessGroup, softmax_scale: float | None = None,
-                   kernel: str = "sdpa") -> Tensor:
+                   kernel: str | Kernel = Kernel.AUTO) -> Tensor:
     """Even zig-zag ring: ``q [2c, B, H, D]``, ``k, v [2c, B, G, D]`` -> ``[2c, B, H * D]``."""
     scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
-    out = _RingAttention.apply(q, k, v, group, scale, kernel)
+    concrete = resolve_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[3])
+    out = _RingAttention.apply(q, k, v, group, scale, concrete)
     return out.reshape(out.shape[0], out.shape[1], -1)

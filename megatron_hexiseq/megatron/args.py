@@ -18,8 +18,9 @@ from typing import Any, Callable
 #: Value of Megatron's ``--cp-comm-type`` that selects HexiSeq attention.
 CP_COMM_TYPE = "hexiseq"
 
-#: Attention kernels the flag accepts; ``megatron_hexiseq.attention`` implements them.
-KERNELS = ("sdpa", "reference")
+#: Attention kernels the flag accepts (``megatron_hexiseq.attention.kernels.Kernel``; ``sdpa`` is the
+#: former name of ``auto``).
+KERNELS = ("auto", "flash", "efficient", "cpu-flash", "flash-attn", "reference", "sdpa")
 
 
 def _flag(help: str, *, default: Any, **argparse_kwargs: Any) -> Any:
@@ -34,8 +35,15 @@ class HexiSeqArgs:
         "Layout JSON (from 'megatron-hexiseq plan') that every context-parallel domain runs; "
         "enables HexiSeq together with --cp-comm-type hexiseq.", metavar="PATH", default=None)
     kernel: str = _flag(
-        "Attention block kernel: 'sdpa' (torch fused attention) or 'reference' (pure torch, "
-        "the numerical oracle; slow).", choices=KERNELS, default="sdpa")
+        "Attention block kernel. auto (default): PyTorch's fused kernels chosen by device and dtype "
+        "(CUDA bf16/fp16: flash; CUDA fp32 or head dims flash cannot take: efficient; CPU: cpu-flash); "
+        "flash, efficient, cpu-flash: that kernel; flash-attn: the optional flash_attn package; "
+        "reference: pure torch with [S, T] scores (the numerical oracle; short sequences only). "
+        "Checked at start-up by one tiny forward+backward on the real device and dtype.",
+        choices=KERNELS, default="auto")
+    fp32_grad_wire: bool = _flag(
+        "Return the sub-ring's dK/dV to their holders in float32 instead of the input dtype "
+        "(twice the backward K/V traffic in bf16; see docs/attention.md).", default=False)
     comm_chunks: int = _flag(
         "How finely HexiSeq's head all-to-all / sub-ring K/V exchange is split and overlapped "
         "with attention compute (an overlap-tuner knob; integer >= 1).", metavar="N", default=1)

@@ -96,4 +96,4 @@ class HexiSeqCoreAttention(MegatronModule):
         assert query.size(0) == self.runtime.num_tokens, (query.shape, self.runtime.num_tokens)
         return hexiseq_attn_func(query, key, value, groups=self.runtime.groups,
                                  softmax_scale=self.softmax_scale, kernel=self.runtime.kernel,
-                                 comm_chunks=self.comm_chunks)
+                                 comm_chunks=self.comm_chunks, fp32_grad_wire=self.runtime.fp32_grad_wire)

@@ -15,10 +15,12 @@ in ascending order, which is also the order of ``domains[i]``).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,9 @@ from megatron_hexiseq.megatron.args import CP_COMM_TYPE
 
 if TYPE_CHECKING:  # the attention package is imported lazily (another engineer's module)
     from megatron_hexiseq.attention.groups import HexiSeqGroups
+    from megatron_hexiseq.attention.kernels import Kernel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +50,8 @@ class RunShape:
     cp_comm_type: str = CP_COMM_TYPE
     calculate_per_token_loss: bool = True
     multi_latent_attention: bool = False
+    params_dtype: str = "float32"      # the dtype attention runs in (--bf16 / --fp16)
+    head_dim: int | None = None        # kv_channels (None: the start-up kernel check uses 64)
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "RunShape":
@@ -64,6 +71,9 @@ class RunShape:
             cp_comm_type=cp_comm,
             calculate_per_token_loss=bool(args.calculate_per_token_loss),
             multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
+            params_dtype="bfloat16" if getattr(args, "bf16", False) else
+            "float16" if getattr(args, "fp16", False) else "float32",
+            head_dim=getattr(args, "kv_channels", None),
         )
 
 
@@ -139,12 +149,14 @@ def check_devices(layout: Layout, domains: Sequence[Sequence[int]], device_names
 
 @dataclass(frozen=True, kw_only=True)
 class HexiSeqRuntime:
-    """What the Megatron modules of one process need: the layout, its groups and the kernel."""
+    """What the Megatron modules of one process need: the layout, its groups and the kernel
+    (concrete: proven on this device and dtype by ``build_runtime``)."""
 
     layout: Layout
     groups: "HexiSeqGroups"
-    kernel: str = "sdpa"
+    kernel: "Kernel"
     comm_chunks: int = 1
+    fp32_grad_wire: bool = False
 
     @property
     def rank(self) -> int:
@@ -181,15 +193,53 @@ def local_device_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
+def runtime_device() -> torch.device:
+    """The device this process computes on: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def nccl_comm_cfgs(path: str | None, high_priority_stream_groups: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Megatron's per-group NCCL settings: ``--nccl-communicator-config-path`` YAML plus
+    ``--high-priority-stream-groups``, read as ``initialize_model_parallel`` reads them."""
+    import yaml
+
+    cfgs: dict[str, dict[str, Any]] = {}
+    if path:
+        if not os.path.isfile(path):
+            raise HexiSeqError(f"--nccl-communicator-config-path {path} does not exist")
+        with open(path, encoding="utf-8") as f:
+            cfgs = yaml.safe_load(f) or {}
+    for name in high_priority_stream_groups or ():
+        cfgs.setdefault(name, {})["is_high_priority_stream"] = True
+    return cfgs
+
+
+def hexiseq_pg_options(cfgs: dict[str, dict[str, Any]]):
+    """``kind -> ProcessGroupNCCL.Options`` for HexiSeq's groups: ``hexiseq_cp`` / ``hexiseq_a2a``
+    entries of the NCCL YAML when present, else the ``cp`` entry (the traffic they replace)."""
+    def options(kind: str) -> Any:
+        from megatron.core.parallel_state import get_nccl_options
+
+        name = f"hexiseq_{kind}" if f"hexiseq_{kind}" in cfgs else "cp"
+        return get_nccl_options(name, cfgs)
+
+    return options
+
+
 def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup | None,
-                  kernel: str = "sdpa", comm_chunks: int = 1, allow_mismatch: bool = False,
-                  source: str = "layout") -> HexiSeqRuntime:
-    """Check ``layout`` against the run and build this process's ``HexiSeqRuntime``.
+                  kernel: str = "auto", comm_chunks: int = 1, allow_mismatch: bool = False,
+                  source: str = "layout", timeout: timedelta | None = None,
+                  nccl_cfgs: dict[str, dict[str, Any]] | None = None,
+                  fp32_grad_wire: bool = False) -> HexiSeqRuntime:
+    """Check ``layout`` against the run, prove the attention kernel, build this process's groups.
 
     Collective over the default group (every process calls it once, after Megatron's
-    ``initialize_model_parallel``). ``cp_group`` is Megatron's CP group of this process.
+    ``initialize_model_parallel``). ``cp_group`` is Megatron's CP group of this process;
+    ``timeout`` and ``nccl_cfgs`` (``nccl_comm_cfgs``) are applied to HexiSeq's own groups as
+    Megatron applies them to its own (NCCL options only on the NCCL backend).
     """
     from megatron_hexiseq.attention.groups import build_hexiseq_groups
+    from megatron_hexiseq.attention.kernel_check import check_kernel
 
     check_run(layout, run, source=source)
     if dist.get_world_size() != run.world_size:
@@ -205,7 +255,23 @@ def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup 
     for problem in check_devices(layout, domains, names, allow_mismatch=allow_mismatch):
         if dist.get_rank() == 0:
             warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)
-    groups = build_hexiseq_groups(layout, domains=domains)
+    device = runtime_device()
+    concrete, failure = None, None
+    try:  # every rank proves its own device; all agree before anyone creates a group
+        concrete = check_kernel(kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64)
+    except HexiSeqError as e:
+        failure = str(e)
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [(g, f) for g, f in enumerate(failures) if f]
+    if failed:
+        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise HexiSeqError(f"global rank {failed[0][0]}: {failed[0][1]}{more}")
+    assert concrete is not None
+    nccl = dist.get_backend() == "nccl"
+    groups = build_hexiseq_groups(layout, domains=domains, device=device, timeout=timeout,
+                                  pg_options=hexiseq_pg_options(nccl_cfgs or {}) if nccl else None)
     if cp_group is not None:
         assert groups.rank == dist.get_rank(cp_group), (groups.rank, dist.get_rank(cp_group))
-    return HexiSeqRuntime(layout=layout, groups=groups, kernel=kernel, comm_chunks=comm_chunks)
+    return HexiSeqRuntime(layout=layout, groups=groups, kernel=concrete, comm_chunks=comm_chunks,
+                          fp32_grad_wire=fp32_grad_wire)

@@ -9,7 +9,9 @@
 
 Order of events inside Megatron's ``pretrain``:
 ``parse_args(extra_args_provider)``: our ``--hexiseq-*`` flags; right after argparse has parsed,
-a post-parse hook on that parser calls the overlap tuner's
+a post-parse hook on that parser hands a HexiSeq run's ``--seq-length`` to ``validate_args`` as
+``encoder_seq_length`` when it is not a multiple of 2 x CP (``defer_seq_length_check``), and calls
+the overlap tuner's
 ``megatron_hexiseq.overlap.megatron_hooks.configure_from_args(args)`` (before ``validate_args``
 and before the process groups exist, so bucket size and NCCL options take effect) ->
 ``validate_args`` -> ``initialize_model_parallel`` (CP size = layout world size) -> ``get_model``
@@ -27,6 +29,7 @@ import argparse
 import importlib
 import sys
 import warnings
+from datetime import timedelta
 from functools import partial
 from types import ModuleType
 from typing import Any, Callable
@@ -42,7 +45,7 @@ def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.Argu
     """Megatron ``extra_args_provider``: the ``--hexiseq-*`` flags, ``chain``'s flags, post-parse hook."""
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_hexiseq_args(parser, chain=chain)
-        _after_parse(parser, configure_overlap)
+        _after_parse(parser, after_parse)
         return parser
 
     return provider
@@ -59,6 +62,30 @@ def _after_parse(parser: argparse.ArgumentParser, hook: Callable[[argparse.Names
         return namespace, rest
 
     parser.parse_known_args = parse_and_hook  # type: ignore[method-assign]
+
+
+def after_parse(args: argparse.Namespace) -> None:
+    """The post-parse hook: ``defer_seq_length_check`` then ``configure_overlap``."""
+    defer_seq_length_check(args)
+    configure_overlap(args)
+
+
+def defer_seq_length_check(args: argparse.Namespace) -> None:
+    """Let ``validate_args`` accept a HexiSeq sequence length that is not a multiple of 2 x CP.
+
+    Megatron-LM's ``validate_args`` (core_v0.16.1) asserts ``seq_length % (2 * context_parallel_size)
+    == 0`` for its even zig-zag split, which a HexiSeq layout does not use (any length splits). The
+    assert runs only when ``seq_length`` is set; right after it, ``validate_args`` copies
+    ``encoder_seq_length`` into ``seq_length`` when ``seq_length`` is None. So for a HexiSeq run
+    (``--hexiseq-layout`` and ``--cp-comm-type hexiseq``) whose length fails that assert, this moves
+    the value to ``encoder_seq_length``; ``validate_args`` then restores it, with every other check
+    on ``seq_length`` (max position embeddings, ...) still applied. Stock runs are untouched.
+    """
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    seq = getattr(args, "seq_length", None)
+    if (getattr(args, "hexiseq_layout", None) and CP_COMM_TYPE in _cp_comm_types(args) and cp > 1
+            and seq is not None and seq % (2 * cp) and getattr(args, "encoder_seq_length", None) is None):
+        args.encoder_seq_length, args.seq_length = seq, None
 
 
 def configure_overlap(args: argparse.Namespace) -> None:
@@ -91,7 +118,7 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
     """
     from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
-    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
+    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime, nccl_comm_cfgs
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
     hs = HexiSeqArgs.from_namespace(args)  # after it: the overlap hook may set --hexiseq-comm-chunks
@@ -105,9 +132,14 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
 
         cp_group = mpu.get_context_parallel_group()
     layout = Layout.load(hs.layout)
+    minutes = getattr(args, "distributed_timeout_minutes", None)
     runtime = build_runtime(layout, RunShape.from_megatron_args(args), cp_group=cp_group,
                             kernel=hs.kernel, comm_chunks=hs.comm_chunks,
-                            allow_mismatch=hs.allow_mismatch, source=f"layout {hs.layout}")
+                            allow_mismatch=hs.allow_mismatch, source=f"layout {hs.layout}",
+                            timeout=timedelta(minutes=minutes) if minutes else None,
+                            nccl_cfgs=nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None),
+                                                     getattr(args, "high_priority_stream_groups", None) or ()),
+                            fp32_grad_wire=hs.fp32_grad_wire)
     if getattr(args, "create_attention_mask_in_dataloader", False) and getattr(args, "rank", 0) == 0:
         warnings.warn("hexiseq: the dataloader's attention mask is not used (HexiSeq attention is causal "
                       "by construction); pass --no-create-attention-mask-in-dataloader to save memory",

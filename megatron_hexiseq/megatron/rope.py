@@ -3,9 +3,17 @@
 ``GPTModel`` computes rotary frequencies for ``local_len x CP`` positions and keeps Megatron's
 even 2 x CP zig-zag slice of them; under an uneven layout that slice is wrong. ``install_rope``
 replaces ``model.rotary_pos_emb`` with ``LayoutRotaryEmbedding``, which returns the frequencies
-of exactly this rank's global positions (segment order), computed once at construction with the
-original module's ``inv_freq`` / interpolation / interleaving and kept as a non-persistent buffer
-(it follows ``model.cuda()``/``.to()``; no ``torch.cuda.current_device()``; not in checkpoints).
+of exactly this rank's global positions (segment order), computed with the original module's
+``inv_freq`` / interpolation / interleaving and kept as a non-persistent buffer (it follows
+``model.cuda()``/``.to()``; no ``torch.cuda.current_device()``; not in checkpoints).
+
+The angles stay float32 whatever the module's dtype. Megatron's ``Float16Module`` calls
+``module.bfloat16()``/``.half()``, which casts every floating buffer: bf16 angles at position 120000
+are off by up to 256 (every 256 consecutive positions share one value) and fp16 angles overflow
+past 65504. So the buffers are the int64 positions and the float32 ``inv_freq`` bits stored as
+int32 (neither is cast), and after every ``_apply`` (``.to``, ``.cuda``, ``.bfloat16``) the float32
+angles are recomputed from them on the module's device. Stock ``RotaryEmbedding`` computes its
+angles in float32 in every forward for the same reason.
 
 Shape: ``forward(...) -> emb [s_r, 1, 1, rotary_dim]`` (float32), as ``RotaryEmbedding.forward``.
 """
@@ -44,10 +52,22 @@ class LayoutRotaryEmbedding(nn.Module):
                                    "(only standard RoPE is supported with HexiSeq)")
         self.num_tokens = len(positions)
         self.rotary_interleaved = original.rotary_interleaved
-        emb = rope_angles(torch.tensor(list(positions), dtype=torch.int64), original.inv_freq.float(),
-                          interleaved=original.rotary_interleaved,
-                          interpolation_factor=original.seq_len_interpolation_factor)
-        self.register_buffer("emb", emb, persistent=False)
+        self.interpolation_factor = original.seq_len_interpolation_factor
+        inv_freq = original.inv_freq.detach().to("cpu", torch.float32).contiguous()
+        self.register_buffer("positions", torch.tensor(list(positions), dtype=torch.int64), persistent=False)
+        self.register_buffer("inv_freq_bits", inv_freq.view(torch.int32).clone(), persistent=False)
+        self.register_buffer("emb", self._angles(), persistent=False)
+
+    def _angles(self) -> torch.Tensor:
+        """float32 angles ``[s_r, 1, 1, rotary_dim]`` on the buffers' device."""
+        inv_freq = self.inv_freq_bits.view(torch.float32)
+        return rope_angles(self.positions, inv_freq, interleaved=self.rotary_interleaved,
+                           interpolation_factor=self.interpolation_factor)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "LayoutRotaryEmbedding":
+        super()._apply(fn, recurse)
+        self.emb = self._angles()  # float32 again, on the (possibly new) device
+        return self
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         """GPTModel asks for a length before calling forward; ours is fixed by the layout."""
