@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Apply megatron-hexiseq's small patch to Megatron-LM's pretrain_gpt.py (tag core_v0.16.1).
 # Usage: scripts/apply_megatron_patch.sh MEGATRON_DIR
-# The patch adds the --hexiseq-* flags (extra_args_provider) and the layout hooks (model provider);
+# The patch adds the --hexiseq-* flags (extra_args_provider, also in --help) and the layout hooks
+# (model provider, forward step);
 # without --hexiseq-layout the patched script behaves exactly like the original.
 # Idempotent: says so and exits 0 when the patch is already in place.
 set -euo pipefail
@@ -12,6 +13,9 @@ if [ -z "$DIR" ] || [ ! -f "$DIR/pretrain_gpt.py" ]; then
   exit 2
 fi
 cd "$DIR"
+# git apply inside a folder of some other repository (a snapshot unpacked into a project) would
+# apply paths relative to that repository and skip ours: look for a repository in DIR only.
+export GIT_CEILING_DIRECTORIES=$(dirname "$PWD")
 if git apply --reverse --check "$PATCH" 2>/dev/null; then
   echo "already applied: $DIR/pretrain_gpt.py has the megatron-hexiseq hooks; nothing to do"
   exit 0
@@ -25,5 +29,6 @@ git apply "$PATCH"
 echo "patched $DIR/pretrain_gpt.py with $PATCH:"
 git apply --stat "$PATCH" | sed 's/^/  /'
 echo "  + import of megatron_hexiseq.megatron.plugin"
+echo "  + hexiseq.help_with_hexiseq_flags(...) before inprocess_restart (--help lists the --hexiseq-* flags)"
 echo "  + pretrain(hexiseq.model_provider(...), ..., hexiseq.forward_step(forward_step), ..., extra_args_provider=hexiseq.extra_args_provider(...))"
 echo "undo with: git -C $DIR apply --reverse $PATCH"
