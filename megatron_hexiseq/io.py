@@ -232,3 +232,5 @@ def read_yaml(path: str | os.PathLike, what: str = "YAML file") -> Any:
         raise HexiSeqError(f"{what} {path} is not valid YAML{where}: {problem}") from None
     except RecursionError:
         raise HexiSeqError(f"{what} {path} is nested too deeply to be a {what}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise HexiSeqError(f"{what} {path} is not valid YAML: {short(str(e))}") from None
