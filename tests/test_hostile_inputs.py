@@ -376,8 +376,11 @@ def _cmdline(pid: int) -> bytes:
 def _interrupt(argv: list[str], world: int, how: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    # a shell starts background jobs with SIGINT ignored, and exec keeps that: give the command
+    # the default a person's terminal gives it
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path, start_new_session=True)
+                            env=env, cwd=tmp_path, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         ranks: list[int] = []
         for _ in range(1200):  # wait (up to 2 minutes on a loaded machine) until every rank runs
