@@ -33,29 +33,10 @@ def _umask() -> int:
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise HexiSeqError(f"cannot write {path}: folder {folder} does not exist; create it first")
-    if path.is_symlink():
-        raise HexiSeqError(f"cannot write {path}: it is a symbolic link; give the real path or remove the link")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise HexiSeqError(f"cannot write {path}: {e.strerror} (folder {folder})") from None
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        _unlink(tmp)
-        raise HexiSeqError(f"cannot write {path}: {e.strerror}") from None
-    except BaseException:
-        _unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _unlink(path: str) -> None:
@@ -72,6 +53,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     suffix; it replaces ``path`` (user's umask) only if the block succeeds."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise HexiSeqError(f"cannot write {path}: folder {folder} does not exist; create it first")
     if path.is_symlink():
         raise HexiSeqError(f"cannot write {path}: it is a symbolic link; give the real path or remove the link")
     try:

@@ -99,8 +99,9 @@ def _short(text: str, limit: int = 60) -> str:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
+    from megatron_hexiseq.cli import run_user_command
     from megatron_hexiseq.cluster import cluster_to_dict, load_cluster
-    from megatron_hexiseq.io import write_text_atomic
+    from megatron_hexiseq.io import check_outputs, write_text_atomic
 
     parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.slurm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,16 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     p1.add_argument("--hosts", required=True)
     p1.add_argument("-o", "--output", required=True)
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         if args.command == "hostnames":
             print("\n".join(expand_hostlist(args.hostlist)))
-        else:
-            renamed = rename_hosts(load_cluster(args.cluster), expand_hostlist(args.hosts))
-            write_text_atomic(args.output, yaml.safe_dump(cluster_to_dict(renamed), sort_keys=False))
-    except HexiSeqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+            return 0
+        check_outputs([("-o", args.output)], inputs=[args.cluster])
+        renamed = rename_hosts(load_cluster(args.cluster), expand_hostlist(args.hosts))
+        write_text_atomic(args.output, yaml.safe_dump(cluster_to_dict(renamed), sort_keys=False))
+        return 0
+
+    return run_user_command(body)
 
 
 if __name__ == "__main__":
