@@ -79,8 +79,11 @@ def test_patch_parses_and_apply_script_is_idempotent(tmp_path):
     second = subprocess.run([str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert second.returncode == 0 and "already applied" in second.stdout
     assert (tmp_path / "pretrain_gpt.py").read_text() == patched
-    subprocess.run(["git", "apply", "--reverse", str(PATCH)], cwd=tmp_path, check=True)
+    undo = subprocess.run([str(SCRIPT), "--undo", str(tmp_path)], capture_output=True, text=True)
+    assert undo.returncode == 0 and "removed" in undo.stdout, undo.stderr
     assert (tmp_path / "pretrain_gpt.py").read_text() == original
+    again = subprocess.run([str(SCRIPT), "--undo", str(tmp_path)], capture_output=True, text=True)
+    assert again.returncode == 2 and "nothing to undo" in again.stderr
 
 
 @needs_git
