@@ -60,6 +60,10 @@ def _child_main(folder: str, rank: int) -> None:
     _die_with_parent()
     import faulthandler
     import multiprocessing.spawn
+    import warnings
+
+    # every rank of a CPU run would repeat these; nothing to act on without a GPU
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed", category=UserWarning)
 
     stacks = open(os.path.join(folder, f"stack{rank}.txt"), "w")  # noqa: SIM115 (open for the process' life)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)  # the parent asks before a kill
