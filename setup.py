@@ -1,6 +1,12 @@
 """megatron-hexiseq: heterogeneous long-context training for Megatron-LM."""
 from setuptools import find_packages, setup
 
+# What Megatron-LM's own pretrain_gpt.py (tag core_v0.16.1) imports besides megatron-core, found by
+# importing it from the unpacked snapshot in a fresh venv: six and regex (its tokenizers), pydantic
+# (megatron.training config), triton (imported at module level by megatron.training.initialize ->
+# batch_invariant_kernels; GPU kernels only, nothing on the CPU path calls it; Linux wheels only).
+MEGATRON_LM_DEPS = ["six", "regex", "pydantic", "triton; platform_system == 'Linux'"]
+
 setup(
     name="megatron-hexiseq",
     version="0.1.0",
@@ -22,7 +28,8 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine", "flash-attn", "nvidia-ml-py"],
-        "test": ["pytest"],
+        "megatron-lm": MEGATRON_LM_DEPS,
+        "test": ["pytest", *MEGATRON_LM_DEPS],
     },
     entry_points={"console_scripts": ["megatron-hexiseq=megatron_hexiseq.cli:main"]},
 )

@@ -3,13 +3,17 @@
 Each command lives in ``megatron_hexiseq/commands/<name>.py`` and defines
 ``add_parser(subparsers)`` (registering itself, with ``--help`` examples) and ``run(args) -> int``.
 User mistakes raise ``HexiSeqError``: printed on one line as ``error: ...``, exit code 2.
+SIGINT (Ctrl-C) and SIGTERM: ``error: interrupted``, exit code 130, child processes killed.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from typing import Callable
 
+from megatron_hexiseq import __version__
 from megatron_hexiseq.errors import HexiSeqError
 
 COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune")
@@ -23,30 +27,45 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatron-hexiseq", description=__doc__.splitlines()[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"megatron_hexiseq.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"megatron_hexiseq.commands.{name}":
-                raise
-            continue  # command not built yet
+        module = importlib.import_module(f"megatron_hexiseq.commands.{name}")
         module.add_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_user_command(body: Callable[[], int]) -> int:
+    """Run ``body`` as a command a person started: user errors one line + exit 2, SIGINT/SIGTERM
+    ``error: interrupted`` + exit 130 (children are killed on the way out), no traceback for either."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt), signal.getsignal(signal.SIGINT)
     try:
-        return int(args.run(args) or 0)
+        return int(body() or 0)
     except HexiSeqError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `megatron-hexiseq show x | head`
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body() -> int:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+
+    return run_user_command(body)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
 
 DEFAULT_EFFICIENCY = 0.5
@@ -244,13 +244,15 @@ def _build(data: Any, source: str) -> Cluster:
     _no_unknown(data, _TOP_KEYS, "top level")
     name = data.get("name", "cluster")
     if not isinstance(name, str) or not name:
-        raise HexiSeqError(f"'name' must be a non-empty string, got {name!r}")
+        raise HexiSeqError(f"'name' must be a non-empty string, got {short(name)}")
     types = dict(GPU_CATALOG)
     custom = data.get("gpus") or {}
     if not isinstance(custom, Mapping):
         raise HexiSeqError(f"'gpus' must map GPU type names to their numbers, got {_kind(custom)}")
     for gname, spec in custom.items():
-        types[str(gname)] = _gpu_type(str(gname), spec, GPU_CATALOG.get(str(gname)), source)
+        if not isinstance(gname, str) or not gname:
+            raise HexiSeqError(f"'gpus' keys must be GPU type names, got {short(gname)}")
+        types[gname] = _gpu_type(gname, spec, GPU_CATALOG.get(gname), source)
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise HexiSeqError("'nodes' must be a non-empty list of nodes")
@@ -259,7 +261,7 @@ def _build(data: Any, source: str) -> Cluster:
     for i, raw in enumerate(raw_nodes):
         node = _node(i, raw, types)
         if node.name in seen:
-            raise HexiSeqError(f"node name {node.name!r} appears twice; node names must be unique hostnames")
+            raise HexiSeqError(f"node name {short(node.name)} appears twice; node names must be unique hostnames")
         seen.add(node.name)
         nodes.append(node)
     devices = tuple(
@@ -306,15 +308,16 @@ def _node(i: int, raw: Any, types: Mapping[str, GpuType]) -> Node:
             raise HexiSeqError(f"{where} is missing '{key}'")
     name, gpu_name = raw["name"], raw["gpu"]
     if not isinstance(name, str) or not name:
-        raise HexiSeqError(f"{where}.name must be a non-empty string, got {name!r}")
-    where = f"node {name!r}"
+        raise HexiSeqError(f"{where}.name must be a non-empty string, got {short(name)}")
+    where = f"node {short(name)}"
     if not isinstance(gpu_name, str) or gpu_name not in types:
-        raise HexiSeqError(f"{where}: unknown GPU {gpu_name!r}; known: {', '.join(sorted(types))} "
+        raise HexiSeqError(f"{where}: unknown GPU {short(gpu_name)}; known: {', '.join(sorted(types))} "
                            "(or describe it under 'gpus')")
     gpu = types[gpu_name]
     count = raw["count"]
-    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-        raise HexiSeqError(f"{where}: count must be a positive integer, got {count!r}")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= MAX_GPUS_PER_NODE:
+        big = f" (at most {MAX_GPUS_PER_NODE})" if isinstance(count, int) and count > MAX_GPUS_PER_NODE else ""
+        raise HexiSeqError(f"{where}: count must be a positive integer, got {short(count)}{big}")
     return Node(
         name=name, gpu=gpu, count=count,
         nvlink_GBps=_positive(raw.get("nvlink_GBps", gpu.nvlink_GBps), f"{where}: nvlink_GBps"),
@@ -323,22 +326,33 @@ def _node(i: int, raw: Any, types: Mapping[str, GpuType]) -> Node:
     )
 
 
+MIN_VALUE, MAX_VALUE = 1e-9, 1e9  # any rate, size or bandwidth outside is a typo, and would overflow costs
+MAX_GPUS_PER_NODE = 1_000_000
+
+
 def _non_negative(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-        raise HexiSeqError(f"{what} must be a number >= 0, got {x!r}")
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_VALUE:  # NaN fails too
+        raise HexiSeqError(f"{what} must be a number >= 0, got {short(x)}{_range_note(x, 0)}")
     return x
 
 
 def _positive(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise HexiSeqError(f"{what} must be a positive number, got {x!r}")
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not MIN_VALUE <= x <= MAX_VALUE:
+        raise HexiSeqError(f"{what} must be a positive number, got {short(x)}{_range_note(x, MIN_VALUE)}")
     return x
 
 
+def _range_note(x: Any, low: float) -> str:
+    """Why a number that looks valid is refused: outside the range the cost model can compute with."""
+    numeric = isinstance(x, (int, float)) and not isinstance(x, bool)
+    return f" (allowed: {low:g} to {MAX_VALUE:g})" if numeric and (x > MAX_VALUE or 0 < x < low) else ""
+
+
 def _no_unknown(d: Mapping, allowed: set[str], where: str) -> None:
-    unknown = sorted(str(k) for k in d if k not in allowed)
+    unknown = sorted(short(k) for k in d if k not in allowed)
     if unknown:
-        raise HexiSeqError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}")
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise HexiSeqError(f"{where}: unknown key(s) {shown}; allowed: {', '.join(sorted(allowed))}")
 
 
 def _kind(x: Any) -> str:

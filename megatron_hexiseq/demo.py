@@ -189,45 +189,54 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hexiseq.cluster import load_cluster
-    from megatron_hexiseq.costmodel import TrainOptions
-    from megatron_hexiseq.io import write_json_atomic
-    from megatron_hexiseq.model import get_model
+    from megatron_hexiseq.cli import run_user_command
 
     p = argparse.ArgumentParser(prog="python -m megatron_hexiseq.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--cluster", required=True, help="cluster spec (from `megatron-hexiseq profile`)")
-    p.add_argument("--layout", required=True, help="HexiSeq layout (from `megatron-hexiseq plan`)")
+    p.add_argument("--cluster", required=True, help="cluster spec (from 'megatron-hexiseq profile')")
+    p.add_argument("--layout", required=True, help="HexiSeq layout (from 'megatron-hexiseq plan')")
     p.add_argument("--model-config", required=True, help="model YAML used for the plan")
     p.add_argument("--testbed", required=True, help="testbed shape used for the profile, e.g. 1+2")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--kernel", default="sdpa", choices=("sdpa", "reference"))
-    p.add_argument("-o", "--output", default="results/demo.json")
-    p.add_argument("--plot", default="results/demo.png")
+    p.add_argument("--steps", type=int, default=30, help="training steps per layout (default 30)")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
+    p.add_argument("--kernel", default="sdpa", choices=("sdpa", "reference"), help="attention kernel (default sdpa)")
+    p.add_argument("-o", "--output", default="results/demo.json", help="comparison JSON (default results/demo.json)")
+    p.add_argument("--plot", default="results/demo.png", help="figure; '' for none (default results/demo.png)")
     args = p.parse_args(argv)
-    try:
-        if args.steps <= args.warmup:
-            raise HexiSeqError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-        layout = Layout.load(args.layout)
-        cluster = load_cluster(args.cluster)
-        model = get_model(config_path=args.model_config, overrides={"seq_length": layout.seq_length})
-        options = replace(TrainOptions(), **_options_from_layout(layout))
+    return run_user_command(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.cluster import load_cluster
+    from megatron_hexiseq.commands._progress import waiting
+    from megatron_hexiseq.costmodel import TrainOptions
+    from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path, write_json_atomic
+    from megatron_hexiseq.model import get_model
+    from megatron_hexiseq.planner.inputs import layout_options
+
+    if not 0 <= args.warmup < args.steps <= 100_000:
+        raise HexiSeqError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0 (and be at most 100000)")
+    plot_path = args.plot or None
+    check_plot_path("--plot", plot_path)  # every output is checked before minutes of training
+    check_outputs([("-o", args.output), ("--plot", plot_path)],
+                  inputs=[args.cluster, args.layout, args.model_config])
+    layout = Layout.load(args.layout)
+    cluster = load_cluster(args.cluster)
+    model = get_model(config_path=args.model_config, overrides={"seq_length": layout.seq_length})
+    options = replace(TrainOptions(), **_options_from_layout(layout_options(layout, args.layout)))
+    with waiting(f"training twice on testbed {args.testbed}, {args.steps} steps each"):
         rec = compare(cluster, model, options, layout, args.testbed, steps=args.steps, warmup=args.warmup,
                       kernel=args.kernel)
-    except HexiSeqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if plot_path:
+        with atomic_path(plot_path) as tmp:
+            plot(rec, tmp)
     write_json_atomic(args.output, rec)
     print_table(rec)
-    if args.plot:
-        plot(rec, args.plot)
-    print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else ""))
+    print(f"wrote {args.output}" + (f" and {plot_path}" if plot_path else ""))
     return 0 if rec["losses_agree"] else 1
 
 
-def _options_from_layout(layout: Layout) -> dict[str, Any]:
-    """The TrainOptions fields the planner recorded in the layout's meta (if any)."""
-    opts = dict(layout.meta.get("options", {}))
+def _options_from_layout(opts: dict[str, Any]) -> dict[str, Any]:
+    """The TrainOptions fields among the options the planner recorded in a layout's meta."""
     keep = ("micro_batch_size", "recompute", "memory_mode", "data_parallel_size", "capacity_fraction")
     return {k: v for k, v in opts.items() if k in keep}
 

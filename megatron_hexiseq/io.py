@@ -1,33 +1,95 @@
-"""Small file helpers: atomic writes and YAML/JSON reads that raise HexiSeqError."""
+"""File helpers: safe readers (YAML/JSON -> HexiSeqError) and atomic writers, and the output checks
+every command runs before its long work.
+
+Writers: a temporary file in the target's folder, then ``os.replace``: a crash or error half-way
+leaves the old file (or none), never a partial one. The file gets the user's umask (``0o666 &
+~umask``, not ``mkstemp``'s 0600). :func:`check_outputs` refuses, up front: an output that is an
+input (or another output), a symbolic link (written through, it would replace another file), an
+existing non-regular file (``/dev/full``, a directory), a missing or unwritable folder.
+
+Readers: missing files, non-UTF-8 bytes, syntax errors, duplicate YAML keys, nesting too deep and
+files over ``MAX_INPUT_BYTES`` are one-line HexiSeqErrors naming the file.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, short
+
+MAX_INPUT_BYTES = 256 << 20  # a 100,000-GPU layout is ~30 MB
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``.
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
-    A crash or error half-way leaves the old file (or no file) in place, never a partial one.
-    """
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """``with atomic_path("out.png") as tmp: savefig(tmp)``: for writers that want a file name
+    (matplotlib picks the format from the suffix). ``tmp`` is in the same folder with the same
+    suffix; it replaces ``path`` (user's umask) only if the block succeeds."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise HexiSeqError(f"cannot write {path}: folder {folder} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    if path.is_symlink():
+        raise HexiSeqError(f"cannot write {path}: it is a symbolic link; give the real path or remove the link")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=folder)
+    except OSError as e:
+        raise HexiSeqError(f"cannot write {path}: {e.strerror} (folder {folder})") from None
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        os.close(fd)
+        yield tmp
         os.replace(tmp, path)
+    except OSError as e:
+        _unlink(tmp)
+        raise HexiSeqError(f"cannot write {path}: {e.strerror}") from None
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _unlink(tmp)
         raise
+
+
+def check_plot_path(flag: str, path: str | os.PathLike | None) -> None:
+    """A figure path whose suffix matplotlib can write (checked before the work that makes it)."""
+    if path is None:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        raise HexiSeqError(f"{flag} {path}: cannot write a figure as {'.' + suffix if suffix else 'a file without a suffix'};"
+                           f" use one of {', '.join('.' + k for k in sorted(kinds))}")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -35,32 +97,123 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
-def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
-    """Read JSON, turning missing files and syntax errors into one-line HexiSeqErrors."""
+def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]],
+                  inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+    """Before any long work: every ``(flag, path)`` in ``outputs`` (None = not requested) can be
+    written atomically and clobbers no input and no other output."""
+    ins = [Path(p) for p in inputs if p]
+    seen: list[tuple[str, Path]] = []
+    for flag, raw in outputs:
+        if raw is None:
+            continue
+        if str(raw) == "":
+            raise HexiSeqError(f"{flag} is empty; give a file name")
+        path = Path(raw)
+        if path.is_symlink():
+            raise HexiSeqError(f"{flag} {path} is a symbolic link; writing through it would replace another file: "
+                               "give the real path or remove the link")
+        if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise HexiSeqError(f"{flag} {path} is {kind}; give a file name to write")
+        for other in ins:
+            if _same(path, other):
+                raise HexiSeqError(f"{flag} {path} is also an input ({other}); writing it would destroy the input: "
+                                   "give another output path")
+        for oflag, other in seen:
+            if _same(path, other):
+                raise HexiSeqError(f"{flag} and {oflag} are the same file {path}; give two different paths")
+        seen.append((flag, path))
+        folder = path.parent if str(path.parent) else Path(".")
+        if not folder.is_dir():
+            raise HexiSeqError(f"cannot write {flag} {path}: folder {folder} does not exist; create it first")
+        try:  # the only test that holds for root, read-only mounts and ACLs alike: create a file there
+            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+        except OSError as e:
+            raise HexiSeqError(f"cannot write {flag} {path}: {e.strerror} (folder {folder})") from None
+        os.close(fd)
+        _unlink(probe)
+
+
+def _same(a: Path, b: Path) -> bool:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _read_text(path: str | os.PathLike, what: str) -> str:
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_INPUT_BYTES:
+            raise HexiSeqError(f"{what} {path} is {size >> 20} MiB, more than the {MAX_INPUT_BYTES >> 20} MiB "
+                               "an input may be; is it the right file?")
+        with open(path, "rb") as f:
+            data = f.read(MAX_INPUT_BYTES + 1)
     except FileNotFoundError:
         raise HexiSeqError(f"{what} {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise HexiSeqError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except IsADirectoryError:
+        raise HexiSeqError(f"{what} {path} is a directory, not a file") from None
     except OSError as e:
         raise HexiSeqError(f"cannot read {what} {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HexiSeqError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                           "save it as UTF-8") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """Read JSON, turning every problem with the file into a one-line HexiSeqError."""
+    text = _read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HexiSeqError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise HexiSeqError(f"{what} {path} is nested too deeply to be a {what}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise HexiSeqError(f"{what} {path} is not valid JSON: {short(str(e))}") from None
+
+
+def _yaml_loader():
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """SafeLoader that rejects a key given twice in one mapping (YAML would keep the last)."""
+
+        def construct_mapping(self, node, deep=False):  # type: ignore[override]
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {short(key)} appears twice in one mapping (line "
+                            f"{seen[key].start_mark.line + 1} and line {key_node.start_mark.line + 1})",
+                            key_node.start_mark)
+                    seen[key] = key_node
+                except TypeError:  # unhashable: the base class reports it
+                    break
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def read_yaml(path: str | os.PathLike, what: str = "YAML file") -> Any:
-    """Read YAML, turning missing files and syntax errors into one-line HexiSeqErrors."""
+    """Read YAML (safe, duplicate keys refused), turning every problem into a one-line HexiSeqError."""
     import yaml
 
+    text = _read_text(path, what)
     try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except FileNotFoundError:
-        raise HexiSeqError(f"{what} {path} does not exist") from None
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise HexiSeqError(f"{what} {path} is not valid YAML{where}: {problem}") from None
-    except OSError as e:
-        raise HexiSeqError(f"cannot read {what} {path}: {e.strerror}") from None
+    except RecursionError:
+        raise HexiSeqError(f"{what} {path} is nested too deeply to be a {what}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise HexiSeqError(f"{what} {path} is not valid YAML: {short(str(e))}") from None

@@ -18,10 +18,11 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+MAX_SIZE = 2**31 - 1  # every size is an int32 somewhere in Megatron; larger is a typo (and overflows costs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,20 +45,23 @@ class ModelSpec:
     add_bias_linear: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise HexiSeqError(f"model name must be a string, got {short(self.name)}")
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                   "vocab_size", "kv_channels", "seq_length", "micro_batch_size"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise HexiSeqError(f"model {self.name!r}: {f} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= MAX_SIZE:
+                big = f" (at most {MAX_SIZE})" if isinstance(v, int) and v > MAX_SIZE else ""
+                raise HexiSeqError(f"model {short(self.name)}: {f} must be a positive integer, got {short(v)}{big}")
         for f in ("swiglu", "add_bias_linear"):
             if not isinstance(getattr(self, f), bool):
-                raise HexiSeqError(f"model {self.name!r}: {f} must be true or false, got {getattr(self, f)!r}")
+                raise HexiSeqError(f"model {short(self.name)}: {f} must be true or false, got {short(getattr(self, f))}")
         if self.num_attention_heads % self.num_query_groups:
-            raise HexiSeqError(f"model {self.name!r}: num_attention_heads={self.num_attention_heads} is not a "
+            raise HexiSeqError(f"model {short(self.name)}: num_attention_heads={self.num_attention_heads} is not a "
                                f"multiple of num_query_groups={self.num_query_groups}")
         if self.normalization not in NORMALIZATIONS:
-            raise HexiSeqError(f"model {self.name!r}: normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                               f"got {self.normalization!r}")
+            raise HexiSeqError(f"model {short(self.name)}: normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                               f"got {short(self.normalization)}")
 
     @property
     def heads_per_query_group(self) -> int:
@@ -139,7 +143,7 @@ def get_model(name: str | None = None, *, config_path: str | os.PathLike | None 
                            f"not {'both' if name else 'neither'}; presets: {', '.join(MODEL_PRESETS)}")
     if name is not None:
         spec = _preset(name).to_dict()
-        where = f"model {name!r}"
+        where = f"model {short(name)}"
     else:
         data = read_yaml(config_path, "model spec")
         where = f"model spec {config_path}"
@@ -156,7 +160,7 @@ def model_from_dict(data: Any, *, source: str = "model spec") -> ModelSpec:
 
 def _preset(name: str) -> ModelSpec:
     if name not in MODEL_PRESETS:
-        raise HexiSeqError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)} "
+        raise HexiSeqError(f"unknown model preset {short(name)}; known: {', '.join(MODEL_PRESETS)} "
                            "(or describe it in a YAML and pass --model-config)")
     return MODEL_PRESETS[name]
 
@@ -168,7 +172,10 @@ def _spec_from_yaml(data: Any, where: str) -> dict[str, Any]:
     data = dict(data)
     base: dict[str, Any] = {}
     if "preset" in data:
-        base = _preset(str(data.pop("preset"))).to_dict()
+        preset = data.pop("preset")
+        if not isinstance(preset, str):
+            raise HexiSeqError(f"{where}: preset must be a preset name, got {short(preset)}")
+        base = _preset(preset).to_dict()
     _no_unknown(data, where)
     spec = base | data
     spec.setdefault("name", "custom")
@@ -178,7 +185,7 @@ def _spec_from_yaml(data: Any, where: str) -> dict[str, Any]:
         raise HexiSeqError(f"{where}: missing {', '.join(missing)}")
     for k in ("hidden_size", "num_attention_heads"):
         if not _pos_int(spec[k]):
-            raise HexiSeqError(f"{where}: {k} must be a positive integer, got {spec[k]!r}")
+            raise HexiSeqError(f"{where}: {k} must be a positive integer, got {short(spec[k])}")
     heads, hidden = spec["num_attention_heads"], spec["hidden_size"]
     if "kv_channels" not in spec:
         if hidden % heads:
@@ -198,10 +205,11 @@ def _build(spec: Mapping[str, Any], where: str) -> ModelSpec:
 
 
 def _no_unknown(d: Mapping[str, Any], where: str) -> None:
-    unknown = sorted(str(k) for k in d if k not in _FIELDS)
+    unknown = sorted(short(k) for k in d if k not in _FIELDS)
     if unknown:
-        raise HexiSeqError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_FIELDS)}")
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise HexiSeqError(f"{where}: unknown field(s) {shown}; allowed: {', '.join(_FIELDS)}")
 
 
 def _pos_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+    return isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_SIZE

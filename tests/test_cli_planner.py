@@ -150,3 +150,29 @@ def test_simulate_errors(files, capsys):
     _error(capsys, base + ["--baselines", "--seq-length", "4096", "--plot", str(files / "no" / "x.png")], "create it first")
     assert main(base + ["--baselines", "--seq-length", "4096"]) == 0
     assert "ring" in capsys.readouterr().out
+
+
+def test_seq_length_defaults_to_the_model_file(files, capsys):
+    (files / "m.yaml").write_text("name: tiny\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 8\n"
+                                  "ffn_hidden_size: 128\nvocab_size: 128\nseq_length: 6144\n")
+    assert main(["plan", "--cluster", str(files / "c.yaml"), "--model-config", str(files / "m.yaml"),
+                 "--time-limit", "1", "-o", str(files / "out.json"), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_length"] == 6144
+    _error(capsys, ["plan", "--cluster", str(files / "c.yaml"), "--model", "gpt-3b", "-o", str(files / "o.json")],
+           "give --seq-length N for preset 'gpt-3b'")
+
+
+def test_simulate_takes_cluster_and_model_from_the_layout(files, capsys):
+    assert main(_plan_args(files, "--data-parallel-size", "2")) == 0
+    assert "copies of this cluster" in capsys.readouterr().out
+    assert main(["simulate", "--layout", str(files / "out.json"), "--baselines", "--plot", str(files / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "best is faster by" in out and "small: 4 GPUs, gpt-3b" in out and "ring" in out
+    assert "compute" not in out  # the per-rank tables only with --per-rank
+    assert len(out.splitlines()) < 40 and (files / "s.png").stat().st_size > 1000
+    assert main(["simulate", "--layout", str(files / "out.json"), "--per-rank"]) == 0
+    assert "exposed comm" in capsys.readouterr().out
+    assert main(["simulate", "--layout", str(files / "out.json"), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    lay = json.loads((files / "out.json").read_text())
+    assert rows[0]["iteration_time_s"] == pytest.approx(lay["predicted"]["iteration_time_s"], rel=1e-6)

@@ -1,17 +1,25 @@
-"""Megatron integration against a real Megatron-LM checkout, layer (b): 4 gloo ranks.
+"""Megatron integration against the real Megatron-LM ``core_v0.16.1``: layer (b), 2 gloo ranks,
+plus ``pretrain_gpt.py --help`` in a fresh interpreter.
 
-Skipped unless ``MEGATRON_LM`` names a Megatron-LM checkout at tag ``core_v0.16.1`` whose
-``pretrain_gpt`` imports here (it needs e.g. ``six regex pydantic triton`` besides megatron-core).
-It runs Megatron-LM's own ``parse_args``/``validate_args`` with our ``extra_args_provider``, its
-``model_provider`` and ``gpt_builders`` through ``plugin.model_provider``, and checks: every layer
-got ``HexiSeqCoreAttention``, RoPE follows the layout, ``pretrain_gpt.get_batch_on_this_cp_rank``
-slices by the layout, and the start-up checks reject a wrong run with their messages.
-(CUDA-only corners of Megatron-LM are stubbed: ``get_device_arch_version``.)
+Needs ``MEGATRON_LM`` = a Megatron-LM checkout at tag ``core_v0.16.1`` (``scripts/test.sh`` unpacks
+the snapshot in ``../shared/megatron-lm/`` and sets it; skipped only when it is unset) and
+Megatron-LM's own dependencies (``pip install -e .[megatron-lm]``, part of the ``test`` extra):
+without them the test FAILS with the import error. It runs Megatron-LM's own
+``parse_args``/``validate_args`` with our ``extra_args_provider``, its ``model_provider`` and
+``gpt_builders`` through ``plugin.model_provider``, and checks: every layer got
+``HexiSeqCoreAttention``, RoPE follows the layout, ``pretrain_gpt.get_batch_on_this_cp_rank``
+slices by the layout, and the start-up checks reject a wrong run with their messages; and that
+``--help`` of the patched script and of ``python -m megatron_hexiseq.pretrain_gpt`` lists the
+``--hexiseq-*`` flags. (CUDA-only corners of Megatron-LM are stubbed in the test:
+``get_device_arch_version``.)
 """
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,14 +29,14 @@ from megatron_hexiseq.testing import run_ranks
 MEGATRON_LM = os.environ.get("MEGATRON_LM")
 pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
 
-LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
-                     segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
-                     heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))])
+# one A2A group of 2 ranks: uneven tokens (24 vs 24 in 2 + 1 segments) and heads (3 vs 5)
+LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[2],
+                     segments=[[(0, 6), (30, 48)], [(6, 30)]], heads=[[0, 1, 2], [3, 4, 5, 6, 7]])
 ARGV = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --group-query-attention "
         "--num-query-groups 2 --ffn-hidden-size 96 --swiglu --normalization RMSNorm "
         "--position-embedding-type rope --seq-length 48 --max-position-embeddings 48 "
         "--micro-batch-size 1 --global-batch-size 1 --lr 1e-3 --train-iters 1 --transformer-impl local "
-        "--context-parallel-size 4 --cp-comm-type hexiseq --calculate-per-token-loss "
+        "--context-parallel-size 2 --cp-comm-type hexiseq --calculate-per-token-loss "
         "--hexiseq-kernel reference --use-cpu-initialization --no-gradient-accumulation-fusion "
         "--attention-dropout 0 --hidden-dropout 0 --disable-bias-linear "
         "--no-create-attention-mask-in-dataloader --mock-data --tokenizer-type NullTokenizer "
@@ -86,17 +94,59 @@ def _worker(rank: int, world: int, layout_path: str) -> dict:
     return out
 
 
+def _worker_on_megatron_lm(rank: int, world: int, checkout: str, layout_path: str) -> dict:
+    sys.path.insert(0, checkout)  # this fresh process imports Megatron-LM's megatron/, not the wheel's
+    return _worker(rank, world, layout_path)
+
+
 def test_real_megatron_lm_args_model_provider_and_batch(tmp_path):
-    sys.path.insert(0, MEGATRON_LM)
-    try:
-        import pretrain_gpt  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"Megatron-LM's pretrain_gpt does not import here: {e}")
+    assert (Path(MEGATRON_LM) / "pretrain_gpt.py").is_file(), f"MEGATRON_LM={MEGATRON_LM} has no pretrain_gpt.py"
     path = tmp_path / "layout.json"
     LAYOUT.save(path)
-    results = run_ranks(_worker, 4, str(path), timeout_s=600)
+    results = run_ranks(_worker_on_megatron_lm, 2, MEGATRON_LM, str(path), timeout_s=600)
     for rank, res in enumerate(results):
         assert res["hexiseq_layers"] == 4 and res["rope"]
         assert res["tokens"] == LAYOUT.ranks[rank].positions()
         assert "planned for seq_length 48 but --seq-length is 96" in res["errors"][0]
         assert "add --calculate-per-token-loss" in res["errors"][1]
+
+
+def test_help_lists_hexiseq_flags(tmp_path):
+    """``--help`` through the real snapshot: the patched script and our module entry point.
+
+    Megatron-LM's ``inprocess_restart`` parses the command line once without our
+    ``extra_args_provider``; ``plugin.help_with_hexiseq_flags`` must run before it.
+    """
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(Path(MEGATRON_LM) / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
+    patched = subprocess.run([str(root / "scripts" / "apply_megatron_patch.sh"), str(tmp_path)],
+                             capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), MEGATRON_LM, os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "ignore"}
+    # both entry points in one fresh interpreter (importing Megatron-LM costs seconds), as `python X --help` runs them
+    code = """if True:
+        import contextlib, io, json, runpy, sys
+        script = sys.argv[1]
+        runs = {"patched": lambda: runpy.run_path(script, run_name="__main__"),
+                "module": lambda: runpy.run_module("megatron_hexiseq.pretrain_gpt", run_name="__main__")}
+        out = {}
+        for name, run in runs.items():
+            sys.argv, buf, code = ["pretrain_gpt.py", "--help"], io.StringIO(), None
+            with contextlib.redirect_stdout(buf):
+                try:
+                    run()
+                except SystemExit as e:
+                    code = e.code
+            out[name] = [code, buf.getvalue()]
+        print(json.dumps(out))
+    """
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "pretrain_gpt.py")], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    for name, (code, out) in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        assert code == 0, f"{name}: exit {code}"
+        assert "--hexiseq-layout PATH" in out and "--hexiseq-kernel" in out, f"{name}: {out[-2000:]}"
+        assert "--context-parallel-size" in out  # Megatron's own flags are still there

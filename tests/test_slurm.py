@@ -141,3 +141,68 @@ def test_placements_unit():
     with pytest.raises(HexiSeqError, match="host 'x9', which is not among"):
         placements(make_layout(seq_length=4, num_attention_heads=1, num_query_groups=1, group_sizes=[1],
                                segments=[[(0, 4)]], heads=[[0]], hosts=["x9"]), nodes)
+
+
+def test_dry_run_without_slurm_writes_nothing_in_the_working_folder(tmp_path):
+    """No scontrol on PATH, no SLURM variables: HEXISEQ_NODES (a SLURM host list) gives the hosts,
+    our own expander reads it, and every file goes to a fresh temporary WORKDIR."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    venv_bin = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"PATH": f"{venv_bin}:/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1",
+                "TMPDIR": str(tmp_path), "HEXISEQ_NODES": "gpu[01-02]", "GPUS_PER_NODE": "2",
+                "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB", "MODEL_CONFIG": str(ROOT / "examples" / "models" /
+                                                                        "gpt-tiny-gqa.yaml"),
+                "PLAN_ARGS": "--time-limit 1 --reproducible",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert shutil.which("scontrol", path=env["PATH"]) is None
+    res = subprocess.run(["bash", str(SBATCH), "--num-layers", "2"], capture_output=True, text=True, env=env,
+                         cwd=cwd, timeout=300)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "megatron_hexiseq.slurm hostnames 'gpu[01-02]'" in res.stdout
+    assert list(cwd.iterdir()) == []  # nothing in the working folder
+    workdirs = list(tmp_path.glob("hexiseq-dry-run-*"))
+    assert len(workdirs) == 1 and (workdirs[0] / "layout.json").is_file()
+    hosts = {h for h, _, _ in _rank_lines(res.stdout).values()}
+    assert hosts == {"gpu01", "gpu02"}
+
+
+def test_missing_inputs_fail_before_anything_is_written(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1",
+                "HEXISEQ_NODES": "n0 n1", "TMPDIR": str(tmp_path)})
+    for extra, match in (({}, "set GPU_TYPES"), ({"GPU_TYPES": "H100-SXM-80GB"}, "set MODEL"),
+                         ({"GPU_TYPES": "H100-SXM-80GB", "MODEL": "gpt-7b"}, "set SEQ_LENGTH"),
+                         ({"GPU_TYPES": "H100-SXM-80GB", "LAYOUT": str(tmp_path / "none.json")}, "does not exist")):
+        res = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env={**env, **extra},
+                             cwd=tmp_path, timeout=60)
+        assert res.returncode == 2 and res.stderr.strip().startswith("error: ") and match in res.stderr, res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_layout_planned_with_hosts_is_reused(stand_ins, tmp_path):
+    from megatron_hexiseq.cli import main
+
+    cluster = ROOT / "examples" / "clusters" / "mixed-h100-a100.yaml"
+    assert main(["plan", "--cluster", str(cluster), "--model", "gpt-3b", "--seq-length", "16384", "--hosts",
+                 "gpu[01-02]", "--time-limit", "1", "--format", "json", "-o", str(tmp_path / "layout.json")]) == 0
+    env = {**stand_ins, "SLURM_JOB_NODELIST": "gpu01,gpu02", "CLUSTER": str(cluster),
+           "LAYOUT": str(tmp_path / "layout.json")}
+    res = _run(env)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "megatron_hexiseq.slurm cluster --cluster" in res.stdout
+    layout = Layout.load(tmp_path / "layout.json")
+    assert {r: h for r, (h, _, _) in _rank_lines(res.stdout).items()} == {r.rank: r.host for r in layout.ranks}
+
+
+def test_hostlist_expansion():
+    from megatron_hexiseq.errors import HexiSeqError
+    from megatron_hexiseq.slurm import expand_hostlist
+
+    assert expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_hostlist("a b,c") == ["a", "b", "c"]
+    assert expand_hostlist("r[1-2]n[0-1]") == ["r1n0", "r1n1", "r2n0", "r2n1"]
+    for bad in ("", "gpu[1-", "gpu[a-b]", "gpu[3-1]"):
+        with pytest.raises(HexiSeqError):
+            expand_hostlist(bad)

@@ -2,24 +2,36 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import sys
+from dataclasses import replace
 
+from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.planner.inputs import add_problem_args, load_problem, output_folder_exists
+from megatron_hexiseq.planner.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
 
 EXAMPLES = """examples:
   megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \\
       --seq-length 131072 -o layout.json
   megatron-hexiseq plan --cluster examples/clusters/four-types-64.yaml --model llama3-70b \\
       --seq-length 524288 --recompute --memory-mode fsdp --time-limit 30 -o layout.json --format json
+  # for a SLURM allocation: the cluster's nodes (file order) take these host names
+  megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --hosts 'gpu[01-02]' \\
+      --model-config examples/models/llama3-8b-128k.yaml -o layout.json
+
+The layout records the cluster and model specs it was planned for (meta), so 'simulate --layout'
+and 'validate' need nothing else. With --data-parallel-size D the predicted tokens/s are those of
+D copies of the cluster (each running this layout on its own sequences).
 """
 METHODS = ("hierarchical", "node", "exact")
+MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan uneven context/head parallelism for a cluster and model",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=describe(__doc__), epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_problem_args(p)
     p.add_argument("-o", "--output", required=True, metavar="layout.json", help="layout file to write (atomically)")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time budget in seconds (default 10)")
@@ -33,22 +45,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.cluster import cluster_to_dict
+    from megatron_hexiseq.commands._progress import waiting
+    from megatron_hexiseq.io import check_outputs
     from megatron_hexiseq.planner.hierarchical import plan
     from megatron_hexiseq.planner.report import print_layout
 
-    if args.time_limit <= 0:
-        raise HexiSeqError(f"--time-limit must be positive, got {args.time_limit}")
-    output_folder_exists(args.output)
+    if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
+        raise HexiSeqError(f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
+                           f"got {args.time_limit}")
+    check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config])
     prob = load_problem(args)
     if args.method == "exact" and prob.cluster.world_size > 16:
         raise HexiSeqError(f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
                            "use the default hierarchical planner")
-    layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, modes=prob.modes,
-                  time_limit_s=args.time_limit, method=args.method, reproducible=args.reproducible)
+    kwargs = dict(modes=prob.modes, time_limit_s=args.time_limit, method=args.method, reproducible=args.reproducible)
+    with waiting(f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
+                 enabled=args.format != "json") as say:
+        if "progress" in inspect.signature(plan).parameters:
+            kwargs["progress"] = say
+        layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, **kwargs)
+    layout = replace(layout, meta={**layout.meta, CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster),
+                                   MODEL_SPEC_KEY: prob.model.to_dict()})
     layout.save(args.output)
     if args.format == "json":
         sys.stdout.write(json.dumps(layout.to_dict(), indent=2) + "\n")
     else:
         print_layout(layout)
+        if prob.options.data_parallel_size > 1:
+            print(f"--data-parallel-size {prob.options.data_parallel_size}: tokens/s above are those of "
+                  f"{prob.options.data_parallel_size} copies of this cluster, each running the layout")
         print(f"wrote {args.output}")
     return 0

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
+from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
 
 EXAMPLES = """examples:
@@ -19,7 +21,7 @@ EXAMPLES = """examples:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure compute, bandwidth and memory of every rank; write a cluster spec",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=describe(__doc__), epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", required=True, help="cluster spec YAML to write")
     p.add_argument("--raw", help="raw measurements JSON (default: OUTPUT with .raw.json)")
     p.add_argument("--testbed", default=None,
@@ -27,28 +29,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="memory budget per rank on CPU (default 4)")
     p.add_argument("--name", default=None, help="cluster name in the spec (default: profiled-<shape or world>)")
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per compute measurement (default 0.5)")
-    p.add_argument("--model", default=None, help="calibrate with this preset's layer shapes (see `plan --model`)")
+    p.add_argument("--model", default=None, help="calibrate with this preset's layer shapes (see 'plan --model')")
     p.add_argument("--model-config", default=None, help="calibrate with the layer shapes of this model YAML")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=run)
 
 
-def _check_output(path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise HexiSeqError(f"cannot write {path}: folder {folder} does not exist; create it first")
+MAX_SECONDS = 3600.0
+MAX_MEMORY_GIB = 1e6
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.io import check_outputs
     from megatron_hexiseq.profiler import ProfileOptions
 
-    _check_output(args.output)
     raw_path = args.raw or (os.path.splitext(args.output)[0] + ".raw.json")
-    _check_output(raw_path)
-    if args.seconds <= 0:
-        raise HexiSeqError(f"--seconds must be positive, got {args.seconds}")
-    if args.memory_gib is not None and args.memory_gib <= 0:
-        raise HexiSeqError(f"--memory-gib must be positive, got {args.memory_gib}")
+    check_outputs([("-o", args.output), ("--raw", raw_path)], inputs=[args.model_config])
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= MAX_SECONDS):
+        raise HexiSeqError(f"--seconds must be a positive number of seconds (at most {MAX_SECONDS:g}), got {args.seconds}")
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and 0 < args.memory_gib <= MAX_MEMORY_GIB):
+        raise HexiSeqError(f"--memory-gib must be a positive number (at most {MAX_MEMORY_GIB:g}), got {args.memory_gib}")
     model = None
     if args.model or args.model_config:
         from megatron_hexiseq.model import get_model

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_hexiseq.commands import describe
+
 EXAMPLES = """examples:
   megatron-hexiseq show layout.json
   megatron-hexiseq show layout.json --format json
@@ -11,7 +13,7 @@ EXAMPLES = """examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("show", help="print a layout", description=__doc__, epilog=EXAMPLES,
+    p = sub.add_parser("show", help="print a layout", description=describe(__doc__), epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layout", help="layout JSON file")
     p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")

@@ -5,46 +5,56 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from typing import Any, Sequence
 
+from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.planner.inputs import add_problem_args, load_problem, output_folder_exists
+from megatron_hexiseq.planner.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
 
 EXAMPLES = """examples:
-  megatron-hexiseq simulate --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \\
-      --layout layout.json --baselines --plot sim.png
+  megatron-hexiseq simulate --layout layout.json --baselines --plot sim.png
+      (cluster and model from the layout, as 'plan' recorded them)
   megatron-hexiseq simulate --cluster examples/clusters/four-types-64.yaml --model llama3-70b \\
       --seq-length 262144 --recompute --baselines --format json
+  megatron-hexiseq simulate --layout layout.json --baselines --per-rank
+
+Prints one summary row per layout and baseline (iteration time, tokens/s, speed-up of the best,
+memory); --per-rank adds each one's per-rank table. With --memory-mode auto (default) and a
+--layout, the layout's planned memory mode is used.
 """
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="evaluate layouts and baselines with the cost model", description=__doc__,
+    p = sub.add_parser("simulate", help="evaluate layouts and baselines with the cost model", description=describe(__doc__),
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_problem_args(p, seq_required=False)
+    add_problem_args(p, seq_required=False, spec_required=False)
     p.add_argument("--layout", action="append", default=[], metavar="L.json", help="layout to evaluate (repeatable)")
     p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp, a2a+p2p)")
-    p.add_argument("--plot", metavar="out.png", help="per-rank compute / exposed comm / idle and memory vs capacity")
+    p.add_argument("--plot", metavar="out.png", help="per-rank compute / exposed comm / idle and memory vs capacity "
+                                                      "(.png, .pdf, .svg, ...)")
+    p.add_argument("--per-rank", action="store_true", help="also print each layout's per-rank table")
     p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
-    p.epilog = EXAMPLES + "\nWith --memory-mode auto (default) and a --layout, the layout's planned memory mode is used.\n"
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.commands._progress import waiting
     from megatron_hexiseq.commands.validate import check_against_cluster
+    from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path
     from megatron_hexiseq.layout import Layout
-    from megatron_hexiseq.planner.simulate import simulate
     from megatron_hexiseq.planner.report import estimate_table, make_console, plot_estimates
+    from megatron_hexiseq.planner.simulate import simulate
 
     if not args.layout and not args.baselines:
         raise HexiSeqError("nothing to simulate: give --layout L.json and/or --baselines")
-    if args.plot:
-        output_folder_exists(args.plot)
+    check_plot_path("--plot", args.plot)
+    check_outputs([("--plot", args.plot)], inputs=[args.cluster, args.model_config, *args.layout])
     layouts = [(path, Layout.load(path)) for path in args.layout]
     seqs = {lay.seq_length for _, lay in layouts}
     if args.seq_length is None and len(seqs) > 1:
         raise HexiSeqError(f"the layouts have different seq_length {sorted(seqs)}; give --seq-length")
     seq = args.seq_length if args.seq_length is not None else (seqs.pop() if seqs else None)
-    prob = load_problem(args, seq_length=seq)
+    prob = load_problem(args, seq_length=seq) if args.cluster else problem_from_layout(args, layouts, seq)
     for path, lay in layouts:
         check_against_cluster(lay, prob.cluster)
         if lay.seq_length != prob.seq_length:
@@ -53,23 +63,52 @@ def run(args: argparse.Namespace) -> int:
             raise HexiSeqError(f"layout {path} has {lay.num_attention_heads} heads but model {prob.model.name!r} "
                                f"has {prob.model.num_attention_heads}")
     options = prob.options
-    planned = [lay.meta.get("options") for _, lay in layouts if lay.meta.get("options")]
+    planned = [layout_options(lay, path) for path, lay in layouts if lay.meta.get("options") is not None]
     if args.memory_mode == "auto" and planned:
         # auto: evaluate under the memory mode the (first) layout was planned for
-        options = replace(options, memory_mode=planned[0]["memory_mode"],
-                          recompute=bool(planned[0]["recompute"]) or bool(args.recompute))
-    rows = simulate(prob.cluster, prob.model, options, layouts, baselines=args.baselines)
+        options = replace(options, memory_mode=planned[0].get("memory_mode", options.memory_mode),
+                          recompute=bool(planned[0].get("recompute", False)) or bool(args.recompute))
+    with waiting("simulating", enabled=args.format != "json"):
+        rows = simulate(prob.cluster, prob.model, options, layouts, baselines=args.baselines)
     if args.format == "json":
         sys.stdout.write(json.dumps([r.summary() for r in rows], indent=2) + "\n")
     else:
         console = make_console()
-        for r in rows:
-            if r.estimate is None:
-                console.print(f"{r.name}: infeasible ({r.reason})")
-            else:
-                console.print(estimate_table(r.name, r.layout, r.estimate))
+        if args.per_rank:
+            for r in rows:
+                if r.estimate is not None:
+                    console.print(estimate_table(r.name, r.layout, r.estimate))
+        console.print(summary_table(rows, title=f"{prob.cluster.name}: {prob.cluster.world_size} GPUs, "
+                                                f"{prob.model.name}, seq_length {prob.seq_length:,}"))
     if args.plot:
-        plot_estimates(args.plot, [(r.name, r.estimate) for r in rows if r.estimate is not None])
+        with atomic_path(args.plot) as tmp:
+            plot_estimates(tmp, [(r.name, r.estimate) for r in rows if r.estimate is not None])
         if args.format != "json":
             print(f"wrote {args.plot}")
     return 0
+
+
+def summary_table(rows: Sequence[Any], *, title: str) -> Any:
+    """One row per simulated layout: iteration, tokens/s, speed-up of the fastest feasible row over
+    it, the bottleneck rank and the tightest memory (used / capacity)."""
+    from rich.table import Table
+
+    from megatron_hexiseq.planner.report import _fmt_rate, _fmt_time
+
+    feasible = [r.estimate.iteration_time_s for r in rows if r.estimate is not None and r.estimate.feasible]
+    best = min(feasible) if feasible else None
+    table = Table(title=title)
+    for col in ("layout", "iteration", "tokens/s", "best is faster by", "bottleneck rank", "tightest memory GiB"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    gib = 2.0**30
+    for r in rows:
+        e = r.estimate
+        if e is None:
+            table.add_row(r.name, "-", "-", "infeasible", "-", r.reason or "-")
+            continue
+        tight = max(e.per_rank, key=lambda p: p.memory_bytes / p.capacity_bytes)
+        speed = f"{e.iteration_time_s / best:.2f}x" if best and e.feasible else "OUT OF MEMORY"
+        table.add_row(r.name, _fmt_time(e.iteration_time_s), _fmt_rate(e.tokens_per_s), speed,
+                      str(e.bottleneck_rank), f"{tight.memory_bytes / gib:.1f} / {tight.capacity_bytes / gib:.1f} "
+                                              f"(rank {tight.rank})")
+    return table

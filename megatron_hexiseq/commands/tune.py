@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
+from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
+
+# what the CPU testbed can run in minutes; larger is a typo (and would exhaust memory in every rank)
+LIMITS = {"world_size": 64, "num_layers": 256, "hidden_size": 16384, "seq_length": 1 << 20, "vocab_size": 1 << 20,
+          "warmup_steps": 10_000, "measure_steps": 10_000}
 
 EXAMPLES = """examples:
   megatron-hexiseq tune --out overlap.json
@@ -16,39 +22,53 @@ then train with: --hexiseq-overlap-config overlap.json
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help="tune communication/computation overlap knobs (Lagom search)",
-                              description=__doc__, epilog=EXAMPLES,
+                              description=describe(__doc__), epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", metavar="PATH", help="write the result JSON here (for --hexiseq-overlap-config)")
     p.add_argument("--from-result", metavar="PATH", help="do not tune: load this result (e.g. to write its NCCL YAML)")
     p.add_argument("--nccl-yaml", metavar="PATH", help="write the NCCL communicator YAML of the result here")
-    p.add_argument("--world-size", type=int, default=2, help="gloo ranks (data-parallel replicas)")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=32)
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--measure-steps", type=int, default=6, help="timed iterations per trial")
-    p.add_argument("--min-bucket", type=int, default=100_000, help="smallest DDP bucket tried (parameters)")
+    p.add_argument("--world-size", type=int, default=2, metavar="N",
+                   help=f"gloo ranks = data-parallel replicas of the testbed model (default 2, at most {LIMITS['world_size']})")
+    p.add_argument("--num-layers", type=int, default=4, metavar="L", help="testbed model: layers (default 4)")
+    p.add_argument("--hidden-size", type=int, default=512, metavar="H", help="testbed model: hidden size (default 512)")
+    p.add_argument("--seq-length", type=int, default=32, metavar="S", help="testbed model: tokens per step (default 32)")
+    p.add_argument("--vocab-size", type=int, default=2048, metavar="V", help="testbed model: vocabulary (default 2048)")
+    p.add_argument("--warmup-steps", type=int, default=2, metavar="K", help="untimed iterations per trial (default 2)")
+    p.add_argument("--measure-steps", type=int, default=6, metavar="K", help="timed iterations per trial (default 6)")
+    p.add_argument("--min-bucket", type=int, default=100_000, metavar="P",
+                   help="smallest DDP bucket tried, in parameters (default 100000; the ladder halves the bucket "
+                        "down to it)")
     p.add_argument("--no-gallop", action="store_true", help="advance one ladder level per trial (Lagom as written)")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="measurement noise: reject a move only when it is worse by this fraction (0 = Lagom as written)")
-    p.add_argument("--format", choices=("human", "json"), default="human")
+    p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
     p.set_defaults(run=run)
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Every number before any process starts (a bucket of 0 parameters would never end the ladder)."""
+    for name, hi in LIMITS.items():
+        v = getattr(args, name)
+        lo = 0 if name == "warmup_steps" else (2 if name == "world_size" else 1)
+        if not lo <= v <= hi:
+            why = " (data-parallel gradient reduce)" if name == "world_size" else ""
+            raise HexiSeqError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {v}")
+    if args.min_bucket < 1:
+        raise HexiSeqError(f"--min-bucket must be a positive number of parameters, got {args.min_bucket}")
+    if not (math.isfinite(args.tolerance) and 0 <= args.tolerance < 1):
+        raise HexiSeqError(f"--tolerance must be in [0, 1), got {args.tolerance}")
+
+
 def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.io import check_outputs
     from megatron_hexiseq.overlap.nccl import write_nccl_yaml
     from megatron_hexiseq.overlap.results import load_result, save_result
 
+    check_outputs([("--out", args.out), ("--nccl-yaml", args.nccl_yaml)], inputs=[args.from_result])
     if args.from_result:
         result = load_result(args.from_result)
     else:
-        if args.world_size < 2:
-            raise HexiSeqError(f"--world-size must be >= 2 (data-parallel gradient reduce), got {args.world_size}")
-        if not 0 <= args.tolerance < 1:
-            raise HexiSeqError(f"--tolerance must be in [0, 1), got {args.tolerance}")
-        if args.measure_steps < 1 or args.warmup_steps < 0:
-            raise HexiSeqError("--measure-steps must be >= 1 and --warmup-steps >= 0")
+        _check(args)
         from megatron_hexiseq.overlap.offline import OfflineTuneSpec, tune_offline
         from megatron_hexiseq.overlap.testbed import TestbedConfig, TestbedModel
 
@@ -58,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
                                                      measure_steps=args.measure_steps),
                                world_size=args.world_size, min_bucket_params=args.min_bucket,
                                gallop=not args.no_gallop, tolerance=args.tolerance)
-        result = tune_offline(spec)
+        from megatron_hexiseq.commands._progress import waiting
+
+        with waiting(f"tuning on {args.world_size} gloo ranks", enabled=args.format != "json"):
+            result = tune_offline(spec)
     if args.out:
         save_result(result, args.out)
     wrote_yaml = False

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
 
 EXAMPLES = """examples:
@@ -12,7 +13,7 @@ EXAMPLES = """examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a layout file", description=__doc__, epilog=EXAMPLES,
+    p = sub.add_parser("validate", help="check a layout file", description=describe(__doc__), epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layout", help="layout JSON file")
     p.add_argument("--cluster", metavar="C.yaml", help="also check ranks, hosts and GPU types against this cluster")
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         check_against_cluster(layout, cluster)
         where = f", matches cluster {cluster.name!r}"
     sizes = sorted({len(g.ranks) for g in layout.groups})
-    print(f"ok: {args.layout}: {layout.world_size} ranks in {len(layout.groups)} groups (sizes {sizes}), "
+    groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"
+    print(f"ok: {args.layout}: {layout.world_size} ranks in {groups} (sizes {sizes}), "
           f"seq_length {layout.seq_length}, {layout.num_attention_heads} heads{where}")
     return 0

@@ -1,11 +1,12 @@
 """The functions both ways of running Megatron-LM's ``pretrain_gpt.py`` end in.
 
-1. ``patches/megatron-lm-core_v0.16.1.patch`` makes ``pretrain_gpt.py`` pass
+1. ``patches/megatron-lm-core_v0.16.1.patch`` makes ``pretrain_gpt.py`` call
+   ``plugin.help_with_hexiseq_flags(<its own provider>)`` (``--help`` lists our flags) and pass
    ``plugin.model_provider(model_provider, gpt_builder, <its module>)``,
    ``plugin.forward_step(forward_step)`` and ``plugin.extra_args_provider(<its own provider>)``
    to ``pretrain``;
 2. ``python -m megatron_hexiseq.pretrain_gpt <Megatron args>`` imports the unpatched
-   ``pretrain_gpt`` module and calls ``run_pretrain(module)``, which passes the same three.
+   ``pretrain_gpt`` module and calls ``run_pretrain(module)``, which does the same.
 
 Order of events inside Megatron's ``pretrain``:
 ``parse_args(extra_args_provider)``: our ``--hexiseq-*`` flags; right after argparse has parsed,
@@ -302,8 +303,23 @@ def forward_step(stock_forward_step: Callable, **kwargs: Any) -> HexiSeqForwardS
     return HexiSeqForwardStep(stock_forward_step, **kwargs)
 
 
+def help_with_hexiseq_flags(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
+                            ) -> None:
+    """With ``-h``/``--help`` on the command line: print Megatron-LM's help *with* the
+    ``--hexiseq-*`` flags (and ``chain``'s) and exit 0; otherwise do nothing.
+
+    Call it before ``inprocess_restart.maybe_wrap_for_inprocess_restart``: that function parses the
+    command line once without ``extra_args_provider``, so its ``--help`` would list none of ours.
+    """
+    if not any(a in ("-h", "--help") for a in sys.argv[1:]):
+        return
+    from megatron.training.arguments import parse_args
+
+    parse_args(extra_args_provider=extra_args_provider(chain))  # argparse prints the help and exits
+
+
 def run_pretrain(stock: ModuleType) -> None:
-    """``pretrain_gpt.py``'s ``__main__`` block (core_v0.16.1) with the three HexiSeq hooks."""
+    """``pretrain_gpt.py``'s ``__main__`` block (core_v0.16.1) with the HexiSeq hooks."""
     import time
 
     from megatron.core.enums import ModelType
@@ -317,8 +333,9 @@ def run_pretrain(stock: ModuleType) -> None:
         start = getattr(stock, "_PROGRAM_START_TIME", time.time())
         set_startup_timestamps(program_start=start, main_entry=time.time())
     stock.train_valid_test_datasets_provider.is_distributed = True
-    pretrain_fn, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     modelopt = stock.add_modelopt_args if getattr(stock, "has_nvidia_modelopt", False) else None
+    help_with_hexiseq_flags(modelopt)
+    pretrain_fn, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     pretrain_fn(
         stock.train_valid_test_datasets_provider,
         model_provider(stock.model_provider, stock.gpt_builder, stock),

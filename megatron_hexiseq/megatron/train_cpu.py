@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.batch import slice_batch
 from megatron_hexiseq.megatron.loss import per_token_loss
@@ -229,7 +230,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     from megatron_hexiseq.megatron.parallel_state import build_runtime
 
     W = cfg.layout.world_size
-    assert world_size == W * cfg.data_parallel, (world_size, W, cfg.data_parallel)
+    if world_size != W * cfg.data_parallel:
+        raise HexiSeqError(f"train_rank needs layout ranks x data_parallel = {W} x {cfg.data_parallel} = "
+                           f"{W * cfg.data_parallel} processes, got {world_size}")
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
     try:
         runtime = build_runtime(cfg.layout, run_shape(cfg), cp_group=mpu.get_context_parallel_group(),
@@ -308,7 +311,8 @@ def _train_reference(cfg: TrainConfig) -> TrainResult:
 
 def reference_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     """``run_ranks(reference_rank, 1, cfg)``: ``train_reference`` in a fresh process."""
-    assert world_size == 1
+    if world_size != 1:
+        raise HexiSeqError(f"reference_rank runs in one process, got {world_size}")
     return train_reference(cfg)
 
 
@@ -319,5 +323,6 @@ def train_rank_many(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list
 
 def reference_rank_many(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[TrainResult]:
     """``train_reference`` for several configs in one single-process spawn."""
-    assert world_size == 1
+    if world_size != 1:
+        raise HexiSeqError(f"reference_rank_many runs in one process, got {world_size}")
     return [train_reference(cfg) for cfg in cfgs]

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_json, write_json_atomic
 from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace
 from megatron_hexiseq.overlap.search import SearchResult, Step, Trial
@@ -68,7 +68,7 @@ class TuneResult:
             raise HexiSeqError(f"{where} is not an overlap tuning result (no 'config'); "
                                "write one with 'megatron-hexiseq tune'")
         if d.get("format_version") != FORMAT_VERSION:
-            raise HexiSeqError(f"{where} has format_version {d.get('format_version')!r}; this version "
+            raise HexiSeqError(f"{where} has format_version {short(d.get('format_version'))}; this version "
                                f"reads {FORMAT_VERSION}: re-run 'megatron-hexiseq tune'")
         try:
             ladders = tuple(Ladder(name=l["name"], knob=l["knob"], values=tuple(_tuple(v) for v in l["values"]))
@@ -81,8 +81,10 @@ class TuneResult:
             return cls(config=OverlapConfig.from_dict(d["config"]), levels=tuple(d.get("levels", ())),
                        ladders=ladders, trials=trials, default_z_us=d.get("default_z_us"),
                        tuned_z_us=d.get("tuned_z_us"), setup=dict(d.get("setup", {})))
-        except (KeyError, TypeError) as e:
-            raise HexiSeqError(f"{where} is malformed ({type(e).__name__}: {e}); "
+        except HexiSeqError as e:
+            raise HexiSeqError(f"{where}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise HexiSeqError(f"{where} is malformed ({type(e).__name__}: {short(str(e))}); "
                                "re-run 'megatron-hexiseq tune'") from None
 
 

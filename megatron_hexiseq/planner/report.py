@@ -68,7 +68,8 @@ def make_console() -> Console:
 
 def print_layout(layout: Layout, *, console: Console | None = None, title: str = "") -> None:
     console = console or make_console()
-    console.print(layout_table(layout, title or f"layout: {layout.world_size} ranks, {len(layout.groups)} groups, "
+    groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"
+    console.print(layout_table(layout, title or f"layout: {layout.world_size} ranks, {groups}, "
                                                 f"seq_length {layout.seq_length:,}"))
     if layout.baselines:
         console.print(baselines_table(layout))
