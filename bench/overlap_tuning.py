@@ -95,7 +95,7 @@ class _HexiSeqScenario:
         mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
         run = RunShape(world_size=W, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                        context_parallel_size=W, seq_length=S, num_attention_heads=8, num_query_groups=8)
-        self.runtime = build_runtime(self.layout, run, cp_group=mpu.get_context_parallel_group(), kernel="sdpa")
+        self.runtime = build_runtime(self.layout, run, cp_group=mpu.get_context_parallel_group(), kernel="auto")
         self.dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
         cfg = TrainConfig(model=self.model, layout=self.layout)
         self.num_params = sum(p.numel() for p in build_gpt(cfg, runtime=self.runtime).parameters())
@@ -110,7 +110,7 @@ class _HexiSeqScenario:
         from megatron_hexiseq.megatron.train_cpu import cpu_device_shim, make_batch, train_step
 
         o = self.opts
-        cfg = self.TrainConfig(model=self.model, layout=self.layout, kernel="sdpa", comm_chunks=config.comm_chunks,
+        cfg = self.TrainConfig(model=self.model, layout=self.layout, kernel="auto", comm_chunks=config.comm_chunks,
                                bucket_size=config.bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
         runtime = dataclasses.replace(self.runtime, comm_chunks=config.comm_chunks)
         model = self.build_gpt(cfg, runtime=runtime)

@@ -75,7 +75,7 @@ def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, 
     return best[1], best[2]
 
 
-def driver_config(layout: Layout, model: Any, *, steps: int, kernel: str = "sdpa"):
+def driver_config(layout: Layout, model: Any, *, steps: int, kernel: str = "auto"):
     """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
     from megatron_hexiseq.megatron.parallel_state import check_run
     from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, run_shape
@@ -100,7 +100,7 @@ def train_on_testbed(cfg: Any, shape: str) -> tuple[list[float], list[list[float
 
 
 def compare(cluster: Any, model: Any, options: Any, hexiseq: Layout, shape: str, *, steps: int, warmup: int,
-            kernel: str = "sdpa") -> dict[str, Any]:
+            kernel: str = "auto") -> dict[str, Any]:
     """Train with the best symmetric layout and with ``hexiseq``; return the comparison record."""
     from megatron_hexiseq.costmodel import estimate
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--testbed", required=True, help="testbed shape used for the profile, e.g. 1+2")
     p.add_argument("--steps", type=int, default=30, help="training steps per layout (default 30)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
-    p.add_argument("--kernel", default="sdpa", choices=("sdpa", "reference"), help="attention kernel (default sdpa)")
+    p.add_argument("--kernel", default="auto", choices=("auto", "reference"), help="attention kernel (default auto: the fused kernel for the device)")
     p.add_argument("-o", "--output", default="results/demo.json", help="comparison JSON (default results/demo.json)")
     p.add_argument("--plot", default="results/demo.png", help="figure; '' for none (default results/demo.png)")
     args = p.parse_args(argv)

@@ -3,7 +3,7 @@
 Bandwidth alone under-predicts the CPU testbed badly (issue #6: -19% to -40%): a head all-to-all
 or a K/V exchange step between ranks that share a core costs milliseconds of scheduling (one rank
 must be switched out for its neighbour to send), whatever the bytes. ``profile`` therefore times
-HexiSeq's own attention (``kernel="sdpa"``, the model's head shape; up to 4 calls forward, then
+HexiSeq's own attention (``kernel="auto"``, the model's head shape; up to 4 calls forward, then
 their backwards, as a model's layers run; seconds per call) on every rank at once, in two layouts
 of all ranks:
 
@@ -114,7 +114,7 @@ def time_calibration_layouts(model: Any, opts: Any) -> dict[str, Any]:
             dist.barrier()
             start = time.perf_counter()
             # `layers` calls forward, then their backwards (as a model's layers run): per call time
-            sum(hexiseq_attn_func(q, k, v, groups=groups, kernel="sdpa").sum() for _ in range(layers)).backward()
+            sum(hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum() for _ in range(layers)).backward()
             elapsed = torch.tensor([(time.perf_counter() - start) / layers], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i:

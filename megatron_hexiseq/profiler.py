@@ -212,7 +212,7 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: Prof
 
 
 def measure_runtime_attention_flops(model: Any, tokens: int, opts: ProfileOptions) -> float:
-    """CPU calibration: FLOP/s of HexiSeq's own attention (``kernel="sdpa"``) fwd+bwd on one rank.
+    """CPU calibration: FLOP/s of HexiSeq's own attention (``kernel="auto"``) fwd+bwd on one rank.
 
     Every rank runs a one-rank layout of its own (one domain per rank, no communication), so the
     rate includes the runtime's block kernel, LSE bookkeeping and recompute-style backward — what
@@ -231,7 +231,7 @@ def measure_runtime_attention_flops(model: Any, tokens: int, opts: ProfileOption
     v = torch.randn(tokens, 1, G, d, requires_grad=True)
 
     def work() -> None:
-        hexiseq_attn_func(q, k, v, groups=groups, kernel="sdpa").sum().backward()
+        hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum().backward()
 
     return _timed_rate(work, 12.0 * d * H * tokens * (tokens + 1) / 2, opts.seconds_per_test)
 

@@ -78,7 +78,7 @@ def _check_baselines(rank: int, world: int) -> None:
               "ring": torch.cat([torch.arange(rank * c, (rank + 1) * c),
                                  torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])}
     for name, pos in splits.items():
-        for kernel in ("reference", "sdpa"):
+        for kernel in ("reference", "auto"):
             if name == "ulysses" and kernel == "reference":
                 continue  # Ulysses always runs torch's SDPA
             ql, kl, vl = (x.detach()[pos].clone().requires_grad_() for x in (q, k, v))

@@ -28,7 +28,7 @@ UNEVEN2 = make_layout(  # one A2A group of 2 ranks, 28 vs 20 tokens, 5 vs 3 head
 
 CASES = [
     TrainConfig(layout=HETERO, steps=3, kernel="reference", return_grads=True, return_params=True),
-    TrainConfig(layout=UNEVEN2, data_parallel=2, micro_batch_size=2, steps=3, kernel="sdpa",
+    TrainConfig(layout=UNEVEN2, data_parallel=2, micro_batch_size=2, steps=3, kernel="auto",
                 comm_chunks=2, return_grads=True, return_params=True),
 ]
 
