@@ -7,8 +7,12 @@ communicator, lazy communicator creation (every member must join a group's first
 deadlock detection. The runtime itself is unchanged: ``build_hexiseq_groups`` (with its warm-up)
 and ``hexiseq_attn_func`` forward and backward, on 200 seeded random layouts (uneven segments and
 heads, GQA/MQA, 0-token and 0-head ranks, 2-8 ranks) for every ``comm_chunks`` in 1..4; each rank's
-output and gradients are also compared with single-device float64 attention (tolerance 1e-10:
-float64 roundings of reductions over <= 60 tokens).
+output and gradients are also compared with single-device float64 attention. The layouts rotate
+float64 (both CPU kernels; tolerance 1e-10: float64 roundings of reductions over <= 60 tokens),
+float32 (1e-5 relative and absolute: u = 6e-8 times the reduction, with margin) and bf16 (the
+normwise bounds of ``attention.kernel_check``, oracle on the same bf16-rounded inputs), batch 1-2
+and head dims 2-8: this is the broad correctness test of the runtime; tests/test_attention_ranks.py
+repeats named cases and a few random ones on real gloo processes.
 
 The simulator's own tests show that it fails on what it must catch: two ranks posting the same
 pair of messages in different orders, a wait cycle, a group whose member never joins its first
@@ -24,12 +28,13 @@ import torch
 import megatron_hexiseq.attention.comm as comm
 import megatron_hexiseq.attention.groups as groups_mod
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func, reference_attention
+from megatron_hexiseq.attention.kernel_check import BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound, normwise_error
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout
 from nccl_sim import NcclSim, SimError
 
 LAYOUTS = 200
-TOL = dict(rtol=1e-10, atol=1e-10)
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 
 @pytest.fixture(autouse=True)
@@ -47,11 +52,13 @@ def _simulated(monkeypatch: pytest.MonkeyPatch, world: int) -> NcclSim:
     return sim
 
 
-def _run_layout(monkeypatch: pytest.MonkeyPatch, lay: Layout, chunks: int, seed: int, kernel: str) -> NcclSim:
+def _run_layout(monkeypatch: pytest.MonkeyPatch, lay: Layout, chunks: int, seed: int, kernel: str,
+                dtype: torch.dtype = torch.float64, batch: int = 1, head_dim: int = 4) -> NcclSim:
     gen = torch.Generator().manual_seed(seed)
-    S, B, D, H, G = lay.seq_length, 1, 4, lay.num_attention_heads, lay.num_query_groups
-    q, k, v = (torch.randn(S, B, n, D, generator=gen, dtype=torch.float64, requires_grad=True) for n in (H, G, G))
-    dout = torch.randn(S, B, H * D, generator=gen, dtype=torch.float64)
+    S, B, D, H, G = lay.seq_length, batch, head_dim, lay.num_attention_heads, lay.num_query_groups
+    q, k, v = (torch.randn(S, B, n, D, generator=gen, dtype=torch.float64).to(dtype).double().requires_grad_()
+               for n in (H, G, G))
+    dout = torch.randn(S, B, H * D, generator=gen, dtype=torch.float64).to(dtype).double()
     ref = reference_attention(q, k, v)
     ref.backward(dout)
     sim = _simulated(monkeypatch, lay.world_size)
@@ -59,15 +66,28 @@ def _run_layout(monkeypatch: pytest.MonkeyPatch, lay: Layout, chunks: int, seed:
     def rank_fn(r: int):
         groups = build_hexiseq_groups(lay)
         pos = torch.tensor(lay.ranks[r].positions(), dtype=torch.long)
-        ql, kl, vl = (x.detach()[pos].clone().requires_grad_() for x in (q, k, v))
+        ql, kl, vl = (x.detach()[pos].to(dtype).requires_grad_() for x in (q, k, v))
         out = hexiseq_attn_func(ql, kl, vl, groups=groups, kernel=kernel, comm_chunks=chunks)
-        out.backward(dout[pos])
+        out.backward(dout[pos].to(dtype))
         return pos, out.detach(), ql.grad, kl.grad, vl.grad
 
     for pos, *got in sim.run(rank_fn):
         for name, g, want in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
-            torch.testing.assert_close(g, want.detach()[pos], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            want = want.detach()[pos]
+            if dtype in TOL:
+                torch.testing.assert_close(g.double(), want, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+            else:
+                bound = normwise_bound(dtype, roundings=FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS,
+                                       reduction=S)
+                assert normwise_error(g, want) <= bound, f"{name}: normwise error {normwise_error(g, want):.3g}"
     return sim
+
+
+def _variant(i: int) -> dict:
+    """Rotate dtype, kernel, batch and head dim over the random layouts."""
+    dtype = (torch.float64, torch.float32, torch.float64, torch.bfloat16)[i % 4]
+    kernel = "reference" if dtype == torch.float64 and i % 8 == 0 else "auto"
+    return dict(dtype=dtype, kernel=kernel, batch=1 + i % 2, head_dim=(4, 2, 8)[i % 3])
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4])
@@ -77,7 +97,7 @@ def test_runtime_follows_nccl_rules_on_random_layouts(monkeypatch: pytest.Monkey
     for i in range(LAYOUTS):
         lay = random_layout(rng, rng.randint(2, 8))
         try:
-            sim = _run_layout(monkeypatch, lay, chunks, seed=i, kernel="reference" if i % 2 else "cpu-flash")
+            sim = _run_layout(monkeypatch, lay, chunks, seed=i, **_variant(i))
         except (SimError, AssertionError) as e:
             raise AssertionError(f"layout {i} (world {lay.world_size}, groups "
                                  f"{[len(g.ranks) for g in lay.groups]}), comm_chunks {chunks}: {e}") from None
