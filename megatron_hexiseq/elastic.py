@@ -112,6 +112,15 @@ def exclude(cluster: Cluster, exclusions: Sequence[Exclusion], *, allow_absent: 
                      excluded=tuple(exclusions), gpu_indices=indices, absent=tuple(absent))
 
 
+def record_exclusions(layout: Layout, survivors: Survivors) -> Layout:
+    """``layout`` (planned for ``survivors.cluster``) with the exclusions and the GPU indices each
+    partly excluded host keeps in its meta (``excluded``, ``gpu_indices``)."""
+    if not survivors.excluded:
+        return layout
+    return replace(layout, meta={**layout.meta, EXCLUDED_KEY: [str(e) for e in survivors.excluded],
+                                 GPU_INDICES_KEY: {h: list(left) for h, left in survivors.gpu_indices.items()}})
+
+
 def device_names(layout: Layout) -> list[str]:
     """``host:gpu-index`` of every rank: its position among the host's ranks, mapped through
     ``meta.gpu_indices`` when the host lost GPUs."""

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.elastic import EXCLUDED_KEY, GPU_INDICES_KEY
+from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.planner.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
 
@@ -74,18 +74,18 @@ def run(args: argparse.Namespace) -> int:
         if "progress" in inspect.signature(plan).parameters:
             kwargs["progress"] = say
         layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, **kwargs)
-    meta = {**layout.meta, CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster), MODEL_SPEC_KEY: prob.model.to_dict()}
-    if prob.excluded:
-        meta.update({EXCLUDED_KEY: list(prob.excluded),
-                     GPU_INDICES_KEY: {h: list(left) for h, left in prob.gpu_indices.items()}})
-    layout = replace(layout, meta=meta)
+    layout = replace(layout, meta={**layout.meta, CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster),
+                                   MODEL_SPEC_KEY: prob.model.to_dict()})
+    if prob.survivors is not None:
+        layout = record_exclusions(layout, prob.survivors)
     layout.save(args.output)
     if args.format == "json":
         sys.stdout.write(json.dumps(layout.to_dict(), indent=2) + "\n")
     else:
         print_layout(layout)
-        if prob.excluded:
-            print(f"excluded: {', '.join(prob.excluded)}; planned for the {prob.cluster.world_size} GPUs left")
+        if prob.survivors is not None:
+            print(f"excluded: {', '.join(map(str, prob.survivors.excluded))}; planned for the "
+                  f"{prob.cluster.world_size} GPUs left")
         if prob.options.data_parallel_size > 1:
             print(f"--data-parallel-size {prob.options.data_parallel_size}: tokens/s above are those of "
                   f"{prob.options.data_parallel_size} copies of this cluster, each running the layout")

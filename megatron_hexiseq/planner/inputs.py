@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from megatron_hexiseq.errors import HexiSeqError, short
@@ -23,8 +23,7 @@ class Problem:
     seq_length: int
     options: Any
     modes: tuple[tuple[str, bool], ...]  # (memory_mode, recompute) to try, in order
-    excluded: tuple[str, ...] = ()  # --exclude: the lost devices ("host" or "host:gpu-index")
-    gpu_indices: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # GPUs left on partly excluded hosts
+    survivors: Any = None  # --exclude: elastic.Survivors (the devices left and where they are)
 
 
 def add_problem_args(p: argparse.ArgumentParser, *, seq_required: bool = True, spec_required: bool = True) -> None:
@@ -78,8 +77,7 @@ def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Pro
     from megatron_hexiseq.elastic import exclude, parse_exclusions
 
     kept = exclude(cluster, parse_exclusions(args.exclude))  # after --hosts: the allocation's names
-    return replace(_problem(args, kept.cluster, model), excluded=tuple(str(e) for e in kept.excluded),
-                   gpu_indices=dict(kept.gpu_indices))
+    return replace(_problem(args, kept.cluster, model), survivors=kept)
 
 
 def _with_hosts(args: argparse.Namespace, cluster: Any) -> Any:
