@@ -17,6 +17,7 @@ import argparse
 import json
 
 import pytest
+from test_cli_planner import _error  # exit 2, one 'error: ' line, no traceback
 
 from megatron_hexiseq.cli import main
 from megatron_hexiseq.cluster import cluster_from_dict, cluster_to_dict
@@ -42,15 +43,6 @@ def files(tmp_path):
 def _plan(d, out, *extra, seq="16384"):
     return main(["plan", "--cluster", str(d / "c.yaml"), "--model", "gpt-3b", "--seq-length", seq,
                  "--time-limit", "2", "--reproducible", "-o", str(d / out), *extra])
-
-
-def _error(capsys, argv, match):
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    assert match in lines[0], lines[0]
 
 
 # ---- exclusion ---------------------------------------------------------------------------------
