@@ -6,8 +6,9 @@
   predicted time and tokens/s, and the refusals (another sequence length or memory mode);
 - ``megatron/checkpoint.py``: the run record of Megatron's arguments, every refusal of
   ``check_resume`` / ``check_options`` (model, sequence length, checkpoint format, optimizer, gradient
-  buckets, TP x PP, RNG) and what is allowed (world size, DP, CP, recompute), the tracker file, and
-  reading a torch DCP checkpoint's arguments.
+  buckets, TP x PP, RNG) and what is allowed (world size, DP, CP, recompute), the tracker file,
+  reading a torch DCP checkpoint's arguments, ``plugin.setup`` refusing before it builds anything,
+  and (with ``MEGATRON_LM``) the record read from Megatron-LM's real parsed arguments.
 Layer (b) is tests/test_elastic_resume.py (gloo); there is no GPU-only layer (c): Megatron's
 distributed optimizer and Megatron-FSDP need CUDA, see docs/elastic.md for what a GPU run checks.
 """
@@ -286,3 +287,54 @@ def test_read_record_of_dcp_legacy_and_missing(tmp_path):
         ck.read_record(str(tmp_path))
     with pytest.raises(HexiSeqError, match="does not exist"):
         ck.read_record(str(tmp_path / "iter_0000009"))
+
+
+def test_plugin_setup_checks_the_checkpoint_before_building_anything(tmp_path):
+    """``plugin.setup`` (the model provider's first call) refuses before ``build_runtime``: no process
+    group exists here, so reaching it would fail differently."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_hexiseq.megatron import plugin
+
+    layout = make_layout(seq_length=16, num_attention_heads=32, num_query_groups=8, group_sizes=[1],
+                         segments=[[(0, 16)]], heads=[list(range(32))])
+    layout.save(tmp_path / "layout.json")
+    saved = _args(seq_length=4096, use_megatron_fsdp=True, ckpt_format="fsdp_dtensor")
+    dcp.save({"args": saved}, checkpoint_id=str(tmp_path / "ckpt" / "iter_0000009"), no_dist=True)
+    (tmp_path / "ckpt" / ck.TRACKER).write_text("9")
+    run = dict(hexiseq_layout=str(tmp_path / "layout.json"), cp_comm_type=["hexiseq"], hexiseq_overlap_configured=True,
+               seq_length=16, world_size=1, context_parallel_size=1, use_megatron_fsdp=True, ckpt_format="fsdp_dtensor",
+               load=str(tmp_path / "ckpt"))
+    with pytest.raises(HexiSeqError, match=r"iter_0000009 was trained with --seq-length 4096 but this run's layout "
+                                           "is for 16"):
+        plugin.setup(_args(**run), None, cp_group=object())
+    with pytest.raises(HexiSeqError, match="legacy format"):
+        plugin.setup(_args(**{**run, "ckpt_format": "torch"}), None, cp_group=object())
+
+
+READ_FROM_ARGS = (*[f for f in ck.MODEL_FIELDS if f != "padded_vocab_size"], "group_query_attention", "seq_length",
+                  "world_size", "context_parallel_size", "data_parallel_size", "tensor_model_parallel_size",
+                  "pipeline_model_parallel_size", "ckpt_format", "use_distributed_optimizer", "use_megatron_fsdp",
+                  "dist_ckpt_optim_fully_reshardable", "overlap_grad_reduce", "ddp_bucket_size", "ddp_num_buckets",
+                  "expert_model_parallel_size", "data_parallel_random_init", "save", "load", "ckpt_step",
+                  "no_load_optim", "no_load_rng", "finetune", "non_persistent_ckpt_type")
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("MEGATRON_LM"), reason="set MEGATRON_LM=<core_v0.16.1 checkout>")
+def test_record_reads_real_megatron_lm_arguments():
+    """Every argument the record reads exists in Megatron-LM's parsed + validated args (a renamed one
+    would silently take a default), and the bucket rule follows Megatron's default size."""
+    from test_megatron_lm_seq_length import _validate
+
+    def real(world: int, *extra: str) -> argparse.Namespace:
+        return _validate(["--seq-length", "48", "--max-position-embeddings", "48", "--context-parallel-size",
+                          str(world), "--cp-comm-type", "hexiseq", "--hexiseq-layout", "l.json",
+                          "--use-distributed-optimizer", "--overlap-grad-reduce", *extra], world=world)
+
+    big = real(64)
+    assert [name for name in READ_FROM_ARGS if not hasattr(big, name)] == []
+    r64 = ck.RunRecord.from_megatron_args(big)
+    assert (r64.bucket_size, r64.optimizer_sharding, r64.ckpt_format) == (64_000_000, "dp_reshardable", "torch_dist")
+    with pytest.raises(HexiSeqError, match="pass --ddp-bucket-size 64000000"):
+        ck.check_resume(r64, ck.RunRecord.from_megatron_args(real(48)))
+    ck.check_resume(r64, ck.RunRecord.from_megatron_args(real(48, "--ddp-bucket-size", "64000000")))

@@ -134,7 +134,9 @@ def _buckets(r: RunRecord) -> str:
 def _same_buckets_hint(r: RunRecord) -> str:
     if r.num_buckets is not None:
         return f"pass --ddp-num-buckets {r.num_buckets}"
-    return "drop --overlap-grad-reduce" if r.bucket_size is None else f"pass --ddp-bucket-size {r.bucket_size}"
+    if r.bucket_size is None:
+        return "drop --overlap-grad-reduce"
+    return f"pass --ddp-bucket-size {r.bucket_size} (an --hexiseq-overlap-config result sets it too)"
 
 
 def check_resume(saved: RunRecord, now: RunRecord, *, where: str = "the checkpoint", load_optim: bool = True,
