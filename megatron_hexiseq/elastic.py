@@ -190,7 +190,12 @@ class LayoutDiff:
 
     def lines(self) -> list[str]:
         """Human summary, one fact per line."""
-        from megatron_hexiseq.planner.report import _fmt_rate as r, _fmt_time as t
+        def t(x: float | None) -> str:  # seconds in s, ms or µs with 4 significant digits
+            scale, unit = next(((f, u) for f, u in ((1.0, "s"), (1e-3, "ms")) if x and abs(x) >= f), (1e-6, "µs"))
+            return "-" if x is None else f"{x / scale:.4g} {unit}"
+
+        def r(x: float | None) -> str:
+            return "-" if x is None else f"{x:,.0f}"
 
         out = [f"world size: {self.world_size[0]} -> {self.world_size[1]} ({self.kept} GPUs kept)",
                f"ranks gone: {', '.join(self.gone) or 'none'}",
