@@ -25,6 +25,7 @@ setup(
         "jsonschema",
         "rich",
         "matplotlib",
+        "psutil",  # megatron.core.dist_checkpointing's torch_dist save measures its process memory with it
     ],
     extras_require={
         "gpu": ["transformer-engine", "flash-attn", "nvidia-ml-py"],

@@ -4,7 +4,10 @@ Stand-in ``scontrol`` (``show hostnames a,b`` -> one host per line) and ``srun``
 must launch nothing) on PATH; the real ``megatron-hexiseq`` plans/validates. Checks the printed
 commands: host derivation, plan/validate, one srun per host (het group, nodelist) and every rank's
 environment (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/CUDA_DEVICE_MAX_CONNECTIONS) with
-rank -> host as the layout says, plus the rank table for data-parallel replicas.
+rank -> host as the layout says, plus the rank table for data-parallel replicas. A requeued attempt
+(same WORKDIR, a checkpoint in SAVE, EXCLUDE): re-planned for the GPUs left with the previous memory
+mode, old vs new logged, --save/--load passed, the survivors of a host as CUDA_VISIBLE_DEVICES; a
+re-plan that cannot resume the checkpoint is refused before srun.
 """
 from __future__ import annotations
 
@@ -206,3 +209,63 @@ def test_hostlist_expansion():
     for bad in ("", "gpu[1-", "gpu[a-b]", "gpu[3-1]"):
         with pytest.raises(HexiSeqError):
             expand_hostlist(bad)
+
+
+def _dry_run_env(tmp_path, **extra) -> dict:
+    """No scontrol, no SLURM: two hosts of 2 GPUs, the tiny model planned, files in WORKDIR."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN": "1",
+                "HEXISEQ_NODES": "gpu[01-02]", "GPUS_PER_NODE": "2", "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB",
+                "MODEL_CONFIG": str(ROOT / "examples" / "models" / "gpt-tiny-gqa.yaml"),
+                "PLAN_ARGS": "--time-limit 1 --reproducible", "WORKDIR": str(tmp_path / "wd"),
+                "SAVE": str(tmp_path / "ckpt"),
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra})
+    return env
+
+
+def test_requeue_replans_without_the_lost_gpu_and_resumes(tmp_path):
+    """A first attempt plans 4 GPUs; the requeued attempt (same WORKDIR) loses GPU 0 of gpu01: it plans
+    for the 3 left with the previous memory mode, logs old vs new, resumes --load, and starts gpu01's
+    rank on its remaining GPU (CUDA_VISIBLE_DEVICES=1). EXCLUDE names a host the job did not get: a note."""
+    first = subprocess.run(["bash", str(SBATCH), "--num-layers", "2"], capture_output=True, text=True,
+                           env=_dry_run_env(tmp_path), cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr + first.stdout
+    assert "no checkpoint in" in first.stdout and len(_rank_lines(first.stdout)) == 4
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("100\n")
+    res = subprocess.run(["bash", str(SBATCH), "--num-layers", "2"], capture_output=True, text=True,
+                         env=_dry_run_env(tmp_path, EXCLUDE="gpu01:0,gpu09"), cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr + res.stdout
+    out, wd, ck = res.stdout, tmp_path / "wd", tmp_path / "ckpt"
+    assert "note: --exclude gpu09: not in this allocation" in res.stderr
+    assert f"+ cp {wd}/layout.json {wd}/layout-previous.json" in out
+    assert re.search(r"^\+ megatron-hexiseq plan --cluster \S+/cluster-replica0-allocated.yaml --exclude gpu01:0 .*"
+                     r"--memory-mode distributed_optimizer --time-limit 1", out, re.M)
+    for line in (f"+ megatron-hexiseq show {wd}/layout.json --previous {wd}/layout-previous.json",
+                 "world size: 4 -> 3 (3 GPUs kept)", "ranks gone: gpu01:0 (H100-SXM-80GB)", "ranks added: none",
+                 "resume from its checkpoints: yes", f"+ # resuming {ck} at iteration 100"):
+        assert line in out, line
+    layout = Layout.load(wd / "layout.json")
+    assert layout.world_size == 3 and layout.meta["gpu_indices"] == {"gpu01": [1]}
+    sruns = re.findall(r"^\+ srun (.*)$", out, re.M)
+    assert [("env CUDA_VISIBLE_DEVICES=1 bash" in s, "CUDA_VISIBLE_DEVICES" in s) for s in sruns] == [
+        (True, True), (False, False)]  # gpu01 keeps GPU 1 only; gpu02 lost nothing
+    ranks = _rank_lines(out)
+    assert sorted(ranks) == [0, 1, 2] and {r: h for r, (h, _, _) in ranks.items()} == {
+        r.rank: r.host for r in layout.ranks}
+    for _, renv, cmd in ranks.values():
+        assert renv["WORLD_SIZE"] == "3" and f"--save {ck} --load {ck} " in cmd
+        assert "--context-parallel-size 3 " in cmd
+
+
+def test_requeue_refuses_a_layout_that_cannot_resume(tmp_path):
+    """The previous run trained 1024 tokens; a restart asking for 2048 would not resume its checkpoint."""
+    first = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=_dry_run_env(tmp_path),
+                           cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr + first.stdout
+    res = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True,
+                         env=_dry_run_env(tmp_path, SEQ_LENGTH="2048"), cwd=tmp_path, timeout=300)
+    assert res.returncode == 2, res.stderr + res.stdout
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path}/wd/layout.json cannot resume "
+                                                          "checkpoints written under")
+    assert "seq_length 1024 -> 2048" in res.stderr and "+ srun" not in res.stdout

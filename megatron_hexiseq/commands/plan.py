@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.planner.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
 
@@ -20,6 +21,10 @@ EXAMPLES = """examples:
   # for a SLURM allocation: the cluster's nodes (file order) take these host names
   megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --hosts 'gpu[01-02]' \\
       --model-config examples/models/llama3-8b-128k.yaml -o layout.json
+  # a GPU or a node was lost: plan for the rest (GPU 3 of gpu01, all of gpu02)
+  megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --hosts 'gpu[01-02]' \
+      --model gpt-7b --seq-length 131072 --exclude gpu01:3 -o layout2.json
+  megatron-hexiseq show layout2.json --previous layout.json   # what changed, can it resume
 
 The layout records the cluster and model specs it was planned for (meta), so 'simulate --layout'
 and 'validate' need nothing else. With --data-parallel-size D the predicted tokens/s are those of
@@ -33,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan uneven context/head parallelism for a cluster and model",
                        description=describe(__doc__), epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_problem_args(p)
+    p.add_argument("--exclude", metavar="HOST[:LOCAL_RANK],...", default=None,
+                   help="plan without these devices: HOST drops a whole node, HOST:LOCAL_RANK one GPU (its index "
+                        "on that node); HOST names a node of the cluster (after --hosts). A node keeps its place "
+                        "with fewer GPUs; the layout records which GPU indices are left (meta.gpu_indices)")
     p.add_argument("-o", "--output", required=True, metavar="layout.json", help="layout file to write (atomically)")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time budget in seconds (default 10)")
     p.add_argument("--method", choices=METHODS, default="hierarchical",
@@ -67,11 +76,16 @@ def run(args: argparse.Namespace) -> int:
         layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, **kwargs)
     layout = replace(layout, meta={**layout.meta, CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster),
                                    MODEL_SPEC_KEY: prob.model.to_dict()})
+    if prob.survivors is not None:
+        layout = record_exclusions(layout, prob.survivors)
     layout.save(args.output)
     if args.format == "json":
         sys.stdout.write(json.dumps(layout.to_dict(), indent=2) + "\n")
     else:
         print_layout(layout)
+        if prob.survivors is not None:
+            print(f"excluded: {', '.join(map(str, prob.survivors.excluded))}; planned for the "
+                  f"{prob.cluster.world_size} GPUs left")
         if prob.options.data_parallel_size > 1:
             print(f"--data-parallel-size {prob.options.data_parallel_size}: tokens/s above are those of "
                   f"{prob.options.data_parallel_size} copies of this cluster, each running the layout")

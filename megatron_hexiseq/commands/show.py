@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from megatron_hexiseq.commands import describe
@@ -9,6 +10,8 @@ from megatron_hexiseq.commands import describe
 EXAMPLES = """examples:
   megatron-hexiseq show layout.json
   megatron-hexiseq show layout.json --format json
+  # after a re-plan (e.g. plan --exclude): ranks gone/added, predicted time, can it resume
+  megatron-hexiseq show layout.json --previous old-layout.json
 """
 
 
@@ -16,17 +19,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show", help="print a layout", description=describe(__doc__), epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layout", help="layout JSON file")
-    p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
+    p.add_argument("--previous", metavar="old.json", default=None,
+                   help="also print what changed against this earlier layout (ranks gone and added by host:gpu, "
+                        "world size, predicted iteration time and tokens/s, whether its checkpoints resume)")
+    p.add_argument("--format", choices=("human", "json"), default="human",
+                   help="what to print (default human; json with --previous: {layout, previous, changes})")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_hexiseq.elastic import diff_layouts
     from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.planner.report import print_layout
 
     layout = Layout.load(args.layout)
+    diff = diff_layouts(Layout.load(args.previous), layout) if args.previous else None
     if args.format == "json":
-        sys.stdout.write(layout.to_json())
-    else:
-        print_layout(layout)
+        if diff is None:
+            sys.stdout.write(layout.to_json())
+        else:
+            doc = {"layout": layout.to_dict(), "previous": args.previous, "changes": diff.to_dict()}
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    print_layout(layout)
+    if diff is not None:
+        print(f"changes against {args.previous}:")
+        for line in diff.lines():
+            print(f"  {line}")
     return 0

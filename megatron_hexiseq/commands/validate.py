@@ -9,6 +9,8 @@ from megatron_hexiseq.errors import HexiSeqError
 EXAMPLES = """examples:
   megatron-hexiseq validate layout.json
   megatron-hexiseq validate layout.json --cluster examples/clusters/mixed-h100-a100.yaml
+  # a re-planned layout must resume the old one's checkpoints (same model, length, memory mode)
+  megatron-hexiseq validate layout.json --previous old-layout.json
 """
 
 
@@ -17,6 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layout", help="layout JSON file")
     p.add_argument("--cluster", metavar="C.yaml", help="also check ranks, hosts and GPU types against this cluster")
+    p.add_argument("--previous", metavar="old.json", default=None,
+                   help="also print what changed against this earlier layout, and fail (exit 2) when training "
+                        "under this layout cannot resume a checkpoint written under it")
     p.set_defaults(run=run)
 
 
@@ -35,6 +40,14 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.layout import Layout
 
     layout = Layout.load(args.layout)
+    diff = None
+    if args.previous:
+        from megatron_hexiseq.elastic import diff_layouts
+
+        diff = diff_layouts(Layout.load(args.previous), layout)
+        if diff.resume_problems:
+            raise HexiSeqError(f"{args.layout} cannot resume checkpoints written under {args.previous}: "
+                               + "; ".join(diff.resume_problems))
     where = ""
     if args.cluster:
         from megatron_hexiseq.cluster import load_cluster
@@ -46,4 +59,8 @@ def run(args: argparse.Namespace) -> int:
     groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"
     print(f"ok: {args.layout}: {layout.world_size} ranks in {groups} (sizes {sizes}), "
           f"seq_length {layout.seq_length}, {layout.num_attention_heads} heads{where}")
+    if diff is not None:
+        print(f"changes against {args.previous}:")
+        for line in diff.lines():
+            print(f"  {line}")
     return 0

@@ -16,8 +16,10 @@ the overlap tuner's
 ``megatron_hexiseq.overlap.megatron_hooks.configure_from_args(args)`` (before ``validate_args``
 and before the process groups exist, so bucket size and NCCL options take effect) ->
 ``validate_args`` -> ``initialize_model_parallel`` (CP size = layout world size) -> ``get_model``
-calls our model provider, whose FIRST call (on every rank) runs ``setup``: layout load + start-up
-checks + groups (``build_runtime``, collective), and replaces
+calls our model provider, whose FIRST call (on every rank) runs ``setup``: layout load + the
+checkpoint check (``checkpoint.check_before_training``: the checkpoint ``--load`` resumes must be of
+this model, sequence length and memory mode) + start-up checks + groups (``build_runtime``,
+collective), and replaces
 ``pretrain_gpt.get_batch_on_this_cp_rank`` with the layout's slicer. Every call builds the GPT
 through ``build_gpt_model``: the stock layer spec with ``HexiSeqCoreAttention`` swapped in, RoPE at
 this rank's global positions. During training our ``forward_step`` wrapper pushes a changed
@@ -119,6 +121,7 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
     """
     from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
+    from megatron_hexiseq.megatron.checkpoint import check_before_training
     from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime, nccl_comm_cfgs
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
@@ -133,6 +136,7 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
 
         cp_group = mpu.get_context_parallel_group()
     layout = Layout.load(hs.layout)
+    check_before_training(args)  # --save/--load settings, and the checkpoint --load resumes (rank 0 reads it)
     minutes = getattr(args, "distributed_timeout_minutes", None)
     runtime = build_runtime(layout, RunShape.from_megatron_args(args), cp_group=cp_group,
                             kernel=hs.kernel, comm_chunks=hs.comm_chunks,

@@ -16,6 +16,9 @@ Use it from any ``run_ranks`` worker::
 ``train_reference(cfg)`` trains the same model (same seed, same data) in ONE process over the
 unsharded sequences (every replica's batch at once, plain autograd, stock-free local attention):
 the oracle the parallel run must match. World size = ``layout.world_size x data_parallel``.
+
+Checkpoints (``save_dir``/``save_at_step``, ``load_dir``; ``train_cpu_ckpt.py``) are megatron-core
+``torch_dist`` checkpoints that resume on any layout and world size.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron import train_cpu_ckpt as ckpt
 from megatron_hexiseq.megatron.batch import slice_batch
 from megatron_hexiseq.megatron.loss import per_token_loss
 
@@ -95,7 +99,16 @@ class TrainConfig:
     comm_chunks: int = 1
     return_grads: bool = False  # rank 0 returns the gradients of step 0 (for equivalence tests)
     return_params: bool = False  # rank 0 returns the parameters after the last step (+ initial:
-    #                               reference only)
+    #                               reference only; + AdamW's state, and both right after a load)
+    save_dir: str | None = None  # checkpoint folder (megatron/train_cpu_ckpt.py)
+    save_at_step: int | None = None  # save once this many steps are done (1..steps)
+    load_dir: str | None = None  # resume from this folder's latest checkpoint (any layout)
+
+    def __post_init__(self) -> None:
+        if (self.save_dir is None) != (self.save_at_step is None):
+            raise HexiSeqError("TrainConfig: give save_dir and save_at_step together")
+        if self.save_at_step is not None and not 1 <= self.save_at_step <= self.steps:
+            raise HexiSeqError(f"TrainConfig: save_at_step must be in 1..steps={self.steps}, got {self.save_at_step}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,9 @@ class TrainResult:
     grads: dict[str, torch.Tensor] | None = None
     params: dict[str, torch.Tensor] | None = None
     initial_params: dict[str, torch.Tensor] | None = None
+    start_step: int = 0  # steps a loaded checkpoint had done (losses start there)
+    opt_state: dict[str, dict[str, torch.Tensor]] | None = None  # AdamW's after the last step
+    resumed: dict[str, dict] | None = None  # {"params", "opt_state"} right after loading a checkpoint
 
 
 @contextlib.contextmanager
@@ -235,6 +251,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
                            f"{W * cfg.data_parallel} processes, got {world_size}")
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
     try:
+        # another model / length / data is refused before anything is built
+        resume_from = ckpt.check_checkpoint(cfg) if cfg.load_dir is not None else None
         runtime = build_runtime(cfg.layout, run_shape(cfg), cp_group=mpu.get_context_parallel_group(),
                                 kernel=cfg.kernel, comm_chunks=cfg.comm_chunks)
         model = build_gpt(cfg, runtime=runtime)
@@ -248,23 +266,29 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
         replica = mpu.get_data_parallel_rank()
         dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
         losses, times, kept = [], [], {}
+        keep = cfg.return_params and rank == 0
+        start = 0
+        if resume_from is not None:
+            start = ckpt.load_checkpoint(resume_from, model, opt, dp_cp_group=dp_cp)
+            kept["resumed"] = ckpt.snapshot(model, opt) if keep else None
 
         def keep_grads() -> None:
             kept["grads"] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 
-        for step in range(cfg.steps):
-            start = time.perf_counter()
+        for step in range(start, cfg.steps):
+            t_start = time.perf_counter()
             batch = slice_batch(make_batch(cfg, step, replica), segments=runtime.segments,
                                 seq_length=cfg.layout.seq_length)
             want = step == 0 and cfg.return_grads and rank == 0
             report, _ = train_step(ddp, opt, params, batch, report_group=dp_cp,
                                    before_update=keep_grads if want else None)
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - t_start)
             losses.append(float(report[0] / report[1]))
-        grads = kept.get("grads")
-        final = ({n: p.detach().clone() for n, p in model.named_parameters()}
-                 if cfg.return_params and rank == 0 else None)
-        return TrainResult(losses, times, grads, final)
+            if cfg.save_dir is not None and step + 1 == cfg.save_at_step:
+                ckpt.save_checkpoint(cfg, model, opt, step + 1, dp_cp_group=dp_cp)
+        final = ckpt.snapshot(model, opt) if keep else {}
+        return TrainResult(losses, times, kept.get("grads"), final.get("params"), start_step=start,
+                           opt_state=final.get("opt_state"), resumed=kept.get("resumed"))
     finally:
         mpu.destroy_model_parallel()
 

@@ -23,6 +23,7 @@ class Problem:
     seq_length: int
     options: Any
     modes: tuple[tuple[str, bool], ...]  # (memory_mode, recompute) to try, in order
+    survivors: Any = None  # --exclude: elastic.Survivors (the devices left and where they are)
 
 
 def add_problem_args(p: argparse.ArgumentParser, *, seq_required: bool = True, spec_required: bool = True) -> None:
@@ -69,7 +70,14 @@ def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Pro
     _check_counts(args)
     cluster = _with_hosts(args, load_cluster(args.cluster))
     model = get_model(args.model, config_path=args.model_config, overrides={"seq_length": seq})
-    return _problem(args, cluster, model)
+    if getattr(args, "exclude", None) is None:
+        return _problem(args, cluster, model)
+    from dataclasses import replace
+
+    from megatron_hexiseq.elastic import exclude, parse_exclusions
+
+    kept = exclude(cluster, parse_exclusions(args.exclude))  # after --hosts: the allocation's names
+    return replace(_problem(args, kept.cluster, model), survivors=kept)
 
 
 def _with_hosts(args: argparse.Namespace, cluster: Any) -> Any:
