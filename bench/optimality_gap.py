@@ -60,7 +60,7 @@ def one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.exact import exact_surrogate
-    from megatron_hexiseq.planner.hierarchical import plan
+    from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.surrogate import build_surrogate, calibrate
 
     cl = cluster_from_dict(spec)

@@ -47,7 +47,8 @@ def _one(world: int, time_limit: float, queue: mp.Queue) -> None:
     from megatron_hexiseq.cluster import cluster_from_dict
     from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.model import get_model
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES, plan
+    from megatron_hexiseq.planner.modes import AUTO_MODES
+    from megatron_hexiseq.planner.plan import plan
 
     cl = cluster_from_dict(cluster_dict(world))
     seq = seq_for(world)

@@ -70,7 +70,8 @@ def run_one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.baselines import best_baseline
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES, plan
+    from megatron_hexiseq.planner.modes import AUTO_MODES
+    from megatron_hexiseq.planner.plan import plan
 
     cl = cluster_from_dict(spec)
     m = get_model(model_name, overrides={"seq_length": seq})

@@ -14,7 +14,8 @@ from megatron_hexiseq.model import get_model, model_from_dict
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline
 from megatron_hexiseq.planner.build import build_layout, mirrored_group_chunks
 from megatron_hexiseq.planner.exact import exact_candidates, exact_surrogate, partitions
-from megatron_hexiseq.planner.hierarchical import plan, planner_candidates
+from megatron_hexiseq.planner.hierarchical import planner_candidates
+from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage1_groups import score_grouping
 from megatron_hexiseq.planner.stage2_split import GroupCoef, max_heads, split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
@@ -196,7 +197,7 @@ def test_infeasible_names_gpu_type_and_shortfall():
 def test_infeasible_before_any_tokens_suggests_more_gpus():
     cl = _cluster(("H100-SXM-80GB", 8))
     m = get_model("llama3-70b", overrides={"seq_length": 8192})
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES
+    from megatron_hexiseq.planner.modes import AUTO_MODES
     with pytest.raises(HexiSeqError, match=r"H100-SXM-80GB needs .* before any tokens .* short by .*; try more GPUs$"):
         plan(cl, m, 8192, TrainOptions(), modes=AUTO_MODES, time_limit_s=1)
 
@@ -204,7 +205,7 @@ def test_infeasible_before_any_tokens_suggests_more_gpus():
 def test_memory_mode_auto_escalates_and_maps_flags():
     cl = _cluster(*[("H100-SXM-80GB", 8)] * 4)
     m = get_model("llama3-70b", overrides={"seq_length": 65536})
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES
+    from megatron_hexiseq.planner.modes import AUTO_MODES
     lay = plan(cl, m, 65536, TrainOptions(), modes=AUTO_MODES, time_limit_s=2)
     o = lay.meta["options"]
     assert (o["memory_mode"], o["recompute"]) != ("distributed_optimizer", False)
@@ -302,7 +303,7 @@ def test_stage2_minimises_the_phase_objective():
 
 # ---- speed paths (issue 5): same answers as the plain definitions ------------------------------------
 def test_best_lin_branch_and_bound_finds_the_minimum_of_l_plus_a():
-    from megatron_hexiseq.planner.stage2_split import best_lin
+    from megatron_hexiseq.planner.linsearch import best_lin
 
     # A(L) non-increasing: 100 - 3 L up to L = 20, flat 40 after: L + A(L) is smallest at L = 20 (60)
     calls = []
@@ -384,3 +385,28 @@ def test_single_cross_node_group_only_when_every_rank_can_hold_a_head():
         sur = build_surrogate(cl, m, TrainOptions(), 4096)
         found = candidate_groupings(cl, sur, top_k=50)
         assert any(len(g) == 1 for g, _, _ in found) == offered, (nodes, [len(g) for g, _, _ in found])
+
+
+# ---- plan() arguments ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    ({"method": "bogus"}, "hierarchical, node, exact"),
+    ({"time_limit_s": float("nan")}, "positive number of seconds"),
+    ({"time_limit_s": float("inf")}, "positive number of seconds"),
+    ({"time_limit_s": 0}, "positive number of seconds"),
+    ({"time_limit_s": -1.0}, "positive number of seconds"),
+])
+def test_plan_rejects_bad_method_and_time_limit(kwargs, match):
+    cl = _cluster(("H100-SXM-80GB", 2))
+    m = model_from_dict(TINY_GQA)
+    with pytest.raises(HexiSeqError, match=match) as e:
+        plan(cl, m, 1024, TrainOptions(), **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_reports_progress_messages():
+    cl = _cluster(("H100-SXM-80GB", 2), ("A100-SXM-80GB", 2))
+    m = model_from_dict(TINY_GQA)
+    seen: list[str] = []
+    plan(cl, m, 1024, TrainOptions(), time_limit_s=2, progress=seen.append)
+    assert any(s.startswith("baselines:") for s in seen) and any(s.startswith("stage I:") for s in seen)
+    assert any(s.startswith("memory mode ") for s in seen) and seen[-1].startswith("chosen: ")

@@ -10,8 +10,8 @@ import pytest
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate
 from megatron_hexiseq.model import model_from_dict
-from megatron_hexiseq.planner.hierarchical import (SurrogateTimes, _surrogate_times, feedback_factors,
-                                                   planner_candidates)
+from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, surrogate_times
+from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.stage2_split import GroupCoef
 from megatron_hexiseq.planner.surrogate import build_surrogate
 
@@ -56,7 +56,7 @@ def test_surrogate_times_split_out_the_ring_and_its_exposed_part():
     g = GroupCoef(a=(7, 9), s=(1, 1), b=(1, 5), c=(2, 2), e=(0, 0), free=(10**9,) * 2, mt=(1, 1), mh=(0, 0),
                   heads=3, num_units=10)
     sur = SimpleNamespace(unit=1)
-    st = _surrogate_times(sur, ((0, 1),), [g], tokens=[3, 1], heads=[2, 1])
+    st = surrogate_times(sur, ((0, 1),), [g], tokens=[3, 1], heads=[2, 1])
     assert st.kv == pytest.approx([24e-9, 12e-9])
     assert st.kv_exposed == pytest.approx([16e-9, 0.0])
     # total: t (a + s) + h max(T b, ring c): 3*8 + 2*max(4, 12) = 48, 1*10 + 1*max(20, 12) = 30

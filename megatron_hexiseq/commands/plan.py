@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.planner.hierarchical import plan
+    from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.report import print_layout
 
     if args.time_limit <= 0:

@@ -21,8 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from megatron_hexiseq import costmodel
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import Estimate, TrainOptions
 from megatron_hexiseq.layout import Group, Layout, RankPlan, split_evenly
-from megatron_hexiseq.planner.build import build_layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 
 
 @dataclass(frozen=True)
@@ -40,17 +44,7 @@ class Baseline:
         return f"{self.name}({extra})" if extra else self.name
 
 
-def hosts_and_gpus(cluster: Any) -> tuple[list[str], list[str]]:
-    """Host name and GPU type name of every cluster rank (layout rank r runs on devices[r])."""
-    hosts, gpus = [], []
-    for d in cluster.devices:
-        node = d.node
-        hosts.append(node if isinstance(node, str) else getattr(cluster.nodes[node], "name", str(node)))
-        gpus.append(d.gpu.name)
-    return hosts, gpus
-
-
-def _symmetric(cluster: Any, model: Any, seq_length: int, hp: int) -> Layout:
+def _symmetric(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -> Layout:
     """Groups of ``hp`` consecutive ranks, equal tokens per rank, zig-zag across groups."""
     world = cluster.world_size
     hosts, gpus = hosts_and_gpus(cluster)
@@ -82,12 +76,12 @@ def _regroup(ring: Layout, hp: int) -> Layout:
                   world_size=ring.world_size, groups=tuple(groups), ranks=tuple(ranks))
 
 
-def _groups_inside_nodes(cluster: Any, hp: int) -> bool:
+def _groups_inside_nodes(cluster: Cluster, hp: int) -> bool:
     return all(cluster.same_node(start, r) for start in range(0, cluster.world_size, hp)
                for r in range(start, start + hp))
 
 
-def baseline_layouts(cluster: Any, model: Any, seq_length: int) -> list[Baseline]:
+def baseline_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> list[Baseline]:
     """Every symmetric baseline configuration for this cluster and model (see module docstring)."""
     W, H, G = cluster.world_size, model.num_attention_heads, model.num_query_groups
     out = [Baseline("ring", {"hp": 1, "cp": W, "segments": "zigzag-2xcp"}, _symmetric(cluster, model, seq_length, 1))]
@@ -112,7 +106,7 @@ def baseline_layouts(cluster: Any, model: Any, seq_length: int) -> list[Baseline
     return out
 
 
-def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Any]]]
+def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Estimate]]]
                        ) -> list[dict[str, Any]]:
     """Score each baseline in the first memory mode where it fits (``scores``: (mode, score) pairs in
     order of modelled overhead, e.g. distributed optimizer before fsdp before recompute; a baseline's
@@ -143,6 +137,19 @@ def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[st
 
 
 def best_baseline(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest feasible record (ties: first listed), or None."""
+    """The fastest feasible record (ties: first listed), or None: the one "best symmetric baseline" rule."""
     feasible = [r for r in records if r["iteration_time_s"] is not None]
     return min(feasible, key=lambda r: r["iteration_time_s"]) if feasible else None
+
+
+def best_symmetric(cluster: Cluster, model: ModelSpec, seq_length: int, options: Sequence[TrainOptions]
+                   ) -> tuple[Baseline, dict[str, Any]] | None:
+    """The best symmetric baseline as ``plan`` picks it: every baseline scored in the first of
+    ``options`` (memory modes in order of overhead) where it fits, the fastest record wins (ties: first
+    listed). Returns (baseline, its record) or None when none fits."""
+    baselines = baseline_layouts(cluster, model, seq_length)
+    records = evaluate_baselines(baselines, [
+        ({"memory_mode": o.memory_mode, "recompute": o.recompute},
+         lambda layout, o=o: costmodel.estimate(layout, cluster, model, o)) for o in options])
+    best = best_baseline(records)
+    return None if best is None else next((b, r) for b, r in zip(baselines, records) if r is best)

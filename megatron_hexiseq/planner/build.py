@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.layout import Group, Layout, RankPlan, Segment
 
 
@@ -109,6 +110,11 @@ def build_layout(
         ),
         **extra,
     )
+
+
+def hosts_and_gpus(cluster: Cluster) -> tuple[list[str], list[str]]:
+    """Host name and GPU type name of every cluster rank (layout rank r runs on devices[r])."""
+    return [d.node for d in cluster.devices], [d.gpu.name for d in cluster.devices]
 
 
 def with_fields(layout: Layout, **fields: Any) -> Layout:

@@ -14,15 +14,19 @@ The result is the proven optimum of the surrogate over all decisions up to the e
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from typing import Callable
 
 from ortools.sat.python import cp_model
 
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import Estimate, TrainOptions
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.planner.baselines import hosts_and_gpus
-from megatron_hexiseq.planner.build import build_layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
+from megatron_hexiseq.planner.candidate import Candidate
 from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_grouping
-from megatron_hexiseq.planner.stage2_split import MIN_UNITS_PER_RANK
+from megatron_hexiseq.planner.stage2_split import MIN_UNITS_PER_RANK, GroupCoef, split_sequence
+from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 
 MAX_EXACT_GPUS = 16
@@ -36,7 +40,7 @@ def partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
     return [(k,) + rest for k in range(min(n, largest), 0, -1) for rest in partitions(n - k, k)]
 
 
-def all_groupings(cluster: Any) -> list[Grouping]:
+def all_groupings(cluster: Cluster) -> list[Grouping]:
     """Every split of every node into groups (sizes non-increasing), plus one group of all ranks
     when the cluster has several nodes (the cross-node candidate Stage I also scores)."""
     out = []
@@ -117,15 +121,13 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
             int(solver.best_objective_bound), [solver.value(t[r]) for r in range(W)], [solver.value(h[r]) for r in range(W)])
 
 
-def _same(co: Any, i: int, j: int) -> bool:
+def _same(co: GroupCoef, i: int, j: int) -> bool:
     return co.s_(i) == co.s_(j) and all(getattr(co, f)[i] == getattr(co, f)[j]
                                         for f in ("a", "b", "c", "e", "free", "mt", "mh"))
 
 
-def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tuple[list[int], dict, dict] | None:
-    from megatron_hexiseq.planner.stage2_split import split_sequence
-    from megatron_hexiseq.planner.stage3_refine import floors, refine_group
-
+def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef]
+                        ) -> tuple[list[int], dict[int, int], dict[int, int]] | None:
     split = split_sequence(coefs, sur.num_units)
     if split is None:
         return None
@@ -139,7 +141,8 @@ def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tupl
     return list(split.units), th, hh
 
 
-def exact_surrogate(cluster: Any, sur: Surrogate, *, time_limit_s: float = 60.0):
+def exact_surrogate(cluster: Cluster, sur: Surrogate, *, time_limit_s: float = 60.0
+                    ) -> tuple[Grouping, str, int, int, list[int], list[int]] | None:
     """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None."""
     scored = []
     node_of = [d.node for d in cluster.devices]
@@ -160,11 +163,9 @@ def exact_surrogate(cluster: Any, sur: Surrogate, *, time_limit_s: float = 60.0)
     return best
 
 
-def exact_candidates(cluster: Any, model: Any, seq_length: int, options: Any, score: Callable[[Layout], Any],
-                     *, time_limit_s: float = 60.0) -> list:
-    """The exact optimum as a planner candidate (``hierarchical.Candidate``)."""
-    from megatron_hexiseq.planner.hierarchical import Candidate
-
+def exact_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions,
+                     score: Callable[[Layout], Estimate], *, time_limit_s: float = 60.0) -> list[Candidate]:
+    """The exact optimum as a planner candidate."""
     assert cluster.world_size <= MAX_EXACT_GPUS, "exact reference is for <= 16 GPUs"
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
     sur = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)

@@ -45,7 +45,7 @@ def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Pro
     from megatron_hexiseq.cluster import load_cluster
     from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.model import get_model
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES
+    from megatron_hexiseq.planner.modes import AUTO_MODES
 
     seq = seq_length if seq_length is not None else args.seq_length
     if seq is None:

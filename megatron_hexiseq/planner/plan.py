@@ -1,0 +1,138 @@
+"""``plan()``: the planner's entry point; runs the candidate families and makes the final choice.
+
+``plan(cluster, model, seq_length, options)`` returns a complete Layout (``predicted``,
+``baselines``, ``planner``, ``meta``). Every candidate — the symmetric baselines
+(``planner.baselines``) and the planner's own (``planner.hierarchical`` or ``planner.exact``) — is
+a Layout scored by ``costmodel.estimate``; the result is the fastest *feasible* one, so it is never
+worse than the best baseline.
+
+Memory modes (``planner.modes``): each baseline is scored in the first mode of ``modes`` where it
+fits (its best); the planner runs in the first mode where it finds a feasible layout, and also in the
+best baseline's mode when that baseline is faster. The chosen mode is in ``meta.options`` with the
+Megatron flags it maps to.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+from megatron_hexiseq import costmodel
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, evaluate_baselines
+from megatron_hexiseq.planner.build import with_fields
+from megatron_hexiseq.planner.candidate import Candidate, fastest_feasible
+from megatron_hexiseq.planner.exact import MAX_EXACT_GPUS, exact_candidates
+from megatron_hexiseq.planner.hierarchical import planner_candidates
+from megatron_hexiseq.planner.modes import explain_infeasible, may_fit, megatron_flags, mode_label
+
+METHODS = ("hierarchical", "node", "exact")
+Progress = Callable[[str], None]
+
+
+def _check_args(cluster: Cluster, seq_length: int, time_limit_s: float, method: str) -> None:
+    if method not in METHODS:
+        raise HexiSeqError(f"unknown planner method {method!r}; use one of {', '.join(METHODS)}")
+    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) \
+            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
+        raise HexiSeqError(f"the time limit must be a positive number of seconds, got {time_limit_s!r}")
+    if method == "exact" and cluster.world_size > MAX_EXACT_GPUS:
+        raise HexiSeqError(f"method exact handles at most {MAX_EXACT_GPUS} GPUs, the cluster has "
+                           f"{cluster.world_size}; use the default hierarchical planner")
+    if seq_length < cluster.world_size:
+        raise HexiSeqError(f"seq_length {seq_length} is shorter than the {cluster.world_size} GPUs; every rank needs "
+                           "at least one token (Megatron cannot run an empty shard): use a longer --seq-length "
+                           "or fewer GPUs")
+
+
+def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions, *,
+         modes: Sequence[tuple[str, bool]] | None = None, time_limit_s: float = 10.0,
+         method: str = "hierarchical", reproducible: bool = False, progress: Progress | None = None) -> Layout:
+    """The full planner. ``modes``: (memory_mode, recompute) pairs tried in order until one is
+    feasible (default: ``options``' own mode only); ``inputs.load_problem`` builds it from the flags.
+
+    ``method``: "hierarchical" (Stages I-III), "node" (one group per node: the first planner) or
+    "exact" (one CP-SAT model over all decisions; clusters of at most 16 GPUs).
+    ``reproducible``: write 0 for wall-clock fields so the same inputs give a byte-identical file.
+    ``progress``: called with short stage messages ("memory mode fsdp", "baselines: 9 scored", ...)
+    so a caller can show progress on long plans.
+    """
+    _check_args(cluster, seq_length, time_limit_s, method)
+    say = progress or (lambda message: None)
+    t0 = time.perf_counter()
+    modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
+    tried = [replace(options, memory_mode=m, recompute=r) for m, r in modes]
+    usable = [o for o in tried if may_fit(cluster, model, seq_length, o)]  # others cannot fit any layout
+
+    def scorer(o: TrainOptions) -> Callable[[Layout], Estimate]:
+        return lambda layout: costmodel.estimate(layout, cluster, model, o)
+
+    def mode_of(o: TrainOptions) -> dict[str, Any]:
+        return {"memory_mode": o.memory_mode, "recompute": o.recompute}
+
+    # baselines, each in its first feasible memory mode
+    t_base = time.perf_counter()
+    baselines = baseline_layouts(cluster, model, seq_length)
+    records = evaluate_baselines(baselines, [(mode_of(o), scorer(o)) for o in usable])
+    baselines_s = time.perf_counter() - t_base
+    best_b = best_baseline(records)
+    say(f"baselines: {len(records)} scored, best {best_b['name'] if best_b else 'none fits'}")
+
+    # the planner: the first mode with a feasible candidate; also the best baseline's mode if that beats it
+    t_stages = time.perf_counter()
+    ran: dict[tuple[str, bool], list[Candidate]] = {}
+
+    def run_mode(o: TrainOptions) -> Candidate | None:
+        key = (o.memory_mode, o.recompute)
+        if key not in ran:
+            say(f"memory mode {mode_label(o)}")
+            if method == "exact":
+                ran[key] = exact_candidates(cluster, model, seq_length, o, scorer(o), time_limit_s=time_limit_s)
+            else:
+                ran[key] = planner_candidates(cluster, model, seq_length, o, scorer(o),
+                                              time_limit_s=time_limit_s, method=method, progress=say)
+        return fastest_feasible(ran[key])
+
+    best_c, best_o = None, None
+    for o in usable:
+        best_c = run_mode(o)
+        if best_c is not None:
+            best_o = o
+            break
+    if best_b is not None and (best_c is None or best_b["iteration_time_s"] < best_c.estimate.iteration_time_s):
+        o_b = next(o for o in usable if mode_of(o) == {k: best_b["config"][k] for k in ("memory_mode", "recompute")})
+        c_b = run_mode(o_b)
+        if c_b is not None and (best_c is None or c_b.estimate.iteration_time_s < best_c.estimate.iteration_time_s):
+            best_c, best_o = c_b, o_b
+    stages_s = time.perf_counter() - t_stages
+    if best_c is None and best_b is None:
+        raise HexiSeqError(explain_infeasible(cluster, model, seq_length, tried))
+
+    if best_c is not None and (best_b is None or best_c.estimate.iteration_time_s <= best_b["iteration_time_s"]):
+        chosen, layout, est, info, opts = "hexiseq", best_c.layout, best_c.estimate, dict(best_c.info), best_o
+    else:
+        b = next(b for b in baselines if b.layout is not None and b.name == best_b["name"]
+                 and all(b.config[k] == v for k, v in best_b["config"].items() if k in b.config))
+        opts = next(o for o in usable if mode_of(o) == {k: best_b["config"][k] for k in ("memory_mode", "recompute")})
+        chosen, layout, est = b.label, b.layout, scorer(opts)(b.layout)
+        info = dict(best_c.info) if best_c else {"status": "NO_PLANNER_SOLUTION"}
+        info["note"] = f"baseline {b.label} is faster than the planner's best candidate by the cost model"
+    say(f"chosen: {chosen}")
+    solve_s = 0.0 if reproducible else round(time.perf_counter() - t0, 4)
+    planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
+               "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
+               "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
+               "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
+               "candidates_evaluated": sum(len(v) for v in ran.values()), "stages": info}
+    meta = {"cluster": cluster.name, "model": model.name, "chosen": chosen,
+            "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
+                        "memory_mode": opts.memory_mode, "data_parallel_size": opts.data_parallel_size,
+                        "capacity_fraction": opts.capacity_fraction,
+                        "memory_modes_tried": [mode_label(o) for o in tried],
+                        "megatron_flags": megatron_flags(opts)}}
+    return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
