@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="16 and 32 GPUs only")
     ap.add_argument("--sizes", type=int, nargs="*", default=None)
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap (s)")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     sizes = args.sizes or ((16, 32) if args.smoke else SIZES)

@@ -143,7 +143,7 @@ def write(rows: list[dict], pairs: list[dict], out: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap (s)")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     rows = []

@@ -24,7 +24,7 @@ def files(tmp_path):
 
 def _plan_args(d, *extra, seq="32768", model="gpt-3b"):
     return ["plan", "--cluster", str(d / "c.yaml"), "--model", model, "--seq-length", seq,
-            "--time-limit", "2", "-o", str(d / "out.json"), *extra]
+            "--time-limit", "600", "-o", str(d / "out.json"), *extra]
 
 
 def _error(capsys, argv, match):

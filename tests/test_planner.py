@@ -74,7 +74,7 @@ def test_stage3_floors_use_the_other_groups_slack():
     # same group with the other groups' phase maxima as floors L* = 6, A* = 0: linear time up to 6
     # is free, so the objective max(zl, 6) + max(za, 0) is 6 + 8 = 14 (t=(3,1) or (2,2), h=(2,0))
     g = _coef(a=[1, 3], b=[1, 3])
-    sol = refine_group(g, 4, 2.0, 6, 0)
+    sol = refine_group(g, 4, 6, 0)
     assert sol.heads == (2, 0) and sol.lin_ns <= 6 and sol.att_ns == 8 and sol.bound_ns == 14
 
 
@@ -142,7 +142,7 @@ def test_never_worse_than_best_baseline(i):
     cl = _random_clusters(3)[i]
     m = get_model("gpt-3b", overrides={"seq_length": 32768})
     opts = TrainOptions(memory_mode="fsdp")
-    lay = plan(cl, m, 32768, opts, time_limit_s=2)
+    lay = plan(cl, m, 32768, opts)
     best = best_baseline(list(lay.baselines))
     assert best is not None
     assert lay.predicted["iteration_time_s"] <= best["iteration_time_s"] * (1 + 1e-6)  # predicted is rounded
@@ -153,7 +153,7 @@ def test_never_worse_than_best_baseline(i):
 def test_planner_beats_baselines_on_mixed_cluster_and_reports_status():
     cl = _cluster(("H100-SXM-80GB", 8), ("A100-SXM-80GB", 8))
     m = get_model("gpt-7b", overrides={"seq_length": 131072})
-    lay = plan(cl, m, 131072, TrainOptions(memory_mode="fsdp"), time_limit_s=5)
+    lay = plan(cl, m, 131072, TrainOptions(memory_mode="fsdp"))
     best = best_baseline(list(lay.baselines))
     assert lay.meta["chosen"] == "hexiseq"
     assert lay.predicted["iteration_time_s"] < 0.8 * best["iteration_time_s"]  # H100 ~3x A100: big win
@@ -166,11 +166,11 @@ def test_exact_is_never_worse_than_hierarchical_on_the_surrogate():
     cl = _cluster(("H100-SXM-80GB", 2), ("L40S-48GB", 2))
     m = get_model("gpt-3b", overrides={"seq_length": 16384})
     sur = build_surrogate(cl, m, TrainOptions(), 16384)
-    grouping, status, z, bound, t, h = exact_surrogate(cl, sur, time_limit_s=20)
+    grouping, status, z, bound, t, h = exact_surrogate(cl, sur)
     assert status == "OPTIMAL" and bound == z
     for g in [((0, 1), (2, 3)), ((0,), (1,), (2, 3)), ((0, 1), (2,), (3,))]:
         coefs, split = score_grouping(sur, g)
-        sols = [refine_group(c, u, 2.0, *floors(split)) for c, u in zip(coefs, split.units)]
+        sols = [refine_group(c, u, *floors(split)) for c, u in zip(coefs, split.units)]
         hier = max(x.lin_ns for x in sols) + max(x.att_ns for x in sols)  # the domain's phase objective
         assert z <= hier
     assert sum(t) == sur.num_units and min(t) >= 1
@@ -179,7 +179,7 @@ def test_exact_is_never_worse_than_hierarchical_on_the_surrogate():
 def test_determinism_byte_identical():
     cl = _cluster(("H100-SXM-80GB", 4), ("A800-80GB", 4))
     m = get_model("llama3-8b", overrides={"seq_length": 65536})
-    runs = [plan(cl, m, 65536, TrainOptions(memory_mode="fsdp"), time_limit_s=2, reproducible=True).to_json()
+    runs = [plan(cl, m, 65536, TrainOptions(memory_mode="fsdp"), reproducible=True).to_json()
             for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -188,7 +188,7 @@ def test_infeasible_names_gpu_type_and_shortfall():
     cl = _cluster(("L40S-48GB", 2))
     m = get_model("gpt-3b", overrides={"seq_length": 1 << 20})
     with pytest.raises(HexiSeqError) as e:
-        plan(cl, m, 1 << 20, TrainOptions(), modes=[("distributed_optimizer", False)], time_limit_s=1)
+        plan(cl, m, 1 << 20, TrainOptions(), modes=[("distributed_optimizer", False)])
     msg = str(e.value)
     assert "L40S-48GB" in msg and "short by" in msg and "--recompute" in msg and "fsdp" in msg
     assert "\n" not in msg
@@ -199,14 +199,14 @@ def test_infeasible_before_any_tokens_suggests_more_gpus():
     m = get_model("llama3-70b", overrides={"seq_length": 8192})
     from megatron_hexiseq.planner.modes import AUTO_MODES
     with pytest.raises(HexiSeqError, match=r"H100-SXM-80GB needs .* before any tokens .* short by .*; try more GPUs$"):
-        plan(cl, m, 8192, TrainOptions(), modes=AUTO_MODES, time_limit_s=1)
+        plan(cl, m, 8192, TrainOptions(), modes=AUTO_MODES)
 
 
 def test_memory_mode_auto_escalates_and_maps_flags():
     cl = _cluster(*[("H100-SXM-80GB", 8)] * 4)
     m = get_model("llama3-70b", overrides={"seq_length": 65536})
     from megatron_hexiseq.planner.modes import AUTO_MODES
-    lay = plan(cl, m, 65536, TrainOptions(), modes=AUTO_MODES, time_limit_s=2)
+    lay = plan(cl, m, 65536, TrainOptions(), modes=AUTO_MODES)
     o = lay.meta["options"]
     assert (o["memory_mode"], o["recompute"]) != ("distributed_optimizer", False)
     assert o["memory_modes_tried"][0] == "distributed_optimizer"
@@ -245,12 +245,12 @@ def test_reproduction_tiny_gqa_small_cluster_every_rank_has_tokens():
         {"name": "a", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
         {"name": "b", "gpu": "A100-SXM-80GB", "count": 4, "network_GBps": 25}]})
     m = model_from_dict(TINY_GQA)
-    lay = plan(cl, m, 1024, TrainOptions(), time_limit_s=2)
+    lay = plan(cl, m, 1024, TrainOptions())
     assert lay.meta["chosen"] == "hexiseq"  # the planner's own layout, not a baseline
     assert min(r.num_tokens for r in lay.ranks) >= 1, [r.num_tokens for r in lay.ranks]
     # exact optimises the surrogate only (a baseline may win the final choice): check its candidate
     opts = TrainOptions()
-    cands = exact_candidates(cl, m, 1024, opts, lambda lay: estimate(lay, cl, m, opts), time_limit_s=2)
+    cands = exact_candidates(cl, m, 1024, opts, lambda lay: estimate(lay, cl, m, opts))
     assert cands and min(r.num_tokens for r in cands[0].layout.ranks) >= 1
 
 
@@ -273,8 +273,8 @@ def test_property_planner_candidates_never_hold_zero_tokens():
     for cl, m, seq in _mixed_problems(6):
         opts = TrainOptions(memory_mode="fsdp")
         score = lambda lay, o=opts, c=cl, mm=m: estimate(lay, c, mm, o)  # noqa: E731
-        hier = planner_candidates(cl, m, seq, opts, score, time_limit_s=1)
-        exact = exact_candidates(cl, m, seq, opts, score, time_limit_s=2)
+        hier = planner_candidates(cl, m, seq, opts, score)
+        exact = exact_candidates(cl, m, seq, opts, score)
         assert hier and exact, (cl.name, m.name, seq)
         for cand in hier + exact:
             tokens = [r.num_tokens for r in cand.layout.ranks]
@@ -285,9 +285,9 @@ def test_fewer_tokens_than_ranks_is_one_clear_error():
     cl = _cluster(("H100-SXM-80GB", 2), ("A100-SXM-80GB", 4))
     m = model_from_dict({**TINY_GQA, "seq_length": 4})
     with pytest.raises(HexiSeqError, match="every rank needs at least one token") as e:
-        plan(cl, m, 4, TrainOptions(), time_limit_s=1)
+        plan(cl, m, 4, TrainOptions())
     assert "\n" not in str(e.value) and "--seq-length" in str(e.value)
-    lay = plan(cl, model_from_dict({**TINY_GQA, "seq_length": 6}), 6, TrainOptions(), time_limit_s=1)
+    lay = plan(cl, model_from_dict({**TINY_GQA, "seq_length": 6}), 6, TrainOptions())
     assert [r.num_tokens for r in lay.ranks] == [1] * 6  # as many tokens as ranks: one each
 
 
@@ -407,6 +407,26 @@ def test_plan_reports_progress_messages():
     cl = _cluster(("H100-SXM-80GB", 2), ("A100-SXM-80GB", 2))
     m = model_from_dict(TINY_GQA)
     seen: list[str] = []
-    plan(cl, m, 1024, TrainOptions(), time_limit_s=2, progress=seen.append)
+    plan(cl, m, 1024, TrainOptions(), progress=seen.append)
     assert any(s.startswith("baselines:") for s in seen) and any(s.startswith("stage I:") for s in seen)
     assert any(s.startswith("memory mode ") for s in seen) and seen[-1].startswith("chosen: ")
+
+
+def test_time_limit_caps_the_search_after_round_0_and_says_so():
+    # a cap that has always passed (1 ns): the baselines and round 0 still run, nothing after it
+    cl = _cluster(("H100-SXM-80GB", 2), ("A100-SXM-80GB", 2))
+    m = model_from_dict({**TINY_GQA, "seq_length": 4096})
+    capped = plan(cl, m, 4096, TrainOptions(), time_limit_s=1e-9)
+    full = plan(cl, m, 4096, TrainOptions())
+    assert capped.planner["time_limit_reached"] is True and full.planner["time_limit_reached"] is False
+    assert capped.planner["candidates_evaluated"] < full.planner["candidates_evaluated"]
+    assert {c["name"] for c in capped.baselines} == {c["name"] for c in full.baselines}
+    assert estimate(capped, cl, m, TrainOptions()).iteration_time_s == pytest.approx(
+        capped.predicted["iteration_time_s"])
+
+
+def test_cli_time_limit_default_is_plans():
+    from megatron_hexiseq.commands.plan import DEFAULT_TIME_LIMIT_S as cli_default
+    from megatron_hexiseq.planner.plan import DEFAULT_TIME_LIMIT_S
+
+    assert cli_default == DEFAULT_TIME_LIMIT_S

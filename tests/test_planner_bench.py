@@ -25,7 +25,7 @@ def test_planner_scale_smoke(tmp_path):
 def test_optimality_gap_smoke(tmp_path):
     import optimality_gap
 
-    assert optimality_gap.main(["--smoke", "--time-limit", "10", "--out", str(tmp_path)]) == 0
+    assert optimality_gap.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "optimality_gap.json").read_text())
     assert data["summary"]["solved"] == 2
     for row in data["rows"]:
@@ -36,7 +36,7 @@ def test_optimality_gap_smoke(tmp_path):
 def test_sim_suite_smoke(tmp_path):
     import sim_suite
 
-    assert sim_suite.main(["--smoke", "--time-limit", "2", "--out", str(tmp_path)]) == 0
+    assert sim_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "sim_suite.json").read_text())
     (row,) = data["rows"]
     assert row["speedup"] is not None and row["speedup"] >= 1 - 1e-6

@@ -91,7 +91,7 @@ def test_feedback_tracks_contain_the_single_factor_track():
     o = TrainOptions()
 
     def run(schemes):
-        cands = planner_candidates(cl, m, seq, o, lambda lay: estimate(lay, cl, m, o), time_limit_s=5,
+        cands = planner_candidates(cl, m, seq, o, lambda lay: estimate(lay, cl, m, o),
                                    feedback_schemes=schemes)
         return [(c.info["round"], c.info["feedback"], tuple(c.info["group_sizes"]), c.layout.ranks)
                 for c in cands]

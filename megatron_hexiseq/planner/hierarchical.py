@@ -15,7 +15,7 @@ from megatron_hexiseq.costmodel import Estimate, TrainOptions
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
-from megatron_hexiseq.planner.candidate import Candidate
+from megatron_hexiseq.planner.candidate import Candidate, Deadline
 from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, lower_free, surrogate_times
 from megatron_hexiseq.planner.stage1_groups import Grouping, candidate_groupings, score_grouping
 from megatron_hexiseq.planner.stage2_split import GroupCoef, Split
@@ -28,15 +28,14 @@ FEEDBACK_GROUPINGS = 2
 FEEDBACK_SCHEMES = ("one", "kv")
 
 
-def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], split: Split,
-                   time_limit_s: float) -> tuple[list[int], list[int], dict[str, Any]]:
+def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], split: Split
+                   ) -> tuple[list[int], list[int], dict[str, Any]]:
     """Stage III on every group; per-rank (tokens, heads) indexed by rank, and solver info."""
     W = sum(len(g) for g in grouping)
     tokens, heads = [0] * W, [0] * W
     statuses: dict[str, int] = {}
     z_ns = 0
-    per_group_limit = max(0.05, time_limit_s / max(1, len(set(zip(coefs, split.units)))))
-    repaired = integer_split(list(coefs), sur.num_units, per_group_limit)
+    repaired = integer_split(list(coefs), sur.num_units)
     if repaired is None:
         return [], [], {"status": "INFEASIBLE"}
     units = repaired[1]
@@ -44,7 +43,7 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
     lin_ns = att_ns = 0
     for members, coef, T in zip(grouping, coefs, units):
         # the other groups' phase maxima (Stage II's continuous L and A) are the group's floors
-        sol = refine_group(coef, T, per_group_limit, lin_floor, att_floor)
+        sol = refine_group(coef, T, lin_floor, att_floor)
         statuses[sol.status] = statuses.get(sol.status, 0) + 1
         if sol.status == "INFEASIBLE":
             return [], [], {"status": "INFEASIBLE"}
@@ -65,7 +64,7 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
 
 def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions,
                        score: Callable[[Layout], Estimate],
-                       *, time_limit_s: float, method: str = "hierarchical", top_k: int = 3,
+                       *, deadline: Deadline | None = None, method: str = "hierarchical", top_k: int = 3,
                        feedback_rounds: int = 2, feedback_schemes: Sequence[str] = FEEDBACK_SCHEMES,
                        progress: Callable[[str], None] | None = None) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
@@ -80,7 +79,8 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
     ``feedback_rounds`` rounds each start from round 0 (``feedback_schemes``): one factor per rank,
     and the K/V ring calibrated apart (``feedback_factors``); they win on different instances, and
     the cost model picks among all candidates. Empty when nothing fits. ``progress`` receives one
-    short message per round ("stage I: 3 groupings", "feedback kv round 2", ...).
+    short message per round ("stage I: 3 groupings", "feedback kv round 2", ...). Once ``deadline``
+    has passed, no further round starts (round 0 always runs).
     """
     say = progress or (lambda message: None)
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
@@ -96,6 +96,9 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
         state to fork from: (surrogate, groupings, best candidate, its SurrogateTimes, next round,
         memory rounds, feedback rounds left)."""
         while round_ < last_round:
+            if round_ > 0 and deadline is not None and deadline.passed():
+                say(f"time limit reached before round {round_}")
+                return None
             if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
                 groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
                 say(f"stage I: {len(groupings)} groupings (round {round_})")
@@ -106,7 +109,7 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
             over: dict[int, int] = {}
             new: list[tuple[Candidate, SurrogateTimes]] = []
             for grouping, coefs, split in groupings:
-                tokens, heads, info = solve_grouping(sur, grouping, coefs, split, time_limit_s / max(1, len(groupings)))
+                tokens, heads, info = solve_grouping(sur, grouping, coefs, split)
                 if info["status"] == "INFEASIBLE":
                     continue
                 layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,

@@ -26,12 +26,13 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, evaluate_baselines
 from megatron_hexiseq.planner.build import with_fields
-from megatron_hexiseq.planner.candidate import Candidate, fastest_feasible
+from megatron_hexiseq.planner.candidate import Candidate, Deadline, fastest_feasible
 from megatron_hexiseq.planner.exact import MAX_EXACT_GPUS, exact_candidates
 from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.modes import explain_infeasible, may_fit, megatron_flags, mode_label
 
 METHODS = ("hierarchical", "node", "exact")
+DEFAULT_TIME_LIMIT_S = 120.0
 Progress = Callable[[str], None]
 
 
@@ -51,13 +52,18 @@ def _check_args(cluster: Cluster, seq_length: int, time_limit_s: float, method: 
 
 
 def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions, *,
-         modes: Sequence[tuple[str, bool]] | None = None, time_limit_s: float = 10.0,
+         modes: Sequence[tuple[str, bool]] | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
          method: str = "hierarchical", reproducible: bool = False, progress: Progress | None = None) -> Layout:
     """The full planner. ``modes``: (memory_mode, recompute) pairs tried in order until one is
     feasible (default: ``options``' own mode only); ``inputs.load_problem`` builds it from the flags.
 
     ``method``: "hierarchical" (Stages I-III), "node" (one group per node: the first planner) or
     "exact" (one CP-SAT model over all decisions; clusters of at most 16 GPUs).
+    ``time_limit_s``: wall-clock cap on the search (``Deadline``): the baselines and the first round
+    of the stages always run; once the cap has passed no further round, grouping or memory mode is
+    started and the best layout found so far is returned (``planner.time_limit_reached``). CP-SAT
+    solves have fixed deterministic limits, so a plan that ends within the cap does not depend on
+    the machine's speed or load.
     ``reproducible``: write 0 for wall-clock fields so the same inputs give a byte-identical file.
     ``progress``: called with short stage messages ("memory mode fsdp", "baselines: 9 scored", ...)
     so a caller can show progress on long plans.
@@ -65,6 +71,7 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
     _check_args(cluster, seq_length, time_limit_s, method)
     say = progress or (lambda message: None)
     t0 = time.perf_counter()
+    deadline = Deadline(time_limit_s)
     modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
     tried = [replace(options, memory_mode=m, recompute=r) for m, r in modes]
     usable = [o for o in tried if may_fit(cluster, model, seq_length, o)]  # others cannot fit any layout
@@ -92,10 +99,10 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
         if key not in ran:
             say(f"memory mode {mode_label(o)}")
             if method == "exact":
-                ran[key] = exact_candidates(cluster, model, seq_length, o, scorer(o), time_limit_s=time_limit_s)
+                ran[key] = exact_candidates(cluster, model, seq_length, o, scorer(o), deadline=deadline)
             else:
                 ran[key] = planner_candidates(cluster, model, seq_length, o, scorer(o),
-                                              time_limit_s=time_limit_s, method=method, progress=say)
+                                              deadline=deadline, method=method, progress=say)
         return fastest_feasible(ran[key])
 
     best_c, best_o = None, None
@@ -104,7 +111,8 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
         if best_c is not None:
             best_o = o
             break
-    if best_b is not None and (best_c is None or best_b["iteration_time_s"] < best_c.estimate.iteration_time_s):
+    if best_b is not None and (best_c is None or best_b["iteration_time_s"] < best_c.estimate.iteration_time_s) \
+            and not deadline.passed():
         o_b = next(o for o in usable if mode_of(o) == {k: best_b["config"][k] for k in ("memory_mode", "recompute")})
         c_b = run_mode(o_b)
         if c_b is not None and (best_c is None or c_b.estimate.iteration_time_s < best_c.estimate.iteration_time_s):
@@ -128,7 +136,8 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
                "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
                "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
                "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
-               "candidates_evaluated": sum(len(v) for v in ran.values()), "stages": info}
+               "candidates_evaluated": sum(len(v) for v in ran.values()),
+               "time_limit_s": time_limit_s, "time_limit_reached": deadline.reached, "stages": info}
     meta = {"cluster": cluster.name, "model": model.name, "chosen": chosen,
             "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
                         "memory_mode": opts.memory_mode, "data_parallel_size": opts.data_parallel_size,
