@@ -46,12 +46,12 @@ def hierarchical_surrogate_ns(cluster, sur) -> tuple[int, list[int]]:
     from megatron_hexiseq.planner.stage1_groups import candidate_groupings
 
     best, sizes = None, []
-    for grouping, coefs, split in candidate_groupings(cluster, sur, top_k=3):
-        _, _, info = solve_grouping(sur, grouping, coefs, split)
+    for scored in candidate_groupings(cluster, sur, top_k=3, arranged=False):  # exact models the mirrored one
+        _, _, info = solve_grouping(sur, scored)
         if info["status"] != "INFEASIBLE":
             z = round(info["surrogate_time_s"] * 1e9)
             if best is None or z < best:
-                best, sizes = z, [len(g) for g in grouping]
+                best, sizes = z, [len(g) for g in scored.grouping]
     return best, sizes
 
 

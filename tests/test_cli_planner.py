@@ -126,7 +126,8 @@ def test_validate_errors(files, capsys):
     lay = json.loads((files / "out.json").read_text())
     bad = dict(lay)
     bad["ranks"] = [dict(r) for r in lay["ranks"]]
-    bad["ranks"][0]["segments"] = [[0, 1]]
+    (s, e), *rest = lay["ranks"][0]["segments"]
+    bad["ranks"][0]["segments"] = [[s, e - 1], *rest]  # the segment's last token then belongs to no rank
     (files / "bad.json").write_text(json.dumps(bad))
     _error(capsys, ["validate", str(files / "bad.json")], "belong to no rank")
     (files / "trunc.json").write_text((files / "out.json").read_text()[:50])

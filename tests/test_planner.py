@@ -17,7 +17,8 @@ from megatron_hexiseq.planner.exact import exact_candidates, exact_surrogate, pa
 from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage1_groups import score_grouping
-from megatron_hexiseq.planner.stage2_split import GroupCoef, max_heads, split_sequence
+from megatron_hexiseq.planner.coef import GroupCoef
+from megatron_hexiseq.planner.stage2_split import max_heads, split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import build_surrogate, granularity
 
@@ -112,12 +113,45 @@ def test_baselines_shapes():
     assert all(len(r.heads) == 32 for r in ring.ranks)
     uly = bl["ulysses(hp=8,cp=1)"].layout
     assert len(uly.groups) == 1 and {len(r.heads) for r in uly.ranks} == {4}
-    # HP groups inside nodes only: hp=8 would span the two nodes
-    assert {"usp(hp=2,cp=4)", "usp(hp=4,cp=2)"} <= set(bl) and "usp(hp=8,cp=1)" not in bl
-    a2a = bl["megatron-a2a+p2p(hp=2,cp=4)"].layout
-    assert [r.positions() for r in a2a.ranks] == [r.positions() for r in ring.ranks]
+    assert set(bl) == {"ring(hp=1,cp=8)", "ulysses(hp=8,cp=1)", "usp(hp=2,cp=4)", "usp(hp=4,cp=2)"}
     usp = bl["usp(hp=2,cp=4)"].layout  # group 0 owns zig-zag chunks 0 and 7 of 8, one per member
     assert (usp.ranks[0].segments, usp.ranks[1].segments) == (((0, 128),), ((896, 1024),))
+    # Megatron's a2a+p2p is the usp row: its flags are named there
+    assert bl["usp(hp=2,cp=4)"].config["megatron"] == "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4"
+    assert not any(b.config["spans_nodes"] for b in bl.values() if b.name == "usp")
+
+
+def test_usp_spans_nodes_for_every_hp_dividing_heads_and_world():
+    cl = _cluster(*[("H100-SXM-80GB", 2)] * 4, ("A100-SXM-80GB", 2), ("A100-SXM-80GB", 2), ("L40S-48GB", 2),
+                  ("L40S-48GB", 2))  # 16 GPUs in nodes of 2
+    m = get_model("gpt-3b", overrides={"seq_length": 4096})  # 32 heads, 32 query groups
+    bl = {b.label: b for b in baseline_layouts(cl, m, 4096)}
+    assert {lab for lab in bl if lab.startswith("usp")} == {"usp(hp=2,cp=8)", "usp(hp=4,cp=4)", "usp(hp=8,cp=2)"}
+    usp4 = bl["usp(hp=4,cp=4)"]
+    assert usp4.config["spans_nodes"] and not bl["usp(hp=2,cp=8)"].config["spans_nodes"]
+    # the groups spanning nodes pack nodes of one type (canonical order: fastest first)
+    for g in usp4.layout.groups:
+        assert len({cl.devices[r].gpu.name for r in g.ranks}) == 1
+
+
+def test_baselines_do_not_depend_on_the_node_order():
+    nodes = [("H100-SXM-80GB", 4), ("A100-SXM-80GB", 4), ("L40S-48GB", 4), ("A800-80GB", 4)]
+    m = get_model("gpt-3b", overrides={"seq_length": 16384})
+    opts = TrainOptions(memory_mode="fsdp")
+
+    def times(order):
+        cl = cluster_from_dict({"name": "t", "nodes": [
+            {"name": f"n{i}", "gpu": nodes[i][0], "count": nodes[i][1], "network_GBps": 12.5 if i == 2 else 25}
+            for i in order]})
+        return {b.label: estimate(b.layout, cl, m, opts).iteration_time_s
+                for b in baseline_layouts(cl, m, 16384) if b.layout is not None}
+
+    first = times([0, 1, 2, 3])
+    for order in ([3, 2, 1, 0], [2, 0, 3, 1]):
+        other = times(order)
+        assert other.keys() == first.keys()
+        for lab in first:
+            assert other[lab] == pytest.approx(first[lab], rel=1e-12), lab
 
 
 def test_ulysses_infeasible_when_heads_do_not_divide():
@@ -302,7 +336,7 @@ def test_stage2_minimises_the_phase_objective():
 
 
 # ---- speed paths (issue 5): same answers as the plain definitions ------------------------------------
-def test_best_lin_branch_and_bound_finds_the_minimum_of_l_plus_a():
+def test_best_lin_branch_and_bound_finds_the_minimum_of_l_plus_a_and_proves_a_bound():
     from megatron_hexiseq.planner.linsearch import best_lin
 
     # A(L) non-increasing: 100 - 3 L up to L = 20, flat 40 after: L + A(L) is smallest at L = 20 (60)
@@ -311,46 +345,68 @@ def test_best_lin_branch_and_bound_finds_the_minimum_of_l_plus_a():
     def f(L):
         calls.append(L)
         return L + max(40.0, 100.0 - 3.0 * L) if L >= 5 else float("inf")
-    L = best_lin(f, 0.0, 64.0, lambda L: L >= 5)
+    L, bound = best_lin(f, 0.0, 64.0, lambda L: L >= 5)
     assert f(L) == pytest.approx(60.0, rel=1e-4) and L == pytest.approx(20.0, rel=1e-3)
+    assert 60.0 * (1 - 1e-4) - 1e-9 <= bound <= 60.0  # a lower bound, proven within the tolerance
     # flat A: the first feasible L is proven optimal with its two end evaluations
     flat_calls = []
-    L = best_lin(lambda L: flat_calls.append(L) or L + 50.0, 10.0, 30.0, lambda L: True)
-    assert L == 10.0 and len(flat_calls) == 2
+    L, bound = best_lin(lambda L: flat_calls.append(L) or L + 50.0, 10.0, 30.0, lambda L: True)
+    assert L == 10.0 and len(flat_calls) == 2 and bound == 60.0
 
 
-def test_max_units_between_matches_max_units_and_identical_members_are_exact():
-    from megatron_hexiseq.planner.stage2_split import group_time, max_units, max_units_between
+def _compositions(total, parts, low):
+    """Every tuple of ``parts`` integers >= low summing to ``total``."""
+    if parts == 1:
+        return [(total,)] if total >= low else []
+    return [(x,) + rest for x in range(low, total - low * (parts - 1) + 1)
+            for rest in _compositions(total - x, parts - 1, low)]
+
+
+def test_units_range_matches_the_plain_definition():
+    from megatron_hexiseq.planner.stage2_split import group_time, units_range
 
     rng = random.Random(3)
-    g = GroupCoef(a=(3, 3, 5), b=(7, 7, 2), c=(4, 4, 9), e=(1, 1, 1), free=(900, 900, 600), mt=(5, 5, 4),
-                  mh=(1, 1, 1), heads=6, num_units=60, s=(2, 2, 3))
-    zs = sorted(rng.uniform(100, 4000) for _ in range(30))
-    plain = [max_units(g, z) for z in zs]
-    assert plain == sorted(plain)  # non-decreasing in z: what the bracket relies on
-    for k in range(1, len(zs) - 1):
-        assert max_units_between(g, zs[k], known_lo=plain[k - 1], known_hi=plain[k + 1]) == plain[k]
-    # identical members: the closed form A = s T/n + H beta(T)/n is the smallest feasible attention bound
-    same = GroupCoef(a=(3,) * 4, b=(7,) * 4, c=(4,) * 4, e=(1,) * 4, free=(10**6,) * 4, mt=(5,) * 4,
+    mixed = GroupCoef(a=(3, 3, 5), b=(7, 7, 2), c=(4, 4, 9), e=(1, 1, 1), free=(900, 900, 600), mt=(5, 5, 4),
+                      mh=(1, 1, 1), heads=6, num_units=60, s=(2, 2, 3))
+    same = GroupCoef(a=(3,) * 4, b=(7,) * 4, c=(40,) * 4, e=(1,) * 4, free=(10**6,) * 4, mt=(5,) * 4,
                      mh=(1,) * 4, heads=6, num_units=60, s=(2,) * 4)
+    band = GroupCoef(a=(3,) * 4, b=(7,) * 4, c=(40,) * 4, e=(1,) * 4, free=(10**6,) * 4, mt=(5,) * 4,
+                     mh=(1,) * 4, heads=6, num_units=60, s=(2,) * 4, start=12, band=True)
+    for g in (mixed, same, band):
+        for z in sorted(rng.uniform(50, 6000) for _ in range(40)):
+            plain = [T for T in range(g.min_units(), 61) if group_time(g, T) <= z]
+            got = units_range(g, z)
+            assert (got is None) == (not plain), (g.band, z, got, plain)
+            if plain:  # an interval: below it the K/V does not hide, above it the attention overflows
+                assert got == (plain[0], plain[-1]) and plain == list(range(plain[0], plain[-1] + 1))
+    # identical members: A = max(s T/n + H beta(T)/n, s + ceil(H/n) beta(T)): the continuous even split
+    # (the smallest bound max_heads finds) and the member holding ceil(6/4) = 2 whole heads and one
+    # unit; both bound Stage III's integer optimum from below (checked against CP-SAT's)
     for T in (4, 9, 20, 33):
         z = group_time(same, T)
-        assert z == pytest.approx((2 * T + 6 * same.beta(0, T)) / 4)
-        assert max_heads(same, T, z * (1 + 1e-9))[0] >= 6 - 1e-9 > max_heads(same, T, z * (1 - 1e-6))[0]
+        cont = (2 * T + 6 * same.beta(0, T)) / 4
+        assert z == pytest.approx(max(cont, 2 + 2 * same.beta(0, T)))
+        assert max_heads(same, T, cont * (1 + 1e-9))[0] >= 6 - 1e-9 > max_heads(same, T, cont * (1 - 1e-6))[0]
+        if T <= 20:  # brute force over every integer split (memory is not binding here)
+            beta = same.beta(0, T)
+            best = min(max(ti * 2 + hi * beta for ti, hi in zip(tt, hh))
+                       for tt in _compositions(T, 4, 1) for hh in _compositions(6, 4, 0))
+            assert z <= best + 1e-6
 
 
-def test_split_rounding_does_not_crush_ring_bound_groups():
-    # 40 single-rank groups whose attention is K/V-ring bound: beta(T) = max(T b, (N - T) c), so a
-    # group with fewer units is *slower*. The old rounding trimmed the slowest group one unit at a time
-    # and crushed the 20 slow-network groups to 1 unit each (rounded value 39920 vs 39314 now).
+def test_split_of_ring_bound_groups_matches_the_hand_optimum():
+    # 40 single-rank groups, 1 head, whose attention is K/V-ring bound: beta(T) = max(T b, (N - T) c),
+    # so a group with fewer units is *slower*. By hand: the slow-network groups (c = 100) set the pace
+    # and want as many units as possible; the fast ones (c = 50) can drop to their one unit and stay
+    # faster: slow T = (400 - 20) / 20 = 19, attention (400 - 19) 100 = 38100, linear 19 * 2 = 38.
+    # (The old rounding trimmed the slowest group one unit at a time: 39314.)
     N = 400
     fast = GroupCoef(a=(1,), b=(1,), c=(50,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N)
     slow = GroupCoef(a=(2,), b=(3,), c=(100,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N)
     split = split_sequence([fast] * 20 + [slow] * 20, N)
-    assert sum(split.units) == N and min(split.units) > 1
-    for part in (split.units[:20], split.units[20:]):  # identical groups stay within one unit
-        assert max(part) - min(part) <= 1
-    assert split.z_rounded_ns < 39920
+    assert split.units == (1,) * 20 + (19,) * 20
+    assert split.z_rounded_ns == pytest.approx(38138, rel=1e-6)
+    assert split.bound_ns <= 38138 and split.bound_ns == pytest.approx(38138, rel=1e-4)
 
 
 def test_effective_ring_bandwidth_is_the_harmonic_mean_of_link_minima():
@@ -384,7 +440,7 @@ def test_single_cross_node_group_only_when_every_rank_can_hold_a_head():
         cl = _cluster(("H100-SXM-80GB", nodes), ("A100-SXM-80GB", nodes))
         sur = build_surrogate(cl, m, TrainOptions(), 4096)
         found = candidate_groupings(cl, sur, top_k=50)
-        assert any(len(g) == 1 for g, _, _ in found) == offered, (nodes, [len(g) for g, _, _ in found])
+        assert any(len(s.grouping) == 1 for s in found) == offered, (nodes, [len(s.grouping) for s in found])
 
 
 # ---- plan() arguments ---------------------------------------------------------------------------------

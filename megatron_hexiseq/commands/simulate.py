@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_problem_args(p, seq_required=False)
     p.add_argument("--layout", action="append", default=[], metavar="L.json", help="layout to evaluate (repeatable)")
-    p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp, a2a+p2p)")
+    p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp for every hp; usp is Megatron's a2a+p2p)")
     p.add_argument("--plot", metavar="out.png", help="per-rank compute / exposed comm / idle and memory vs capacity")
     p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
     p.epilog = EXAMPLES + "\nWith --memory-mode auto (default) and a --layout, the layout's planned memory mode is used.\n"

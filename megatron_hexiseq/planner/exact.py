@@ -25,7 +25,8 @@ from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline
 from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_grouping
-from megatron_hexiseq.planner.stage2_split import MIN_UNITS_PER_RANK, GroupCoef, split_sequence
+from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
+from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 

@@ -14,7 +14,7 @@ from typing import Sequence
 from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.planner.stage1_groups import Grouping
-from megatron_hexiseq.planner.stage2_split import GroupCoef
+from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.surrogate import Surrogate
 
 
@@ -30,8 +30,8 @@ def lower_free(sur: Surrogate, over: dict[int, int]) -> Surrogate:
 class SurrogateTimes:
     """Surrogate seconds per rank of a solved grouping (lists indexed by rank).
 
-    ``total``: l_r t_r + s_r t_r + h_r beta_r(T_g); ``kv``: the K/V ring term h_r (N - T_g) c_r (the
-    transfer); ``kv_exposed``: the part of it not hidden behind attention, h_r max(0, (N - T_g) c_r - T_g b_r).
+    ``total``: l_r t_r + s_r t_r + h_r beta_r(T_g); ``kv``: the K/V ring term h_r visible(T_g) c_r (the
+    transfer); ``kv_exposed``: the part of it not hidden behind attention, h_r max(0, visible c_r - att_r).
     """
 
     total: list[float]
@@ -46,11 +46,11 @@ def surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef],
     total, kv, exposed = [0.0] * W, [0.0] * W, [0.0] * W
     for members, co in zip(grouping, coefs):
         T = sum(tokens[r] for r in members) // sur.unit
-        ring = co.num_units - T
+        ring = co.visible(T)
         for k, r in enumerate(members):
             total[r] = (tokens[r] // sur.unit * (co.a[k] + co.s_(k)) + heads[r] * co.beta(k, T)) * 1e-9
             kv[r] = heads[r] * ring * co.c[k] * 1e-9
-            exposed[r] = heads[r] * max(0, ring * co.c[k] - T * co.b[k]) * 1e-9
+            exposed[r] = heads[r] * max(0, ring * co.c[k] - co.att(k, T)) * 1e-9
     return SurrogateTimes(total, kv, exposed)
 
 
@@ -60,12 +60,13 @@ def feedback_factors(sur: Surrogate, layout: Layout, est: Estimate, st: Surrogat
 
     ``separate_kv=False``: one factor for all of a rank's coefficients, ``estimate``'s time over the
     surrogate's. ``separate_kv=True``: K/V gets ``estimate``'s transfer time (``kv_exchange_s``: only
-    causally visible K/V is sent) over the surrogate's ring term h_r (N - T_g) c_r (an upper bound
-    that counts hidden tokens; ranks without heads or without a ring take the other factor), the rest
+    causally visible K/V is sent) over the surrogate's ring term h_r visible(T_g) c_r (an upper
+    bound that counts hidden tokens; ranks without heads or without a ring take the other factor), the rest
     ``estimate``'s time without its exposed K/V over the surrogate's time without its exposed ring.
-    Each clipped to [0.25, 4] and averaged per class of (device coefficients, tokens, heads), so
-    identical groups stay identical and Stage II/III keep sharing their work across them (thousands
-    of GPUs, few classes).
+    Each clipped to [0.25, 4] and averaged per class of (device coefficients, group size), so
+    identical groups stay identical, and so do the members of one group that Stage III gave one unit
+    or one head more or less (40 heads over 16 ranks: 2 or 3 each): Stage II/III keep sharing their
+    work across them and keep their closed forms for identical members (thousands of GPUs, few classes).
     """
     raw: list[float] = []
     raw_kv: list[float | None] = []
@@ -79,7 +80,7 @@ def feedback_factors(sur: Surrogate, layout: Layout, est: Estimate, st: Surrogat
         raw_kv.append(min(4.0, max(0.25, p.breakdown["kv_exchange_s"] / s_kv)) if s_kv > 0 else None)
     classes: dict[tuple, list[int]] = {}
     for r, (dev, lay_r) in enumerate(zip(sur.devices, layout.ranks)):
-        classes.setdefault((dev, lay_r.num_tokens, len(lay_r.heads)), []).append(r)
+        classes.setdefault((dev, len(layout.group_of(r).ranks)), []).append(r)
     factors, kv_factors = [1.0] * len(raw), [1.0] * len(raw)
     for members in classes.values():
         mean = round(sum(raw[r] for r in members) / len(members), 3)

@@ -17,8 +17,7 @@ from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline
 from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, lower_free, surrogate_times
-from megatron_hexiseq.planner.stage1_groups import Grouping, candidate_groupings, score_grouping
-from megatron_hexiseq.planner.stage2_split import GroupCoef, Split
+from megatron_hexiseq.planner.stage1_groups import Scored, candidate_groupings, score_arranged
 from megatron_hexiseq.planner.stage3_refine import floors, integer_split, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 
@@ -28,18 +27,21 @@ FEEDBACK_GROUPINGS = 2
 FEEDBACK_SCHEMES = ("one", "kv")
 
 
-def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], split: Split
-                   ) -> tuple[list[int], list[int], dict[str, Any]]:
-    """Stage III on every group; per-rank (tokens, heads) indexed by rank, and solver info."""
+def solve_grouping(sur: Surrogate, scored: Scored) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Stage III on every group of a scored (grouping, arrangement); per-rank (tokens, heads) indexed
+    by rank, and solver info."""
+    grouping, coefs, split = scored.grouping, list(scored.coefs), scored.split
     W = sum(len(g) for g in grouping)
     tokens, heads = [0] * W, [0] * W
     statuses: dict[str, int] = {}
-    z_ns = 0
-    repaired = integer_split(list(coefs), sur.num_units)
-    if repaired is None:
-        return [], [], {"status": "INFEASIBLE"}
-    units = repaired[1]
-    lin_floor, att_floor = floors(repaired[0])
+    if scored.arrangement.prefix:  # positioned coefficients: Stage II's units as they are
+        units, (lin_floor, att_floor) = list(split.units), floors(split)
+    else:  # the mirrored arrangement: Stage II made integer-aware first
+        repaired = integer_split(coefs, sur.num_units)
+        if repaired is None:
+            return [], [], {"status": "INFEASIBLE"}
+        units = repaired[1]
+        lin_floor, att_floor = floors(repaired[0])
     lin_ns = att_ns = 0
     for members, coef, T in zip(grouping, coefs, units):
         # the other groups' phase maxima (Stage II's continuous L and A) are the group's floors
@@ -53,9 +55,10 @@ def solve_grouping(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef], s
     # the phase objective over the whole domain: slowest linear phase + slowest attention phase
     z_ns = lin_ns + att_ns
     status = "OPTIMAL" if set(statuses) == {"OPTIMAL"} else "FEASIBLE"
-    # bound: Stage II's continuous value of this grouping (the relaxation over every split, tokens
-    # and heads; a near-bound: its linear-phase search is numerical). exact.py proves the optimum.
-    lower = min(math.floor(split.z_relaxed_ns), z_ns)
+    # bound: Stage II's proven lower bound for these groups in this arrangement (every group keeps its
+    # minimum; integer units per group, tokens and heads per member continuous): no integer split of
+    # them is faster in the surrogate
+    lower = min(math.floor(split.bound_ns), z_ns)
     return tokens, heads, {"status": status, "group_statuses": statuses, "stage2_units": units,
                            "surrogate_time_s": z_ns * 1e-9,
                            "surrogate_bound_s": lower * 1e-9,
@@ -66,7 +69,7 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                        score: Callable[[Layout], Estimate],
                        *, deadline: Deadline | None = None, method: str = "hierarchical", top_k: int = 3,
                        feedback_rounds: int = 2, feedback_schemes: Sequence[str] = FEEDBACK_SCHEMES,
-                       progress: Callable[[str], None] | None = None) -> list[Candidate]:
+                       progress: Callable[[str], None] | None = None, arranged: bool = True) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
 
     Round 0 solves the ``top_k`` groupings of Stage I; time-feedback rounds re-split the
@@ -80,7 +83,8 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
     and the K/V ring calibrated apart (``feedback_factors``); they win on different instances, and
     the cost model picks among all candidates. Empty when nothing fits. ``progress`` receives one
     short message per round ("stage I: 3 groupings", "feedback kv round 2", ...). Once ``deadline``
-    has passed, no further round starts (round 0 always runs).
+    has passed, no further round starts (round 0 always runs). ``arranged=False``: only the mirrored
+    arrangement (no slow-first prefix blocks; what the exact reference models).
     """
     say = progress or (lambda message: None)
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
@@ -90,7 +94,7 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
     node_of = [d.node for d in cluster.devices]
     last_round = 4 + feedback_rounds
 
-    def rounds(sur: Surrogate, groupings: list, round_: int, memory_rounds: int, feedback_left: int,
+    def rounds(sur: Surrogate, groupings: list[Scored], round_: int, memory_rounds: int, feedback_left: int,
                scheme: str | None) -> tuple | None:
         """Rounds from ``round_`` on; ``scheme=None`` stops at the first time feedback and returns the
         state to fork from: (surrogate, groupings, best candidate, its SurrogateTimes, next round,
@@ -100,28 +104,31 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                 say(f"time limit reached before round {round_}")
                 return None
             if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
-                groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None)
+                groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None,
+                                                arranged=arranged)
                 say(f"stage I: {len(groupings)} groupings (round {round_})")
             else:
                 say(f"feedback {scheme} round {round_}" if scheme else f"memory feedback round {round_}")
-                rescored = [(g, *score_grouping(sur, g, node_of)) for g, _, _ in groupings]
-                groupings = [(g, c, sp) for g, c, sp in rescored if sp is not None]
+                rescored = [score_arranged(sur, s.grouping, s.arrangement, node_of) for s in groupings]
+                groupings = [s for s in rescored if s is not None]
             over: dict[int, int] = {}
             new: list[tuple[Candidate, SurrogateTimes]] = []
-            for grouping, coefs, split in groupings:
-                tokens, heads, info = solve_grouping(sur, grouping, coefs, split)
+            for scored in groupings:
+                grouping = scored.grouping
+                tokens, heads, info = solve_grouping(sur, scored)
                 if info["status"] == "INFEASIBLE":
                     continue
                 layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
                                       num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
-                                      rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
+                                      rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus,
+                                      blocks=scored.arrangement.blocks)
                 est = score(layout)
-                info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(split.units),
-                            stage2_relaxed_s=split.z_relaxed_ns * 1e-9, round=round_, feedback=scheme,
-                            granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
+                info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(scored.split.units),
+                            stage2_relaxed_s=scored.split.z_relaxed_ns * 1e-9, round=round_, feedback=scheme,
+                            arrangement=scored.arrangement.name, granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
                 cand = Candidate(layout, est, info)
                 out.append(cand)
-                new.append((cand, surrogate_times(sur, grouping, coefs, tokens, heads)))
+                new.append((cand, surrogate_times(sur, grouping, list(scored.coefs), tokens, heads)))
                 if not est.feasible:
                     for pr in est.per_rank:
                         if pr.memory_bytes > pr.capacity_bytes:
@@ -143,8 +150,8 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
             # feedback rounds refine the groupings that did best by the cost model; one that was faster
             # but over memory stays in, with the memory feedback applied
             by_time = sorted(new, key=lambda x: x[0].estimate.iteration_time_s)
-            keep = [c.info["group_sizes"] for c, _ in by_time[:FEEDBACK_GROUPINGS]]
-            groupings = [x for x in groupings if [len(g) for g in x[0]] in keep] or groupings
+            keep = [(c.info["group_sizes"], c.info["arrangement"]) for c, _ in by_time[:FEEDBACK_GROUPINGS]]
+            groupings = [s for s in groupings if ([len(g) for g in s.grouping], s.arrangement.name) in keep] or groupings
             if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
                 sur = lower_free(sur, over)
             if scheme is None:

@@ -15,7 +15,7 @@ so the same inputs give the same layout) and a small relative gap; every solver 
 reports its bound and gap; no solution at all falls back to the hint when it is valid).
 When the rounded continuous optimum is already within ``GREEDY_GAP`` of the continuous bound, the
 solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of more than
-``CPSAT_MAX_MEMBERS`` ranks (only the cross-node single group) always keep that rounded point.
+``CPSAT_MAX_MEMBERS`` ranks (groups spanning nodes) always keep that rounded point.
 """
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
-from megatron_hexiseq.planner.stage2_split import (MIN_UNITS_PER_RANK, GroupCoef, Split, group_phase_time,
-                                                    max_heads, min_units, split_at, split_sequence)
+from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
+from megatron_hexiseq.planner.stage2_split import (Split, group_phase_time, max_heads, min_units, split_at,
+                                                    split_sequence)
 
 
 GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
 BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
-CPSAT_MAX_MEMBERS = 64     # larger groups (the cross-node single group) keep the rounded continuous optimum
+CPSAT_MAX_MEMBERS = 16     # larger groups (spanning nodes) keep the rounded continuous optimum
 REPAIR_SLACK = 5e-3        # integer repair of the split starts when a group is 0.5% over the split's time
 BALANCE_DETERMINISTIC_TIME = 0.02  # budget of the phase-2 evenness solve (deterministic seconds)
 RELATIVE_GAP = 1e-4        # CP-SAT stops when its solution is proven within 0.01% of optimal
