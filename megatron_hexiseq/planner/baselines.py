@@ -49,7 +49,8 @@ from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 
 @dataclass(frozen=True)
 class Baseline:
-    """One baseline configuration; ``layout`` is None when it cannot be built (``reason`` says why)."""
+    """One named configuration (a baseline, or a heuristic of ``planner.heuristics``); ``layout`` is
+    None when it cannot be built (``reason`` says why)."""
 
     name: str
     config: dict[str, Any]
@@ -58,7 +59,7 @@ class Baseline:
 
     @property
     def label(self) -> str:
-        extra = ",".join(f"{k}={v}" for k, v in self.config.items() if k in ("hp", "cp"))
+        extra = ",".join(f"{k}={self.config[k]}" for k in ("k", "hp", "cp") if k in self.config)
         return f"{self.name}({extra})" if extra else self.name
 
 

@@ -14,6 +14,7 @@ from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel import Estimate, TrainOptions
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.arrange import ring_blocks
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline
 from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, lower_free, surrogate_times
@@ -94,6 +95,27 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
     node_of = [d.node for d in cluster.devices]
     last_round = 4 + feedback_rounds
 
+    ring_order: dict[tuple, bool] = {}  # (grouping, arrangement) -> final block reversed
+
+    def build_scored(scored: Scored, tokens: list[int], heads: list[int]) -> tuple[Layout, Estimate]:
+        """The layout of a solved grouping; the first time a (grouping, arrangement) is built, in both
+        orders of its final block (``arrange.ring_blocks``), the faster kept for the later rounds."""
+        units = [sum(tokens[r] for r in g) for g in scored.grouping]
+        key = (scored.grouping, scored.arrangement)
+        distinct = len({scored.coefs[g] for g in scored.arrangement.final})
+        tries = [ring_order[key]] if key in ring_order else ([False, True] if distinct > 1 else [False])
+        best = None
+        for reverse in tries:
+            layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
+                                  num_query_groups=model.num_query_groups, groups=[list(g) for g in scored.grouping],
+                                  rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus,
+                                  blocks=ring_blocks(scored.coefs, scored.arrangement, units, reverse))
+            est = score(layout)
+            if best is None or (est.feasible, -est.iteration_time_s) > (best[1].feasible, -best[1].iteration_time_s):
+                best, ring_order[key] = (layout, est), reverse
+        assert best is not None
+        return best
+
     def rounds(sur: Surrogate, groupings: list[Scored], round_: int, memory_rounds: int, feedback_left: int,
                scheme: str | None) -> tuple | None:
         """Rounds from ``round_`` on; ``scheme=None`` stops at the first time feedback and returns the
@@ -118,11 +140,7 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                 tokens, heads, info = solve_grouping(sur, scored)
                 if info["status"] == "INFEASIBLE":
                     continue
-                layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
-                                      num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
-                                      rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus,
-                                      blocks=scored.arrangement.blocks)
-                est = score(layout)
+                layout, est = build_scored(scored, tokens, heads)
                 info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(scored.split.units),
                             stage2_relaxed_s=scored.split.z_relaxed_ns * 1e-9, round=round_, feedback=scheme,
                             arrangement=scored.arrangement.name, granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
