@@ -34,7 +34,7 @@ from _common import write_outputs
 TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "A800-80GB", "L40S-48GB")
 MATCHED_GBPS = {"H100-SXM-80GB": 50.0, "A100-SXM-80GB": 25.0, "A800-80GB": 25.0, "L40S-48GB": 12.5}
 MODELS = ("gpt-7b", "gpt-13b", "llama2-7b", "llama3-8b", "llama3-70b")
-SIZES = (32, 64, 64, 128, 128, 128, 256, 256, 512, 512, 512, 1024, 1024, 1024, 2048, 2048)
+SIZES = (32, 32, 64, 64, 128, 128, 128, 256, 256, 256, 512, 512, 512, 1024, 1024, 1024, 1024, 2048, 2048, 2048)
 SEQS = (131072, 262144, 524288, 1048576)
 
 
@@ -105,7 +105,7 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     t = lay.predicted["iteration_time_s"]
     best = best_baseline(list(lay.baselines))
     pl = lay.planner
-    heur = {h["name"]: (h["iteration_time_s"] and h["iteration_time_s"] / t) for h in pl.get("heuristics", [])}
+    heur = {_label(h): h["iteration_time_s"] / t for h in pl.get("heuristics", []) if h["iteration_time_s"]}
     row.update(plan_s=t, winner=pl.get("winner", {}).get("name", lay.meta["chosen"]),
                family=pl.get("winner", {}).get("family"),
                best_symmetric=None if best is None else f"{best['name']}(hp={best['config']['hp']})",
@@ -116,6 +116,11 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
                + ("+recompute" if lay.meta["options"]["recompute"] else ""),
                groups=len(lay.groups), group_sizes=sorted({len(g.ranks) for g in lay.groups}))
     queue.put(row)
+
+
+def _label(record: dict) -> str:
+    extra = ",".join(f"{k}={record['config'][k]}" for k in ("k", "hp") if k in record["config"])
+    return f"{record['name']}({extra})"
 
 
 def run(selected: list[dict], time_limit: float) -> list[dict]:

@@ -66,10 +66,10 @@ def _class_keys(g: GroupCoef) -> tuple[float, float]:
 def arrangements(coefs: Sequence[GroupCoef]) -> list[Arrangement]:
     """The arrangements Stage I tries for a grouping (``coefs``: one per group; identical groups
     share one object). Classes of identical groups are ordered slow-to-fast by two keys — K/V cost
-    per visible unit first, attention cost first — and each order gives every prefix of 1 to
-    C - 1 classes (one block per class) before a final block of the rest. In every final block the
-    groups are ordered by K/V cost, the cheapest outermost: the inner groups of a mirrored block see
-    less of the sequence (the sub-ring ordered by the network). The first is the plain mirrored one."""
+    per visible unit first, attention cost first — and each order gives the prefix of its slowest
+    class and the prefix of all but its fastest class (one block per class) before a final block of
+    the rest. The final block's order (the sub-ring order) is settled when the layout is built
+    (``ring_blocks``). The first arrangement is the plain mirrored one."""
     classes: dict[GroupCoef, list[int]] = {}
     for i, c in enumerate(coefs):
         classes.setdefault(c, []).append(i)
@@ -84,7 +84,7 @@ def arrangements(coefs: Sequence[GroupCoef]) -> list[Arrangement]:
     for name, key in (("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
                       ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c)))):
         slow_first = sorted(first, key=key)
-        for m in range(1, len(slow_first)):
+        for m in sorted({1, len(slow_first) - 1} - {0}):
             prefix = tuple(tuple(classes[c]) for c in slow_first[:m])
             arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{m}")
             if (arr.prefix, arr.final) not in seen:
