@@ -93,6 +93,44 @@ def arrangements(coefs: Sequence[GroupCoef]) -> list[Arrangement]:
     return out
 
 
+def kappa(receiver: GroupCoef, sender: GroupCoef) -> float:
+    """K/V fan-out of a receiving group from a sending group: ``max(1, n / m)`` for group sizes n, m.
+
+    A holder of K/V heads serves every receiver of the other group that needs them, one copy each
+    (the runtime's ``attention/peers.py``; ``costmodel.exchange.fan_units``): with even head splits
+    a rank of a group of ``n`` receives ``H/n`` heads' K/V per round from a group of ``m`` ranks whose
+    holders send ``H/m`` each, and the round lasts ``max(H/n, H/m)`` blocks. Without it the surrogate
+    saw 40-rank groups with one head each at the end of the sequence as cheap (9.5 s) while
+    ``estimate`` gave 13.6 s: 8-rank senders with 5 heads each."""
+    return max(1.0, receiver.size / sender.size)
+
+
+def _final_kappa(coefs: Sequence[GroupCoef], arr: Arrangement) -> dict[int, float]:
+    """Per final group the largest ``kappa`` from the other final groups (the smallest of them)."""
+    sizes = sorted((coefs[g].size, g) for g in arr.final)
+    out = {}
+    for g in arr.final:
+        others = sizes[1][0] if sizes[0][1] == g and len(sizes) > 1 else sizes[0][0]
+        out[g] = max(1.0, coefs[g].size / others) if len(sizes) > 1 else 1.0
+    return out
+
+
+def with_fan_out(coefs: Sequence[GroupCoef], arr: Arrangement) -> list[GroupCoef]:
+    """The final block's K/V coefficients ``c`` scaled by their fan-out from the other final groups
+    (the largest ``kappa``); the fan-out from prefix blocks enters through ``GroupCoef.kv_extra``
+    once their sizes are known (``_feasible``, ``positioned``), the prefix blocks' through their
+    visible units (``_block_max``)."""
+    out = list(coefs)
+    scaled: dict[tuple[GroupCoef, float], GroupCoef] = {}
+    for g, mult in _final_kappa(coefs, arr).items():
+        if mult > 1.0:
+            key = (coefs[g], mult)
+            if key not in scaled:
+                scaled[key] = replace(coefs[g], c=tuple(round(x * mult) for x in coefs[g].c))
+            out[g] = scaled[key]
+    return out
+
+
 def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int], reverse: bool = False
                 ) -> list[list[int]]:
     """The arrangement's blocks for ``build_layout``, the final block's groups ordered by the ratio
@@ -109,26 +147,53 @@ def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[in
     return [list(b) for b in arr.prefix] + [final[::-1] if reverse else final]
 
 
+def _extras(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: Sequence[int]) -> tuple[list[int], dict[int, int]]:
+    """Fan-out in visible units: per prefix block ``V_b - P_b`` (its visible units from the earlier
+    blocks, each counted ``kappa`` times, less its start), per final group ``kv_extra`` (the prefix
+    blocks' units counted ``kappa / kappa_final`` times instead of once; ``c`` is scaled by
+    ``kappa_final``, see ``with_fan_out``). ``sizes``: units per group of each prefix block."""
+    heads = [coefs[b[0]] for b in arr.prefix]
+    block_extra, P = [], 0
+    for i, block in enumerate(arr.prefix):
+        v = sum(kappa(heads[i], heads[j]) * len(arr.prefix[j]) * sizes[j] for j in range(i))
+        block_extra.append(round(v) - P)
+        P += len(block) * sizes[i]
+    fin = _final_kappa(coefs, arr)
+    per_class: dict[tuple[GroupCoef, float], int] = {}
+    final_extra = {}
+    for g in arr.final:
+        key = (coefs[g], fin[g])
+        if key not in per_class:
+            per_class[key] = round(sum((kappa(coefs[g], h) / fin[g] - 1) * len(b) * s
+                                       for h, b, s in zip(heads, arr.prefix, sizes)))
+        final_extra[g] = per_class[key]
+    return block_extra, final_extra
+
+
 def positioned(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int]) -> list[GroupCoef]:
     """Each group's coefficients at the place ``arr`` and ``units`` give it (``GroupCoef.start``,
-    ``end``, ``band``)."""
+    ``end``, ``band``, ``kv_extra``)."""
     N = coefs[0].num_units
+    sizes = [units[b[0]] for b in arr.prefix]
+    block_extra, final_extra = _extras(coefs, arr, sizes)
     out = list(coefs)
     P = 0
-    for block in arr.blocks:
+    for i, block in enumerate(arr.blocks):
         Q = P + sum(units[g] for g in block)
         for g in block:
-            band = len(block) == 1 and block is not arr.final
-            out[g] = coefs[g].placed(P, 0 if Q >= N else Q, band)
+            if block is arr.final:
+                out[g] = coefs[g].placed(P, 0 if Q >= N else Q, False, final_extra[g])
+            else:
+                out[g] = coefs[g].placed(P, 0 if Q >= N else Q, len(block) == 1, block_extra[i])
         P = Q
     return out
 
 
-def _block_time(g: GroupCoef, k: int, P: int, T: int, lin: float) -> float:
+def _block_time(g: GroupCoef, k: int, P: int, V: float, T: int, lin: float) -> float:
     """Attention phase of each of k identical groups of identical members holding T units each in a
-    prefix block starting at P (k = 1: a band), as ``stage2_split._identical_time`` (the larger of
-    the continuous even split and the member with ceil(H/n) heads); inf past memory, the linear bound
-    or the minimum."""
+    prefix block starting at P that sees V units before it (k = 1: a band), as
+    ``stage2_split._identical_time`` (the larger of the continuous even split and the member with
+    ceil(H/n) heads); inf past memory, the linear bound or the minimum."""
     n, H = g.size, g.heads
     a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
     t = T / n
@@ -136,13 +201,14 @@ def _block_time(g: GroupCoef, k: int, P: int, T: int, lin: float) -> float:
     if T < n or t * mt + H / n * T * mh > free or mt + hmax * T * mh > free or (a > 0 and t * a > lin):
         return INF
     att = b * T * (2 * P + k * T) // g.num_units
-    beta = max(att, (P + (k - 1) * T) * c) + T * e
+    beta = max(att, (round(V) + (k - 1) * T) * c) + T * e
     return max(s * t + H * beta / n, s + hmax * beta)
 
 
-def _block_max(g: GroupCoef, k: int, P: int, z: float, lin: float, room: int) -> int | None:
-    """Most units per group (all k groups equal) of a prefix block starting at P within attention
-    bound z, at most ``room`` units for the block; None when not even each group's minimum fits."""
+def _block_max(g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, room: int) -> int | None:
+    """Most units per group (all k groups equal) of a prefix block starting at P that sees V units
+    before it (fan-out counted), within attention bound z, at most ``room`` units for the block;
+    None when not even each group's minimum fits."""
     n, H, N = g.size, g.heads, g.num_units
     tmax = room // k
     if tmax < n:
@@ -150,7 +216,7 @@ def _block_max(g: GroupCoef, k: int, P: int, z: float, lin: float, room: int) ->
     if len(g.rows) != 1:  # members differ: bisection on the positioned group's own time
         def ok(T: int) -> bool:
             q = P + k * T
-            return group_time(g.placed(P, 0 if q >= N else q, k == 1), T, lin) <= z
+            return group_time(g.placed(P, 0 if q >= N else q, k == 1, round(V) - P), T, lin) <= z
         if not ok(n):
             return None
         lo, hi = n, tmax
@@ -163,8 +229,8 @@ def _block_max(g: GroupCoef, k: int, P: int, z: float, lin: float, room: int) ->
         return lo
     a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
     # attention b T (2P + k T) / N per head; the outermost group sees the block's other units and
-    # everything before it: visible = P + (k - 1) T
-    real = closed_range(n, H, z, s, e, c, b * k / N, 2 * P * b / N, c * (k - 1), P * c)
+    # what lies before it: visible = V + (k - 1) T
+    real = closed_range(n, H, z, s, e, c, b * k / N, 2 * P * b / N, c * (k - 1), round(V) * c)
     if real is None:
         return None
     x = min(real[1], float(tmax))
@@ -179,62 +245,84 @@ def _block_max(g: GroupCoef, k: int, P: int, z: float, lin: float, room: int) ->
     for _ in range(6):  # settle on integers (att() rounds down)
         if T < n:
             return None
-        if _block_time(g, k, P, T, lin) <= z:
-            if T + 1 <= tmax and _block_time(g, k, P, T + 1, lin) <= z:
+        if _block_time(g, k, P, V, T, lin) <= z:
+            if T + 1 <= tmax and _block_time(g, k, P, V, T + 1, lin) <= z:
                 T += 1
                 continue
             return T
         T -= 1
-    return T if T >= n and _block_time(g, k, P, T, lin) <= z else None
+    return T if T >= n and _block_time(g, k, P, V, T, lin) <= z else None
 
 
-def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, lin: float
+def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, lin: float, exact: bool = True
               ) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
-    """Per prefix block its units per group (greedy most), the final block's start and its groups'
-    positioned coefficients and unit ranges, or None when the arrangement cannot hold N within z."""
+    """Per prefix block its units per group, the final block's start and its groups' positioned
+    coefficients and unit ranges, or None when the arrangement cannot hold N within z.
+
+    The prefix blocks first take the most units each can hold (a later block's most units only grow
+    with its start). The final block's ranges then depend on the prefix's length P: their attention
+    upper ends shrink as P grows (more keys per query), their K/V lower ends grow with the prefix's
+    fan-out; so P is the longest prefix (shortened from its last block) at which every final range is
+    non-empty and the final groups' lower ends fit in ``N - P`` (both hold for every shorter prefix),
+    and then ``P + sum hi >= N`` decides (it only grows with P). ``exact=False`` (Stage I's coarse
+    split) tries a few shorter prefixes instead of the bisection."""
     final_min = sum(coefs[g].min_units() for g in arr.final)
     sizes, P = [], 0
-    for block in arr.prefix:
+    for i, block in enumerate(arr.prefix):
         g = coefs[block[0]]
-        T = _block_max(g, len(block), P, z, lin, N - P - final_min)
+        V = sum(kappa(g, coefs[arr.prefix[j][0]]) * len(arr.prefix[j]) * sizes[j] for j in range(i))
+        T = _block_max(g, len(block), P, V, z, lin, N - P - final_min)
         if T is None:
             return None
         sizes.append(T)
         P += T * len(block)
-    # the final block [P, N): its groups' ranges at that start (their K/V does not depend on it)
-    final_classes: dict[GroupCoef, int] = {}
-    for g in arr.final:
-        final_classes[coefs[g]] = final_classes.get(coefs[g], 0) + 1
+    prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
 
-    def final_ranges(P: int) -> tuple[dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
-        moved = {c: c.placed(P, 0, False) for c in final_classes}
+    def state(P_target: int) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
+        sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
+        p = sum(T * len(block) for T, block in zip(sz, arr.prefix))
+        _, extra = _extras(coefs, arr, sz)
+        moved: dict[tuple[GroupCoef, int], GroupCoef] = {}
+        pos = []
+        for g in arr.final:
+            key = (coefs[g], extra[g])
+            if key not in moved:
+                moved[key] = coefs[g].placed(p, 0, False, extra[g])
+            pos.append(moved[key])
         out: dict[GroupCoef, tuple[int, int]] = {}
-        for c, m in moved.items():
+        for m in dict.fromkeys(pos):
             r = units_range(m, z, lin)
             if r is None:
                 return None
             out[m] = r
-        return out, [moved[coefs[g]] for g in arr.final]
-
-    got = final_ranges(P)
-    if got is None:
-        return None
-    ranges, pos = got
-    lo_sum = sum(ranges[c][0] for c in pos)
-    if P + lo_sum > N:  # the final block's K/V-bound groups need more room: a shorter prefix
-        P_short = N - lo_sum
-        prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
-        if P_short < prefix_min:
+        if p + sum(out[c][0] for c in pos) > N:
             return None
-        sizes = _shrink(coefs, arr, sizes, P - P_short)
-        P = sum(T * len(block) for T, block in zip(sizes, arr.prefix))
-        got = final_ranges(P)
+        return sz, p, out, pos
+
+    got = state(P)
+    if got is None and not exact:
+        for frac in (0.75, 0.5, 0.25, 0.0):
+            got = state(prefix_min + int(frac * (P - prefix_min)))
+            if got is not None:
+                break
         if got is None:
             return None
-        ranges, pos = got
-    if P + sum(ranges[c][1] for c in pos) < N:
+    if got is None:  # a shorter prefix: bisection for the longest that keeps the final ranges
+        if state(prefix_min) is None:
+            return None
+        a, b = prefix_min, P  # holds at a, not at b
+        while b - a > 1:
+            mid = (a + b) // 2
+            if state(mid) is None:
+                b = mid
+            else:
+                a = mid
+        got = state(a)
+        assert got is not None
+    sz, p, ranges, pos = got
+    if p + sum(ranges[c][1] for c in pos) < N:
         return None
-    return sizes, P, ranges, pos
+    return sz, p, ranges, pos
 
 
 def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut: int) -> list[int]:
@@ -257,17 +345,18 @@ def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, 
     share = max(1, N // len(coefs))
     even = [group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)]
     lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    at_hi = _feasible(coefs, arr, N, hi, lin)
+    exact = tol <= A_TOL
+    at_hi = _feasible(coefs, arr, N, hi, lin, exact)
     while at_hi is None:
         lo, hi = hi, hi * 2
         if hi > 1e18:
             return None
-        at_hi = _feasible(coefs, arr, N, hi, lin)
+        at_hi = _feasible(coefs, arr, N, hi, lin, exact)
     for _ in range(80):
         if hi - lo <= tol * hi:
             break
         mid = (lo + hi) / 2
-        at_mid = _feasible(coefs, arr, N, mid, lin)
+        at_mid = _feasible(coefs, arr, N, mid, lin, exact)
         if at_mid is not None:
             hi, at_hi = mid, at_mid
         else:
@@ -314,7 +403,7 @@ def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_
         return got[0].z_relaxed_ns if got is not None else INF
 
     def ok(L: float) -> bool:
-        return _feasible(coefs, arr, N, 1e30, L) is not None
+        return _feasible(coefs, arr, N, 1e30, L, search_lin) is not None
 
     L, bound = best_lin(f, min(lo, hi), hi, ok, LIN_EVALS if search_lin else LIN_COARSE_EVALS)
     best = at(L)

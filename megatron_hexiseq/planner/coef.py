@@ -24,6 +24,9 @@ A *band* is a block holding one group (``band=True``): its block is ``[P, P + T)
 
     att_i(T)     = b_i T (2P + T) / N
     visible(T)   = P          every unit before the band, whatever the band's own size.
+
+Fan-out (``kv_extra``, and ``c`` scaled for the final block: ``planner.arrange.fan_out``): a holder
+of K/V heads serves every receiver that needs them, so K/V from a smaller group counts more.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ class GroupCoef:
     start: int = 0
     end: int = 0
     band: bool = False
+    kv_extra: int = 0  # units added to visible(T): the fan-out of smaller sending groups (planner.arrange)
     # derived once in __post_init__ (the planner's innermost loops read them): hash, member classes,
     # per-class rows and memory caps
     _hash: int = field(init=False, repr=False, compare=False)
@@ -67,7 +71,7 @@ class GroupCoef:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "_hash", hash((self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads,
-                                  self.num_units, self.s, self.start, self.end, self.band)))
+                                  self.num_units, self.s, self.start, self.end, self.band, self.kv_extra)))
         # members with identical coefficients, grouped (they behave identically in the continuous model)
         groups: dict[tuple, list[int]] = {}
         for i in range(len(self.a)):
@@ -84,10 +88,10 @@ class GroupCoef:
     def __hash__(self) -> int:  # hashed on every cache lookup: computed once
         return self._hash
 
-    def placed(self, start: int, end: int, band: bool) -> "GroupCoef":
+    def placed(self, start: int, end: int, band: bool, kv_extra: int = 0) -> "GroupCoef":
         """The same group at another place in the sequence (the member-derived fields are reused:
         Stage II moves groups thousands of times per split)."""
-        if (start, end, band) == (self.start, self.end, self.band):
+        if (start, end, band, kv_extra) == (self.start, self.end, self.band, self.kv_extra):
             return self
         new = object.__new__(GroupCoef)
         new.__dict__.update(self.__dict__)
@@ -95,8 +99,9 @@ class GroupCoef:
         set_(new, "start", start)
         set_(new, "end", end)
         set_(new, "band", band)
+        set_(new, "kv_extra", kv_extra)
         set_(new, "_hash", hash((self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads,
-                                 self.num_units, self.s, start, end, band)))
+                                 self.num_units, self.s, start, end, band, kv_extra)))
         return new
 
     def s_(self, i: int) -> int:
@@ -119,8 +124,8 @@ class GroupCoef:
         return self.start + self.block_end, self.num_units
 
     def visible(self, T: int) -> int:
-        """Other groups' units the group receives K/V of (see the module docstring)."""
-        return self.start if self.band else max(0, self.block_end - T)
+        """Other groups' units the group receives K/V of (see the module docstring), plus ``kv_extra``."""
+        return max(0, (self.start if self.band else self.block_end - T) + self.kv_extra)
 
     def att(self, i: int, T: int) -> int:
         """Attention ns per head of member i when the group holds T units."""

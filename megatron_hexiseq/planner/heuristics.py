@@ -4,8 +4,8 @@ They are offered to the final choice next to the baselines and the planner's own
 the plan is never worse than any of them, and they show what the solver adds.
 
 - ``proportional(hp=k)``: groups of k consecutive canonical ranks (one group per node for
-  ``k`` = the node size; spanning nodes of one type for larger k, the "cross-node USP" with uneven
-  tokens), tokens per group proportional to the group's FLOP rate, even inside the group, the
+  ``k`` = the node size; for larger k spanning consecutive canonical nodes, of one type where the
+  node counts allow: the "cross-node USP" with uneven tokens), tokens per group proportional to the group's FLOP rate, even inside the group, the
   mirrored arrangement, even heads.
 - ``drop-slowest+usp(k=j,hp=m)``: the j slowest GPU types hold one token per rank at the start of
   the sequence (their node groups are bands before everything else: they attend to almost nothing

@@ -160,6 +160,7 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
     solve_s = 0.0 if reproducible else round(time.perf_counter() - t0, 4)
     planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
                "winner": {"family": family, "name": chosen, "iteration_time_s": _sig(est.iteration_time_s)},
+               "planner_best_s": None if best_c is None else _sig(best_c.estimate.iteration_time_s),
                "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
                "gap_meaning": GAP_MEANING if best_c is not None else None,
                "stages_time_s": 0.0 if reproducible else round(stages_s, 4),

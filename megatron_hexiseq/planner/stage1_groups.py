@@ -14,8 +14,9 @@ attention: planner_scale, 128 GPUs, 40 heads: 69.7 s continuous, 200 s as intege
 
 Arrangements (``planner.arrange``): every grouping is scored in the plain mirrored arrangement and
 with prefix blocks of its slowest classes first. Search: every combination of class options when
-there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from "one group per
-node", each (grouping, arrangement) scored by Stage II's coarse phase split (3 linear bounds; an
+there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from the best of
+"one group per node" and "k nodes per group in every class" (groups of one size have no K/V fan-out
+between them, a coupled move that one class at a time does not reach), each (grouping, arrangement) scored by Stage II's coarse phase split (3 linear bounds; an
 upper bound of its phase optimum). The ``FULL_RESCORE`` best get the full split; the ``top_k`` best of
 those go on to Stage III and ``estimate``, at least one in the mirrored arrangement and one with a
 prefix when both were scored (the surrogate ranks the two families less reliably than either
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.planner.arrange import Arrangement, arrangements, mirrored, split_arranged
+from megatron_hexiseq.planner.arrange import Arrangement, arrangements, mirrored, split_arranged, with_fan_out
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.stage2_split import Split, split_sequence
 from megatron_hexiseq.planner.surrogate import Surrogate
@@ -135,8 +136,9 @@ def score_grouping(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | 
 def score_arranged(sur: Surrogate, grouping: Grouping, arr: Arrangement, node_of: Sequence[str] | None,
                    search_lin: bool = True, coefs: list[GroupCoef] | None = None) -> Scored | None:
     """Stage II's split of a grouping in an arrangement (None when it does not fit); ``coefs``: the
-    grouping's ``base_coefs`` when the caller has them."""
-    coefs = coefs if coefs is not None else base_coefs(sur, grouping, node_of)
+    grouping's ``base_coefs`` when the caller has them. The K/V coefficients get the fan-out of the
+    arrangement (``arrange.with_fan_out``)."""
+    coefs = with_fan_out(coefs if coefs is not None else base_coefs(sur, grouping, node_of), arr)
     if not arr.prefix:
         order = arr.final
         split = split_sequence([coefs[i] for i in order], sur.num_units, search_lin=search_lin)
@@ -189,6 +191,15 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
         return min((s.value for s in seen[grouping]), default=float("inf"))
 
     best = evaluate(choice)
+    if fixed_size != "node":
+        # uniform cross-node groups (k nodes per group in every class): groups of one size have no
+        # K/V fan-out between them (``arrange.kappa``), which one class at a time never reaches
+        for k in range(2, max(nodes_of.values()) + 1):
+            trial = {c: max([s for s in options[c] if s <= k * c[1]]) for c in keys}
+            if trial != choice and any(s > c[1] for c, s in trial.items()):
+                z = evaluate(trial)
+                if z < best:
+                    best, choice = z, trial
     if (fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS
             and cluster.world_size <= sur.heads):
         everyone: Grouping = (tuple(range(cluster.world_size)),)  # uneven Ulysses; the A2A crosses the network

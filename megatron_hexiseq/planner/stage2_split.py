@@ -203,10 +203,10 @@ def _identical_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | No
     n, H, N = g.size, g.heads, g.num_units
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     if g.band:  # att = b T (2P + T) / N, visible = P
-        real = closed_range(n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, g.start * c)
+        real = closed_range(n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
     else:  # att = b T (P + Q) / N, visible = Q - T
         num, den = g.att_scale(0)
-        real = closed_range(n, H, z, s, e, c, 0.0, b * num / den, -c, g.block_end * c)
+        real = closed_range(n, H, z, s, e, c, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
     if real is None:
         return None
     lo, hi = real
