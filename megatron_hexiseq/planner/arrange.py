@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Sequence
 
 from megatron_hexiseq.planner.coef import INF, GroupCoef
-from megatron_hexiseq.planner.linsearch import LIN_COARSE_EVALS, LIN_EVALS, best_lin
-from megatron_hexiseq.planner.stage2_split import (A_TOL, Split, _hand_out, closed_range, group_time, linear_phase,
+from megatron_hexiseq.planner.linsearch import best_lin
+from megatron_hexiseq.planner.stage2_split import (A_TOL, COARSE_A_TOL, Split, _bracket, _hand_out, closed_range, group_time, linear_phase,
                                                     units_range)
 
-COARSE_A_TOL = 1e-3  # Stage I's coarse split: the attention bound's bisection to 0.1%
 
 
 @dataclass(frozen=True)
@@ -147,27 +147,31 @@ def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[in
     return [list(b) for b in arr.prefix] + [final[::-1] if reverse else final]
 
 
+@lru_cache(maxsize=4096)
+def _fan_weights(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple[tuple[tuple[float, ...], ...],
+                                                                          dict[int, tuple[float, ...]]]:
+    """The linear weights of ``_extras`` (per prefix block over the earlier blocks' sizes, per final
+    group over the prefix blocks' sizes), computed once per (groups, arrangement)."""
+    heads = [coefs[b[0]] for b in arr.prefix]
+    block_w = tuple(tuple(kappa(heads[i], heads[j]) * len(arr.prefix[j]) for j in range(i))
+                    for i in range(len(heads)))
+    fin = _final_kappa(coefs, arr)
+    final_w = {g: tuple((kappa(coefs[g], h) / fin[g] - 1) * len(b) for h, b in zip(heads, arr.prefix))
+               for g in arr.final}
+    return block_w, final_w
+
+
 def _extras(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: Sequence[int]) -> tuple[list[int], dict[int, int]]:
     """Fan-out in visible units: per prefix block ``V_b - P_b`` (its visible units from the earlier
     blocks, each counted ``kappa`` times, less its start), per final group ``kv_extra`` (the prefix
     blocks' units counted ``kappa / kappa_final`` times instead of once; ``c`` is scaled by
     ``kappa_final``, see ``with_fan_out``). ``sizes``: units per group of each prefix block."""
-    heads = [coefs[b[0]] for b in arr.prefix]
+    block_w, final_w = _fan_weights(tuple(coefs), arr)
     block_extra, P = [], 0
     for i, block in enumerate(arr.prefix):
-        v = sum(kappa(heads[i], heads[j]) * len(arr.prefix[j]) * sizes[j] for j in range(i))
-        block_extra.append(round(v) - P)
+        block_extra.append(round(sum(w * s for w, s in zip(block_w[i], sizes))) - P)
         P += len(block) * sizes[i]
-    fin = _final_kappa(coefs, arr)
-    per_class: dict[tuple[GroupCoef, float], int] = {}
-    final_extra = {}
-    for g in arr.final:
-        key = (coefs[g], fin[g])
-        if key not in per_class:
-            per_class[key] = round(sum((kappa(coefs[g], h) / fin[g] - 1) * len(b) * s
-                                       for h, b, s in zip(heads, arr.prefix, sizes)))
-        final_extra[g] = per_class[key]
-    return block_extra, final_extra
+    return block_extra, {g: round(sum(x * s for x, s in zip(w, sizes))) for g, w in final_w.items()}
 
 
 def positioned(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int]) -> list[GroupCoef]:
@@ -268,9 +272,10 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     split) tries a few shorter prefixes instead of the bisection."""
     final_min = sum(coefs[g].min_units() for g in arr.final)
     sizes, P = [], 0
+    block_w, _ = _fan_weights(tuple(coefs), arr)
     for i, block in enumerate(arr.prefix):
         g = coefs[block[0]]
-        V = sum(kappa(g, coefs[arr.prefix[j][0]]) * len(arr.prefix[j]) * sizes[j] for j in range(i))
+        V = sum(w * s for w, s in zip(block_w[i], sizes))
         T = _block_max(g, len(block), P, V, z, lin, N - P - final_min)
         if T is None:
             return None
@@ -291,7 +296,7 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
             pos.append(moved[key])
         out: dict[GroupCoef, tuple[int, int]] = {}
         for m in dict.fromkeys(pos):
-            r = units_range(m, z, lin)
+            r = units_range(m, z, lin, exact)
             if r is None:
                 return None
             out[m] = r
@@ -339,13 +344,17 @@ def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut:
     return sizes
 
 
-def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, tol: float
-              ) -> tuple[Split, list[GroupCoef]] | None:
-    """The arranged split for a fixed linear bound (see the module docstring)."""
-    share = max(1, N // len(coefs))
-    even = [group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)]
-    lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
+def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, tol: float,
+              bracket: tuple[float, float] | None = None) -> tuple[Split, list[GroupCoef]] | None:
+    """The arranged split for a fixed linear bound (see the module docstring); ``bracket`` as in
+    ``stage2_split.split_at``."""
     exact = tol <= A_TOL
+    if bracket is not None and _feasible(coefs, arr, N, bracket[1], lin, exact) is not None:
+        lo, hi = bracket
+    else:
+        share = max(1, N // len(coefs))
+        even = [group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)]
+        lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
     at_hi = _feasible(coefs, arr, N, hi, lin, exact)
     while at_hi is None:
         lo, hi = hi, hi * 2
@@ -388,14 +397,16 @@ def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_
     free = _split_at(coefs, arr, N, INF, tol)
     if free is None:
         return None
+    if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
+        return free
     inv = sum(1.0 / a for g in coefs for a in g.a if a > 0)
     lo = N / inv if inv > 0 and all(min(g.a) > 0 for g in coefs) else 0.0
     hi = free[0].lin_ns
-    cache: dict[float, tuple[Split, list[GroupCoef]] | None] = {}
+    cache: dict[float, tuple[Split, list[GroupCoef]] | None] = {INF: free}
 
     def at(L: float) -> tuple[Split, list[GroupCoef]] | None:
         if L not in cache:
-            cache[L] = _split_at(coefs, arr, N, L, tol)
+            cache[L] = _split_at(coefs, arr, N, L, tol, _bracket({x: s and s[0] for x, s in cache.items()}, L))
         return cache[L]
 
     def f(L: float) -> float:
@@ -405,10 +416,10 @@ def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_
     def ok(L: float) -> bool:
         return _feasible(coefs, arr, N, 1e30, L, search_lin) is not None
 
-    L, bound = best_lin(f, min(lo, hi), hi, ok, LIN_EVALS if search_lin else LIN_COARSE_EVALS)
+    L, bound = best_lin(f, min(lo, hi), hi, ok)
     best = at(L)
     if best is None or best[0].z_rounded_ns > free[0].z_rounded_ns:
         best = free
     split, placed = best
-    proven = min(bound, free[0].z_relaxed_ns) * (1 - tol) if search_lin else 0.0
+    proven = min(bound, free[0].z_relaxed_ns) * (1 - tol)
     return replace(split, bound_ns=min(proven, split.z_rounded_ns)), placed

@@ -120,11 +120,13 @@ def baseline_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> lis
     return out
 
 
-def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Estimate]]]
-                       ) -> list[dict[str, Any]]:
+def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Estimate]]],
+                       fits: Sequence[Callable[[Layout], bool]] | None = None) -> list[dict[str, Any]]:
     """Score each baseline in the first memory mode where it fits (``scores``: (mode, score) pairs in
     order of modelled overhead, e.g. distributed optimizer before fsdp before recompute; a baseline's
-    first feasible mode is its best). JSON-ready records in input order; the mode used is in ``config``.
+    first feasible mode is its best). ``fits[i]``: a cheap necessary condition of fitting in mode i
+    (``costmodel.memory_floor_fits``); a mode it rules out is skipped unless it is the last. JSON-ready
+    records in input order; the mode used is in ``config``.
     """
     records = []
     for b in baselines:
@@ -133,7 +135,9 @@ def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[st
             rec["reason"] = b.reason
             records.append(rec)
             continue
-        for mode, score in scores:
+        for i, (mode, score) in enumerate(scores):
+            if fits is not None and i < len(scores) - 1 and not fits[i](b.layout):
+                continue
             est = score(b.layout)
             if est.feasible:
                 rec["config"].update(mode)

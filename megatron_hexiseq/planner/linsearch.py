@@ -8,7 +8,6 @@ from typing import Callable
 
 LIN_TOL = 1e-4   # the linear-phase search stops once its best point is proven within 0.01%
 LIN_EVALS = 24   # at most this many evaluations of f per search (full search)
-LIN_COARSE_EVALS = 3  # Stage I's coarse search: the first feasible L, the L = inf split's L, one midpoint
 
 
 def best_lin(f: Callable[[float], float], lo: float, hi: float, ok: Callable[[float], bool] | None = None,

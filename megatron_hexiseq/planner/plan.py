@@ -11,7 +11,8 @@ the heuristics' records as ``baselines`` lists the baselines'.
 
 Memory modes (``planner.modes``): each baseline and heuristic is scored in the first mode of
 ``modes`` where it fits (its best); the planner runs in the first mode where it finds a feasible
-layout, and also in the mode of the best baseline or heuristic when that one is faster. The chosen
+layout, starting at the first mode where some baseline or heuristic fits, and also in the mode of
+the best baseline or heuristic when that one is faster. The chosen
 mode is in ``meta.options`` with the Megatron flags it maps to.
 """
 from __future__ import annotations
@@ -99,10 +100,11 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
     # baselines and heuristics, each in its first feasible memory mode
     t_base = time.perf_counter()
     scores = [(mode_of(o), scorer(o)) for o in usable]
+    fits = [lambda layout, o=o: costmodel.memory_floor_fits(layout, cluster, model, o) for o in usable]
     baselines = baseline_layouts(cluster, model, seq_length)
-    records = evaluate_baselines(baselines, scores)
+    records = evaluate_baselines(baselines, scores, fits)
     heuristics = heuristic_layouts(cluster, model, seq_length)
-    heur_records = evaluate_baselines(heuristics, scores)
+    heur_records = evaluate_baselines(heuristics, scores, fits)
     baselines_s = time.perf_counter() - t_base
     best_b, best_h = best_baseline(records), best_baseline(heur_records)
     say(f"baselines: {len(records)} scored, best {best_b['name'] if best_b else 'none fits'}; "
@@ -127,7 +129,12 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
         return fastest_feasible(ran[key])
 
     best_c, best_o = None, None
-    for o in usable:
+    # start in the first mode where some baseline or heuristic fits: when none fits an earlier mode,
+    # memory is tight there and the planner would spend its rounds on memory feedback
+    fits = {(r["config"]["memory_mode"], r["config"]["recompute"]) for r in records + heur_records
+            if r["iteration_time_s"] is not None}
+    first = next((i for i, o in enumerate(usable) if (o.memory_mode, o.recompute) in fits), 0)
+    for o in usable[first:]:
         best_c = run_mode(o)
         if best_c is not None:
             best_o = o

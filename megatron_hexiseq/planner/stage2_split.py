@@ -27,9 +27,10 @@ from functools import lru_cache
 from typing import Sequence
 
 from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
-from megatron_hexiseq.planner.linsearch import LIN_COARSE_EVALS, LIN_EVALS, best_lin
+from megatron_hexiseq.planner.linsearch import best_lin
 
 A_TOL = 1e-6  # relative width of the bisection on the attention bound
+COARSE_A_TOL = 1e-3  # Stage I's coarse split: the attention bound's bisection to 0.1%
 
 
 def min_units(g: GroupCoef) -> int:
@@ -197,9 +198,10 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
     return hi
 
 
-def _identical_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | None:
+def _identical_range(g: GroupCoef, z: float, lin: float, settle: bool = True) -> tuple[int, int] | None:
     """``units_range`` of a group of identical members, in closed form (``closed_range``), then
-    settled on integers with the exact ``_identical_time``."""
+    settled on integers with the exact ``_identical_time`` (``settle=False``: the closed form's
+    integers as they are, for Stage I's coarse split)."""
     n, H, N = g.size, g.heads, g.num_units
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     if g.band:  # att = b T (2P + T) / N, visible = P
@@ -229,6 +231,8 @@ def _identical_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | No
     # the closed form is exact up to the integer rounding of att(): settle the ends on integers
     if ilo > ihi:
         return None
+    if not settle:
+        return ilo, ihi
     settled = False
     for _ in range(4):
         if not ok(ihi):
@@ -306,11 +310,12 @@ def _general_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | None
 
 
 @lru_cache(maxsize=400_000)
-def units_range(g: GroupCoef, z: float, lin: float = INF) -> tuple[int, int] | None:
+def units_range(g: GroupCoef, z: float, lin: float = INF, settle: bool = True) -> tuple[int, int] | None:
     """The units ``[lo, hi]`` the group can hold within attention bound ``z`` and linear bound ``lin``
-    (every member at least one unit), or None when none fits."""
+    (every member at least one unit), or None when none fits. ``settle=False``: Stage I's coarse
+    split, the closed form's ends unchecked on integers (within a unit or so)."""
     if len(g.rows) == 1:
-        return _identical_range(g, z, lin)
+        return _identical_range(g, z, lin, settle)
     return _general_range(g, z, lin)
 
 
@@ -348,9 +353,8 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
     places every unit and the linear phase of the unconstrained (``L = inf``) split.
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
-    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: a coarse search (the
-    first feasible L, the ``L = inf`` split's L and one branch-and-bound midpoint), an upper bound
-    of the phase optimum that Stage I ranks groupings with.
+    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: Stage I's coarse split,
+    the ``L = inf`` split alone with a coarser bisection (an upper bound of the phase optimum).
     """
     if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
         return _split_cached(tuple(groups), num_units)
@@ -364,17 +368,19 @@ def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None
 
 def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
                   search_lin: bool) -> Split | None:
-    free = split_at(groups, num_units, caps, INF)
+    free = split_at(groups, num_units, caps, INF, not search_lin)
     if free is None:
+        return free
+    if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
         return free
     inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
     lo = num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
     hi = free.lin_ns
-    cache: dict[float, Split | None] = {}
+    cache: dict[float, Split | None] = {INF: free}
 
     def at(L: float) -> Split | None:
         if L not in cache:
-            cache[L] = split_at(groups, num_units, caps, L)
+            cache[L] = split_at(groups, num_units, caps, L, bracket=_bracket(cache, L))
         return cache[L]
 
     def f(L: float) -> float:
@@ -389,24 +395,37 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
         most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
         return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
 
-    L, bound = best_lin(f, min(lo, hi), hi, ok, LIN_EVALS if search_lin else LIN_COARSE_EVALS)
+    L, bound = best_lin(f, min(lo, hi), hi, ok)
     best = at(L)
     if best is None or best.z_rounded_ns > free.z_rounded_ns:
         best = free
     # beyond the L = inf split's linear phase a larger L cannot lower A: f(L) >= f(hi) there
-    proven = min(bound, free.z_relaxed_ns) * (1 - A_TOL) if search_lin else 0.0
+    proven = min(bound, free.z_relaxed_ns) * (1 - A_TOL)
     return Split(units=best.units, z_relaxed_ns=best.z_relaxed_ns, z_rounded_ns=best.z_rounded_ns,
                  lin_ns=best.lin_ns, att_ns=best.att_ns, bound_ns=min(proven, best.z_rounded_ns))
 
 
+def _bracket(cache: dict[float, Split | None], L: float) -> tuple[float, float] | None:
+    """Bounds on A*(L) from the splits at other linear bounds: A* is non-increasing in L, so a split
+    at x < L gives a feasible upper end, one at y > L an infeasible lower end (its bisection's
+    feasible end less the tolerance)."""
+    below = [x for x, s in cache.items() if x < L and s is not None]
+    above = [y for y, s in cache.items() if y > L and s is not None]
+    if not below or not above:
+        return None
+    hi, lo = cache[max(below)].att_ns, cache[min(above)].att_ns * (1 - A_TOL)  # type: ignore[union-attr]
+    return (lo, hi) if lo < hi else None
+
+
 def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
-             lin: float) -> Split | None:
+             lin: float, coarse: bool = False, bracket: tuple[float, float] | None = None) -> Split | None:
     """The split for a fixed linear bound ``lin`` (``inf``: none): units per group summing to
     ``num_units`` (every group >= one unit per member) at the smallest attention bound; None if memory
     or ``lin`` can't hold it (or the groups have more members than there are units).
 
     ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
-    integer repair in ``stage3_refine.integer_split``).
+    integer repair in ``stage3_refine.integer_split``). ``bracket``: (an infeasible, a feasible)
+    attention bound known from the splits at other linear bounds (``_bracket``).
     """
     caps = caps or {}
     distinct: dict[GroupCoef, int] = {}
@@ -421,7 +440,7 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
     def ranges(z: float) -> dict[GroupCoef, tuple[int, int]] | None:
         out = {}
         for g in distinct:
-            r = units_range(g, z, lin)
+            r = units_range(g, z, lin, not coarse)
             if r is None or r[0] > caps.get(g, num_units):
                 return None
             out[g] = (r[0], min(r[1], caps.get(g, num_units)))
@@ -430,9 +449,12 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
         return out if lo_sum <= num_units <= hi_sum else None
 
     # start from the slowest group's time for an even share (usually enough), else double
-    share = -(-num_units // len(groups))
-    even = [group_time(g, min(max(share, min_units(g)), g.max_units()), lin) for g in distinct]
-    lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
+    if bracket is not None and ranges(bracket[1]) is not None:
+        lo, hi = bracket
+    else:
+        share = -(-num_units // len(groups))
+        even = [group_time(g, min(max(share, min_units(g)), g.max_units()), lin) for g in distinct]
+        lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
     at_hi = ranges(hi)
     while at_hi is None:
         lo, hi = hi, hi * 2
@@ -440,7 +462,7 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
             return None
         at_hi = ranges(hi)
     for _ in range(80):
-        if hi - lo <= A_TOL * hi:
+        if hi - lo <= (COARSE_A_TOL if coarse else A_TOL) * hi:
             break
         mid = (lo + hi) / 2
         at_mid = ranges(mid)
