@@ -140,9 +140,11 @@ def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[in
     how the rounds pipeline, so the planner builds both and ``estimate`` decides (2 H100 + 1 A100
     groups, gpt-7b, 128K: 3.652 s with the A100 group innermost, 3.798 s outermost). The surrogate's
     K/V term, an upper bound, is the same in any order."""
+    where = {g: i for i, g in enumerate(arr.final)}
+
     def key(g: int) -> tuple[float, int]:
         c = coefs[g]
-        return (max(c.c) / max(1, max(c.b) * units[g]), arr.final.index(g))
+        return (max(c.c) / max(1, max(c.b) * units[g]), where[g])
     final = sorted(arr.final, key=key)
     return [list(b) for b in arr.prefix] + [final[::-1] if reverse else final]
 

@@ -118,7 +118,7 @@ def _identical_time(g: GroupCoef, T: int, lin: float) -> float:
     linear bound or its minimum: the larger of two lower bounds of Stage III's integer optimum, the
     continuous even split ``(s T + H beta(T)) / n`` and the member holding the most heads,
     ``s + ceil(H/n) beta(T)`` (whole heads: some member holds at least ceil(H/n), and one unit)."""
-    n, H = g.size, g.heads
+    n, H = len(g.a), g.heads
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     t = T / n
     if T < n * MIN_UNITS_PER_RANK or T > g.num_units or t > cap or (a > 0 and t * a > lin):
@@ -126,7 +126,13 @@ def _identical_time(g: GroupCoef, T: int, lin: float) -> float:
     hmax = -(-H // n)
     if t * mt + H / n * T * mh > free or mt + hmax * T * mh > free:
         return INF
-    beta = g.beta(0, T)
+    # beta(T) of GroupCoef, inlined (the planner's innermost loop)
+    if g.band:
+        att, vis = b * T * (2 * g.start + T) // g.num_units, g.start + g.kv_extra
+    else:
+        end = g.end or g.num_units
+        att, vis = b * T * (g.start + end) // g.num_units, end - T + g.kv_extra
+    beta = max(att, max(0, vis) * c) + T * e
     return max(s * t + H * beta / n, s + hmax * beta)
 
 
@@ -492,7 +498,8 @@ def _hand_out(groups: Sequence[GroupCoef], distinct: dict[GroupCoef, int], range
         shares = {g: rest * room[g] / total for g in distinct}
         extra = {g: min(room[g], math.floor(x)) for g, x in shares.items()}
         left = rest - sum(extra.values())
-        for g in sorted(distinct, key=lambda g: (-(shares[g] - math.floor(shares[g])), list(distinct).index(g))):
+        order = {g: i for i, g in enumerate(distinct)}
+        for g in sorted(distinct, key=lambda g: (-(shares[g] - math.floor(shares[g])), order[g])):
             if left <= 0:
                 break
             if extra[g] < room[g]:

@@ -30,7 +30,7 @@ from megatron_hexiseq.planner.stage2_split import (Split, group_phase_time, max_
                                                     split_sequence)
 
 
-GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
+GREEDY_GAP = 5e-3          # accept the rounded continuous optimum when within 0.5% of the bound
 BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
 CPSAT_MAX_MEMBERS = 16     # larger groups (spanning nodes) keep the rounded continuous optimum
 REPAIR_SLACK = 5e-3        # integer repair of the split starts when a group is 0.5% over the split's time
@@ -351,7 +351,10 @@ def integer_split(groups: list[GroupCoef], num_units: int) -> tuple[Split, list[
             return probe_time(g, T, *fl)
 
         changed = False
-        for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], groups.index(x[0]))):
+        first = {}
+        for i, g in enumerate(groups):
+            first.setdefault(g, i)
+        for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], first[x[0]])):
             if T <= min_units(g) or f(g, T) <= target:
                 continue
             lo, hi = min_units(g), T - 1  # largest T' in [|g|, T-1] with f(T') <= target (|g| if none)
