@@ -86,7 +86,8 @@ def arrangements(coefs: Sequence[GroupCoef]) -> list[Arrangement]:
         slow_first = sorted(first, key=key)
         for m in sorted({1, len(slow_first) - 1} - {0}):
             prefix = tuple(tuple(classes[c]) for c in slow_first[:m])
-            arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{m}")
+            which = "all" if m == len(slow_first) - 1 else "slowest"  # names do not depend on C
+            arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{which}")
             if (arr.prefix, arr.final) not in seen:
                 seen.add((arr.prefix, arr.final))
                 out.append(arr)

@@ -6,7 +6,8 @@ import heapq
 import math
 from typing import Callable
 
-LIN_TOL = 1e-4   # the linear-phase search stops once its best point is proven within 0.01%
+LIN_TOL = 1e-3   # the linear-phase search stops once its best point is proven within 0.1%
+FIRST_TOL = 1e-3  # the bisection to the first feasible linear bound: to 0.1%
 LIN_EVALS = 24   # at most this many evaluations of f per search (full search)
 
 
@@ -36,7 +37,7 @@ def best_lin(f: Callable[[float], float], lo: float, hi: float, ok: Callable[[fl
                 b = mid
             else:
                 a = mid
-            if b - a <= 1e-5 * b:
+            if b - a <= FIRST_TOL * b:
                 break
         lo, gap = b, a
     val = {lo: f(lo), hi: f(hi)}
