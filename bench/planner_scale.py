@@ -25,7 +25,7 @@ import resource
 import sys
 import time
 
-from _common import write_outputs
+from _common import in_fresh_process, write_outputs
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 TYPES = (("H100-SXM-80GB", 25), ("A100-SXM-80GB", 25), ("A800-80GB", 25), ("L40S-48GB", 12.5))
@@ -69,14 +69,9 @@ def _one(world: int, time_limit: float, queue: mp.Queue) -> None:
 
 
 def run(sizes, time_limit: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
     rows = []
     for w in sizes:
-        q = ctx.Queue()
-        p = ctx.Process(target=_one, args=(w, time_limit, q))
-        p.start()
-        row = q.get()
-        p.join()
+        row = in_fresh_process(_one, w, time_limit)
         rows.append(row)
         print(f"  {w:5d} GPUs: stages {row['stages_s']:.2f} s, total {row['total_s']:.2f} s "
               f"(CPU {row['cpu_s']:.2f} s), "

@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from _common import write_outputs
+from _common import in_fresh_process, write_outputs
 
 TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "A800-80GB", "L40S-48GB")
 MATCHED_GBPS = {"H100-SXM-80GB": 50.0, "A100-SXM-80GB": 25.0, "A800-80GB": 25.0, "L40S-48GB": 12.5}
@@ -124,14 +124,9 @@ def _label(record: dict) -> str:
 
 
 def run(selected: list[dict], time_limit: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
     rows = []
     for case in selected:
-        q = ctx.Queue()
-        p = ctx.Process(target=_run, args=(case, time_limit, q))
-        p.start()
-        row = q.get()
-        p.join()
+        row = in_fresh_process(_run, case, time_limit)
         rows.append(row)
         sp = row.get("speedup")
         print(f"  {row['label']:34s} {row['model']:10s} {row['seq_length'] // 1024:5d}K: "

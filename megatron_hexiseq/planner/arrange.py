@@ -29,8 +29,8 @@ from typing import Sequence
 
 from megatron_hexiseq.planner.coef import INF, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
-from megatron_hexiseq.planner.stage2_split import (A_TOL, COARSE_A_TOL, Split, _bracket, _hand_out, closed_range, group_time, linear_phase,
-                                                    units_range)
+from megatron_hexiseq.planner.stage2_split import (A_TOL, COARSE_A_TOL, Split, _bracket, _hand_out, closed_range,
+                                                    group_time, lin_floor, linear_phase, units_range)
 
 
 
@@ -402,9 +402,7 @@ def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_
         return None
     if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
         return free
-    inv = sum(1.0 / a for g in coefs for a in g.a if a > 0)
-    lo = N / inv if inv > 0 and all(min(g.a) > 0 for g in coefs) else 0.0
-    hi = free[0].lin_ns
+    lo, hi = lin_floor(coefs, N), free[0].lin_ns
     cache: dict[float, tuple[Split, list[GroupCoef]] | None] = {INF: free}
 
     def at(L: float) -> tuple[Split, list[GroupCoef]] | None:

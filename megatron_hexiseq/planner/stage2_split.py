@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
@@ -290,29 +290,21 @@ def _general_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | None
     start = fastest_units(g, lin)
     if not ok(start):
         return None
-    a, b = tmin, start  # smallest feasible in (a, b]
-    if ok(a):
-        lo = a
-    else:
-        while b - a > 1:
-            mid = (a + b) // 2
-            if ok(mid):
-                b = mid
-            else:
-                a = mid
-        lo = b
-    a, b = start, tmax  # largest feasible in [a, b)
-    if ok(b):
-        hi = b
-    else:
-        while b - a > 1:
-            mid = (a + b) // 2
-            if ok(mid):
-                a = mid
-            else:
-                b = mid
-        hi = a
-    return lo, hi
+    return _edge(ok, tmin, start), _edge(ok, tmax, start)
+
+
+def _edge(ok: Callable[[int], bool], far: int, near: int) -> int:
+    """The feasible integer closest to ``far`` on the way from the feasible ``near`` (``ok`` holds on
+    an interval around ``near``): a bisection."""
+    if ok(far):
+        return far
+    while abs(far - near) > 1:
+        mid = (far + near) // 2
+        if ok(mid):
+            near = mid
+        else:
+            far = mid
+    return near
 
 
 @lru_cache(maxsize=400_000)
@@ -379,9 +371,7 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
         return free
     if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
         return free
-    inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
-    lo = num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
-    hi = free.lin_ns
+    lo, hi = lin_floor(groups, num_units), free.lin_ns
     cache: dict[float, Split | None] = {INF: free}
 
     def at(L: float) -> Split | None:
@@ -409,6 +399,12 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
     proven = min(bound, free.z_relaxed_ns) * (1 - A_TOL)
     return Split(units=best.units, z_relaxed_ns=best.z_relaxed_ns, z_rounded_ns=best.z_rounded_ns,
                  lin_ns=best.lin_ns, att_ns=best.att_ns, bound_ns=min(proven, best.z_rounded_ns))
+
+
+def lin_floor(groups: Sequence[GroupCoef], num_units: int) -> float:
+    """The smallest linear phase that can place every unit: ``sum_r t_r = N`` with ``t_r a_r <= L``."""
+    inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
+    return num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
 
 
 def _bracket(cache: dict[float, Split | None], L: float) -> tuple[float, float] | None:
