@@ -275,7 +275,7 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     split) tries a few shorter prefixes instead of the bisection."""
     final_min = sum(coefs[g].min_units() for g in arr.final)
     sizes, P = [], 0
-    block_w, _ = _fan_weights(tuple(coefs), arr)
+    block_w, final_w = _fan_weights(tuple(coefs), arr)
     for i, block in enumerate(arr.prefix):
         g = coefs[block[0]]
         V = sum(w * s for w, s in zip(block_w[i], sizes))
@@ -285,27 +285,25 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
         sizes.append(T)
         P += T * len(block)
     prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
+    block_w, final_w = _fan_weights(tuple(coefs), arr)
+    count: dict[tuple[GroupCoef, tuple[float, ...]], int] = {}  # final groups by (coefficients, fan-out)
+    for g in arr.final:
+        key = (coefs[g], final_w[g])
+        count[key] = count.get(key, 0) + 1
 
-    def state(P_target: int) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
+    def state(P_target: int) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
         sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
         p = sum(T * len(block) for T, block in zip(sz, arr.prefix))
-        _, extra = _extras(coefs, arr, sz)
-        moved: dict[tuple[GroupCoef, int], GroupCoef] = {}
-        pos = []
-        for g in arr.final:
-            key = (coefs[g], extra[g])
-            if key not in moved:
-                moved[key] = coefs[g].placed(p, 0, False, extra[g])
-            pos.append(moved[key])
-        out: dict[GroupCoef, tuple[int, int]] = {}
-        for m in dict.fromkeys(pos):
-            r = units_range(m, z, lin, exact)
+        out = {}
+        lo_sum = 0
+        for key, k in count.items():
+            moved = key[0].placed(p, 0, False, round(sum(x * s for x, s in zip(key[1], sz))))
+            r = units_range(moved, z, lin, exact)
             if r is None:
                 return None
-            out[m] = r
-        if p + sum(out[c][0] for c in pos) > N:
-            return None
-        return sz, p, out, pos
+            out[key] = (moved, r)
+            lo_sum += k * r[0]
+        return (sz, p, out) if p + lo_sum <= N else None
 
     got = state(P)
     if got is None and not exact:
@@ -327,10 +325,11 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
                 a = mid
         got = state(a)
         assert got is not None
-    sz, p, ranges, pos = got
-    if p + sum(ranges[c][1] for c in pos) < N:
+    sz, p, out = got
+    if p + sum(k * out[key][1][1] for key, k in count.items()) < N:
         return None
-    return sz, p, ranges, pos
+    pos = [out[(coefs[g], final_w[g])][0] for g in arr.final]
+    return sz, p, {m: r for m, r in out.values()}, pos
 
 
 def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut: int) -> list[int]:

@@ -79,10 +79,11 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
     Memory feedback: ranks ``estimate`` finds over capacity get their free memory lowered by the
     overflow. Time feedback: each rank's time coefficients are scaled by (estimated time / surrogate
     time) of the round's best candidate, so terms the surrogate leaves out (K/V fan-out between groups
-    of different sizes, causal visibility, collective A2A) steer the next round. Two tracks of
-    ``feedback_rounds`` rounds each start from round 0 (``feedback_schemes``): one factor per rank,
-    and the K/V ring calibrated apart (``feedback_factors``); they win on different instances, and
-    the cost model picks among all candidates. Empty when nothing fits. ``progress`` receives one
+    of different sizes, causal visibility, collective A2A) steer the next round. For each of the
+    ``FEEDBACK_GROUPINGS`` kept groupings, two tracks of ``feedback_rounds`` rounds start from round
+    0 (``feedback_schemes``), calibrated on that grouping's own candidate: one factor per rank, and
+    the K/V ring calibrated apart (``feedback_factors``); they win on different instances, and the
+    cost model picks among all candidates. Empty when nothing fits. ``progress`` receives one
     short message per round ("stage I: 3 groupings", "feedback kv round 2", ...). Once ``deadline``
     has passed, no further round starts (round 0 always runs). ``arranged=False``: only the mirrored
     arrangement (no slow-first prefix blocks; what the exact reference models).
@@ -135,6 +136,7 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                 groupings = [s for s in rescored if s is not None]
             over: dict[int, int] = {}
             new: list[tuple[Candidate, SurrogateTimes]] = []
+            solved: dict[tuple, tuple[Candidate, SurrogateTimes]] = {}
             for scored in groupings:
                 grouping = scored.grouping
                 tokens, heads, info = solve_grouping(sur, scored)
@@ -147,6 +149,7 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                 cand = Candidate(layout, est, info)
                 out.append(cand)
                 new.append((cand, surrogate_times(sur, grouping, list(scored.coefs), tokens, heads)))
+                solved[(scored.grouping, scored.arrangement.name)] = new[-1]
                 if not est.feasible:
                     for pr in est.per_rank:
                         if pr.memory_bytes > pr.capacity_bytes:
@@ -173,17 +176,25 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
             if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
                 sur = lower_free(sur, over)
             if scheme is None:
-                return sur, groupings, best, st, round_, memory_rounds, feedback_left
+                return sur, groupings, best, st, round_, memory_rounds, feedback_left, solved
             sur = sur.scaled(*feedback_factors(sur, best.layout, best.estimate, st, separate_kv=scheme == "kv"))
         return None
 
     fork = rounds(sur0, [], 0, 0, feedback_rounds, None)
-    if fork is not None:  # one track of time-feedback rounds per scheme, from the same round-0 state
-        sur, groupings, best, st, round_, memory_rounds, left = fork
-        tracks: dict[Surrogate, str] = {}  # a track whose surrogate equals another's would repeat it
-        for scheme in feedback_schemes:
-            fed = sur.scaled(*feedback_factors(sur, best.layout, best.estimate, st, separate_kv=scheme == "kv"))
-            tracks.setdefault(fed, scheme)
-        for fed, scheme in tracks.items():
-            rounds(fed, list(groupings), round_, memory_rounds, left, scheme)
+    if fork is not None:
+        # one track of time-feedback rounds per (kept grouping, scheme), from the same round-0 state,
+        # each calibrated on its own grouping's round-0 candidate: factors are averaged per (device,
+        # group size) of the layout they come from, so another grouping's members would get unequal
+        # factors (and lose the closed forms of identical members: a 1024-GPU plan took 18.7 s, not 7)
+        sur, groupings, best, st, round_, memory_rounds, left, solved = fork
+        tracks: dict[Surrogate, tuple[Scored, str]] = {}  # a track equal to another would repeat it
+        for scored in groupings:
+            own = solved.get((scored.grouping, scored.arrangement.name))
+            source, source_st = own if own is not None and own[0].estimate.feasible else (best, st)
+            for scheme in feedback_schemes:
+                fed = sur.scaled(*feedback_factors(sur, source.layout, source.estimate, source_st,
+                                                   separate_kv=scheme == "kv"))
+                tracks.setdefault(fed, (scored, scheme))
+        for fed, (scored, scheme) in tracks.items():
+            rounds(fed, [scored], round_, memory_rounds, left, scheme)
     return out
