@@ -24,7 +24,8 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline
-from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_grouping
+from megatron_hexiseq.planner.arrange import mirrored, with_fan_out
+from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_arranged
 from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
@@ -64,8 +65,9 @@ def solve_joint(sur: Surrogate, grouping: Grouping, upper_ns: int | None = None,
                 node_of: list[str] | None = None) -> tuple[str, int, int, list[int], list[int]] | None:
     """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping. Returns (status, z, bound, t, h) in units."""
     N, H = sur.num_units, sur.heads
-    coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
-             for g in grouping]
+    # the same surrogate as the hierarchical planner's mirrored arrangement, K/V fan-out included
+    coefs = with_fan_out([group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
+                          for g in grouping], mirrored(len(grouping)))
     if sum(len(g) for g in grouping) * MIN_UNITS_PER_RANK > N or any(min(co.cap) < MIN_UNITS_PER_RANK for co in coefs):
         return None  # fewer units than ranks, or some rank cannot hold one unit
     model = cp_model.CpModel()
@@ -151,9 +153,9 @@ def exact_surrogate(cluster: Cluster, sur: Surrogate, *, deadline: Deadline | No
     scored = []
     node_of = [d.node for d in cluster.devices]
     for grouping in all_groupings(cluster):
-        _, split = score_grouping(sur, grouping, node_of)
-        if split is not None:
-            scored.append((split.z_rounded_ns, len(grouping), grouping))
+        got = score_arranged(sur, grouping, mirrored(len(grouping)), node_of)
+        if got is not None:
+            scored.append((got.split.z_rounded_ns, len(grouping), grouping))
     scored.sort()
     best = None
     for est_ns, _, grouping in scored:

@@ -214,7 +214,10 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
     if (fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS
             and cluster.world_size <= sur.heads):
         everyone: Grouping = (tuple(range(cluster.world_size)),)  # uneven Ulysses; the A2A crosses the network
-        seen[everyone] = _best_arranged(sur, everyone, node_of, arranged)
+        # scored with the full split: its members differ, and at L = inf its continuous split piles
+        # the tokens on the fast linear layers (2.4x its optimum on an optimality_gap instance)
+        alone = score_arranged(sur, everyone, mirrored(1), node_of)
+        seen[everyone] = [alone] if alone is not None else []
     combos = 1
     for k in keys:
         combos *= len(options[k])
