@@ -131,9 +131,9 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
     best_c, best_o = None, None
     # start in the first mode where some baseline or heuristic fits: when none fits an earlier mode,
     # memory is tight there and the planner would spend its rounds on memory feedback
-    fits = {(r["config"]["memory_mode"], r["config"]["recompute"]) for r in records + heur_records
-            if r["iteration_time_s"] is not None}
-    first = next((i for i, o in enumerate(usable) if (o.memory_mode, o.recompute) in fits), 0)
+    fitted = {(r["config"]["memory_mode"], r["config"]["recompute"]) for r in records + heur_records
+              if r["iteration_time_s"] is not None}
+    first = next((i for i, o in enumerate(usable) if (o.memory_mode, o.recompute) in fitted), 0)
     for o in usable[first:]:
         best_c = run_mode(o)
         if best_c is not None:

@@ -19,7 +19,9 @@ domain, the linear work between two attentions does not)::
     objective   = Z_lin + Z_att,  Z_lin >= linear_r,  Z_att >= attention_r   for every rank r
     l_r         = unit * k_lin * linear_flops_per_token / F_r
     s_r         = unit * [|g|>1] a2a_bytes_per_token / bw_g
-    beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped)
+    beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped;
+                  the mirrored arrangement over the whole sequence: ``planner.coef`` has the
+                  position-aware terms for other places, and the K/V fan-out)
     b_r         = unit * k_att * attention_flops_per_pair_head * (S+1)/2 / F^att_r
     c_r         = unit * kv_bytes_per_token_per_head / bw_r              [more than one group]
                   (bw_r: harmonic mean of min(own, sender) network bandwidth, ``effective_ring_bw``)
