@@ -239,8 +239,12 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
                 break
     ranked = sorted((s for found in seen.values() for s in found), key=lambda s: (s.value, len(s.grouping)))
     # the survivors get the full phase split (the linear bound searched; see stage2_split)
-    full = [f for f in (score_arranged(sur, s.grouping, s.arrangement, node_of) for s in ranked[:max(top_k, FULL_RESCORE)])
-            if f is not None]
+    head = ranked[:max(top_k, FULL_RESCORE)]
+    for want_prefix in (False, True):  # the best of each family gets the full split too
+        other = [s for s in ranked if bool(s.arrangement.prefix) == want_prefix]
+        if other and not any(bool(s.arrangement.prefix) == want_prefix for s in head):
+            head.append(other[0])
+    full = [f for f in (score_arranged(sur, s.grouping, s.arrangement, node_of) for s in head) if f is not None]
     full.sort(key=lambda s: (s.value, len(s.grouping)))
     out = full[:top_k]
     for want_prefix in (False, True):  # keep one of each family when both were scored
