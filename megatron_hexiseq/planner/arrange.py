@@ -44,6 +44,14 @@ class Arrangement:
     name: str = "mirrored"
 
     @property
+    def share(self) -> float:
+        """The prefix's share of the classes (``prefix-kv-4of8``: 0.5), 0 for the mirrored one."""
+        if not self.prefix:
+            return 0.0
+        m, c = self.name.rsplit("-", 1)[1].split("of")
+        return int(m) / int(c)
+
+    @property
     def order(self) -> list[int]:
         return [g for block in self.prefix for g in block] + list(self.final)
 
@@ -63,31 +71,34 @@ def _class_keys(g: GroupCoef) -> tuple[float, float]:
     return max(g.c) * per_rank, max(g.b) * per_rank
 
 
-def arrangements(coefs: Sequence[GroupCoef]) -> list[Arrangement]:
+def arrangements(coefs: Sequence[GroupCoef], shares: Sequence[float] | None = None) -> list[Arrangement]:
     """The arrangements Stage I tries for a grouping (``coefs``: one per group; identical groups
     share one object). Classes of identical groups are ordered slow-to-fast by two keys — K/V cost
-    per visible unit first, attention cost first — and each order gives the prefix of its slowest
-    class and the prefix of all but its fastest class (one block per class) before a final block of
-    the rest. The final block's order (the sub-ring order) is settled when the layout is built
+    per visible unit first, attention cost first — and each order gives prefixes of its slowest m
+    classes (one block per class) before a final block of the rest: every m from 1 to C - 1, or, with
+    ``shares``, m = 1, m = C - 1 and m = round(share * C) for each share (``Arrangement.share``: the
+    prefix's share of the classes, which carries over between groupings with other class counts).
+    The final block's order (the sub-ring order) is settled when the layout is built
     (``ring_blocks``). The first arrangement is the plain mirrored one."""
     classes: dict[GroupCoef, list[int]] = {}
     for i, c in enumerate(coefs):
         classes.setdefault(c, []).append(i)
     keys = {c: _class_keys(c) for c in classes}
     first = list(classes)
+    C = len(first)
 
     def final(cs: Sequence[GroupCoef]) -> tuple[int, ...]:
         return tuple(i for c in sorted(cs, key=lambda c: (keys[c][0], first.index(c))) for i in classes[c])
 
     out = [Arrangement(prefix=(), final=final(first))]
     seen = {((), out[0].final)}
+    ms = set(range(1, C)) if shares is None else ({1, C - 1} | {round(s * C) for s in shares}) & set(range(1, C))
     for name, key in (("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
                       ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c)))):
         slow_first = sorted(first, key=key)
-        for m in sorted({1, len(slow_first) - 1} - {0}):
+        for m in sorted(ms):
             prefix = tuple(tuple(classes[c]) for c in slow_first[:m])
-            which = "all" if m == len(slow_first) - 1 else "slowest"  # names do not depend on C
-            arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{which}")
+            arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{m}of{C}")
             if (arr.prefix, arr.final) not in seen:
                 seen.add((arr.prefix, arr.final))
                 out.append(arr)

@@ -13,9 +13,9 @@ rank can hold a head (``W <= H``; with more ranks than heads, whole heads leave 
 attention: planner_scale, 128 GPUs, 40 heads: 69.7 s continuous, 200 s as integers).
 
 Arrangements (``planner.arrange``): every grouping is scored in the plain mirrored arrangement and
-with prefix blocks of its slowest classes first (the seed grouping in every prefix arrangement,
-the others in the seed's best one: which classes go first depends on the GPU types, hardly on the
-group sizes). Search: every combination of class options when
+with prefix blocks of its slowest classes first (the seed grouping with every prefix length, the
+others with the shortest, the longest and the seed's best share of the classes: which classes go
+first depends on the GPU types, hardly on the group sizes). Search: every combination of class options when
 there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from the best of
 "one group per node" and "k nodes per group in every class" (groups of one size have no K/V fan-out
 between them, a coupled move that one class at a time does not reach), each (grouping, arrangement) scored by Stage II's coarse phase split (3 linear bounds; an
@@ -159,13 +159,11 @@ def score_arranged(sur: Surrogate, grouping: Grouping, arr: Arrangement, node_of
 
 
 def _best_arranged(sur: Surrogate, grouping: Grouping, node_of: Sequence[str], arranged: bool,
-                   prefer: set[str] | None = None) -> list[Scored]:
+                   shares: Sequence[float] | None = None) -> list[Scored]:
     """The coarse split of a grouping in the mirrored arrangement and in its best prefix arrangement
-    (among those named in ``prefer`` when given)."""
+    (``arrange.arrangements``: every prefix length, or the few that ``shares`` suggests)."""
     coefs = base_coefs(sur, grouping, node_of)
-    arrs = arrangements(coefs) if arranged else [mirrored(len(grouping), arrangements(coefs)[0].final)]
-    if prefer is not None:
-        arrs = [a for a in arrs if not a.prefix or a.name in prefer]
+    arrs = arrangements(coefs, shares) if arranged else [mirrored(len(grouping), arrangements(coefs, ())[0].final)]
     scored = [s for s in (score_arranged(sur, grouping, a, node_of, False, coefs) for a in arrs) if s]
     out = [s for s in scored if not s.arrangement.prefix][:1]
     prefixed = [s for s in scored if s.arrangement.prefix]
@@ -190,27 +188,28 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
     choice = {k: k[1] for k in keys}  # start: one group per node
     seen: dict[Grouping, list[Scored]] = {}
 
-    prefer: set[str] | None = None  # after the seed: only its best prefix arrangement (by name)
+    shares: list[float] | None = None  # after the seed: prefix lengths near its best one's share
 
     def evaluate(ch: dict) -> float:
         grouping = make_grouping(blocks, [ch[c] for c in classes], classes)
         if grouping not in seen:
-            seen[grouping] = _best_arranged(sur, grouping, node_of, arranged, prefer)
+            seen[grouping] = _best_arranged(sur, grouping, node_of, arranged, shares)
         return min((s.value for s in seen[grouping]), default=float("inf"))
 
     best = evaluate(choice)
-    named = [s.arrangement.name for s in seen[make_grouping(blocks, [choice[c] for c in classes], classes)]
-             if s.arrangement.prefix]
-    prefer = set(named) if named else None
     if fixed_size != "node":
         # uniform cross-node groups (k nodes per group in every class): groups of one size have no
         # K/V fan-out between them (``arrange.kappa``), which one class at a time never reaches
+        seed = choice
         for k in range(2, max(nodes_of.values()) + 1):
             trial = {c: max([s for s in options[c] if s <= k * c[1]]) for c in keys}
-            if trial != choice and any(s > c[1] for c, s in trial.items()):
+            if trial != seed and any(s > c[1] for c, s in trial.items()):
                 z = evaluate(trial)
                 if z < best:
                     best, choice = z, trial
+    # the seeds were scored with every prefix length; the others with those near the best seed's
+    shares = [s.arrangement.share for s in seen[make_grouping(blocks, [choice[c] for c in classes], classes)]
+              if s.arrangement.prefix]
     if (fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS
             and cluster.world_size <= sur.heads):
         everyone: Grouping = (tuple(range(cluster.world_size)),)  # uneven Ulysses; the A2A crosses the network
