@@ -11,6 +11,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 
+def in_fresh_process(target: Callable[..., None], *args: Any) -> Any:
+    """Run ``target(*args, queue)`` in a new (spawned) process and return what it put on the queue:
+    every measurement starts without another's caches, and its peak memory is its own."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
 def write_outputs(out: str, name: str, *, data: Any, title: str, table: str,
                   plot: Callable[[Any], None] | None = None, figsize: tuple[float, float] = (7, 4)) -> None:
     """JSON of ``data``, markdown ``# title`` + ``table``, and a PNG drawn by ``plot(ax)`` if given."""

@@ -28,7 +28,7 @@ from megatron_hexiseq.costmodel import TrainOptions  # noqa: E402
 from megatron_hexiseq.demo import compare  # noqa: E402
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
 from megatron_hexiseq.model import get_model  # noqa: E402
-from megatron_hexiseq.planner.hierarchical import plan  # noqa: E402
+from megatron_hexiseq.planner.plan import plan  # noqa: E402
 from megatron_hexiseq.profiler import ProfileOptions  # noqa: E402
 
 

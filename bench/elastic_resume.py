@@ -37,7 +37,7 @@ from megatron_hexiseq.costmodel import TrainOptions  # noqa: E402
 from megatron_hexiseq.elastic import diff_layouts, exclude, parse_exclusions, record_exclusions  # noqa: E402
 from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, train_rank  # noqa: E402
 from megatron_hexiseq.model import model_from_dict  # noqa: E402
-from megatron_hexiseq.planner.hierarchical import plan  # noqa: E402
+from megatron_hexiseq.planner.plan import plan  # noqa: E402
 from megatron_hexiseq.testing import run_ranks  # noqa: E402
 
 CLUSTER = {"name": "cpu-testbed-2x2",

@@ -70,7 +70,8 @@ def run_one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.baselines import best_baseline
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES, plan
+    from megatron_hexiseq.planner.modes import AUTO_MODES
+    from megatron_hexiseq.planner.plan import plan
 
     cl = cluster_from_dict(spec)
     m = get_model(model_name, overrides={"seq_length": seq})
@@ -142,7 +143,7 @@ def write(rows: list[dict], pairs: list[dict], out: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap (s)")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     rows = []

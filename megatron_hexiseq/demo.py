@@ -60,19 +60,12 @@ class RunSummary:
 
 def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, Layout]:
     """The feasible symmetric baseline with the lowest predicted time, as (label, layout)."""
-    from megatron_hexiseq.costmodel import estimate
-    from megatron_hexiseq.planner.baselines import baseline_layouts
+    from megatron_hexiseq.planner.baselines import best_symmetric
 
-    best = None
-    for b in baseline_layouts(cluster, model, model.seq_length):
-        if b.layout is None:
-            continue
-        est = estimate(b.layout, cluster, model, options)
-        if est.feasible and (best is None or est.iteration_time_s < best[0]):
-            best = (est.iteration_time_s, b.label, b.layout)
+    best = best_symmetric(cluster, model, model.seq_length, [options])
     if best is None:
         raise HexiSeqError("no symmetric layout fits in memory on this testbed; raise --memory-gib")
-    return best[1], best[2]
+    return best[0].label, best[0].layout
 
 
 def driver_config(layout: Layout, model: Any, *, steps: int, kernel: str = "auto"):

@@ -133,7 +133,7 @@ def fit_latencies(spec: dict[str, Any], calibration: dict[str, Any], model: Any)
     from megatron_hexiseq.cluster import cluster_from_dict
     from megatron_hexiseq.costmodel import TrainOptions, estimate
     from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
-    from megatron_hexiseq.planner.baselines import hosts_and_gpus
+    from megatron_hexiseq.planner.build import hosts_and_gpus
 
     cluster = cluster_from_dict(spec, source="profiled cluster spec")
     S = calibration["seq_length"]

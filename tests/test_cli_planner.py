@@ -24,7 +24,7 @@ def files(tmp_path):
 
 def _plan_args(d, *extra, seq="32768", model="gpt-3b"):
     return ["plan", "--cluster", str(d / "c.yaml"), "--model", model, "--seq-length", seq,
-            "--time-limit", "2", "-o", str(d / "out.json"), *extra]
+            "--time-limit", "600", "-o", str(d / "out.json"), *extra]
 
 
 def _error(capsys, argv, match):
@@ -126,7 +126,8 @@ def test_validate_errors(files, capsys):
     lay = json.loads((files / "out.json").read_text())
     bad = dict(lay)
     bad["ranks"] = [dict(r) for r in lay["ranks"]]
-    bad["ranks"][0]["segments"] = [[0, 1]]
+    (s, e), *rest = lay["ranks"][0]["segments"]
+    bad["ranks"][0]["segments"] = [[s, e - 1], *rest]  # the segment's last token then belongs to no rank
     (files / "bad.json").write_text(json.dumps(bad))
     _error(capsys, ["validate", str(files / "bad.json")], "belong to no rank")
     (files / "trunc.json").write_text((files / "out.json").read_text()[:50])

@@ -15,7 +15,7 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.megatron.train_cpu import TinyGPT
 from megatron_hexiseq.model import model_from_dict
-from megatron_hexiseq.planner.hierarchical import plan
+from megatron_hexiseq.planner.plan import plan
 
 CLUSTER = {
     "name": "testbed-1+2",

@@ -77,10 +77,10 @@ def _stop_long_work(monkeypatch) -> None:
         raise AssertionError("the long work started before the inputs were checked")
 
     import megatron_hexiseq.demo
-    import megatron_hexiseq.planner.hierarchical
+    import megatron_hexiseq.planner.plan
     import megatron_hexiseq.testing
 
-    monkeypatch.setattr(megatron_hexiseq.planner.hierarchical, "plan", reached)
+    monkeypatch.setattr(megatron_hexiseq.planner.plan, "plan", reached)
     monkeypatch.setattr(megatron_hexiseq.testing, "run_ranks", reached)
     monkeypatch.setattr(megatron_hexiseq.demo, "compare", reached)
 

@@ -25,7 +25,7 @@ def test_planner_scale_smoke(tmp_path):
 def test_optimality_gap_smoke(tmp_path):
     import optimality_gap
 
-    assert optimality_gap.main(["--smoke", "--time-limit", "10", "--out", str(tmp_path)]) == 0
+    assert optimality_gap.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "optimality_gap.json").read_text())
     assert data["summary"]["solved"] == 2
     for row in data["rows"]:
@@ -36,7 +36,21 @@ def test_optimality_gap_smoke(tmp_path):
 def test_sim_suite_smoke(tmp_path):
     import sim_suite
 
-    assert sim_suite.main(["--smoke", "--time-limit", "2", "--out", str(tmp_path)]) == 0
+    assert sim_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "sim_suite.json").read_text())
     (row,) = data["rows"]
     assert row["speedup"] is not None and row["speedup"] >= 1 - 1e-6
+
+
+def test_planner_suite_smoke(tmp_path):
+    import planner_suite
+
+    assert planner_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "planner_suite.json").read_text())
+    assert len(data["rows"]) == 2 and len(planner_suite.cases()) >= 21
+    for row in data["rows"]:
+        # the plan is the fastest candidate: never slower than the best symmetric baseline or a heuristic
+        assert row["speedup"] is None or row["speedup"] >= 1 - 1e-6
+        assert all(v >= 1 - 1e-6 for v in row["over_heuristics"].values())
+        assert row["winner"] and row["cpu_s"] > 0
+    assert "| 0 |" in (tmp_path / "planner_suite.md").read_text()

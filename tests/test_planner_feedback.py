@@ -10,9 +10,9 @@ import pytest
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate
 from megatron_hexiseq.model import model_from_dict
-from megatron_hexiseq.planner.hierarchical import (SurrogateTimes, _surrogate_times, feedback_factors,
-                                                   planner_candidates)
-from megatron_hexiseq.planner.stage2_split import GroupCoef
+from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, surrogate_times
+from megatron_hexiseq.planner.hierarchical import planner_candidates
+from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.surrogate import build_surrogate
 
 TINY_GQA = {"name": "gpt-tiny-gqa", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
@@ -33,8 +33,11 @@ def _rank(time_s, kv_exchange_s=0.0, kv_exposed_s=0.0):
     return SimpleNamespace(time_s=time_s, breakdown={"kv_exchange_s": kv_exchange_s, "kv_exposed_s": kv_exposed_s})
 
 
-def _layout(tokens, heads):
-    return SimpleNamespace(ranks=[SimpleNamespace(num_tokens=t, heads=tuple(range(h))) for t, h in zip(tokens, heads)])
+def _layout(tokens, heads, groups):
+    """A stand-in for a Layout: ranks with tokens and heads, ``group_of`` from lists of ranks."""
+    of = {r: SimpleNamespace(ranks=tuple(g)) for g in groups for r in g}
+    return SimpleNamespace(ranks=[SimpleNamespace(num_tokens=t, heads=tuple(range(h))) for t, h in zip(tokens, heads)],
+                           group_of=of.__getitem__)
 
 
 def test_scaled_multiplies_only_the_ring_coefficient_by_the_kv_factors():
@@ -56,7 +59,7 @@ def test_surrogate_times_split_out_the_ring_and_its_exposed_part():
     g = GroupCoef(a=(7, 9), s=(1, 1), b=(1, 5), c=(2, 2), e=(0, 0), free=(10**9,) * 2, mt=(1, 1), mh=(0, 0),
                   heads=3, num_units=10)
     sur = SimpleNamespace(unit=1)
-    st = _surrogate_times(sur, ((0, 1),), [g], tokens=[3, 1], heads=[2, 1])
+    st = surrogate_times(sur, ((0, 1),), [g], tokens=[3, 1], heads=[2, 1])
     assert st.kv == pytest.approx([24e-9, 12e-9])
     assert st.kv_exposed == pytest.approx([16e-9, 0.0])
     # total: t (a + s) + h max(T b, ring c): 3*8 + 2*max(4, 12) = 48, 1*10 + 1*max(20, 12) = 30
@@ -65,20 +68,20 @@ def test_surrogate_times_split_out_the_ring_and_its_exposed_part():
 
 def test_feedback_calibrates_the_ring_apart_from_the_other_terms():
     sur = _surrogate(4)
-    # ranks 0, 1: one class (same device, tokens, heads); rank 2: no heads; rank 3: its own class
-    layout = _layout(tokens=[100, 100, 50, 80], heads=[2, 2, 0, 4])
+    # classes of (device, group size): ranks 0, 1 (one group of 2); ranks 2 and 3 (groups of 1 each)
+    layout = _layout(tokens=[100, 100, 50, 80], heads=[2, 2, 0, 4], groups=[[0, 1], [2], [3]])
     st = SurrogateTimes(total=[10.0, 10.0, 5.0, 8.0], kv=[8.0, 8.0, 0.0, 6.0], kv_exposed=[4.0, 4.0, 0.0, 0.0])
     est = SimpleNamespace(per_rank=[
         _rank(7.0, kv_exchange_s=4.0, kv_exposed_s=1.0),   # rest (7-1)/(10-4) = 1.0, ring 4/8 = 0.5
         _rank(10.0, kv_exchange_s=2.0, kv_exposed_s=1.0),  # rest 9/6 = 1.5, ring 0.25: class means 1.25, 0.375
-        _rank(10.0),                                       # no ring: 2.0 for both
+        _rank(10.0),                                       # no ring: 2.0, no K/V factor of its own
         _rank(80.0, kv_exchange_s=60.0),                   # clipped to 4.0 (10x), ring 10x -> 4.0
-    ])
+    ])                                                     # class of 2 and 3: (2 + 4) / 2 = 3, ring 4
     f, fk = feedback_factors(sur, layout, est, st)
-    assert f == [1.25, 1.25, 2.0, 4.0]
-    assert fk == [0.375, 0.375, 2.0, 4.0]
+    assert f == [1.25, 1.25, 3.0, 3.0]
+    assert fk == [0.375, 0.375, 4.0, 4.0]
     f1, fk1 = feedback_factors(sur, layout, est, st, separate_kv=False)  # the single-factor scheme
-    assert f1 == fk1 == [0.85, 0.85, 2.0, 4.0]  # (0.7 + 1.0) / 2
+    assert f1 == fk1 == [0.85, 0.85, 3.0, 3.0]  # (0.7 + 1.0) / 2; (10/5 = 2 + 80/8 -> 4) / 2
 
 
 def test_feedback_tracks_contain_the_single_factor_track():
@@ -91,7 +94,7 @@ def test_feedback_tracks_contain_the_single_factor_track():
     o = TrainOptions()
 
     def run(schemes):
-        cands = planner_candidates(cl, m, seq, o, lambda lay: estimate(lay, cl, m, o), time_limit_s=5,
+        cands = planner_candidates(cl, m, seq, o, lambda lay: estimate(lay, cl, m, o),
                                    feedback_schemes=schemes)
         return [(c.info["round"], c.info["feedback"], tuple(c.info["group_sizes"]), c.layout.ranks)
                 for c in cands]

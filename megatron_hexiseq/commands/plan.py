@@ -32,6 +32,7 @@ D copies of the cluster (each running this layout on its own sequences).
 """
 METHODS = ("hierarchical", "node", "exact")
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
+DEFAULT_TIME_LIMIT_S = 120.0  # planner.plan.DEFAULT_TIME_LIMIT_S (not imported: --help stays fast)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "on that node); HOST names a node of the cluster (after --hosts). A node keeps its place "
                         "with fewer GPUs; the layout records which GPU indices are left (meta.gpu_indices)")
     p.add_argument("-o", "--output", required=True, metavar="layout.json", help="layout file to write (atomically)")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="CP-SAT time budget in seconds (default 10)")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
+                   help="stop searching after S seconds of wall-clock time (default %(default)g) and keep the best "
+                        "layout found so far; the baselines and the first planner round always run, and the "
+                        "layout's planner.time_limit_reached says whether the cap cut the search. CP-SAT solves "
+                        "have fixed deterministic limits, so a plan that ends within S is the same on any machine")
     p.add_argument("--method", choices=METHODS, default="hierarchical",
                    help="hierarchical (default): stages I-III; node: one group per node; exact: one CP-SAT "
                         "model over all decisions (<= 16 GPUs)")
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.cluster import cluster_to_dict
     from megatron_hexiseq.commands._progress import waiting
     from megatron_hexiseq.io import check_outputs
-    from megatron_hexiseq.planner.hierarchical import plan
+    from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.report import print_layout
 
     if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_problem_args(p, seq_required=False, spec_required=False)
     p.add_argument("--layout", action="append", default=[], metavar="L.json", help="layout to evaluate (repeatable)")
-    p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp, a2a+p2p)")
+    p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp for every hp; usp is Megatron's a2a+p2p)")
     p.add_argument("--plot", metavar="out.png", help="per-rank compute / exposed comm / idle and memory vs capacity "
                                                       "(.png, .pdf, .svg, ...)")
     p.add_argument("--per-rank", action="store_true", help="also print each layout's per-rank table")

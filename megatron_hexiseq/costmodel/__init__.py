@@ -11,7 +11,7 @@ from megatron_hexiseq.costmodel.comm import (
     pipelined_exposed_s,
     port_times_s,
 )
-from megatron_hexiseq.costmodel.estimate import Estimate, RankEstimate, estimate
+from megatron_hexiseq.costmodel.estimate import Estimate, RankEstimate, estimate, memory_floor_fits
 from megatron_hexiseq.costmodel.exchange import fan_units, kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
     MEMORY_MODES,
@@ -35,6 +35,7 @@ __all__ = [
     "Estimate", "MEMORY_MODES", "RankEstimate", "TrainOptions", "a2a_buffer_bytes_per_token",
     "activation_bytes_per_token", "alltoall_rank_times_s", "alltoall_time_s", "attention_bytes_per_group_token",
     "attention_flops_per_pair_head", "attention_s_per_pair_head", "causal_pairs", "estimate", "fan_units", "kv_block_bytes_per_token",
-    "kv_exchange_forward", "layer_activation_bytes_per_token", "linear_flops_per_token", "linear_s_per_token", "output_bytes_per_token",
+    "kv_exchange_forward", "layer_activation_bytes_per_token", "linear_flops_per_token", "linear_s_per_token",
+    "memory_floor_fits", "output_bytes_per_token",
     "pipelined_exposed_s", "port_times_s", "static_memory_bytes", "train_flops",
 ]

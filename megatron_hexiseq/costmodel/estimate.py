@@ -117,23 +117,42 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     act_per_token = activation_bytes_per_token(model, options)
     exchange = kv_exchange_forward(layout, cluster, model, b)
 
+    tokens = [r.num_tokens for r in layout.ranks]
+    kv_count = [len(layout.kv_heads(r.rank)) for r in layout.ranks]
     group_pairs: dict[int, int] = {}
     group_a2a_s: dict[int, float] = {}
+    group_tokens_of: dict[int, int] = {}
+    a2a_memo: dict[tuple, float] = {}  # groups of one structure (devices, tokens, heads) cost the same
     for g in layout.groups:
         group_pairs[g.id] = causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)])
-        group_a2a_s[g.id] = (passes_fwd + 1) * L * _a2a_layer_s(layout, cluster, model, g.ranks, b)
+        group_tokens_of[g.id] = sum(tokens[r] for r in g.ranks)
+        key = (tuple(cluster.devices[r].gpu.name for r in g.ranks), _node_pattern(cluster, g.ranks),
+               tuple((cluster.devices[r].nvlink_GBps, cluster.devices[r].network_GBps) for r in g.ranks),
+               tuple(tokens[r] for r in g.ranks), tuple(len(layout.ranks[r].heads) for r in g.ranks),
+               tuple(kv_count[r] for r in g.ranks))
+        if key not in a2a_memo:
+            a2a_memo[key] = _a2a_layer_s(layout, cluster, model, g.ranks, b)
+        group_a2a_s[g.id] = (passes_fwd + 1) * L * a2a_memo[key]
         if len(g.ranks) > 1:  # fixed cost per collective: 4 per layer and pass, the slowest member's
             group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * max(cluster.devices[r].collective_latency_s
                                                                 for r in g.ranks)
 
     per_rank = []
+    rate: dict[object, tuple[float, float]] = {}  # per GPU type: (linear s per token, attention s per pair-head)
+    att_mem: dict[tuple[int, int], int] = {}
+    a2a_buf, kv_block = a2a_buffer_bytes_per_token(model), kv_block_bytes_per_token(model)
     for plan in layout.ranks:
         dev = cluster.devices[plan.rank]
-        heads, kv = len(plan.heads), len(layout.kv_heads(plan.rank))
-        group_tokens = layout.group_num_tokens(plan.group)
+        heads, kv = len(plan.heads), kv_count[plan.rank]
+        group_tokens = group_tokens_of[plan.group]
         overhead_s = dev.step_overhead_s
-        linear_s = plan.num_tokens * linear_s_per_token(model, dev, options) + overhead_s
-        attention_s = group_pairs[plan.group] * heads * attention_s_per_pair_head(model, dev, options)
+        if dev.gpu not in rate:
+            rate[dev.gpu] = (linear_s_per_token(model, dev, options), attention_s_per_pair_head(model, dev, options))
+        lin_rate, att_rate = rate[dev.gpu]
+        if (heads, kv) not in att_mem:
+            att_mem[(heads, kv)] = attention_bytes_per_group_token(model, options, heads, kv)
+        linear_s = tokens[plan.rank] * lin_rate + overhead_s
+        attention_s = group_pairs[plan.group] * heads * att_rate
         a2a_s = group_a2a_s[plan.group]
         kv_latency_s = (passes_fwd + 2) * L * exchange.rounds[plan.rank] * dev.p2p_latency_s
         kv_s = (passes_fwd + 2) * exchange.comm_s[plan.rank] + kv_latency_s
@@ -142,14 +161,13 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
         exposed_s = a2a_s + kv_exposed_s
         mem = {
             "mem_static": static,
-            "mem_activations": b * plan.num_tokens * act_per_token,
-            "mem_attention": b * group_tokens * attention_bytes_per_group_token(model, options, heads, kv),
-            "mem_comm": b * plan.num_tokens * a2a_buffer_bytes_per_token(model)
-                        + 4 * b * exchange.max_block_tokens[plan.rank] * kv * kv_block_bytes_per_token(model),
+            "mem_activations": b * tokens[plan.rank] * act_per_token,
+            "mem_attention": b * group_tokens * att_mem[(heads, kv)],
+            "mem_comm": b * tokens[plan.rank] * a2a_buf + 4 * b * exchange.max_block_tokens[plan.rank] * kv * kv_block,
         }
         memory = sum(mem.values())
         per_rank.append(RankEstimate(
-            rank=plan.rank, gpu=dev.gpu.name, node=dev.node, tokens=plan.num_tokens, heads=heads,
+            rank=plan.rank, gpu=dev.gpu.name, node=dev.node, tokens=tokens[plan.rank], heads=heads,
             compute_s=compute_s, comm_s=a2a_s + kv_s, exposed_comm_s=exposed_s, time_s=compute_s + exposed_s,
             memory_bytes=memory, capacity_bytes=int(options.capacity_fraction * dev.memory_bytes),
             device_memory_gib=dev.memory_gib,
@@ -166,6 +184,30 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     return Estimate(iteration_time_s=iteration, tokens_per_s=tokens / iteration if iteration > 0 else 0.0,
                     per_rank=tuple(per_rank), feasible=all(r.fits for r in per_rank),
                     capacity_fraction=options.capacity_fraction, options=options)
+
+
+def memory_floor_fits(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()
+                      ) -> bool:
+    """False when some rank cannot fit even without its communication buffers (static memory,
+    its tokens' activations and the attention core of its group's tokens): a necessary condition of
+    ``estimate(...).feasible``, without the K/V exchange simulation (callers skip a memory mode)."""
+    b = options.micro_batch_size
+    static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
+    act = activation_bytes_per_token(model, options)
+    group_tokens = {g.id: layout.group_num_tokens(g.id) for g in layout.groups}
+    for plan in layout.ranks:
+        dev = cluster.devices[plan.rank]
+        need = (static + b * plan.num_tokens * act + b * group_tokens[plan.group]
+                * attention_bytes_per_group_token(model, options, len(plan.heads), len(layout.kv_heads(plan.rank))))
+        if need > int(options.capacity_fraction * dev.memory_bytes):
+            return False
+    return True
+
+
+def _node_pattern(cluster: Cluster, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """Which members share a node, as first-occurrence indices ((0, 0, 1, 1): two nodes of two)."""
+    seen: dict[str, int] = {}
+    return tuple(seen.setdefault(cluster.devices[r].node, len(seen)) for r in ranks)
 
 
 def _a2a_layer_s(layout: Layout, cluster: Cluster, model: ModelSpec, ranks: tuple[int, ...], b: int) -> float:

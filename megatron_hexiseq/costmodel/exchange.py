@@ -53,6 +53,17 @@ def visible_vec(ks: np.ndarray, ke: np.ndarray, q_end: np.ndarray) -> np.ndarray
     return np.maximum(np.minimum(ke, q_end[..., None]) - ks, 0).sum(axis=-1)
 
 
+def _merged(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """Segments in position order with touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(segments):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
 def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> list[int]:
     """Per receiver member: round time in kv-head blocks, ``max(own receive, its senders' sends)``.
 
@@ -80,8 +91,10 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     if n == 1:
         return ExchangeForward(comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W,
                                rounds=(0,) * W)
-    # data: padded group segments, per-group and per-rank arrays
-    segs = [layout.group_segments(g.id) for g in groups]
+    # data: padded group segments (touching segments merged: the same positions, so the same causal
+    # pairs and visible tokens, and a mirrored group of 8 ranks has 2 segments instead of 16), per-group
+    # and per-rank arrays
+    segs = [_merged(layout.group_segments(g.id)) for g in groups]
     width = max(len(s) for s in segs)
     QS = np.zeros((n, width), dtype=np.int64)
     QE = np.zeros((n, width), dtype=np.int64)

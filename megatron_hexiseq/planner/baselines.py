@@ -1,17 +1,34 @@
 """Symmetric baselines as Layouts, scored by the same cost model as the planner.
 
+Every baseline is built on the canonical cluster (``planner.canonical``: nodes sorted by hardware,
+so a baseline does not depend on the order of the cluster file, and head-parallel groups that span
+nodes pack nodes of one type) and renumbered for the file's cluster. Each is at its best
+configuration: every head-parallel size ``hp`` that divides both the heads and the world is listed.
+
 - ``ring``: every rank its own group with all heads; Megatron's 2xCP zig-zag token split
   (rank i holds chunks i and 2W-1-i; near-even chunks when ``S`` is not a multiple of 2W).
+  Megatron: ``--cp-comm-type p2p``.
 - ``ulysses``: one group of all ranks, even contiguous tokens, even heads. Needs ``H % W == 0``
   (else infeasible, ``iteration_time_s: null``); K/V heads are replicated ``W/G`` times when
-  ``G < W`` (GQA), noted in ``config``.
-- ``usp``: every (HP, CP) factorisation ``HP*CP = W`` with ``1 < HP < W``, ``H % HP == 0`` and
-  every HP group of consecutive ranks inside one node; zig-zag across the CP groups, even tokens
-  and heads inside each group (Fang & Zhao, USP).
-- ``megatron-a2a+p2p``: Megatron's hierarchical CP (``--cp-comm-type a2a+p2p``,
-  ``hierarchical_context_parallel_sizes=[HP, CP]``): same groups as USP, but each *rank* holds the
-  rank-level 2xW zig-zag chunks (``get_batch_on_this_cp_rank``), so a group's tokens are not two
-  contiguous chunks. Listed because its segments (and so the K/V traffic) differ from USP.
+  ``G < W`` (GQA), noted in ``config``. Megatron: ``--cp-comm-type a2a``.
+- ``usp``: every factorisation ``HP*CP = W`` with ``1 < HP < W`` and ``H % HP == 0``; groups of
+  ``HP`` consecutive canonical ranks (inside a node, or spanning nodes with the all-to-all over the
+  network: ``spans_nodes``); zig-zag across the CP groups (group j holds chunks j and 2CP-1-j), even
+  tokens and heads inside each group (Fang & Zhao, USP).
+
+Megatron's hierarchical CP (``--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes HP CP``)
+is the ``usp`` row, not a row of its own. Its A2A groups are HP consecutive CP ranks
+(``parallel_state.create_hierarchical_groups``, level 0), each rank holds Megatron's rank-level 2xW
+zig-zag chunks i and 2W-1-i (``get_batch_on_this_cp_rank``), and Transformer Engine's A2A
+reorders the group's chunks into two contiguous blocks before the P2P ring
+(``flash_attn_a2a_communicate``), so each A2A group holds exactly USP's chunks j and 2CP-1-j. Only
+the split of those chunks among the group's members differs, and nothing modelled depends on it
+(A2A bytes depend on token counts, attention and K/V on the group's segments): the two rows came
+out identical to the last bit. What differs in Transformer Engine's ring is that every step
+forwards the whole K/V block (no trim of causally hidden tokens); the group holding the first and
+last chunk needs every token anyway and sets the pace, so that is not faster than USP here. When
+``G % HP == 0`` (TE splits the K/V heads over the A2A group) the ``usp`` config names the Megatron
+flags that run it (``megatron``).
 
 Every baseline is a valid Layout; ``evaluate_baselines`` scores each with ``costmodel.estimate``
 and returns records ``{name, config, iteration_time_s, tokens_per_s[, reason]}``.
@@ -21,13 +38,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from megatron_hexiseq.layout import Group, Layout, RankPlan, split_evenly
-from megatron_hexiseq.planner.build import build_layout
+from megatron_hexiseq import costmodel
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.layout import Layout, split_evenly
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
+from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 
 
 @dataclass(frozen=True)
 class Baseline:
-    """One baseline configuration; ``layout`` is None when it cannot be built (``reason`` says why)."""
+    """One named configuration (a baseline, or a heuristic of ``planner.heuristics``); ``layout`` is
+    None when it cannot be built (``reason`` says why)."""
 
     name: str
     config: dict[str, Any]
@@ -36,22 +59,13 @@ class Baseline:
 
     @property
     def label(self) -> str:
-        extra = ",".join(f"{k}={v}" for k, v in self.config.items() if k in ("hp", "cp"))
+        extra = ",".join(f"{k}={self.config[k]}" for k in ("k", "hp", "cp") if k in self.config)
         return f"{self.name}({extra})" if extra else self.name
 
 
-def hosts_and_gpus(cluster: Any) -> tuple[list[str], list[str]]:
-    """Host name and GPU type name of every cluster rank (layout rank r runs on devices[r])."""
-    hosts, gpus = [], []
-    for d in cluster.devices:
-        node = d.node
-        hosts.append(node if isinstance(node, str) else getattr(cluster.nodes[node], "name", str(node)))
-        gpus.append(d.gpu.name)
-    return hosts, gpus
-
-
-def _symmetric(cluster: Any, model: Any, seq_length: int, hp: int) -> Layout:
-    """Groups of ``hp`` consecutive ranks, equal tokens per rank, zig-zag across groups."""
+def symmetric_layout(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -> Layout:
+    """Groups of ``hp`` consecutive ranks of ``cluster``, near-equal tokens per rank, zig-zag across
+    groups (group j holds chunks j and 2CP-1-j), near-equal heads inside each group."""
     world = cluster.world_size
     hosts, gpus = hosts_and_gpus(cluster)
     H = model.num_attention_heads
@@ -65,58 +79,54 @@ def _symmetric(cluster: Any, model: Any, seq_length: int, hp: int) -> Layout:
                         groups=groups, rank_tokens=rank_tokens, rank_heads=rank_heads, hosts=hosts, gpus=gpus)
 
 
-def _regroup(ring: Layout, hp: int) -> Layout:
-    """Keep the ring's rank-level zig-zag segments; put ranks in groups of ``hp`` with even heads."""
-    H = ring.num_attention_heads
-    groups, ranks = [], []
-    for gid, start in enumerate(range(0, ring.world_size, hp)):
-        members = tuple(range(start, start + hp))
-        groups.append(Group(id=gid, ranks=members))
-        heads, h0 = split_evenly(H, hp), 0
-        for r, h in zip(members, heads):
-            rp = ring.ranks[r]
-            ranks.append(RankPlan(rank=r, host=rp.host, gpu=rp.gpu, group=gid, segments=rp.segments,
-                                  heads=tuple(range(h0, h0 + h))))
-            h0 += h
-    return Layout(seq_length=ring.seq_length, num_attention_heads=H, num_query_groups=ring.num_query_groups,
-                  world_size=ring.world_size, groups=tuple(groups), ranks=tuple(ranks))
-
-
-def _groups_inside_nodes(cluster: Any, hp: int) -> bool:
-    return all(cluster.same_node(start, r) for start in range(0, cluster.world_size, hp)
+def _spans_nodes(cluster: Cluster, hp: int) -> bool:
+    return any(not cluster.same_node(start, r) for start in range(0, cluster.world_size, hp)
                for r in range(start, start + hp))
 
 
-def baseline_layouts(cluster: Any, model: Any, seq_length: int) -> list[Baseline]:
-    """Every symmetric baseline configuration for this cluster and model (see module docstring)."""
+def head_parallel_sizes(world: int, heads: int) -> list[int]:
+    """Every hp with 1 < hp < world that divides both the world and the heads."""
+    return [hp for hp in range(2, world) if world % hp == 0 and heads % hp == 0]
+
+
+def baseline_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> list[Baseline]:
+    """Every symmetric baseline configuration for this cluster and model (see module docstring),
+    built on the canonical cluster and numbered for ``cluster``."""
+    canon, order = canonical_cluster(cluster)
     W, H, G = cluster.world_size, model.num_attention_heads, model.num_query_groups
-    out = [Baseline("ring", {"hp": 1, "cp": W, "segments": "zigzag-2xcp"}, _symmetric(cluster, model, seq_length, 1))]
-    ulysses_cfg = {"hp": W, "cp": 1, "kv_replication": max(1, W // G)}
-    if seq_length < W:
-        out.append(Baseline("ulysses", ulysses_cfg, None, f"seq_length {seq_length} < {W} ranks"))
+
+    def build(hp: int) -> Layout:
+        return to_original(symmetric_layout(canon, model, seq_length, hp), order)
+
+    short = f"seq_length {seq_length} < {W} ranks" if seq_length < W else ""
+    ring_cfg = {"hp": 1, "cp": W, "segments": "zigzag-2xcp", "megatron": "--cp-comm-type p2p"}
+    out = [Baseline("ring", ring_cfg, None, short) if short else Baseline("ring", ring_cfg, build(1))]
+    ulysses_cfg: dict[str, Any] = {"hp": W, "cp": 1, "kv_replication": max(1, W // G),
+                                   "megatron": "--cp-comm-type a2a" if G % W == 0 else None}
+    if short:
+        out.append(Baseline("ulysses", ulysses_cfg, None, short))
     elif H % W:
         out.append(Baseline("ulysses", ulysses_cfg, None, f"{H} heads do not divide over {W} ranks"))
     else:
-        out.append(Baseline("ulysses", ulysses_cfg, _symmetric(cluster, model, seq_length, W)))
-    ring = out[0].layout
-    for hp in range(2, W):
+        out.append(Baseline("ulysses", ulysses_cfg, build(W)))
+    if short:
+        return out
+    for hp in head_parallel_sizes(W, H):
         cp = W // hp
-        if W % hp or H % hp or not _groups_inside_nodes(cluster, hp) or seq_length < W:
-            continue
-        cfg = {"hp": hp, "cp": cp, "kv_replication": max(1, hp // G)}
-        usp = _symmetric(cluster, model, seq_length, hp)
-        out.append(Baseline("usp", cfg, usp))
-        a2a = _regroup(ring, hp)
-        if any(a.segments != b.segments for a, b in zip(a2a.ranks, usp.ranks)):
-            out.append(Baseline("megatron-a2a+p2p", {**cfg, "hierarchical_context_parallel_sizes": [hp, cp]}, a2a))
+        cfg = {"hp": hp, "cp": cp, "kv_replication": max(1, hp // G), "spans_nodes": _spans_nodes(canon, hp),
+               "megatron": (f"--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {hp} {cp}"
+                            if G % hp == 0 else None)}
+        out.append(Baseline("usp", cfg, build(hp)))
     return out
 
 
-def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Any]]]
-                       ) -> list[dict[str, Any]]:
+def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Estimate]]],
+                       fits: Sequence[Callable[[Layout], bool]] | None = None) -> list[dict[str, Any]]:
     """Score each baseline in the first memory mode where it fits (``scores``: (mode, score) pairs in
     order of modelled overhead, e.g. distributed optimizer before fsdp before recompute; a baseline's
-    first feasible mode is its best). JSON-ready records in input order; the mode used is in ``config``.
+    first feasible mode is its best). ``fits[i]``: a cheap necessary condition of fitting in mode i
+    (``costmodel.memory_floor_fits``); a mode it rules out is skipped unless it is the last. JSON-ready
+    records in input order; the mode used is in ``config``.
     """
     records = []
     for b in baselines:
@@ -125,7 +135,9 @@ def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[st
             rec["reason"] = b.reason
             records.append(rec)
             continue
-        for mode, score in scores:
+        for i, (mode, score) in enumerate(scores):
+            if fits is not None and i < len(scores) - 1 and not fits[i](b.layout):
+                continue
             est = score(b.layout)
             if est.feasible:
                 rec["config"].update(mode)
@@ -143,6 +155,19 @@ def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[st
 
 
 def best_baseline(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest feasible record (ties: first listed), or None."""
+    """The fastest feasible record (ties: first listed), or None: the one "best symmetric baseline" rule."""
     feasible = [r for r in records if r["iteration_time_s"] is not None]
     return min(feasible, key=lambda r: r["iteration_time_s"]) if feasible else None
+
+
+def best_symmetric(cluster: Cluster, model: ModelSpec, seq_length: int, options: Sequence[TrainOptions]
+                   ) -> tuple[Baseline, dict[str, Any]] | None:
+    """The best symmetric baseline as ``plan`` picks it: every baseline scored in the first of
+    ``options`` (memory modes in order of overhead) where it fits, the fastest record wins (ties: first
+    listed). Returns (baseline, its record) or None when none fits."""
+    baselines = baseline_layouts(cluster, model, seq_length)
+    records = evaluate_baselines(baselines, [
+        ({"memory_mode": o.memory_mode, "recompute": o.recompute},
+         lambda layout, o=o: costmodel.estimate(layout, cluster, model, o)) for o in options])
+    best = best_baseline(records)
+    return None if best is None else next((b, r) for b, r in zip(baselines, records) if r is best)

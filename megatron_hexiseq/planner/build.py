@@ -5,15 +5,18 @@ Causal balance ("mirrored head+tail" arrangement). Group ``g`` (in planning orde
 the sum of the earlier groups' head halves. For a chunk pair of equal length ``n`` at mirrored
 offsets the causal query-key pairs are exactly ``n*(S+1)`` whatever the offset (sum of ``p+1`` over
 both chunks), so a group's attention work is ``T_g*(S+1)/2`` pairs: proportional to its token count.
-This is Megatron's 2xCP zig-zag generalised to uneven group sizes. Inside a group, the group
-sequence is ``head chunk ++ tail chunk`` and each member rank takes a consecutive piece of it in
-ascending rank order (at most two segments per rank). Heads go to member ranks as consecutive
-index ranges in rank order, which keeps GQA ranks on as few K/V heads as possible.
+This is Megatron's 2xCP zig-zag generalised to uneven group sizes. The same holds inside a block
+``[P, Q)`` of the sequence (``planner.arrange`` cuts the sequence into blocks): a mirrored pair of
+n tokens there has ``n (P + Q + 1) / 2`` causal pairs. Inside a group, the group sequence is
+``head chunk ++ tail chunk`` and each member rank takes a consecutive piece of it in ascending rank
+order (at most two segments per rank). Heads go to member ranks as consecutive index ranges in rank
+order, which keeps GQA ranks on as few K/V heads as possible.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.layout import Group, Layout, RankPlan, Segment
 
 
@@ -76,22 +79,36 @@ def build_layout(
     rank_heads: Sequence[int],
     hosts: Sequence[str],
     gpus: Sequence[str],
+    blocks: Sequence[Sequence[int]] | None = None,
     **extra: Any,
 ) -> Layout:
     """Build a Layout from groups (lists of cluster ranks, in planning order) and per-rank counts.
 
-    ``rank_tokens[r]`` / ``rank_heads[r]`` are indexed by cluster rank. Groups are numbered in the
-    order given; the mirrored arrangement places group 0 outermost (first and last tokens).
+    ``rank_tokens[r]`` / ``rank_heads[r]`` are indexed by cluster rank. ``blocks``: indices into
+    ``groups``, consecutive blocks of the sequence in order (``planner.arrange``); the groups of a
+    block share it in the mirrored arrangement, the first outermost. Default: one block of every
+    group in the order given (group 0 outermost: first and last tokens). Groups are numbered in
+    block order, which is the sub-ring order.
     """
     world = len(rank_tokens)
+    blocks = [list(range(len(groups)))] if blocks is None else [list(b) for b in blocks]
+    order = [i for b in blocks for i in b]
+    assert sorted(order) == list(range(len(groups))), "blocks must list every group once"
     group_tokens = [sum(rank_tokens[r] for r in g) for g in groups]
-    chunks = mirrored_group_chunks(seq_length, group_tokens)
+    chunks: dict[int, tuple[Segment, Segment]] = {}
+    start = 0
+    for b in blocks:
+        size = sum(group_tokens[i] for i in b)
+        for i, (head, tail) in zip(b, mirrored_group_chunks(size, [group_tokens[i] for i in b])):
+            chunks[i] = ((head[0] + start, head[1] + start), (tail[0] + start, tail[1] + start))
+        start += size
+    assert start == seq_length, (start, seq_length)
     segments: list[list[Segment]] = [[] for _ in range(world)]
     heads: list[list[int]] = [[] for _ in range(world)]
     rank_group = [0] * world
-    for gid, (members, ch) in enumerate(zip(groups, chunks)):
-        members = sorted(members)
-        for r, segs in zip(members, split_group_sequence(ch, [rank_tokens[r] for r in members])):
+    for gid, i in enumerate(order):
+        members = sorted(groups[i])
+        for r, segs in zip(members, split_group_sequence(chunks[i], [rank_tokens[r] for r in members])):
             segments[r] = segs
             rank_group[r] = gid
         for r, hs in zip(members, head_ranges([rank_heads[r] for r in members])):
@@ -101,7 +118,7 @@ def build_layout(
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
         world_size=world,
-        groups=tuple(Group(id=gid, ranks=tuple(sorted(g))) for gid, g in enumerate(groups)),
+        groups=tuple(Group(id=gid, ranks=tuple(sorted(groups[i]))) for gid, i in enumerate(order)),
         ranks=tuple(
             RankPlan(rank=r, host=hosts[r], gpu=gpus[r], group=rank_group[r],
                      segments=tuple(segments[r]), heads=tuple(heads[r]))
@@ -109,6 +126,11 @@ def build_layout(
         ),
         **extra,
     )
+
+
+def hosts_and_gpus(cluster: Cluster) -> tuple[list[str], list[str]]:
+    """Host name and GPU type name of every cluster rank (layout rank r runs on devices[r])."""
+    return [d.node for d in cluster.devices], [d.gpu.name for d in cluster.devices]
 
 
 def with_fields(layout: Layout, **fields: Any) -> Layout:

@@ -14,18 +14,25 @@ The result is the proven optimum of the surrogate over all decisions up to the e
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from typing import Callable
 
 from ortools.sat.python import cp_model
 
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import Estimate, TrainOptions
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.planner.baselines import hosts_and_gpus
-from megatron_hexiseq.planner.build import build_layout
-from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_grouping
-from megatron_hexiseq.planner.stage2_split import MIN_UNITS_PER_RANK
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
+from megatron_hexiseq.planner.candidate import Candidate, Deadline
+from megatron_hexiseq.planner.arrange import mirrored, with_fan_out
+from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_arranged
+from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
+from megatron_hexiseq.planner.stage2_split import split_sequence
+from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 
 MAX_EXACT_GPUS = 16
+JOINT_DETERMINISTIC_TIME = 20.0  # CP-SAT limit of one grouping's joint model (deterministic seconds)
 
 
 def partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
@@ -36,7 +43,7 @@ def partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
     return [(k,) + rest for k in range(min(n, largest), 0, -1) for rest in partitions(n - k, k)]
 
 
-def all_groupings(cluster: Any) -> list[Grouping]:
+def all_groupings(cluster: Cluster) -> list[Grouping]:
     """Every split of every node into groups (sizes non-increasing), plus one group of all ranks
     when the cluster has several nodes (the cross-node candidate Stage I also scores)."""
     out = []
@@ -54,12 +61,13 @@ def all_groupings(cluster: Any) -> list[Grouping]:
     return out
 
 
-def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_ns: int | None = None,
+def solve_joint(sur: Surrogate, grouping: Grouping, upper_ns: int | None = None,
                 node_of: list[str] | None = None) -> tuple[str, int, int, list[int], list[int]] | None:
     """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping. Returns (status, z, bound, t, h) in units."""
     N, H = sur.num_units, sur.heads
-    coefs = [group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
-             for g in grouping]
+    # the same surrogate as the hierarchical planner's mirrored arrangement, K/V fan-out included
+    coefs = with_fan_out([group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
+                          for g in grouping], mirrored(len(grouping)))
     if sum(len(g) for g in grouping) * MIN_UNITS_PER_RANK > N or any(min(co.cap) < MIN_UNITS_PER_RANK for co in coefs):
         return None  # fewer units than ranks, or some rank cannot hold one unit
     model = cp_model.CpModel()
@@ -107,7 +115,8 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
-    solver.parameters.max_time_in_seconds = time_limit_s
+    # a deterministic limit (no wall-clock limit): the same inputs give the same result on any load
+    solver.parameters.max_deterministic_time = JOINT_DETERMINISTIC_TIME
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         assert status != cp_model.MODEL_INVALID, model.validate()
@@ -117,21 +126,19 @@ def solve_joint(sur: Surrogate, grouping: Grouping, time_limit_s: float, upper_n
             int(solver.best_objective_bound), [solver.value(t[r]) for r in range(W)], [solver.value(h[r]) for r in range(W)])
 
 
-def _same(co: Any, i: int, j: int) -> bool:
+def _same(co: GroupCoef, i: int, j: int) -> bool:
     return co.s_(i) == co.s_(j) and all(getattr(co, f)[i] == getattr(co, f)[j]
                                         for f in ("a", "b", "c", "e", "free", "mt", "mh"))
 
 
-def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tuple[list[int], dict, dict] | None:
-    from megatron_hexiseq.planner.stage2_split import split_sequence
-    from megatron_hexiseq.planner.stage3_refine import floors, refine_group
-
+def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef]
+                        ) -> tuple[list[int], dict[int, int], dict[int, int]] | None:
     split = split_sequence(coefs, sur.num_units)
     if split is None:
         return None
     th, hh = {}, {}
     for members, co, u in zip(grouping, coefs, split.units):
-        sol = refine_group(co, u, 1.0, *floors(split))
+        sol = refine_group(co, u, *floors(split))
         if sol.status == "INFEASIBLE":
             return None
         for r, x, y in zip(members, sol.tokens, sol.heads):
@@ -139,36 +146,37 @@ def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list) -> tupl
     return list(split.units), th, hh
 
 
-def exact_surrogate(cluster: Any, sur: Surrogate, *, time_limit_s: float = 60.0):
-    """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None."""
+def exact_surrogate(cluster: Cluster, sur: Surrogate, *, deadline: Deadline | None = None
+                    ) -> tuple[Grouping, str, int, int, list[int], list[int]] | None:
+    """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None.
+    Once ``deadline`` has passed, no further grouping is solved (the first always is)."""
     scored = []
     node_of = [d.node for d in cluster.devices]
     for grouping in all_groupings(cluster):
-        _, split = score_grouping(sur, grouping, node_of)
-        if split is not None:
-            scored.append((split.z_rounded_ns, len(grouping), grouping))
+        got = score_arranged(sur, grouping, mirrored(len(grouping)), node_of)
+        if got is not None:
+            scored.append((got.split.z_rounded_ns, len(grouping), grouping))
     scored.sort()
     best = None
-    per = max(0.5, time_limit_s / max(1, len(scored)))
     for est_ns, _, grouping in scored:
         # continuous Stage II value is a near-bound: skip groupings clearly worse than the incumbent
         if best is not None and est_ns > best[2] * 1.02:
             continue
-        res = solve_joint(sur, grouping, per, upper_ns=best[2] if best else None, node_of=node_of)
+        if best is not None and deadline is not None and deadline.passed():
+            break
+        res = solve_joint(sur, grouping, upper_ns=best[2] if best else None, node_of=node_of)
         if res is not None and (best is None or res[1] < best[2]):
             best = (grouping, *res)
     return best
 
 
-def exact_candidates(cluster: Any, model: Any, seq_length: int, options: Any, score: Callable[[Layout], Any],
-                     *, time_limit_s: float = 60.0) -> list:
-    """The exact optimum as a planner candidate (``hierarchical.Candidate``)."""
-    from megatron_hexiseq.planner.hierarchical import Candidate
-
+def exact_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions,
+                     score: Callable[[Layout], Estimate], *, deadline: Deadline | None = None) -> list[Candidate]:
+    """The exact optimum as a planner candidate."""
     assert cluster.world_size <= MAX_EXACT_GPUS, "exact reference is for <= 16 GPUs"
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
     sur = build_surrogate(cluster, model, options, seq_length, k_lin=k_lin, k_att=k_att)
-    best = exact_surrogate(cluster, sur, time_limit_s=time_limit_s)
+    best = exact_surrogate(cluster, sur, deadline=deadline)
     if best is None:
         return []
     grouping, status, z, bound, t, h = best

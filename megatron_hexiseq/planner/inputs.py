@@ -97,7 +97,7 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def _problem(args: argparse.Namespace, cluster: Any, model: Any) -> Problem:
     from megatron_hexiseq.costmodel import TrainOptions
-    from megatron_hexiseq.planner.hierarchical import AUTO_MODES
+    from megatron_hexiseq.planner.modes import AUTO_MODES
 
     seq = model.seq_length
     mode = "distributed_optimizer" if args.memory_mode == "auto" else args.memory_mode

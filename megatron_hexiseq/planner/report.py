@@ -42,7 +42,7 @@ def layout_table(layout: Layout, title: str = "") -> Table:
 
 
 def baselines_table(layout: Layout) -> Table:
-    """Predicted tokens/s of the layout vs each baseline (speedup = layout / baseline)."""
+    """Predicted tokens/s of the layout vs each baseline and heuristic (speedup = layout / it)."""
     ours = (layout.predicted or {}).get("tokens_per_s")
     table = Table(title="predicted throughput vs baselines")
     for col in ("layout", "config", "iteration", "tokens/s", "speedup of plan"):
@@ -50,8 +50,9 @@ def baselines_table(layout: Layout) -> Table:
     chosen = layout.meta.get("chosen", "plan")
     table.add_row(f"[bold]plan ({chosen})[/bold]", "", _fmt_time((layout.predicted or {}).get("iteration_time_s")),
                   _fmt_rate(ours), "1.00x")
-    for b in layout.baselines:
-        cfg = ", ".join(f"{k}={v}" for k, v in b.get("config", {}).items() if k in ("hp", "cp", "kv_replication"))
+    heuristics = [dict(h, name=f"{h['name']} (heuristic)") for h in (layout.planner or {}).get("heuristics", [])]
+    for b in list(layout.baselines) + heuristics:
+        cfg = ", ".join(f"{k}={v}" for k, v in b.get("config", {}).items() if k in ("k", "hp", "cp", "kv_replication"))
         rate = b.get("tokens_per_s")
         speed = f"{ours / rate:.2f}x" if ours and rate else ("infeasible" if rate is None else "-")
         note = b.get("reason", "")
@@ -80,7 +81,13 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
             bits.append(f"surrogate bound {_fmt_time(pl['bound'])}, gap {100 * (pl.get('gap') or 0):.2f}%")
         if pl.get("method"):
             bits.insert(0, f"planner {pl['method']}")
+        if pl.get("winner"):
+            bits.insert(0, f"winner: {pl['winner'].get('family')} {pl['winner'].get('name')}")
+        if pl.get("time_limit_reached"):
+            bits.append(f"time limit of {pl.get('time_limit_s')} s reached: the search was cut short")
         console.print("; ".join(bits))
+        if pl.get("gap_meaning") and pl.get("bound") is not None:
+            console.print(pl["gap_meaning"])
     opts = layout.meta.get("options")
     if opts:
         console.print(f"memory mode: {opts.get('memory_mode')}{' + recompute' if opts.get('recompute') else ''} "

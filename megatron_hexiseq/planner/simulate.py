@@ -4,7 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from megatron_hexiseq import costmodel
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import Estimate, TrainOptions
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.baselines import baseline_layouts
 
 
@@ -12,7 +16,7 @@ from megatron_hexiseq.planner.baselines import baseline_layouts
 class SimRow:
     name: str
     layout: Layout | None
-    estimate: Any
+    estimate: Estimate | None
     reason: str = ""
 
     def summary(self) -> dict[str, Any]:
@@ -28,11 +32,9 @@ class SimRow:
                              for p in e.per_rank]}
 
 
-def simulate(cluster: Any, model: Any, options: Any, layouts: Sequence[tuple[str, Layout]],
+def simulate(cluster: Cluster, model: ModelSpec, options: TrainOptions, layouts: Sequence[tuple[str, Layout]],
              *, baselines: bool = False) -> list[SimRow]:
     """One row per layout (named by its path) and, with ``baselines``, per baseline configuration."""
-    from megatron_hexiseq import costmodel
-
     rows = [SimRow(name, lay, costmodel.estimate(lay, cluster, model, options)) for name, lay in layouts]
     if baselines:
         seq = model.seq_length

@@ -1,103 +1,41 @@
-"""Stage II: split the sequence between A2A groups by capability (continuous model + integer rounding).
+"""Stage II: split the sequence between A2A groups by capability (continuous model + integer units).
 
 The objective is the cost model's bulk-synchronous phases (see ``planner.surrogate``):
 ``Z_lin + Z_att`` with ``Z_lin >= t_r a_r`` (linear phase) and ``Z_att >= t_r s_r + h_r beta_r(T_g)``
-(attention phase) for every rank of the domain. Both maxima are global, so the split is searched
-with both: for a linear bound ``L`` (``t_r <= L / a_r``) and attention bound ``A``, a group's
-feasibility with ``T`` units and tokens/heads split *continuously* among its members is a fractional
-knapsack: the most heads fit when tokens go first to ranks with the smallest ``s_r / beta_r``
-(``max_heads`` below), so feasibility is exact and cheap. ``T_g(A, L)`` = the most units group g can
-take (bisection on integers); for a given ``L`` the split is the smallest ``A*`` with
-``sum_g T_g(A*, L) >= N`` (bisection), then units are trimmed from the slowest groups until they sum
-to ``N`` exactly (``_round_units``); ``L`` is a branch-and-bound search of ``L + A*(L)`` (``best_lin``). Groups with identical
-coefficients share every evaluation (cache), so thousands of GPUs of a few types cost about as
-much as a few groups.
+(attention phase) for every rank of the domain. Group coefficients, with the group's place in the
+sequence, are ``planner.coef.GroupCoef``.
 
-Causal balance is handled by the arrangement (``planner.build``: mirrored head+tail chunks), which
-makes a group's attention work proportional to ``T_g``; the compute-proportional rule is the special
-case of this model with free communication and memory.
+For a linear bound ``L`` (``t_r <= L / a_r``) and an attention bound ``A``, whether a group can hold
+``T`` units with its tokens and heads split *continuously* among its members is a fractional
+knapsack (``max_heads``: the most heads that fit), exact and cheap. The units a group can hold
+within (A, L) form an interval ``[lo, hi]`` (``units_range``; closed form for identical members):
+above ``hi`` its attention or memory overflows, below ``lo`` the K/V it receives from the other
+groups (``visible(T) c``, larger when it holds fewer units) does not hide. Every group keeps at
+least one unit per member. For a given ``L`` the split is the smallest ``A`` at which every group's
+interval is non-empty and ``sum lo <= N <= sum hi`` (bisection, ``split_at``); units are then
+handed out inside the intervals (every group stays within A). ``L`` is a branch-and-bound search
+of ``L + A(L)`` (``linsearch.best_lin``), which also proves a lower bound: ``Split.bound_ns`` is a
+lower bound of the phase objective over every split of these groups (integer units per group,
+continuous tokens and heads per member), so of Stage III's integer optimum. Groups with identical
+coefficients share every evaluation.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
-from megatron_hexiseq.planner.linsearch import LIN_COARSE_EVALS, LIN_EVALS, best_lin
+from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
+from megatron_hexiseq.planner.linsearch import best_lin
 
-INF = float("inf")
-MIN_UNITS_PER_RANK = 1  # every rank owns >= 1 token unit: Megatron cannot run an empty sequence shard
+A_TOL = 1e-6  # relative width of the bisection on the attention bound
+COARSE_A_TOL = 1e-3  # Stage I's coarse split: the attention bound's bisection to 0.1%
 
 
-@dataclass(frozen=True)
-class GroupCoef:
-    """Integer coefficients of a group's members (order = member order).
-
-    Time (ns): a (linear phase, per own unit), s (A2A, attention phase, per own unit), b, c, e
-    (attention phase, per head; see ``beta``). Memory (bytes): free, mt (per own
-    unit), mh (per head per group unit). ``cap`` = units that fit with no heads.
-    """
-
-    a: tuple[int, ...]
-    b: tuple[int, ...]
-    c: tuple[int, ...]
-    e: tuple[int, ...]
-    free: tuple[int, ...]
-    mt: tuple[int, ...]
-    mh: tuple[int, ...]
-    heads: int
-    num_units: int
-    s: tuple[int, ...] = ()  # A2A ns per own unit (attention phase); empty = 0 for every member
-
-    def __hash__(self) -> int:  # hashed on every cache lookup: computed once
-        return self._hash
-
-    @cached_property
-    def _hash(self) -> int:
-        return hash((self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads, self.num_units, self.s))
-
-    def s_(self, i: int) -> int:
-        """A2A ns per own unit of member i (attention phase)."""
-        return self.s[i] if self.s else 0
-
-    @cached_property
-    def classes(self) -> tuple[tuple[int, ...], ...]:
-        """Members with identical coefficients, grouped (they behave identically in the continuous model)."""
-        out: dict[tuple, list[int]] = {}
-        for i in range(self.size):
-            key = (self.a[i], self.s_(i), self.b[i], self.c[i], self.e[i], self.free[i], self.mt[i], self.mh[i])
-            out.setdefault(key, []).append(i)
-        return tuple(tuple(v) for v in out.values())
-
-    @cached_property
-    def rows(self) -> tuple[tuple[int, int, int, int, int, int, int, int, int, int], ...]:
-        """Per class of identical members: (count, a, s, b, c, e, free, mt, mh, cap) of its first
-        member, precomputed for ``max_heads`` (the planner's innermost loop)."""
-        out = []
-        for members in self.classes:
-            i = members[0]
-            out.append((len(members), self.a[i], self.s_(i), self.b[i], self.c[i], self.e[i], self.free[i],
-                        self.mt[i], self.mh[i], self.cap[i]))
-        return tuple(out)
-
-    @cached_property
-    def cap(self) -> tuple[int, ...]:
-        return tuple(f // m if m else 1 << 40 for f, m in zip(self.free, self.mt))
-
-    def head_mem_cap(self, i: int, T: int, t: float) -> float:
-        """Most heads member i can hold in memory with t own units while the group holds T units."""
-        per = T * self.mh[i]
-        return (self.free[i] - t * self.mt[i]) / per if per else INF
-
-    def beta(self, i: int, T: int) -> int:
-        """Per-head time coefficient of member i when the group holds T units (ns)."""
-        return max(T * self.b[i], (self.num_units - T) * self.c[i]) + T * self.e[i]
-
-    @property
-    def size(self) -> int:
-        return len(self.a)
+def min_units(g: GroupCoef) -> int:
+    """Fewest units a group can hold: one per member (no rank may own zero tokens)."""
+    return g.min_units()
 
 
 def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, list[float]]:
@@ -105,20 +43,21 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
     with ``T`` units; -inf if the tokens don't fit.
 
     Member i can hold ``h_i(t) = min((z - s_i t)/beta_i, (free_i - mt_i t)/(T mh_i))`` heads with
-    ``t <= lin / a_i`` own units: concave, piecewise linear with at most two slopes. Every member holds at least one unit
-    (``MIN_UNITS_PER_RANK``: Megatron cannot run an empty sequence shard), so each starts at ``t = 1``
-    and the remaining ``T - n`` units are placed. Maximising ``sum h_i(t_i)`` subject to
-    ``sum t_i = T, t_i >= 1`` is separable concave, so filling the flattest slope pieces first is exact.
-    Returns (heads, token allocation).
+    ``t <= lin / a_i`` own units: concave, piecewise linear with at most two slopes. Every member holds
+    at least one unit (``MIN_UNITS_PER_RANK``: Megatron cannot run an empty sequence shard), so each
+    starts at ``t = 1`` and the remaining ``T - n`` units are placed. Maximising ``sum h_i(t_i)``
+    subject to ``sum t_i = T, t_i >= 1`` is separable concave, so filling the flattest slope pieces
+    first is exact. Returns (heads, token allocation).
     """
     n = g.size
     if T < n * MIN_UNITS_PER_RANK:
         return -INF, []
     lo = float(MIN_UNITS_PER_RANK)
-    rest = g.num_units - T
+    num, den = g.att_scale(T)
+    vis = g.visible(T)
     if len(g.rows) == 1:  # identical members: the even split is optimal (separable, concave, symmetric)
         k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
-        beta = max(T * b, rest * c) + T * e
+        beta = max(b * T * num // den, vis * c) + T * e
         per = T * mh
         t = T / n
         tmax = min(cap, z / s if s > 0 else INF, lin / a if a > 0 else INF)
@@ -131,7 +70,7 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
     heads0 = 0.0
     room = 0.0
     for ci, (k, a, s, b, c, e, free, mt, mh, cap) in enumerate(g.rows):
-        beta = max(T * b, rest * c) + T * e
+        beta = max(b * T * num // den, vis * c) + T * e
         per = T * mh
         a0, sa = (z / beta, s / beta) if beta > 0 else (INF, 0.0)
         m0, sm = (free / per, mt / per) if per > 0 else (INF, 0.0)
@@ -174,6 +113,56 @@ def feasible(g: GroupCoef, T: int, z: float, lin: float = INF) -> bool:
     return max_heads(g, T, z, lin)[0] >= g.heads - 1e-9
 
 
+def _identical_time(g: GroupCoef, T: int, lin: float) -> float:
+    """Attention phase of a group of identical members at T units, inf when T breaks its memory, its
+    linear bound or its minimum: the larger of two lower bounds of Stage III's integer optimum, the
+    continuous even split ``(s T + H beta(T)) / n`` and the member holding the most heads,
+    ``s + ceil(H/n) beta(T)`` (whole heads: some member holds at least ceil(H/n), and one unit)."""
+    n, H = len(g.a), g.heads
+    k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
+    t = T / n
+    if T < n * MIN_UNITS_PER_RANK or T > g.num_units or t > cap or (a > 0 and t * a > lin):
+        return INF
+    hmax = -(-H // n)
+    if t * mt + H / n * T * mh > free or mt + hmax * T * mh > free:
+        return INF
+    # beta(T) of GroupCoef, inlined (the planner's innermost loop)
+    if g.band:
+        att, vis = b * T * (2 * g.start + T) // g.num_units, g.start + g.kv_extra
+    else:
+        end = g.end or g.num_units
+        att, vis = b * T * (g.start + end) // g.num_units, end - T + g.kv_extra
+    beta = max(att, max(0, vis) * c) + T * e
+    return max(s * t + H * beta / n, s + hmax * beta)
+
+
+def closed_range(n: int, H: int, z: float, s: float, e: float, c: float, quad: float, lin_att: float,
+                 kv_slope: float, kv_const: float) -> tuple[float, float] | None:
+    """Real range of T (per group) where both lower bounds of ``_identical_time`` stay within z, for
+    an attention term ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const`` per
+    head (``c`` times the visible units) plus ``e T`` A2A per head; None when empty. Used by the
+    closed forms of Stage II's unit ranges and of the arrangement's prefix blocks."""
+    lo, hi = 0.0, INF
+    hmax = -(-H // n)
+    for alpha, heads, budget in ((s / n, H / n, z), (0.0, hmax, z - s)):
+        # attention branch: heads (quad T^2 + (lin_att + e) T) + alpha T <= budget
+        qa, qb = heads * quad, alpha + heads * (lin_att + e)
+        if budget < 0:
+            return None
+        root = ((-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa) if qa > 0
+                else (budget / qb if qb > 0 else INF))
+        hi = min(hi, root)
+        # K/V branch: heads (kv_slope T + kv_const + e T) + alpha T <= budget
+        m, k0 = alpha + heads * (kv_slope + e), heads * kv_const
+        if m > 0:
+            hi = min(hi, (budget - k0) / m)
+        elif m < 0:
+            lo = max(lo, (k0 - budget) / -m)
+        elif k0 > budget:
+            return None
+    return (lo, hi) if lo <= hi + 1.0 else None
+
+
 GROUP_TIME_TOL = 1e-7  # relative precision of ``group_time``
 
 
@@ -183,11 +172,9 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
     ``lin``; inf when T exceeds its memory or the linear bound."""
     if T > sum(g.cap):
         return INF
-    if len(g.rows) == 1 and g.beta(0, T) > 0:
+    if len(g.rows) == 1:
         # identical members: even tokens and heads, so A = s T/n + H beta(T)/n exactly (when it fits)
-        n = g.size
-        z = g.s_(0) * T / n + g.heads * g.beta(0, T) / n
-        return z if feasible(g, T, z, lin) else INF
+        return _identical_time(g, T, lin)
     hi = T * max(g.s or (0,)) + g.heads * max(g.beta(i, T) for i in range(g.size)) + 1.0
     H = g.heads - 1e-9  # ``feasible``'s test
     f_hi = max_heads(g, T, hi, lin)[0]
@@ -217,6 +204,317 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
     return hi
 
 
+def _identical_range(g: GroupCoef, z: float, lin: float, settle: bool = True) -> tuple[int, int] | None:
+    """``units_range`` of a group of identical members, in closed form (``closed_range``), then
+    settled on integers with the exact ``_identical_time`` (``settle=False``: the closed form's
+    integers as they are, for Stage I's coarse split)."""
+    n, H, N = g.size, g.heads, g.num_units
+    k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
+    if g.band:  # att = b T (2P + T) / N, visible = P
+        real = closed_range(n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
+    else:  # att = b T (P + Q) / N, visible = Q - T
+        num, den = g.att_scale(0)
+        real = closed_range(n, H, z, s, e, c, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
+    if real is None:
+        return None
+    lo, hi = real
+    hi = min(hi, float(min(N, n * cap)))
+    if a > 0 and math.isfinite(lin):
+        hi = min(hi, n * lin / a)
+    hmax = -(-H // n)
+    if mt + H * mh > 0:
+        hi = min(hi, n * free / (mt + H * mh))
+    if mh > 0:
+        hi = min(hi, (free - mt) / (hmax * mh))
+    lo = max(lo, float(n * MIN_UNITS_PER_RANK))
+    if not (lo <= hi + 1.0):
+        return None
+    ilo, ihi = max(n * MIN_UNITS_PER_RANK, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
+
+    def ok(T: int) -> bool:
+        return _identical_time(g, T, lin) <= z
+
+    # the closed form is exact up to the integer rounding of att(): settle the ends on integers
+    if ilo > ihi:
+        return None
+    if not settle:
+        return ilo, ihi
+    settled = False
+    for _ in range(4):
+        if not ok(ihi):
+            ihi -= 1
+            if ihi < ilo:
+                return None
+        elif ihi + 1 <= N and ok(ihi + 1):
+            ihi += 1
+        else:
+            settled = True
+            break
+    for _ in range(4 if settled else 0):
+        if not ok(ilo):
+            ilo += 1
+        elif ilo - 1 >= n * MIN_UNITS_PER_RANK and ok(ilo - 1):
+            ilo -= 1
+        else:
+            return ilo, ihi
+    return _general_range(g, z, lin)  # the closed form was off by more than the rounding
+
+
+@lru_cache(maxsize=200_000)
+def fastest_units(g: GroupCoef, lin: float = INF) -> int:
+    """The unit count at which the group's attention phase is smallest: its minimum for a band or a
+    compute-bound group; larger when the K/V it receives (fewer units: more visible) dominates.
+    Ternary search over integers (the phase is quasi-convex in T: attention grows, K/V shrinks)."""
+    lo, hi = g.min_units(), g.max_units()
+    if g.band or lo >= hi:
+        return lo
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if group_time(g, m1, lin) <= group_time(g, m2, lin):
+            hi = m2
+        else:
+            lo = m1
+    return min(range(lo, hi + 1), key=lambda T: (group_time(g, T, lin), T))
+
+
+def _general_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | None:
+    """``units_range`` by bisection on the exact continuous test (any members), on both sides of
+    the group's fastest unit count."""
+    tmin, tmax = g.min_units(), g.max_units()
+    if tmin > tmax:
+        return None
+
+    def ok(T: int) -> bool:
+        return feasible(g, T, z, lin)
+
+    start = fastest_units(g, lin)
+    if not ok(start):
+        return None
+    return _edge(ok, tmin, start), _edge(ok, tmax, start)
+
+
+def _edge(ok: Callable[[int], bool], far: int, near: int) -> int:
+    """The feasible integer closest to ``far`` on the way from the feasible ``near`` (``ok`` holds on
+    an interval around ``near``): a bisection."""
+    if ok(far):
+        return far
+    while abs(far - near) > 1:
+        mid = (far + near) // 2
+        if ok(mid):
+            near = mid
+        else:
+            far = mid
+    return near
+
+
+@lru_cache(maxsize=400_000)
+def units_range(g: GroupCoef, z: float, lin: float = INF, settle: bool = True) -> tuple[int, int] | None:
+    """The units ``[lo, hi]`` the group can hold within attention bound ``z`` and linear bound ``lin``
+    (every member at least one unit), or None when none fits. ``settle=False``: Stage I's coarse
+    split, the closed form's ends unchecked on integers (within a unit or so)."""
+    if len(g.rows) == 1:
+        return _identical_range(g, z, lin, settle)
+    return _general_range(g, z, lin)
+
+
+def max_units(g: GroupCoef, z: float, lin: float = INF) -> int:
+    """Most units the group can take within z; 0 when it cannot hold any count within z."""
+    r = units_range(g, z, lin)
+    return r[1] if r else 0
+
+
+@dataclass(frozen=True)
+class Split:
+    """Units per group and the phase values of the split.
+
+    ``z_relaxed_ns``: ``lin_ns + att_ns``, the relaxation's value at the split's linear bound;
+    ``z_rounded_ns``: ``lin_ns + max_g A_g(units_g, lin_ns)`` of the integer units handed out
+    (<= ``z_relaxed_ns`` up to the bisection's tolerance); ``bound_ns``: a proven lower bound of the
+    phase objective over every split of these groups (0 when not searched: the coarse split).
+    """
+
+    units: tuple[int, ...]
+    z_relaxed_ns: float
+    z_rounded_ns: float
+    lin_ns: float = 0.0  # linear-phase maximum L of the split
+    att_ns: float = 0.0  # attention-phase maximum A of the split
+    bound_ns: float = 0.0
+
+
+def split_sequence(groups: Sequence[GroupCoef], num_units: int,
+                   caps: dict[GroupCoef, int] | None = None, search_lin: bool = True) -> Split | None:
+    """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
+    memory can't hold it (or the groups have more members than there are units).
+
+    Minimises the phase objective ``L + A``: for a given linear bound ``L`` the smallest ``A`` is a
+    bisection (``split_at``); ``L`` itself is searched by ``best_lin`` between the smallest L that
+    places every unit and the linear phase of the unconstrained (``L = inf``) split.
+
+    ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
+    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: Stage I's coarse split,
+    the ``L = inf`` split alone with a coarser bisection (an upper bound of the phase optimum).
+    """
+    if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
+        return _split_cached(tuple(groups), num_units)
+    return _split_search(groups, num_units, caps, search_lin)
+
+
+@lru_cache(maxsize=4096)
+def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None:
+    return _split_search(groups, num_units, None, True)
+
+
+def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
+                  search_lin: bool) -> Split | None:
+    free = split_at(groups, num_units, caps, INF, not search_lin)
+    if free is None:
+        return free
+    if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
+        return free
+    lo, hi = lin_floor(groups, num_units), free.lin_ns
+    cache: dict[float, Split | None] = {INF: free}
+
+    def at(L: float) -> Split | None:
+        if L not in cache:
+            cache[L] = split_at(groups, num_units, caps, L, bracket=_bracket(cache, L))
+        return cache[L]
+
+    def f(L: float) -> float:
+        sp = at(L)
+        return sp.z_relaxed_ns if sp is not None else INF
+
+    count: dict[GroupCoef, int] = {}
+    for g in groups:
+        count[g] = count.get(g, 0) + 1
+
+    def ok(L: float) -> bool:  # every unit (and each group's one unit per member) placeable within L
+        most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
+        return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
+
+    L, bound = best_lin(f, min(lo, hi), hi, ok)
+    best = at(L)
+    if best is None or best.z_rounded_ns > free.z_rounded_ns:
+        best = free
+    # beyond the L = inf split's linear phase a larger L cannot lower A: f(L) >= f(hi) there
+    proven = min(bound, free.z_relaxed_ns) * (1 - A_TOL)
+    return Split(units=best.units, z_relaxed_ns=best.z_relaxed_ns, z_rounded_ns=best.z_rounded_ns,
+                 lin_ns=best.lin_ns, att_ns=best.att_ns, bound_ns=min(proven, best.z_rounded_ns))
+
+
+def lin_floor(groups: Sequence[GroupCoef], num_units: int) -> float:
+    """The smallest linear phase that can place every unit: ``sum_r t_r = N`` with ``t_r a_r <= L``."""
+    inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
+    return num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
+
+
+def _bracket(cache: dict[float, Split | None], L: float) -> tuple[float, float] | None:
+    """Bounds on A*(L) from the splits at other linear bounds: A* is non-increasing in L, so a split
+    at x < L gives a feasible upper end, one at y > L an infeasible lower end (its bisection's
+    feasible end less the tolerance)."""
+    below = [x for x, s in cache.items() if x < L and s is not None]
+    above = [y for y, s in cache.items() if y > L and s is not None]
+    if not below or not above:
+        return None
+    hi, lo = cache[max(below)].att_ns, cache[min(above)].att_ns * (1 - A_TOL)  # type: ignore[union-attr]
+    return (lo, hi) if lo < hi else None
+
+
+def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
+             lin: float, coarse: bool = False, bracket: tuple[float, float] | None = None) -> Split | None:
+    """The split for a fixed linear bound ``lin`` (``inf``: none): units per group summing to
+    ``num_units`` (every group >= one unit per member) at the smallest attention bound; None if memory
+    or ``lin`` can't hold it (or the groups have more members than there are units).
+
+    ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
+    integer repair in ``stage3_refine.integer_split``). ``bracket``: (an infeasible, a feasible)
+    attention bound known from the splits at other linear bounds (``_bracket``).
+    """
+    caps = caps or {}
+    distinct: dict[GroupCoef, int] = {}
+    for g in groups:
+        distinct[g] = distinct.get(g, 0) + 1
+    if sum(k * min(g.max_units(), caps.get(g, num_units)) for g, k in distinct.items()) < num_units:
+        return None
+    if sum(k * min_units(g) for g, k in distinct.items()) > num_units or any(min(g.cap) < MIN_UNITS_PER_RANK
+                                                                            for g in distinct):
+        return None  # fewer units than ranks, or a rank cannot hold one unit
+
+    def ranges(z: float) -> dict[GroupCoef, tuple[int, int]] | None:
+        out = {}
+        for g in distinct:
+            r = units_range(g, z, lin, not coarse)
+            if r is None or r[0] > caps.get(g, num_units):
+                return None
+            out[g] = (r[0], min(r[1], caps.get(g, num_units)))
+        lo_sum = sum(k * out[g][0] for g, k in distinct.items())
+        hi_sum = sum(k * out[g][1] for g, k in distinct.items())
+        return out if lo_sum <= num_units <= hi_sum else None
+
+    # start from the slowest group's time for an even share (usually enough), else double
+    if bracket is not None and ranges(bracket[1]) is not None:
+        lo, hi = bracket
+    else:
+        share = -(-num_units // len(groups))
+        even = [group_time(g, min(max(share, min_units(g)), g.max_units()), lin) for g in distinct]
+        lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
+    at_hi = ranges(hi)
+    while at_hi is None:
+        lo, hi = hi, hi * 2
+        if hi > 1e18:  # memory (heads' attention working set) or lin cannot hold the sequence
+            return None
+        at_hi = ranges(hi)
+    for _ in range(80):
+        if hi - lo <= (COARSE_A_TOL if coarse else A_TOL) * hi:
+            break
+        mid = (lo + hi) / 2
+        at_mid = ranges(mid)
+        if at_mid is not None:
+            hi, at_hi = mid, at_mid
+        else:
+            lo = mid
+    units = _hand_out(groups, distinct, at_hi, num_units)
+    pairs = set(zip(groups, units))
+    att_round = max(group_time(g, u, lin) for g, u in pairs)
+    lin_used = lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in pairs)
+    return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att_round,
+                 lin_ns=lin_used, att_ns=hi)
+
+
+def _hand_out(groups: Sequence[GroupCoef], distinct: dict[GroupCoef, int], ranges: dict[GroupCoef, tuple[int, int]],
+              num_units: int) -> list[int]:
+    """Units per group inside the feasible ranges, summing to ``num_units``: every group starts at its
+    lower end and the rest goes to the classes of identical groups in proportion to their room
+    (largest remainder, deterministic); inside a class the groups differ by at most one unit, the
+    lower group indices holding the fewer."""
+    rest = num_units - sum(k * ranges[g][0] for g, k in distinct.items())
+    room = {g: k * (ranges[g][1] - ranges[g][0]) for g, k in distinct.items()}
+    total = sum(room.values())
+    extra = {g: 0 for g in distinct}
+    if rest > 0 and total > 0:
+        shares = {g: rest * room[g] / total for g in distinct}
+        extra = {g: min(room[g], math.floor(x)) for g, x in shares.items()}
+        left = rest - sum(extra.values())
+        order = {g: i for i, g in enumerate(distinct)}
+        for g in sorted(distinct, key=lambda g: (-(shares[g] - math.floor(shares[g])), order[g])):
+            if left <= 0:
+                break
+            if extra[g] < room[g]:
+                extra[g] += 1
+                left -= 1
+        assert left == 0, "hand_out: the ranges cannot hold the sequence"
+    queue = {}
+    for g, k in distinct.items():
+        q, r = divmod(extra[g], k)
+        base = ranges[g][0] + q
+        queue[g] = [base] * (k - r) + [base + 1] * r  # ascending: the lower indices hold fewer
+    taken = {g: 0 for g in distinct}
+    units = []
+    for g in groups:
+        units.append(queue[g][taken[g]])
+        taken[g] += 1
+    return units
+
+
 def linear_phase(g: GroupCoef, T: int, z: float, lin: float = INF) -> float:
     """Linear phase (ns) of the continuous point ``max_heads`` picks (largest ``t_i a_i``)."""
     _, t = max_heads(g, T, z, lin)
@@ -235,273 +533,5 @@ def group_phase_time(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: fl
     lo = max(lin_floor, T / sum(1.0 / a if a > 0 else INF for a in g.a) if min(g.a) > 0 else 0.0)
     lo = min(lo, hi)
     f = lambda L: L + max(group_time(g, T, L), att_floor)  # noqa: E731
-    L = best_lin(f, lo, hi, lambda L: feasible(g, T, 1e30, L))
+    L, _ = best_lin(f, lo, hi, lambda L: feasible(g, T, 1e30, L))
     return L, max(group_time(g, T, L), 0.0)
-
-
-def min_units(g: GroupCoef) -> int:
-    """Fewest units a group can hold: one per member (no rank may own zero tokens)."""
-    return g.size * MIN_UNITS_PER_RANK
-
-
-@lru_cache(maxsize=200_000)
-def max_units(g: GroupCoef, z: float, lin: float = INF) -> int:
-    """T_g(z): most units the group can take within z (assumes feasibility monotone in T); 0 when it
-    cannot even hold its minimum (one unit per member) within z."""
-    return max_units_between(g, z, lin)
-
-
-def max_units_between(g: GroupCoef, z: float, lin: float = INF, known_lo: int = 0, known_hi: int | None = None) -> int:
-    """``max_units(g, z, lin)`` with a bracket from earlier calls at the same ``lin``: ``known_lo`` =
-    ``max_units`` at some z' <= z (0: unknown), ``known_hi`` = at some z'' >= z. ``max_units`` is
-    non-decreasing in z (a larger attention bound only adds feasible points), so the answer lies in
-    [known_lo, known_hi] and the bisection over T costs log2 of the bracket, not of the whole range:
-    ``split_at``'s bisection on z narrows the bracket at every step (same result, far fewer calls)."""
-    lo, full_hi = min_units(g), min(g.num_units, sum(g.cap))
-    hi = full_hi if known_hi is None else min(full_hi, known_hi)
-    if lo > hi:
-        return 0
-    if known_lo >= lo:
-        lo = known_lo  # feasible at a smaller z, so feasible at z
-    elif not feasible(g, lo, z, lin):
-        # the K/V ring term (N - T) c makes a group with few units slow: its feasible T are an
-        # interval that starts above the minimum; probe the balance point T b = (N - T) c
-        b, c = g.b[0], g.c[0]
-        mid = min(max(round(g.num_units * c / (b + c)) if b + c > 0 else lo, lo), full_hi)
-        if mid == lo or not feasible(g, mid, z, lin):
-            return 0
-        lo, hi = mid, max(hi, mid)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if feasible(g, mid, z, lin):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@dataclass(frozen=True)
-class Split:
-    """Units per group; the continuous optimum ``lin_ns + att_ns`` (phase maxima of the relaxation)
-    and the rounded units' value ``lin_ns + max_g A_g(units_g, lin_ns)``."""
-
-    units: tuple[int, ...]
-    z_relaxed_ns: float
-    z_rounded_ns: float
-    lin_ns: float = 0.0  # linear-phase maximum L of the continuous split
-    att_ns: float = 0.0  # attention-phase maximum A of the continuous split
-
-
-def split_sequence(groups: Sequence[GroupCoef], num_units: int,
-                   caps: dict[GroupCoef, int] | None = None, search_lin: bool = True) -> Split | None:
-    """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
-    memory can't hold it (or the groups have more members than there are units).
-
-    Minimises the phase objective ``L + A`` (slowest linear phase + slowest attention phase, both
-    over every rank of the domain): for a given linear bound ``L`` (each rank's tokens <= L / a_r) the
-    smallest ``A`` is a bisection (``_split_at``); ``L`` itself is searched by ``best_lin`` between the
-    smallest L that places every unit and the linear phase of the unconstrained (``L = inf``) split.
-
-    ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
-    integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: a coarse search (the
-    first feasible L, the ``L = inf`` split's L and one branch-and-bound midpoint), an upper bound
-    of the phase optimum that Stage I ranks groupings with.
-    """
-    if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
-        return _split_cached(tuple(groups), num_units)
-    return _split_search(groups, num_units, caps, search_lin)
-
-
-@lru_cache(maxsize=4096)
-def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None:
-    return _split_search(groups, num_units, None, True)
-
-
-def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
-                  search_lin: bool) -> Split | None:
-    free = split_at(groups, num_units, caps, INF)
-    if free is None:
-        return free
-    inv = sum(1.0 / a for g in groups for a in g.a if a > 0)
-    lo = num_units / inv if inv > 0 and all(min(g.a) > 0 for g in groups) else 0.0
-    hi = free.lin_ns
-    cache: dict[float, Split | None] = {}
-
-    def at(L: float) -> Split | None:
-        if L not in cache:
-            cache[L] = split_at(groups, num_units, caps, L)
-        return cache[L]
-
-    def f(L: float) -> float:
-        sp = at(L)
-        return sp.z_relaxed_ns if sp is not None else INF
-
-    count: dict[GroupCoef, int] = {}
-    for g in groups:
-        count[g] = count.get(g, 0) + 1
-
-    def ok(L: float) -> bool:  # every unit (and each group's one unit per member) placeable within L
-        most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
-        return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
-
-    L = best_lin(f, min(lo, hi), hi, ok, LIN_EVALS if search_lin else LIN_COARSE_EVALS)
-    best = at(L)
-    if best is None or best.z_rounded_ns > free.z_rounded_ns:
-        return free
-    return best
-
-
-def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
-             lin: float) -> Split | None:
-    """The split for a fixed linear bound ``lin`` (``inf``: none): units per group summing to
-    ``num_units`` (every group >= one unit per member) at the smallest attention bound; None if memory
-    or ``lin`` can't hold it (or the groups have more members than there are units).
-
-    ``caps[g]``: at most that many units for every group with coefficients ``g`` (set by the
-    integer repair in ``stage3_refine.integer_split``).
-    """
-    caps = caps or {}
-
-    def most(g: GroupCoef, z: float) -> int:
-        return min(max_units(g, z, lin), caps.get(g, num_units))
-
-    if sum(min(num_units, sum(g.cap), caps.get(g, num_units)) for g in groups) < num_units:
-        return None
-    if sum(min_units(g) for g in groups) > num_units or any(min(g.cap) < MIN_UNITS_PER_RANK for g in groups):
-        return None  # fewer units than ranks, or a rank cannot hold one unit
-    distinct: dict[GroupCoef, int] = {}
-    for g in groups:
-        distinct[g] = distinct.get(g, 0) + 1
-    # start from the slowest group's time for an even share (usually enough), else double
-    share = -(-num_units // len(groups))
-    even = [group_time(g, min(max(share, min_units(g)), sum(g.cap)), lin) for g in distinct]
-    lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    if math.isfinite(lin) and (sum(k * most(g, 1e30) for g, k in distinct.items()) < num_units
-                               or any(most(g, 1e30) < min_units(g) for g in distinct)):
-        return None  # the linear bound cannot place every unit (or a group's one unit per member)
-    # raw max_units (before caps) at the bisection's ends: each step brackets the next one
-    at_lo = {g: 0 for g in distinct}
-    at_hi = {g: max_units(g, 1e30, lin) for g in distinct}
-
-    def placed(at: dict[GroupCoef, int]) -> int:
-        return sum(k * min(at[g], caps.get(g, num_units)) for g, k in distinct.items())
-
-    while True:  # find a feasible upper end
-        at_mid = {g: max_units_between(g, hi, lin, at_lo[g], at_hi[g]) for g in distinct}
-        if placed(at_mid) >= num_units:
-            at_hi = at_mid
-            break
-        lo, hi, at_lo = hi, hi * 2, at_mid
-        if hi > 1e18:  # memory (heads' attention working set) cannot hold the sequence
-            return None
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        at_mid = {g: max_units_between(g, mid, lin, at_lo[g], at_hi[g]) for g in distinct}
-        if placed(at_mid) >= num_units:
-            hi, at_hi = mid, at_mid
-        else:
-            lo, at_lo = mid, at_mid
-        if hi - lo <= 1e-6 * hi:
-            break
-    start = {g: max(min_units(g), min(at_hi[g], caps.get(g, num_units))) for g in distinct}
-    units = _round_units(groups, start, num_units, caps, lin)
-    if units is None:
-        return None
-    pairs = set(zip(groups, units))
-    att_round = max(group_time(g, u, lin) for g, u in pairs)
-    lin_used = lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in pairs)
-    return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att_round,
-                 lin_ns=lin_used, att_ns=hi)
-
-
-def _round_units(groups: Sequence[GroupCoef], start: dict[GroupCoef, int], num_units: int,
-                 caps: dict[GroupCoef, int], lin: float) -> list[int] | None:
-    """Units per group summing to ``num_units`` from ``start`` (units per group class at the split's
-    attention bound); None if a unit cannot be placed.
-
-    Excess: one unit at a time from the slowest group among those a trim does not slow down (never
-    below one unit per member); when every trim slows its group down, from the group that stays
-    fastest. A group's time is not always increasing in its units: with many groups the K/V ring
-    term ``(N - T) c`` dominates and a group with fewer units is *slower*; trimming the slowest group
-    there would crush it to its minimum, one unit at a time. Deficit: one unit to the group whose
-    time after the addition is smallest (within ``caps``).
-
-    Worked per *class* of identical groups (thousands of GPUs, a few classes): its groups sit at a
-    few unit levels, and when the next choice would be a class mate at the same level anyway, every
-    mate at that level moves in one step. Ties go to the class of the lowest group index; inside a
-    class the lower group indices hold the fewer units.
-    """
-    first: dict[GroupCoef, int] = {}
-    for i, g in enumerate(groups):
-        first.setdefault(g, i)
-    by_order = {o: g for g, o in first.items()}
-    levels: dict[GroupCoef, dict[int, int]] = {g: {} for g in first}
-    for g in groups:
-        levels[g][start[g]] = levels[g].get(start[g], 0) + 1
-
-    def t(g: GroupCoef, u: int) -> float:
-        return group_time(g, u, lin) if u >= min_units(g) else INF
-
-    def live(heap: list[tuple[float, int, int]]) -> tuple[float, int, int] | None:
-        while heap and not levels[by_order[heap[0][1]]].get(heap[0][2]):
-            heapq.heappop(heap)  # stale: that level was emptied
-        return heap[0] if heap else None
-
-    def move(g: GroupCoef, u: int, v: int, m: int) -> None:
-        levels[g][u] -= m
-        if not levels[g][u]:
-            del levels[g][u]
-        levels[g][v] = levels[g].get(v, 0) + m
-        for w in (v, u):
-            if w in levels[g]:
-                push(g, w)
-
-    excess = sum(start[g] for g in groups) - num_units
-    shrinking: list[tuple[float, int, int]] = []  # excess, trim no slower: (-time, class order, level)
-    cheapest: list[tuple[float, int, int]] = []  # excess: (time after one trim, class order, level)
-    fastest: list[tuple[float, int, int]] = []  # deficit: (time after one more unit, class order, level)
-
-    def push(g: GroupCoef, u: int) -> None:
-        if excess > 0 and u > min_units(g):
-            after = t(g, u - 1)
-            heapq.heappush(cheapest, (after, first[g], u))
-            if after <= t(g, u):
-                heapq.heappush(shrinking, (-t(g, u), first[g], u))
-        elif excess < 0 and u < caps.get(g, num_units):
-            heapq.heappush(fastest, (t(g, u + 1), first[g], u))
-
-    for g in first:
-        for u in levels[g]:
-            push(g, u)
-    while excess > 0:
-        top = live(shrinking)
-        if top is not None:  # the slowest group that a trim does not slow down; its mates are next
-            heapq.heappop(shrinking)
-            g, u = by_order[top[1]], top[2]
-            m = min(levels[g][u], excess) if t(g, u - 1) < -top[0] else 1
-        else:  # every trim slows a group down: the one that stays fastest
-            top = live(cheapest)
-            if top is None:  # every group at its minimum (excluded by the caller's checks)
-                return None
-            heapq.heappop(cheapest)
-            g, u = by_order[top[1]], top[2]
-            m = min(levels[g][u], excess) if t(g, u - 2) >= top[0] else 1
-        move(g, u, u - 1, m)
-        excess -= m
-    while excess < 0:
-        top = live(fastest)
-        if top is None or not math.isfinite(top[0]):
-            return None
-        heapq.heappop(fastest)
-        g, u = by_order[top[1]], top[2]
-        m = min(levels[g][u], -excess) if t(g, u + 2) >= top[0] else 1
-        move(g, u, u + 1, m)
-        excess += m
-    # hand the levels out: inside a class, ascending group index gets ascending units
-    queue = {g: sorted(u for u, k in lv.items() for _ in range(k)) for g, lv in levels.items()}
-    taken = {g: 0 for g in first}
-    units = []
-    for g in groups:
-        units.append(queue[g][taken[g]])
-        taken[g] += 1
-    return units

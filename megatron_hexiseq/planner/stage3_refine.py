@@ -10,12 +10,12 @@ maxima as floors*: ``zl >= L*``, ``za >= A*`` (Stage II's continuous L and A). T
 only for exceeding the domain's maxima and uses the slack below them for free; the grouping's value
 is ``max_g zl_g + max_g za_g`` of the solutions.
 Seeded with a greedy hint (continuous optimum, largest-remainder rounding), fixed seed, one worker,
-a *deterministic* time budget (same stop point under any machine load, so the same inputs give the
-same layout) and a small relative gap; every solver status is handled (a feasible-but-not-proven result
+a fixed *deterministic* time limit and no wall-clock limit (same stop point under any machine load,
+so the same inputs give the same layout) and a small relative gap; every solver status is handled (a feasible-but-not-proven result
 reports its bound and gap; no solution at all falls back to the hint when it is valid).
 When the rounded continuous optimum is already within ``GREEDY_GAP`` of the continuous bound, the
 solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of more than
-``CPSAT_MAX_MEMBERS`` ranks (only the cross-node single group) always keep that rounded point.
+``CPSAT_MAX_MEMBERS`` ranks (groups spanning nodes) always keep that rounded point.
 """
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
-from megatron_hexiseq.planner.stage2_split import (MIN_UNITS_PER_RANK, GroupCoef, Split, group_phase_time,
-                                                    max_heads, min_units, split_at, split_sequence)
+from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
+from megatron_hexiseq.planner.stage2_split import (Split, group_phase_time, max_heads, min_units, split_at,
+                                                    split_sequence)
 
 
-GREEDY_GAP = 1e-3          # accept the rounded continuous optimum when within 0.1% of the bound
+GREEDY_GAP = 5e-3          # accept the rounded continuous optimum when within 0.5% of the bound
 BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
-CPSAT_MAX_MEMBERS = 64     # larger groups (the cross-node single group) keep the rounded continuous optimum
+CPSAT_MAX_MEMBERS = 16     # larger groups (spanning nodes) keep the rounded continuous optimum
 REPAIR_SLACK = 5e-3        # integer repair of the split starts when a group is 0.5% over the split's time
 BALANCE_DETERMINISTIC_TIME = 0.02  # budget of the phase-2 evenness solve (deterministic seconds)
 RELATIVE_GAP = 1e-4        # CP-SAT stops when its solution is proven within 0.01% of optimal
@@ -165,10 +166,11 @@ def _solution(g: GroupCoef, T: int, t, h, bound: int, status: str) -> GroupSolut
 
 
 @lru_cache(maxsize=100_000)
-def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0, lin_floor: int = 0,
-                 att_floor: int = 0) -> GroupSolution:
+def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -> GroupSolution:
     """Optimal (or best found) integer tokens/heads per member for a group holding T units:
-    minimises ``max(zl, lin_floor) + max(za, att_floor)`` (the floors: the other groups' phase maxima)."""
+    minimises ``max(zl, lin_floor) + max(za, att_floor)`` (the floors: the other groups' phase maxima).
+    CP-SAT runs under fixed deterministic limits (``SOLVE_DETERMINISTIC_TIME``, then
+    ``BALANCE_DETERMINISTIC_TIME``), so the result does not depend on the machine's load."""
     n, H = g.size, g.heads
     lf, af = int(lin_floor), int(att_floor)
     if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
@@ -222,9 +224,9 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0, lin_floor: int
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
-    # deterministic time limits: the same inputs stop at the same point on any machine load
-    solver.parameters.max_deterministic_time = min(time_limit_s, SOLVE_DETERMINISTIC_TIME)
-    solver.parameters.max_time_in_seconds = 10 * time_limit_s + 10  # safety net only
+    # deterministic time limits (no wall-clock limit): the same inputs stop at the same point on any
+    # machine load
+    solver.parameters.max_deterministic_time = SOLVE_DETERMINISTIC_TIME
     solver.parameters.relative_gap_limit = RELATIVE_GAP
     status = solver.solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -248,7 +250,7 @@ def refine_group(g: GroupCoef, T: int, time_limit_s: float = 2.0, lin_floor: int
                     spread.append(hi_v - lo_v)
             model.minimize(sum(spread))
             model.clear_hints()
-            solver.parameters.max_deterministic_time = min(time_limit_s, BALANCE_DETERMINISTIC_TIME)
+            solver.parameters.max_deterministic_time = BALANCE_DETERMINISTIC_TIME
             solver.parameters.relative_gap_limit = 0.0
             for i in range(n):
                 model.add_hint(t[i], tv[i])
@@ -291,8 +293,7 @@ def floors(split: Split) -> tuple[int, int]:
     return math.floor(split.lin_ns), math.floor(split.att_ns)
 
 
-def rebalance_units(groups: list[GroupCoef], units: list[int], time_limit_s: float,
-                    target_ns: float, max_moves: int | None = None, floor_ns: tuple[int, int] = (0, 0)) -> list[int]:
+def rebalance_units(groups: list[GroupCoef], units: list[int], target_ns: float, max_moves: int | None = None, floor_ns: tuple[int, int] = (0, 0)) -> list[int]:
     """Integer repair of Stage II: while the slowest group's Stage III time (INFEASIBLE = infinite)
     is more than ``REPAIR_SLACK`` above the continuous split's ``target_ns``, move one unit from it to
     the currently fastest group, if that lowers the maximum.
@@ -323,7 +324,7 @@ def rebalance_units(groups: list[GroupCoef], units: list[int], time_limit_s: flo
     return units
 
 
-def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) -> tuple[Split, list[int]] | None:
+def integer_split(groups: list[GroupCoef], num_units: int) -> tuple[Split, list[int]] | None:
     """Stage II made integer-aware: split continuously, then cap every group class whose Stage III
     (integer) time exceeds the split's time by more than ``REPAIR_SLACK`` at the largest unit count
     that meets it (bisection), and split again; finally ``rebalance_units`` moves single units.
@@ -350,7 +351,10 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
             return probe_time(g, T, *fl)
 
         changed = False
-        for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], groups.index(x[0]))):
+        first = {}
+        for i, g in enumerate(groups):
+            first.setdefault(g, i)
+        for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], first[x[0]])):
             if T <= min_units(g) or f(g, T) <= target:
                 continue
             lo, hi = min_units(g), T - 1  # largest T' in [|g|, T-1] with f(T') <= target (|g| if none)
@@ -366,5 +370,5 @@ def integer_split(groups: list[GroupCoef], num_units: int, time_limit_s: float) 
         if not changed:
             break
     assert split is not None
-    units = rebalance_units(groups, list(split.units), time_limit_s, split.z_rounded_ns, floor_ns=floors(split))
+    units = rebalance_units(groups, list(split.units), split.z_rounded_ns, floor_ns=floors(split))
     return split, units

@@ -19,7 +19,9 @@ domain, the linear work between two attentions does not)::
     objective   = Z_lin + Z_att,  Z_lin >= linear_r,  Z_att >= attention_r   for every rank r
     l_r         = unit * k_lin * linear_flops_per_token / F_r
     s_r         = unit * [|g|>1] a2a_bytes_per_token / bw_g
-    beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped)
+    beta_r(T)   = max(T * b_r, (N - T) * c_r)  +  T * e_r                (attention vs K/V ring, overlapped;
+                  the mirrored arrangement over the whole sequence: ``planner.coef`` has the
+                  position-aware terms for other places, and the K/V fan-out)
     b_r         = unit * k_att * attention_flops_per_pair_head * (S+1)/2 / F^att_r
     c_r         = unit * kv_bytes_per_token_per_head / bw_r              [more than one group]
                   (bw_r: harmonic mean of min(own, sender) network bandwidth, ``effective_ring_bw``)
@@ -50,7 +52,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Sequence
+
+from megatron_hexiseq import costmodel
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel import TrainOptions
+from megatron_hexiseq.layout import split_evenly
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 
 BYTES_PER_ELEMENT = 2  # bf16 activations
 
@@ -127,14 +136,14 @@ def granularity(seq_length: int, world_size: int) -> int:
     return unit
 
 
-def a2a_bytes_per_token(model: Any, recompute: bool = False) -> int:
+def a2a_bytes_per_token(model: ModelSpec, recompute: bool = False) -> int:
     """All-to-all bytes per token, all layers: Q, K, V, out per forward pass, and the backward duals."""
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     passes = 3 if recompute else 2
     return model.num_layers * passes * (2 * H + 2 * G) * d * BYTES_PER_ELEMENT
 
 
-def kv_bytes_per_token_per_head(model: Any, recompute: bool = False) -> float:
+def kv_bytes_per_token_per_head(model: ModelSpec, recompute: bool = False) -> float:
     """K/V exchange bytes per token per *query* head, all layers: (forward passes + 2) x K and V of a kv head."""
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     passes = (2 if recompute else 1) + 2
@@ -155,32 +164,31 @@ def effective_ring_bw(own_bw: float, ring_bws: Sequence[float]) -> float:
     return total / sum(k / min(own_bw, bw) for bw, k in counts.items())
 
 
-def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
+def build_surrogate(cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_length: int,
                     *, k_lin: float = 1.0, k_att: float = 1.0) -> Surrogate:
     """Surrogate coefficients for every device (see module docstring for the formulas)."""
-    from megatron_hexiseq import costmodel
 
     W, H = cluster.world_size, model.num_attention_heads
     unit = granularity(seq_length, W)
     lin_flops = costmodel.linear_flops_per_token(model)
     att_flops = costmodel.attention_flops_per_pair_head(model)
-    recompute = bool(getattr(options, "recompute", False))
-    b = getattr(options, "micro_batch_size", 1)
+    recompute = options.recompute
+    b = options.micro_batch_size
     a2a_b = b * a2a_bytes_per_token(model, recompute)
     kv_b = b * kv_bytes_per_token_per_head(model, recompute)
-    domain = W * getattr(options, "data_parallel_size", 1)
+    domain = W * options.data_parallel_size
     static = costmodel.static_memory_bytes(model, options, domain)
     act = b * costmodel.activation_bytes_per_token(model, options)
     G = model.num_query_groups
     att_mem = b * costmodel.attention_bytes_per_group_token(model, options, H, G) / H  # per head, kv shared
-    frac = getattr(options, "capacity_fraction", 0.95)
+    frac = options.capacity_fraction
     multi_node = len({d.node for d in cluster.devices}) > 1
     ring_bws = [(d.network_GBps if multi_node else d.nvlink_GBps) * 1e9 for d in cluster.devices]
     devs = []
     for dev, own_bw in zip(cluster.devices, ring_bws):
         nv = dev.nvlink_GBps * 1e9
         ring_bw = effective_ring_bw(own_bw, ring_bws)
-        att_fps = getattr(dev, "attention_flops_per_s", dev.flops_per_s)
+        att_fps = dev.attention_flops_per_s
         free = frac * dev.memory_bytes - static
         devs.append(DeviceCoef(
             lin_s=unit * b * k_lin * lin_flops / dev.flops_per_s,
@@ -197,7 +205,7 @@ def build_surrogate(cluster: Any, model: Any, options: Any, seq_length: int,
                      devices=tuple(devs), k_lin=k_lin, k_att=k_att)
 
 
-def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[float, float]:
+def calibrate(cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_length: int) -> tuple[float, float]:
     """Fit (k_lin, k_att) so the surrogate's FLOP terms match ``estimate``'s per-rank compute_s.
 
     Probe: one group per node (one group of all ranks when some node has a single GPU), even tokens,
@@ -205,11 +213,6 @@ def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[
     (-> k_lin, median); the head holders add their group's attention (-> k_att, median). Falls back
     to 1.0 when the probe cannot separate the terms (one rank) or gives a non-positive factor.
     """
-    from megatron_hexiseq import costmodel
-    from megatron_hexiseq.layout import split_evenly
-    from megatron_hexiseq.planner.baselines import hosts_and_gpus
-    from megatron_hexiseq.planner.build import build_layout
-
     W, H = cluster.world_size, model.num_attention_heads
     if W < 2 or seq_length < W:
         return 1.0, 1.0
@@ -227,7 +230,7 @@ def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[
     probe = build_layout(seq_length=seq_length, num_attention_heads=H, num_query_groups=model.num_query_groups,
                          groups=groups, rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
     est = costmodel.estimate(probe, cluster, model, options)
-    b = getattr(options, "micro_batch_size", 1)
+    b = options.micro_batch_size
     lin = costmodel.linear_flops_per_token(model) * b
     k_lins = sorted(est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin)
                     for r in range(W) if heads[r] == 0 and tokens[r] > 0)
@@ -236,7 +239,7 @@ def calibrate(cluster: Any, model: Any, options: Any, seq_length: int) -> tuple[
     for g in groups:
         r = g[0]
         dev = cluster.devices[r]
-        att_fps = getattr(dev, "attention_flops_per_s", dev.flops_per_s)
+        att_fps = dev.attention_flops_per_s
         att_s = est.per_rank[r].compute_s - k_lin * tokens[r] * lin / dev.flops_per_s
         pairs = costmodel.causal_pairs(probe.group_segments(probe.ranks[r].group), [(0, seq_length)])
         k_atts.append(att_s * att_fps / (b * pairs * H * costmodel.attention_flops_per_pair_head(model)))

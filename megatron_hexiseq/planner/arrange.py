@@ -1,0 +1,451 @@
+"""Where each group's tokens sit in the sequence: arrangements and their Stage II split.
+
+An ``Arrangement`` cuts the sequence into consecutive blocks. Its *prefix* blocks each hold the
+groups of one class of identical groups (typically one GPU type), in order from the start of the
+sequence; the *final* block ``[P, N)`` holds every other group. The groups of a block share it in
+the mirrored head+tail arrangement (``planner.build``), outermost first. With an empty prefix this
+is the plain mirrored arrangement (Megatron's zig-zag generalised). Why a prefix: a token at
+position p attends to p + 1 keys and a group receives the K/V of every other group's tokens before
+its last query, so a group early in the sequence does less attention per token and receives
+little K/V. Slow GPUs or GPUs on a slow network placed first (slow-to-fast) stop paying for the
+whole sequence's K/V (``planner.coef`` has the position-aware terms).
+
+Stage II for an arrangement with a prefix (``split_arranged``; the plain mirrored arrangement uses
+``stage2_split.split_sequence``): for an attention bound A (and linear bound L) each prefix block
+takes the most units its groups can hold within A at its start (a closed form for identical
+members: the attention term grows with the block's size and start, the K/V term with what lies
+before its end); taking the most is optimal, since a longer prefix only makes the final block's
+tokens fewer. The final block then takes the rest within its groups' unit ranges; the smallest
+feasible A is a bisection, L a branch-and-bound search, as in ``stage2_split``. The bound this
+gives is a lower bound over every split of these groups in this arrangement (prefix blocks split
+evenly among their groups).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Sequence
+
+from megatron_hexiseq.planner.coef import INF, GroupCoef
+from megatron_hexiseq.planner.linsearch import best_lin
+from megatron_hexiseq.planner.stage2_split import (A_TOL, COARSE_A_TOL, Split, _bracket, _hand_out, closed_range,
+                                                    group_time, lin_floor, linear_phase, units_range)
+
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    """Blocks of group indices in sequence order: ``prefix`` blocks (each the groups of one class),
+    then the ``final`` block's groups, outermost first. ``order`` is the sub-ring order."""
+
+    prefix: tuple[tuple[int, ...], ...]
+    final: tuple[int, ...]
+    name: str = "mirrored"
+
+    @property
+    def share(self) -> float:
+        """The prefix's share of the classes (``prefix-kv-4of8``: 0.5), 0 for the mirrored one."""
+        if not self.prefix:
+            return 0.0
+        m, c = self.name.rsplit("-", 1)[1].split("of")
+        return int(m) / int(c)
+
+    @property
+    def order(self) -> list[int]:
+        return [g for block in self.prefix for g in block] + list(self.final)
+
+    @property
+    def blocks(self) -> list[tuple[int, ...]]:
+        return list(self.prefix) + [self.final]
+
+
+def mirrored(num_groups: int, order: Sequence[int] | None = None) -> Arrangement:
+    """One block of every group (outermost first: ``order``, default the grouping's order)."""
+    return Arrangement(prefix=(), final=tuple(order if order is not None else range(num_groups)))
+
+
+def _class_keys(g: GroupCoef) -> tuple[float, float]:
+    """(K/V ns per visible unit, attention ns per group unit) of one member rank with an even head split."""
+    per_rank = g.heads / g.size
+    return max(g.c) * per_rank, max(g.b) * per_rank
+
+
+def arrangements(coefs: Sequence[GroupCoef], shares: Sequence[float] | None = None) -> list[Arrangement]:
+    """The arrangements Stage I tries for a grouping (``coefs``: one per group; identical groups
+    share one object). Classes of identical groups are ordered slow-to-fast by two keys — K/V cost
+    per visible unit first, attention cost first — and each order gives prefixes of its slowest m
+    classes (one block per class) before a final block of the rest: every m from 1 to C - 1, or, with
+    ``shares``, m = 1, m = C - 1 and m = round(share * C) for each share (``Arrangement.share``: the
+    prefix's share of the classes, which carries over between groupings with other class counts).
+    The final block's order (the sub-ring order) is settled when the layout is built
+    (``ring_blocks``). The first arrangement is the plain mirrored one."""
+    classes: dict[GroupCoef, list[int]] = {}
+    for i, c in enumerate(coefs):
+        classes.setdefault(c, []).append(i)
+    keys = {c: _class_keys(c) for c in classes}
+    first = list(classes)
+    C = len(first)
+
+    def final(cs: Sequence[GroupCoef]) -> tuple[int, ...]:
+        return tuple(i for c in sorted(cs, key=lambda c: (keys[c][0], first.index(c))) for i in classes[c])
+
+    out = [Arrangement(prefix=(), final=final(first))]
+    seen = {((), out[0].final)}
+    ms = set(range(1, C)) if shares is None else ({1, C - 1} | {round(s * C) for s in shares}) & set(range(1, C))
+    for name, key in (("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
+                      ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c)))):
+        slow_first = sorted(first, key=key)
+        for m in sorted(ms):
+            prefix = tuple(tuple(classes[c]) for c in slow_first[:m])
+            arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{m}of{C}")
+            if (arr.prefix, arr.final) not in seen:
+                seen.add((arr.prefix, arr.final))
+                out.append(arr)
+    return out
+
+
+def kappa(receiver: GroupCoef, sender: GroupCoef) -> float:
+    """K/V fan-out of a receiving group from a sending group: ``max(1, n / m)`` for group sizes n, m.
+
+    A holder of K/V heads serves every receiver of the other group that needs them, one copy each
+    (the runtime's ``attention/peers.py``; ``costmodel.exchange.fan_units``): with even head splits
+    a rank of a group of ``n`` receives ``H/n`` heads' K/V per round from a group of ``m`` ranks whose
+    holders send ``H/m`` each, and the round lasts ``max(H/n, H/m)`` blocks. Without it the surrogate
+    saw 40-rank groups with one head each at the end of the sequence as cheap (9.5 s) while
+    ``estimate`` gave 13.6 s: 8-rank senders with 5 heads each."""
+    return max(1.0, receiver.size / sender.size)
+
+
+def _final_kappa(coefs: Sequence[GroupCoef], arr: Arrangement) -> dict[int, float]:
+    """Per final group its ``kappa`` from the other final groups, averaged with their share of the
+    block's tokens estimated by their linear FLOP rate (sum of 1/a over members): a small group that
+    holds few tokens adds little fan-out. (The largest kappa charged every final group for its
+    smallest neighbour whatever that held: 52 H100 + 4 A100 + 8 A800, gpt-13b, 256K, put a 4-GPU
+    A100 group next to 8-GPU H100 groups and lost the node groups' plan, 4.68 s, for 5.40 s.)"""
+    size: dict[GroupCoef, int] = {}
+    weight: dict[GroupCoef, float] = {}
+    count: dict[GroupCoef, int] = {}
+    for g in arr.final:
+        c = coefs[g]
+        count[c] = count.get(c, 0) + 1
+        size[c] = c.size
+        weight[c] = sum(1.0 / a for a in c.a if a > 0)
+    per: dict[GroupCoef, float] = {}
+    for c in count:
+        num = den = 0.0
+        for d, k in count.items():
+            k -= d is c  # the other groups only
+            num += k * weight[d] * max(1.0, size[c] / size[d])
+            den += k * weight[d]
+        per[c] = num / den if den > 0 else 1.0
+    return {g: per[coefs[g]] for g in arr.final}
+
+
+def with_fan_out(coefs: Sequence[GroupCoef], arr: Arrangement) -> list[GroupCoef]:
+    """The final block's K/V coefficients ``c`` scaled by their fan-out from the other final groups
+    (``_final_kappa``); the fan-out from prefix blocks enters through ``GroupCoef.kv_extra``
+    once their sizes are known (``_feasible``, ``positioned``), the prefix blocks' through their
+    visible units (``_block_max``)."""
+    out = list(coefs)
+    scaled: dict[tuple[GroupCoef, float], GroupCoef] = {}
+    for g, mult in _final_kappa(coefs, arr).items():
+        if mult > 1.0:
+            key = (coefs[g], mult)
+            if key not in scaled:
+                scaled[key] = replace(coefs[g], c=tuple(round(x * mult) for x in coefs[g].c))
+            out[g] = scaled[key]
+    return out
+
+
+def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int], reverse: bool = False
+                ) -> list[list[int]]:
+    """The arrangement's blocks for ``build_layout``, the final block's groups ordered by the ratio
+    of their K/V transfer to their attention per received unit, ``c / (b T)`` (``reverse``: the other
+    way round). In a mirrored block the outermost group's last query is the block's end, so it
+    receives everything before it, an inner group less; which order hides the K/V better depends on
+    how the rounds pipeline, so the planner builds both and ``estimate`` decides (2 H100 + 1 A100
+    groups, gpt-7b, 128K: 3.652 s with the A100 group innermost, 3.798 s outermost). The surrogate's
+    K/V term, an upper bound, is the same in any order."""
+    where = {g: i for i, g in enumerate(arr.final)}
+
+    def key(g: int) -> tuple[float, int]:
+        c = coefs[g]
+        return (max(c.c) / max(1, max(c.b) * units[g]), where[g])
+    final = sorted(arr.final, key=key)
+    return [list(b) for b in arr.prefix] + [final[::-1] if reverse else final]
+
+
+@lru_cache(maxsize=4096)
+def _fan_weights(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple[tuple[tuple[float, ...], ...],
+                                                                          dict[int, tuple[float, ...]]]:
+    """The linear weights of ``_extras`` (per prefix block over the earlier blocks' sizes, per final
+    group over the prefix blocks' sizes), computed once per (groups, arrangement)."""
+    heads = [coefs[b[0]] for b in arr.prefix]
+    block_w = tuple(tuple(kappa(heads[i], heads[j]) * len(arr.prefix[j]) for j in range(i))
+                    for i in range(len(heads)))
+    fin = _final_kappa(coefs, arr)
+    final_w = {g: tuple((kappa(coefs[g], h) / fin[g] - 1) * len(b) for h, b in zip(heads, arr.prefix))
+               for g in arr.final}
+    return block_w, final_w
+
+
+def _extras(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: Sequence[int]) -> tuple[list[int], dict[int, int]]:
+    """Fan-out in visible units: per prefix block ``V_b - P_b`` (its visible units from the earlier
+    blocks, each counted ``kappa`` times, less its start), per final group ``kv_extra`` (the prefix
+    blocks' units counted ``kappa / kappa_final`` times instead of once; ``c`` is scaled by
+    ``kappa_final``, see ``with_fan_out``). ``sizes``: units per group of each prefix block."""
+    block_w, final_w = _fan_weights(tuple(coefs), arr)
+    block_extra, P = [], 0
+    for i, block in enumerate(arr.prefix):
+        block_extra.append(round(sum(w * s for w, s in zip(block_w[i], sizes))) - P)
+        P += len(block) * sizes[i]
+    return block_extra, {g: round(sum(x * s for x, s in zip(w, sizes))) for g, w in final_w.items()}
+
+
+def positioned(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int]) -> list[GroupCoef]:
+    """Each group's coefficients at the place ``arr`` and ``units`` give it (``GroupCoef.start``,
+    ``end``, ``band``, ``kv_extra``)."""
+    N = coefs[0].num_units
+    sizes = [units[b[0]] for b in arr.prefix]
+    block_extra, final_extra = _extras(coefs, arr, sizes)
+    out = list(coefs)
+    P = 0
+    for i, block in enumerate(arr.blocks):
+        Q = P + sum(units[g] for g in block)
+        for g in block:
+            if block is arr.final:
+                out[g] = coefs[g].placed(P, 0 if Q >= N else Q, False, final_extra[g])
+            else:
+                out[g] = coefs[g].placed(P, 0 if Q >= N else Q, len(block) == 1, block_extra[i])
+        P = Q
+    return out
+
+
+def _block_time(g: GroupCoef, k: int, P: int, V: float, T: int, lin: float) -> float:
+    """Attention phase of each of k identical groups of identical members holding T units each in a
+    prefix block starting at P that sees V units before it (k = 1: a band), as
+    ``stage2_split._identical_time`` (the larger of the continuous even split and the member with
+    ceil(H/n) heads); inf past memory, the linear bound or the minimum."""
+    n, H = g.size, g.heads
+    a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
+    t = T / n
+    hmax = -(-H // n)
+    if T < n or t * mt + H / n * T * mh > free or mt + hmax * T * mh > free or (a > 0 and t * a > lin):
+        return INF
+    att = b * T * (2 * P + k * T) // g.num_units
+    beta = max(att, (round(V) + (k - 1) * T) * c) + T * e
+    return max(s * t + H * beta / n, s + hmax * beta)
+
+
+def _block_max(g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, room: int) -> int | None:
+    """Most units per group (all k groups equal) of a prefix block starting at P that sees V units
+    before it (fan-out counted), within attention bound z, at most ``room`` units for the block;
+    None when not even each group's minimum fits."""
+    n, H, N = g.size, g.heads, g.num_units
+    tmax = room // k
+    if tmax < n:
+        return None
+    if len(g.rows) != 1:  # members differ: bisection on the positioned group's own time
+        def ok(T: int) -> bool:
+            q = P + k * T
+            return group_time(g.placed(P, 0 if q >= N else q, k == 1, round(V) - P), T, lin) <= z
+        if not ok(n):
+            return None
+        lo, hi = n, tmax
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
+    # attention b T (2P + k T) / N per head; the outermost group sees the block's other units and
+    # what lies before it: visible = V + (k - 1) T
+    real = closed_range(n, H, z, s, e, c, b * k / N, 2 * P * b / N, c * (k - 1), round(V) * c)
+    if real is None:
+        return None
+    x = min(real[1], float(tmax))
+    hmax = -(-H // n)
+    if mt + H * mh > 0:
+        x = min(x, n * free / (mt + H * mh))
+    if mh > 0:
+        x = min(x, (free - mt) / (hmax * mh))
+    if a > 0 and math.isfinite(lin):
+        x = min(x, n * lin / a)
+    T = min(tmax, math.floor(x + 1e-9)) if math.isfinite(x) else tmax
+    for _ in range(6):  # settle on integers (att() rounds down)
+        if T < n:
+            return None
+        if _block_time(g, k, P, V, T, lin) <= z:
+            if T + 1 <= tmax and _block_time(g, k, P, V, T + 1, lin) <= z:
+                T += 1
+                continue
+            return T
+        T -= 1
+    return T if T >= n and _block_time(g, k, P, V, T, lin) <= z else None
+
+
+def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, lin: float, exact: bool = True
+              ) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
+    """Per prefix block its units per group, the final block's start and its groups' positioned
+    coefficients and unit ranges, or None when the arrangement cannot hold N within z.
+
+    The prefix blocks first take the most units each can hold (a later block's most units only grow
+    with its start). The final block's ranges then depend on the prefix's length P: their attention
+    upper ends shrink as P grows (more keys per query), their K/V lower ends grow with the prefix's
+    fan-out; so P is the longest prefix (shortened from its last block) at which every final range is
+    non-empty and the final groups' lower ends fit in ``N - P`` (both hold for every shorter prefix),
+    and then ``P + sum hi >= N`` decides (it only grows with P). ``exact=False`` (Stage I's coarse
+    split) tries a few shorter prefixes instead of the bisection."""
+    final_min = sum(coefs[g].min_units() for g in arr.final)
+    sizes, P = [], 0
+    block_w, final_w = _fan_weights(tuple(coefs), arr)
+    for i, block in enumerate(arr.prefix):
+        g = coefs[block[0]]
+        V = sum(w * s for w, s in zip(block_w[i], sizes))
+        T = _block_max(g, len(block), P, V, z, lin, N - P - final_min)
+        if T is None:
+            return None
+        sizes.append(T)
+        P += T * len(block)
+    prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
+    block_w, final_w = _fan_weights(tuple(coefs), arr)
+    count: dict[tuple[GroupCoef, tuple[float, ...]], int] = {}  # final groups by (coefficients, fan-out)
+    for g in arr.final:
+        key = (coefs[g], final_w[g])
+        count[key] = count.get(key, 0) + 1
+
+    def state(P_target: int) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
+        sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
+        p = sum(T * len(block) for T, block in zip(sz, arr.prefix))
+        out = {}
+        lo_sum = 0
+        for key, k in count.items():
+            moved = key[0].placed(p, 0, False, round(sum(x * s for x, s in zip(key[1], sz))))
+            r = units_range(moved, z, lin, exact)
+            if r is None:
+                return None
+            out[key] = (moved, r)
+            lo_sum += k * r[0]
+        return (sz, p, out) if p + lo_sum <= N else None
+
+    got = state(P)
+    if got is None and not exact:
+        for frac in (0.75, 0.5, 0.25, 0.0):
+            got = state(prefix_min + int(frac * (P - prefix_min)))
+            if got is not None:
+                break
+        if got is None:
+            return None
+    if got is None:  # a shorter prefix: bisection for the longest that keeps the final ranges
+        if state(prefix_min) is None:
+            return None
+        a, b = prefix_min, P  # holds at a, not at b
+        while b - a > 1:
+            mid = (a + b) // 2
+            if state(mid) is None:
+                b = mid
+            else:
+                a = mid
+        got = state(a)
+        assert got is not None
+    sz, p, out = got
+    if p + sum(k * out[key][1][1] for key, k in count.items()) < N:
+        return None
+    pos = [out[(coefs[g], final_w[g])][0] for g in arr.final]
+    return sz, p, {m: r for m, r in out.values()}, pos
+
+
+def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut: int) -> list[int]:
+    """Prefix block sizes with ``cut`` units less, taken from the last block first (earlier blocks
+    keep their place; a later block that moves earlier only gets cheaper)."""
+    sizes = list(sizes)
+    for i in range(len(sizes) - 1, -1, -1):
+        k, n = len(arr.prefix[i]), coefs[arr.prefix[i][0]].size
+        take = min(-(-cut // k), sizes[i] - n)
+        sizes[i] -= take
+        cut -= take * k
+        if cut <= 0:
+            break
+    return sizes
+
+
+def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, tol: float,
+              bracket: tuple[float, float] | None = None) -> tuple[Split, list[GroupCoef]] | None:
+    """The arranged split for a fixed linear bound (see the module docstring); ``bracket`` as in
+    ``stage2_split.split_at``."""
+    exact = tol <= A_TOL
+    if bracket is not None and _feasible(coefs, arr, N, bracket[1], lin, exact) is not None:
+        lo, hi = bracket
+    else:
+        share = max(1, N // len(coefs))
+        even = [group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)]
+        lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
+    at_hi = _feasible(coefs, arr, N, hi, lin, exact)
+    while at_hi is None:
+        lo, hi = hi, hi * 2
+        if hi > 1e18:
+            return None
+        at_hi = _feasible(coefs, arr, N, hi, lin, exact)
+    for _ in range(80):
+        if hi - lo <= tol * hi:
+            break
+        mid = (lo + hi) / 2
+        at_mid = _feasible(coefs, arr, N, mid, lin, exact)
+        if at_mid is not None:
+            hi, at_hi = mid, at_mid
+        else:
+            lo = mid
+    sizes, P, ranges, pos = at_hi
+    units = [0] * len(coefs)
+    for block, T in zip(arr.prefix, sizes):
+        for g in block:
+            units[g] = T
+    distinct: dict[GroupCoef, int] = {}
+    for c in pos:
+        distinct[c] = distinct.get(c, 0) + 1
+    for g, u in zip(arr.final, _hand_out(pos, distinct, ranges, N - P)):
+        units[g] = u
+    placed = positioned(coefs, arr, units)
+    pairs = set(zip(placed, units))
+    att = max(group_time(c, u, lin) for c, u in pairs)
+    lin_used = lin if math.isfinite(lin) else max(linear_phase(c, u, group_time(c, u)) for c, u in pairs)
+    return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att,
+                 lin_ns=lin_used, att_ns=hi), placed
+
+
+def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_lin: bool = True
+                   ) -> tuple[Split, list[GroupCoef]] | None:
+    """Stage II for an arrangement with a prefix: units per group and each group's positioned
+    coefficients; ``Split.bound_ns`` bounds every split of these groups in this arrangement
+    (``search_lin``; 0 for the coarse search)."""
+    tol = A_TOL if search_lin else COARSE_A_TOL
+    free = _split_at(coefs, arr, N, INF, tol)
+    if free is None:
+        return None
+    if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
+        return free
+    lo, hi = lin_floor(coefs, N), free[0].lin_ns
+    cache: dict[float, tuple[Split, list[GroupCoef]] | None] = {INF: free}
+
+    def at(L: float) -> tuple[Split, list[GroupCoef]] | None:
+        if L not in cache:
+            cache[L] = _split_at(coefs, arr, N, L, tol, _bracket({x: s and s[0] for x, s in cache.items()}, L))
+        return cache[L]
+
+    def f(L: float) -> float:
+        got = at(L)
+        return got[0].z_relaxed_ns if got is not None else INF
+
+    def ok(L: float) -> bool:
+        return _feasible(coefs, arr, N, 1e30, L, search_lin) is not None
+
+    L, bound = best_lin(f, min(lo, hi), hi, ok)
+    best = at(L)
+    if best is None or best[0].z_rounded_ns > free[0].z_rounded_ns:
+        best = free
+    split, placed = best
+    proven = min(bound, free[0].z_relaxed_ns) * (1 - tol)
+    return replace(split, bound_ns=min(proven, split.z_rounded_ns)), placed
