@@ -156,7 +156,7 @@ def summary(rows: list[dict]) -> dict:
 def write(rows: list[dict], out: str) -> str:
     s = summary(rows)
     lines = ["| # | case | model | seq | GPUs | plan s | best symmetric | its s | speed-up | vs best heuristic | "
-             "winner | bound s | gap % | CPU s |",
+             "winner | surrogate bound s | gap % | CPU s |",
              "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
     for i, r in enumerate(rows):
         if r.get("plan_s") is None:
