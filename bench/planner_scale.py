@@ -45,10 +45,9 @@ def seq_for(world: int) -> int:
 
 def _one(world: int, time_limit: float, queue: mp.Queue) -> None:
     from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.model import get_model
-    from megatron_hexiseq.planner.modes import AUTO_MODES
     from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
     cl = cluster_from_dict(cluster_dict(world))
     seq = seq_for(world)

@@ -66,12 +66,11 @@ def settings(smoke: bool) -> list[tuple[str, dict, str, int]]:
 
 def run_one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.baselines import best_baseline
-    from megatron_hexiseq.planner.modes import AUTO_MODES
     from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
     cl = cluster_from_dict(spec)
     m = get_model(model_name, overrides={"seq_length": seq})

@@ -28,14 +28,13 @@ from typing import Any, Mapping, Sequence
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.run_config import CHECKPOINT_FORMAT
 
 # layout meta keys written by ``plan --exclude``
 EXCLUDED_KEY, GPU_INDICES_KEY = "excluded", "gpu_indices"
 # model fields a checkpoint's parameter shapes depend on (ModelSpec names = Megatron's)
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                       "vocab_size", "kv_channels", "swiglu", "normalization", "add_bias_linear")
-CHECKPOINT_FORMAT = {"distributed_optimizer": "torch_dist with the distributed optimizer",
-                     "fsdp": "fsdp_dtensor with Megatron-FSDP"}
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,10 @@ from functools import cached_property
 from importlib import resources
 from typing import Any, Mapping, Sequence
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int
 from megatron_hexiseq.io import read_json, write_json_atomic
+from megatron_hexiseq.model import ModelSpec
 
 FORMAT = "megatron-hexiseq/layout"
 VERSION = 1
@@ -259,6 +261,30 @@ def zigzag_segments(seq_length: int, cp: int) -> list[list[Segment]]:
 
 
 # ---- validation -----------------------------------------------------------------------------
+def check_matches(layout: Layout, cluster: Cluster, model: ModelSpec | None = None, *,
+                  source: str = "the layout") -> None:
+    """A layout runs on ``cluster`` (rank r on ``cluster.devices[r]``: same count, host and GPU type)
+    and, given ``model``, trains it (same heads, query groups and sequence length); otherwise a
+    one-line HexiSeqError that starts with ``source`` ("layout out.json", "the layout")."""
+    if layout.world_size != cluster.world_size:
+        raise HexiSeqError(f"{source} has {layout.world_size} ranks but cluster {cluster.name!r} has "
+                           f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for")
+    for plan, dev in zip(layout.ranks, cluster.devices):
+        if plan.gpu != dev.gpu.name or plan.host != dev.node:
+            raise HexiSeqError(f"{source} rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
+                               f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
+                               f"{cluster.name!r}?")
+    if model is None:
+        return
+    if (layout.num_attention_heads, layout.num_query_groups) != (model.num_attention_heads, model.num_query_groups):
+        raise HexiSeqError(f"{source} has {layout.num_attention_heads} heads in {layout.num_query_groups} query "
+                           f"groups but model {model.name!r} has {model.num_attention_heads} in "
+                           f"{model.num_query_groups}")
+    if layout.seq_length != model.seq_length:
+        raise HexiSeqError(f"{source} is planned for seq_length {layout.seq_length} but model {model.name!r} has "
+                           f"seq_length {model.seq_length}; pass --seq-length {layout.seq_length}")
+
+
 def _fail(msg: str) -> None:
     raise HexiSeqError(msg)
 
@@ -269,9 +295,7 @@ def _is_int(x: Any) -> bool:
 
 def _validate(lay: Layout) -> None:
     for name in ("seq_length", "num_attention_heads", "num_query_groups", "world_size"):
-        v = getattr(lay, name)
-        if not _is_int(v) or v <= 0:
-            _fail(f"{name} must be a positive integer, got {v!r}")
+        check_positive_int(name, getattr(lay, name))
     H, G, S, W = lay.num_attention_heads, lay.num_query_groups, lay.seq_length, lay.world_size
     if H % G:
         _fail(f"num_attention_heads={H} is not a multiple of num_query_groups={G}")

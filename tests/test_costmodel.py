@@ -10,7 +10,6 @@ import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import (
-    TrainOptions,
     activation_bytes_per_token,
     alltoall_time_s,
     attention_bytes_per_group_token,
@@ -29,6 +28,7 @@ from megatron_hexiseq.costmodel.exchange import pairs_vec
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout, zigzag_segments
 from megatron_hexiseq.model import MODEL_PRESETS, ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
 
 import numpy as np
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
-from megatron_hexiseq.costmodel import TrainOptions, causal_pairs, estimate
+from megatron_hexiseq.costmodel import causal_pairs, estimate
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import zigzag_segments
 from megatron_hexiseq.model import get_model, model_from_dict
@@ -21,6 +21,7 @@ from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.stage2_split import max_heads, split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import build_surrogate, granularity
+from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
 BIG = 10**15
 
@@ -232,7 +233,6 @@ def test_infeasible_names_gpu_type_and_shortfall():
 def test_infeasible_before_any_tokens_suggests_more_gpus():
     cl = _cluster(("H100-SXM-80GB", 8))
     m = get_model("llama3-70b", overrides={"seq_length": 8192})
-    from megatron_hexiseq.planner.modes import AUTO_MODES
     with pytest.raises(HexiSeqError, match=r"H100-SXM-80GB needs .* before any tokens .* short by .*; try more GPUs$"):
         plan(cl, m, 8192, TrainOptions(), modes=AUTO_MODES)
 
@@ -240,7 +240,6 @@ def test_infeasible_before_any_tokens_suggests_more_gpus():
 def test_memory_mode_auto_escalates_and_maps_flags():
     cl = _cluster(*[("H100-SXM-80GB", 8)] * 4)
     m = get_model("llama3-70b", overrides={"seq_length": 65536})
-    from megatron_hexiseq.planner.modes import AUTO_MODES
     lay = plan(cl, m, 65536, TrainOptions(), modes=AUTO_MODES)
     o = lay.meta["options"]
     assert (o["memory_mode"], o["recompute"]) != ("distributed_optimizer", False)

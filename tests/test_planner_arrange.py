@@ -11,7 +11,7 @@ import pytest
 
 from megatron_hexiseq.attention.peers import build_transfers
 from megatron_hexiseq.cluster import cluster_from_dict
-from megatron_hexiseq.costmodel import TrainOptions, causal_pairs, estimate
+from megatron_hexiseq.costmodel import causal_pairs, estimate
 from megatron_hexiseq.model import get_model, model_from_dict
 from megatron_hexiseq.planner.arrange import Arrangement, positioned, split_arranged
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline
@@ -20,6 +20,7 @@ from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage2_split import group_time, split_sequence
+from megatron_hexiseq.run_config import TrainOptions
 
 BIG = 10**15
 TINY_GQA = {"name": "gpt-tiny-gqa", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,

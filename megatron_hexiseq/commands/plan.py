@@ -11,7 +11,7 @@ from dataclasses import replace
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.planner.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
+from megatron_hexiseq.commands.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
 
 EXAMPLES = """examples:
   megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \\

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.planner.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
+from megatron_hexiseq.layout import Layout, check_matches
+from megatron_hexiseq.commands.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
 
 EXAMPLES = """examples:
   megatron-hexiseq simulate --layout layout.json --baselines --plot sim.png
@@ -39,9 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.commands._progress import waiting
-    from megatron_hexiseq.commands.validate import check_against_cluster
     from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path
-    from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.planner.report import estimate_table, make_console, plot_estimates
     from megatron_hexiseq.planner.simulate import simulate
 
@@ -56,12 +55,7 @@ def run(args: argparse.Namespace) -> int:
     seq = args.seq_length if args.seq_length is not None else (seqs.pop() if seqs else None)
     prob = load_problem(args, seq_length=seq) if args.cluster else problem_from_layout(args, layouts, seq)
     for path, lay in layouts:
-        check_against_cluster(lay, prob.cluster)
-        if lay.seq_length != prob.seq_length:
-            raise HexiSeqError(f"layout {path} is planned for seq_length {lay.seq_length}, not {prob.seq_length}")
-        if lay.num_attention_heads != prob.model.num_attention_heads:
-            raise HexiSeqError(f"layout {path} has {lay.num_attention_heads} heads but model {prob.model.name!r} "
-                               f"has {prob.model.num_attention_heads}")
+        check_matches(lay, prob.cluster, prob.model, source=f"layout {path}")
     options = prob.options
     planned = [layout_options(lay, path) for path, lay in layouts if lay.meta.get("options") is not None]
     if args.memory_mode == "auto" and planned:
