@@ -49,9 +49,18 @@ def _sigterm_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_user_command(body: Callable[[], int | None]) -> int:
+def run_user_command(body: Callable[[], int | None], *, interrupts: bool = True) -> int:
     """Run ``body`` as a command a person started: user errors one line + exit 2, SIGINT/SIGTERM
-    ``error: interrupted`` + exit 130 (children are killed on the way out), no traceback for either."""
+    ``error: interrupted`` + exit 130 (children are killed on the way out), no traceback for either.
+
+    ``interrupts=False`` leaves the signal handlers alone (a Megatron training process: torchrun's
+    SIGTERM and Megatron's own exit-signal handler keep their meaning); user errors still exit 2."""
+    if not interrupts:
+        try:
+            return int(body() or 0)
+        except HexiSeqError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt), signal.getsignal(signal.SIGINT)
     try:
         return int(body() or 0)

@@ -8,9 +8,11 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout, check_matches
+from megatron_hexiseq.commands._progress import waiting
 from megatron_hexiseq.commands.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import atomic_path, check_outputs
+from megatron_hexiseq.layout import Layout, check_matches
 
 EXAMPLES = """examples:
   megatron-hexiseq simulate --layout layout.json --baselines --plot sim.png
@@ -39,15 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.commands._progress import waiting
-    from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path
+    # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
+    # (every command's parser) takes 0.085 s without them
     from megatron_hexiseq.planner.report import estimate_table, make_console, plot_estimates
     from megatron_hexiseq.planner.simulate import simulate
 
     if not args.layout and not args.baselines:
         raise HexiSeqError("nothing to simulate: give --layout L.json and/or --baselines")
-    check_plot_path("--plot", args.plot)
-    check_outputs([("--plot", args.plot)], inputs=[args.cluster, args.model_config, *args.layout])
+    check_outputs([("--plot", args.plot)], inputs=[args.cluster, args.model_config, *args.layout],
+                  figures=["--plot"])
     layouts = [(path, Layout.load(path)) for path in args.layout]
     seqs = {lay.seq_length for _, lay in layouts}
     if args.seq_length is None and len(seqs) > 1:
