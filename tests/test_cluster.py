@@ -108,7 +108,7 @@ def _bad(mutate):
     (lambda s: s["nodes"][0].update(memory_gib="lots"), r"memory_gib must be a positive number, got 'lots'"),
     (lambda s: s["nodes"][1].update(name="a"), r"node name 'a' appears twice"),
     (lambda s: s.update(nodes=[]), r"'nodes' must be a non-empty list"),
-    (lambda s: s.update(gpus=[1]), r"'gpus' must map GPU type names"),
+    (lambda s: s.update(gpus=[1]), r"'gpus' must be a mapping of GPU type names to their numbers, got \[1\]"),
 ])
 def test_invalid_specs_have_one_line_messages(mutate, message):
     with pytest.raises(HexiSeqError, match=message) as e:
