@@ -1,4 +1,4 @@
-"""Hierarchical planner vs the exact reference on random mixed clusters of 4-16 GPUs (issue 5 target:
+"""Hierarchical planner vs the exact reference on random mixed clusters of 4-16 GPUs (target:
 gap <= 1% of the proven optimum on every instance).
 
 Both optimise the same surrogate (``planner.surrogate``, calibrated once per instance):

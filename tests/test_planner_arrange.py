@@ -105,7 +105,7 @@ def test_arranged_split_reaches_the_brute_force_optimum_and_bounds_it():
 
 def test_mirrored_bound_keeps_every_group_and_bounds_every_integer_split():
     # the slow-network group's K/V makes it slow at any size: the old relaxation left it out when it
-    # could not hold its minimum within the others' time (a 41% "gap" on the issue's example)
+    # could not hold its minimum within the others' time (a 41% "gap" on the 1024-GPU cycling example)
     N = 30
     fast = [_coef([1], [6], [1], units=N), _coef([1], [6], [1], units=N)]
     slow = _coef([2], [20], [90], units=N)  # K/V bound: (N - T) 90 per head
