@@ -203,24 +203,32 @@ def make_layout(
     seq_length: int,
     num_attention_heads: int,
     num_query_groups: int,
-    group_sizes: Sequence[int],
     segments: Sequence[Sequence[Segment]],
     heads: Sequence[Sequence[int]],
+    group_sizes: Sequence[int] | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
     hosts: Sequence[str] | None = None,
     gpus: Sequence[str] | None = None,
     **extra: Any,
 ) -> Layout:
-    """Build a Layout from per-rank lists; groups are consecutive runs of ``group_sizes`` ranks."""
-    world = sum(group_sizes)
+    """Build a Layout from per-rank lists (the one constructor from lists: tests, the planner's
+    ``build_layout``, the baselines). Groups: ``group_sizes`` (consecutive runs of ranks) or
+    ``groups`` (the ranks of each group, in group-id order); exactly one."""
+    if (group_sizes is None) == (groups is None):
+        raise HexiSeqError("give group_sizes or groups, not both or neither")
+    if groups is None:
+        assert group_sizes is not None
+        starts = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
+        groups = [range(start, start + size) for start, size in zip(starts, group_sizes)]
+    world = sum(len(g) for g in groups)
     if len(segments) != world or len(heads) != world:
         raise HexiSeqError(
             f"need segments and heads for {world} ranks, got {len(segments)} and {len(heads)}"
         )
-    groups, rank_group, start = [], [], 0
-    for gid, size in enumerate(group_sizes):
-        groups.append(Group(id=gid, ranks=tuple(range(start, start + size))))
-        rank_group += [gid] * size
-        start += size
+    rank_group = [0] * world
+    for gid, members in enumerate(groups):
+        for r in members:
+            rank_group[r] = gid
     ranks = tuple(
         RankPlan(
             rank=r,
@@ -237,7 +245,7 @@ def make_layout(
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
         world_size=world,
-        groups=tuple(groups),
+        groups=tuple(Group(id=gid, ranks=tuple(members)) for gid, members in enumerate(groups)),
         ranks=ranks,
         **extra,
     )
