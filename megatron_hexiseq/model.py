@@ -121,7 +121,7 @@ def _preset_specs() -> tuple[ModelSpec, ...]:
 
 class _Presets(Mapping[str, ModelSpec]):
     """The bundled presets by name, built (and validated) on first use: validating loads
-    ``jsonschema`` (0.1 s CPU), which ``megatron-hexiseq --help`` (~0.14 s CPU) does not need."""
+    ``jsonschema`` (0.1 s CPU), which ``megatron-hexiseq --help`` (~0.1 s CPU) does not need."""
 
     @cached_property
     def _specs(self) -> Mapping[str, ModelSpec]:

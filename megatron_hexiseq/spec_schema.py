@@ -11,7 +11,7 @@ form the ``repr`` of a value (a YAML alias bomb or a 500-digit integer stays a s
 :func:`errors.short` writes the value).
 
 ``jsonschema`` is imported on first use: it costs about 0.1 s CPU, more than all of
-``megatron-hexiseq --help`` (~0.14 s CPU).
+``megatron-hexiseq --help`` (~0.1 s CPU).
 """
 from __future__ import annotations
 

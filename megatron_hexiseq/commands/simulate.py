@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
-    # (every command's parser) takes ~0.14 s CPU without them
+    # (every command's parser) takes ~0.1 s CPU without them
     from megatron_hexiseq.planner.report import estimate_table, make_console, plot_estimates
     from megatron_hexiseq.planner.simulate import simulate
 
