@@ -10,7 +10,7 @@ stock Draft 2020-12: ``integer`` is a Python ``int`` (not ``2.0``, never a ``boo
 form the ``repr`` of a value (a YAML alias bomb or a 500-digit integer stays a short message;
 :func:`errors.short` writes the value).
 
-``jsonschema`` is imported on first use: it costs about 0.1 s CPU, more than all of
+``jsonschema`` is imported on first use: it costs about 0.1 s CPU, as much as all of
 ``megatron-hexiseq --help`` (~0.1 s CPU).
 """
 from __future__ import annotations
