@@ -4,7 +4,7 @@ For each testbed shape: profile (calibrated with the model's own layer shapes) -
 the best symmetric layout and the HexiSeq layout ``--runs`` times each (alternating, so drift in
 machine load hits both), ``--steps`` steps per run. Reports per shape the median and spread of
 measured tokens/s and speed-up, and the cost model's prediction error for both layouts.
-Targets (issue [Testbed]): speed-up >= 1.2x, |prediction error| <= 15% for both layouts.
+Targets: speed-up >= 1.2x, |prediction error| <= 15% for both layouts.
 
     python bench/e2e_hetero_cpu.py                      # shapes 1+2 and 1+3, 5 runs, 20 steps
     python bench/e2e_hetero_cpu.py --shapes 1+2 --runs 2 --steps 8   # quick look

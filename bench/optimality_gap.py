@@ -1,4 +1,4 @@
-"""Hierarchical planner vs the exact reference on random mixed clusters of 4-16 GPUs (issue 5 target:
+"""Hierarchical planner vs the exact reference on random mixed clusters of 4-16 GPUs (target:
 gap <= 1% of the proven optimum on every instance).
 
 Both optimise the same surrogate (``planner.surrogate``, calibrated once per instance):
@@ -57,11 +57,11 @@ def hierarchical_surrogate_ns(cluster, sur) -> tuple[int, list[int]]:
 
 def one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.exact import exact_surrogate
     from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.surrogate import build_surrogate, calibrate
+    from megatron_hexiseq.run_config import TrainOptions
 
     cl = cluster_from_dict(spec)
     m = get_model(model_name, overrides={"seq_length": seq})

@@ -45,10 +45,10 @@ def seq_for(world: int) -> int:
 
 def _one(world: int, time_limit: float, queue: mp.Queue) -> None:
     from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.model import get_model
-    from megatron_hexiseq.planner.modes import AUTO_MODES
+    from megatron_hexiseq.planner.baselines import best_baseline
     from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
     cl = cluster_from_dict(cluster_dict(world))
     seq = seq_for(world)
@@ -58,7 +58,8 @@ def _one(world: int, time_limit: float, queue: mp.Queue) -> None:
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     o = lay.meta["options"]
     stages = lay.planner["stages_time_s"]
-    best = min((b["iteration_time_s"] for b in lay.baselines if b["iteration_time_s"]), default=None)
+    best_record = best_baseline(list(lay.baselines))
+    best = None if best_record is None else best_record["iteration_time_s"]
     queue.put({"gpus": world, "seq_length": seq, "stages_s": round(stages, 3), "total_s": round(total, 3), "cpu_s": round(cpu, 3),
                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "status": lay.planner["status"], "chosen": lay.meta["chosen"], "winner": lay.planner["winner"]["family"],

@@ -83,12 +83,11 @@ def cases(seed: int = 2027, big: bool = True) -> list[dict]:
 
 def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.baselines import best_baseline
-    from megatron_hexiseq.planner.modes import AUTO_MODES
     from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
     cl = cluster_from_dict(case["spec"])
     m = get_model(case["model"], overrides={"seq_length": case["seq_length"]})

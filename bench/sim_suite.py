@@ -1,6 +1,6 @@
 """The HexiSeq paper's simulated settings, planned and scored with our cost model.
 
-Settings (issue 5): 32 GPUs of three types (8 H100 + 8 H100 + 8 A100 + 8 L40S nodes,
+Settings: 32 GPUs of three types (8 H100 + 8 H100 + 8 A100 + 8 L40S nodes,
 ``examples/clusters/h100-a100-l40s-32.yaml``), 64 and 128 GPUs of four types (H100, A100, A800,
 L40S in equal shares of 8-GPU nodes), models gpt-13b and llama3-70b, sequences 128K to 1M tokens;
 plus the FLOP-comparable pairs 48 H100 + 8 A100 vs 152 A100 and 52 H100 + 4 A100 + 8 A800 vs
@@ -66,12 +66,11 @@ def settings(smoke: bool) -> list[tuple[str, dict, str, int]]:
 
 def run_one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.baselines import best_baseline
-    from megatron_hexiseq.planner.modes import AUTO_MODES
     from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
     cl = cluster_from_dict(spec)
     m = get_model(model_name, overrides={"seq_length": seq})

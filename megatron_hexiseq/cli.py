@@ -3,18 +3,17 @@
 Each command lives in ``megatron_hexiseq/commands/<name>.py`` and defines
 ``add_parser(subparsers)`` (registering itself, with ``--help`` examples) and ``run(args) -> int``.
 User mistakes raise ``HexiSeqError``: printed on one line as ``error: ...``, exit code 2.
-SIGINT (Ctrl-C) and SIGTERM: ``error: interrupted``, exit code 130, child processes killed.
+SIGINT (Ctrl-C) and SIGTERM: ``error: interrupted``, exit code 130, child processes killed
+(``errors.run_user_command``).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-from typing import Callable
 
 from megatron_hexiseq import __version__
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import run_user_command
 
 COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune")
 
@@ -34,30 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"megatron_hexiseq.commands.{name}")
         module.add_parser(sub)
     return parser
-
-
-def _sigterm_as_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def run_user_command(body: Callable[[], int]) -> int:
-    """Run ``body`` as a command a person started: user errors one line + exit 2, SIGINT/SIGTERM
-    ``error: interrupted`` + exit 130 (children are killed on the way out), no traceback for either."""
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt), signal.getsignal(signal.SIGINT)
-    try:
-        return int(body() or 0)
-    except HexiSeqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `megatron-hexiseq show x | head`
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, previous[0])
-        signal.signal(signal.SIGINT, previous[1])
 
 
 def main(argv: list[str] | None = None) -> int:

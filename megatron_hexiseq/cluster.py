@@ -30,8 +30,9 @@ import math
 import os
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from megatron_hexiseq import spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
 
@@ -196,10 +197,7 @@ GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType({g.name: g for g in (
 )})
 
 _FIXED_COST_KEYS = ("step_overhead_ms", "collective_latency_us", "p2p_latency_us")
-_GPU_KEYS = {"bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "source", "attention_tflops", *_FIXED_COST_KEYS}
-_GPU_REQUIRED = ("bf16_tflops", "memory_gib", "nvlink_GBps")
-_NODE_KEYS = {"name", "gpu", "count", "nvlink_GBps", "network_GBps", "memory_gib"}
-_TOP_KEYS = {"name", "gpus", "nodes"}
+_GPU_REQUIRED = ("bf16_tflops", "memory_gib", "nvlink_GBps")  # for a type the catalog lacks
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -241,25 +239,14 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
 def _build(data: Any, source: str) -> Cluster:
     if not isinstance(data, Mapping):
         raise HexiSeqError(f"expected a mapping with keys 'name' and 'nodes' at the top level, got {_kind(data)}")
-    _no_unknown(data, _TOP_KEYS, "top level")
-    name = data.get("name", "cluster")
-    if not isinstance(name, str) or not name:
-        raise HexiSeqError(f"'name' must be a non-empty string, got {short(name)}")
+    spec_schema.check(data, "cluster", _where)  # types, ranges, required and unknown keys
     types = dict(GPU_CATALOG)
-    custom = data.get("gpus") or {}
-    if not isinstance(custom, Mapping):
-        raise HexiSeqError(f"'gpus' must map GPU type names to their numbers, got {_kind(custom)}")
-    for gname, spec in custom.items():
-        if not isinstance(gname, str) or not gname:
-            raise HexiSeqError(f"'gpus' keys must be GPU type names, got {short(gname)}")
+    for gname, spec in (data.get("gpus") or {}).items():
         types[gname] = _gpu_type(gname, spec, GPU_CATALOG.get(gname), source)
-    raw_nodes = data.get("nodes")
-    if not isinstance(raw_nodes, list) or not raw_nodes:
-        raise HexiSeqError("'nodes' must be a non-empty list of nodes")
     nodes: list[Node] = []
     seen: set[str] = set()
-    for i, raw in enumerate(raw_nodes):
-        node = _node(i, raw, types)
+    for raw in data["nodes"]:
+        node = _node(raw, types)
         if node.name in seen:
             raise HexiSeqError(f"node name {short(node.name)} appears twice; node names must be unique hostnames")
         seen.add(node.name)
@@ -269,90 +256,42 @@ def _build(data: Any, source: str) -> Cluster:
                network_GBps=n.network_GBps, memory_gib=n.memory_gib)
         for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
     )
-    return Cluster(name=name, nodes=tuple(nodes), devices=devices)
+    return Cluster(name=data.get("name", "cluster"), nodes=tuple(nodes), devices=devices)
 
 
-def _gpu_type(name: str, spec: Any, base: GpuType | None, source: str) -> GpuType:
-    where = f"gpus.{name}"
-    if not isinstance(spec, Mapping):
-        raise HexiSeqError(f"{where} must be a mapping like {{bf16_tflops: 200, memory_gib: 48, nvlink_GBps: 300}}")
-    _no_unknown(spec, _GPU_KEYS, where)
+def _where(path: Sequence[Any], data: Any) -> str:
+    """The place of a schema problem as the messages name it: ``top level``, ``'nodes'``,
+    ``gpus.MY-GPU.bf16_tflops``, ``nodes[2]``, ``node 'gpu01': count``."""
+    if not path:
+        return "top level"
+    if len(path) == 1:
+        return repr(path[0])
+    if path[0] == "gpus":
+        return ".".join(str(p) for p in path)
+    i = path[1]
+    if len(path) == 2 or path[2] == "name":
+        return f"nodes[{i}]" + ("" if len(path) == 2 else ".name")
+    name = data["nodes"][i].get("name")
+    return f"node {short(name)}: {path[2]}" if isinstance(name, str) and name else f"nodes[{i}].{path[2]}"
+
+
+def _gpu_type(name: str, spec: Mapping[str, Any], base: GpuType | None, source: str) -> GpuType:
     if base is None:
         missing = [k for k in _GPU_REQUIRED if k not in spec]
         if missing:
-            raise HexiSeqError(f"{where} is not in the catalog, so it needs {', '.join(missing)}")
+            raise HexiSeqError(f"gpus.{name} is not in the catalog, so it needs {', '.join(missing)}")
         base = GpuType(name=name, bf16_tflops=1.0, memory_gib=1.0, nvlink_GBps=1.0, source=source)
-    fields: dict[str, Any] = {}
-    for key in ("bf16_tflops", "memory_gib", "nvlink_GBps", "efficiency", "attention_tflops"):
-        if key in spec:
-            fields[key] = _positive(spec[key], f"{where}.{key}")
-    for key in _FIXED_COST_KEYS:
-        if key in spec:
-            fields[key] = _non_negative(spec[key], f"{where}.{key}")
-    if "efficiency" in fields and fields["efficiency"] > 1:
-        raise HexiSeqError(f"{where}.efficiency must be in (0, 1], got {fields['efficiency']}")
-    if "source" in spec:
-        if not isinstance(spec["source"], str):
-            raise HexiSeqError(f"{where}.source must be a string")
-        fields["source"] = spec["source"]
-    return replace(base, **fields)
+    return replace(base, **spec)
 
 
-def _node(i: int, raw: Any, types: Mapping[str, GpuType]) -> Node:
-    where = f"nodes[{i}]"
-    if not isinstance(raw, Mapping):
-        raise HexiSeqError(f"{where} must be a mapping with name, gpu, count, network_GBps")
-    _no_unknown(raw, _NODE_KEYS, where)
-    for key in ("name", "gpu", "count", "network_GBps"):
-        if key not in raw:
-            raise HexiSeqError(f"{where} is missing '{key}'")
+def _node(raw: Mapping[str, Any], types: Mapping[str, GpuType]) -> Node:
     name, gpu_name = raw["name"], raw["gpu"]
-    if not isinstance(name, str) or not name:
-        raise HexiSeqError(f"{where}.name must be a non-empty string, got {short(name)}")
-    where = f"node {short(name)}"
-    if not isinstance(gpu_name, str) or gpu_name not in types:
-        raise HexiSeqError(f"{where}: unknown GPU {short(gpu_name)}; known: {', '.join(sorted(types))} "
+    if gpu_name not in types:
+        raise HexiSeqError(f"node {short(name)}: unknown GPU {short(gpu_name)}; known: {', '.join(sorted(types))} "
                            "(or describe it under 'gpus')")
     gpu = types[gpu_name]
-    count = raw["count"]
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= MAX_GPUS_PER_NODE:
-        big = f" (at most {MAX_GPUS_PER_NODE})" if isinstance(count, int) and count > MAX_GPUS_PER_NODE else ""
-        raise HexiSeqError(f"{where}: count must be a positive integer, got {short(count)}{big}")
-    return Node(
-        name=name, gpu=gpu, count=count,
-        nvlink_GBps=_positive(raw.get("nvlink_GBps", gpu.nvlink_GBps), f"{where}: nvlink_GBps"),
-        network_GBps=_positive(raw["network_GBps"], f"{where}: network_GBps"),
-        memory_gib=_positive(raw.get("memory_gib", gpu.memory_gib), f"{where}: memory_gib"),
-    )
-
-
-MIN_VALUE, MAX_VALUE = 1e-9, 1e9  # any rate, size or bandwidth outside is a typo, and would overflow costs
-MAX_GPUS_PER_NODE = 1_000_000
-
-
-def _non_negative(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_VALUE:  # NaN fails too
-        raise HexiSeqError(f"{what} must be a number >= 0, got {short(x)}{_range_note(x, 0)}")
-    return x
-
-
-def _positive(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not MIN_VALUE <= x <= MAX_VALUE:
-        raise HexiSeqError(f"{what} must be a positive number, got {short(x)}{_range_note(x, MIN_VALUE)}")
-    return x
-
-
-def _range_note(x: Any, low: float) -> str:
-    """Why a number that looks valid is refused: outside the range the cost model can compute with."""
-    numeric = isinstance(x, (int, float)) and not isinstance(x, bool)
-    return f" (allowed: {low:g} to {MAX_VALUE:g})" if numeric and (x > MAX_VALUE or 0 < x < low) else ""
-
-
-def _no_unknown(d: Mapping, allowed: set[str], where: str) -> None:
-    unknown = sorted(short(k) for k in d if k not in allowed)
-    if unknown:
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-        raise HexiSeqError(f"{where}: unknown key(s) {shown}; allowed: {', '.join(sorted(allowed))}")
+    return Node(name=name, gpu=gpu, count=raw["count"], nvlink_GBps=raw.get("nvlink_GBps", gpu.nvlink_GBps),
+                network_GBps=raw["network_GBps"], memory_gib=raw.get("memory_gib", gpu.memory_gib))
 
 
 def _kind(x: Any) -> str:

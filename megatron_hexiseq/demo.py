@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.costmodel import TrainOptions
     from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path, write_json_atomic
     from megatron_hexiseq.model import get_model
-    from megatron_hexiseq.planner.inputs import layout_options
+    from megatron_hexiseq.commands.inputs import layout_options
 
     if not 0 <= args.warmup < args.steps <= 100_000:
         raise HexiSeqError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0 (and be at most 100000)")

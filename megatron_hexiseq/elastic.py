@@ -25,17 +25,17 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.errors import HexiSeqError, short
+from megatron_hexiseq.cluster import Cluster, cluster_to_dict, load_cluster
+from megatron_hexiseq.errors import HexiSeqError, run_user_command, short
+from megatron_hexiseq.io import check_outputs, write_text_atomic
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.run_config import CHECKPOINT_FORMAT
 
 # layout meta keys written by ``plan --exclude``
 EXCLUDED_KEY, GPU_INDICES_KEY = "excluded", "gpu_indices"
 # model fields a checkpoint's parameter shapes depend on (ModelSpec names = Megatron's)
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                       "vocab_size", "kv_channels", "swiglu", "normalization", "add_bias_linear")
-CHECKPOINT_FORMAT = {"distributed_optimizer": "torch_dist with the distributed optimizer",
-                     "fsdp": "fsdp_dtensor with Megatron-FSDP"}
 
 
 @dataclass(frozen=True)
@@ -232,10 +232,6 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
 
 def main(argv: list[str] | None = None) -> int:
     import yaml
-
-    from megatron_hexiseq.cli import run_user_command
-    from megatron_hexiseq.cluster import cluster_to_dict, load_cluster
-    from megatron_hexiseq.io import check_outputs, write_text_atomic
 
     parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.elastic", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,12 +1,16 @@
-"""The one error type for anything a user can cause, and the short form of values in messages.
+"""The one error type for anything a user can cause, the checks every spec shares, and the wrapper
+that turns a user error into one line on stderr and exit code 2.
 
-Its message says what is wrong and what to do next; the CLI prints it on one line and exits 2.
-Internal invariants use ``assert`` instead.
+A ``HexiSeqError``'s message says what is wrong and what to do next. Internal invariants use
+``assert`` instead. ``run_user_command`` is how every entry point (the CLI, the module CLIs, the
+Megatron launchers) runs its body.
 """
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+import signal
+import sys
+from typing import Any, Callable
 
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60
@@ -24,3 +28,51 @@ def short(value: Any) -> str:
         return f"<an integer of {len(str(value)) if value.bit_length() < 10_000 else 'thousands of'} digits>"
     text = _SHORT.repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def is_positive_int(value: Any, at_most: int | None = None) -> bool:
+    """An ``int`` (not a ``bool``) in ``[1, at_most]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value and (at_most is None or value <= at_most)
+
+
+def check_positive_int(name: str, value: Any, *, at_most: int | None = None, where: str = "") -> int:
+    """``value`` if :func:`is_positive_int`, else ``HexiSeqError("{where}: {name} must be a positive
+    integer, got {value}")`` (`` (at most N)`` added when it is an integer above ``at_most``)."""
+    if is_positive_int(value, at_most):
+        return value
+    big = f" (at most {at_most})" if at_most is not None and isinstance(value, int) and value > at_most else ""
+    prefix = f"{where}: " if where else ""
+    raise HexiSeqError(f"{prefix}{name} must be a positive integer, got {short(value)}{big}")
+
+
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_user_command(body: Callable[[], int | None], *, interrupts: bool = True) -> int:
+    """Run ``body`` as a command a person started: user errors one line + exit 2, SIGINT/SIGTERM
+    ``error: interrupted`` + exit 130 (children are killed on the way out), no traceback for either.
+
+    ``interrupts=False`` leaves the signal handlers alone (a Megatron training process: torchrun's
+    SIGTERM and Megatron's own exit-signal handler keep their meaning); user errors still exit 2."""
+    if not interrupts:
+        try:
+            return int(body() or 0)
+        except HexiSeqError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt), signal.getsignal(signal.SIGINT)
+    try:
+        return int(body() or 0)
+    except HexiSeqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `megatron-hexiseq show x | head`
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])

@@ -52,9 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     (matplotlib picks the format from the suffix). ``tmp`` is in the same folder with the same
     suffix; it replaces ``path`` (user's umask) only if the block succeeds."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise HexiSeqError(f"cannot write {path}: folder {folder} does not exist; create it first")
+    folder = _existing_folder(path, str(path))
     if path.is_symlink():
         raise HexiSeqError(f"cannot write {path}: it is a symbolic link; give the real path or remove the link")
     try:
@@ -98,9 +96,14 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]],
-                  inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+                  inputs: Iterable[str | os.PathLike | None] = (), *, figures: Iterable[str] = ()) -> None:
     """Before any long work: every ``(flag, path)`` in ``outputs`` (None = not requested) can be
-    written atomically and clobbers no input and no other output."""
+    written atomically and clobbers no input and no other output; the paths of the flags named in
+    ``figures`` are also figure formats matplotlib writes (:func:`check_plot_path`)."""
+    outputs = list(outputs)
+    for flag, raw in outputs:
+        if flag in figures:
+            check_plot_path(flag, raw)
     ins = [Path(p) for p in inputs if p]
     seen: list[tuple[str, Path]] = []
     for flag, raw in outputs:
@@ -123,15 +126,21 @@ def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]],
             if _same(path, other):
                 raise HexiSeqError(f"{flag} and {oflag} are the same file {path}; give two different paths")
         seen.append((flag, path))
-        folder = path.parent if str(path.parent) else Path(".")
-        if not folder.is_dir():
-            raise HexiSeqError(f"cannot write {flag} {path}: folder {folder} does not exist; create it first")
+        folder = _existing_folder(path, f"{flag} {path}")
         try:  # the only test that holds for root, read-only mounts and ACLs alike: create a file there
             fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
         except OSError as e:
             raise HexiSeqError(f"cannot write {flag} {path}: {e.strerror} (folder {folder})") from None
         os.close(fd)
         _unlink(probe)
+
+
+def _existing_folder(path: Path, what: str) -> Path:
+    """The folder ``path`` would be written in; a one-line error when it does not exist."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise HexiSeqError(f"cannot write {what}: folder {folder} does not exist; create it first")
+    return folder
 
 
 def _same(a: Path, b: Path) -> bool:

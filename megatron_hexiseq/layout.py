@@ -30,8 +30,10 @@ from functools import cached_property
 from importlib import resources
 from typing import Any, Mapping, Sequence
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int
 from megatron_hexiseq.io import read_json, write_json_atomic
+from megatron_hexiseq.model import ModelSpec
 
 FORMAT = "megatron-hexiseq/layout"
 VERSION = 1
@@ -201,24 +203,32 @@ def make_layout(
     seq_length: int,
     num_attention_heads: int,
     num_query_groups: int,
-    group_sizes: Sequence[int],
     segments: Sequence[Sequence[Segment]],
     heads: Sequence[Sequence[int]],
+    group_sizes: Sequence[int] | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
     hosts: Sequence[str] | None = None,
     gpus: Sequence[str] | None = None,
     **extra: Any,
 ) -> Layout:
-    """Build a Layout from per-rank lists; groups are consecutive runs of ``group_sizes`` ranks."""
-    world = sum(group_sizes)
+    """Build a Layout from per-rank lists (the one constructor from lists: tests, the planner's
+    ``build_layout``, the baselines). Groups: ``group_sizes`` (consecutive runs of ranks) or
+    ``groups`` (the ranks of each group, in group-id order); exactly one."""
+    if (group_sizes is None) == (groups is None):
+        raise HexiSeqError("give group_sizes or groups, not both or neither")
+    if groups is None:
+        assert group_sizes is not None
+        starts = [sum(group_sizes[:i]) for i in range(len(group_sizes))]
+        groups = [range(start, start + size) for start, size in zip(starts, group_sizes)]
+    world = sum(len(g) for g in groups)
     if len(segments) != world or len(heads) != world:
         raise HexiSeqError(
             f"need segments and heads for {world} ranks, got {len(segments)} and {len(heads)}"
         )
-    groups, rank_group, start = [], [], 0
-    for gid, size in enumerate(group_sizes):
-        groups.append(Group(id=gid, ranks=tuple(range(start, start + size))))
-        rank_group += [gid] * size
-        start += size
+    rank_group = [0] * world
+    for gid, members in enumerate(groups):
+        for r in members:
+            rank_group[r] = gid
     ranks = tuple(
         RankPlan(
             rank=r,
@@ -235,7 +245,7 @@ def make_layout(
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
         world_size=world,
-        groups=tuple(groups),
+        groups=tuple(Group(id=gid, ranks=tuple(members)) for gid, members in enumerate(groups)),
         ranks=ranks,
         **extra,
     )
@@ -259,6 +269,30 @@ def zigzag_segments(seq_length: int, cp: int) -> list[list[Segment]]:
 
 
 # ---- validation -----------------------------------------------------------------------------
+def check_matches(layout: Layout, cluster: Cluster, model: ModelSpec | None = None, *,
+                  source: str = "the layout") -> None:
+    """A layout runs on ``cluster`` (rank r on ``cluster.devices[r]``: same count, host and GPU type)
+    and, given ``model``, trains it (same heads, query groups and sequence length); otherwise a
+    one-line HexiSeqError that starts with ``source`` ("layout out.json", "the layout")."""
+    if layout.world_size != cluster.world_size:
+        raise HexiSeqError(f"{source} has {layout.world_size} ranks but cluster {cluster.name!r} has "
+                           f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for")
+    for plan, dev in zip(layout.ranks, cluster.devices):
+        if plan.gpu != dev.gpu.name or plan.host != dev.node:
+            raise HexiSeqError(f"{source} rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
+                               f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
+                               f"{cluster.name!r}?")
+    if model is None:
+        return
+    if (layout.num_attention_heads, layout.num_query_groups) != (model.num_attention_heads, model.num_query_groups):
+        raise HexiSeqError(f"{source} has {layout.num_attention_heads} heads in {layout.num_query_groups} query "
+                           f"groups but model {model.name!r} has {model.num_attention_heads} in "
+                           f"{model.num_query_groups}")
+    if layout.seq_length != model.seq_length:
+        raise HexiSeqError(f"{source} is planned for seq_length {layout.seq_length} but model {model.name!r} has "
+                           f"seq_length {model.seq_length}; pass --seq-length {layout.seq_length}")
+
+
 def _fail(msg: str) -> None:
     raise HexiSeqError(msg)
 
@@ -269,9 +303,7 @@ def _is_int(x: Any) -> bool:
 
 def _validate(lay: Layout) -> None:
     for name in ("seq_length", "num_attention_heads", "num_query_groups", "world_size"):
-        v = getattr(lay, name)
-        if not _is_int(v) or v <= 0:
-            _fail(f"{name} must be a positive integer, got {v!r}")
+        check_positive_int(name, getattr(lay, name))
     H, G, S, W = lay.num_attention_heads, lay.num_query_groups, lay.seq_length, lay.world_size
     if H % G:
         _fail(f"num_attention_heads={H} is not a multiple of num_query_groups={G}")

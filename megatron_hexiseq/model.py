@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Mapping
+from functools import cached_property
+from typing import Any, Iterator, Mapping
 
+from megatron_hexiseq import spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
 
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-MAX_SIZE = 2**31 - 1  # every size is an int32 somewhere in Megatron; larger is a typo (and overflows costs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,23 +45,12 @@ class ModelSpec:
     add_bias_linear: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str):
-            raise HexiSeqError(f"model name must be a string, got {short(self.name)}")
-        for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                  "vocab_size", "kv_channels", "seq_length", "micro_batch_size"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= MAX_SIZE:
-                big = f" (at most {MAX_SIZE})" if isinstance(v, int) and v > MAX_SIZE else ""
-                raise HexiSeqError(f"model {short(self.name)}: {f} must be a positive integer, got {short(v)}{big}")
-        for f in ("swiglu", "add_bias_linear"):
-            if not isinstance(getattr(self, f), bool):
-                raise HexiSeqError(f"model {short(self.name)}: {f} must be true or false, got {short(getattr(self, f))}")
+        # every field's type and range: schema/model.schema.json; here what a schema cannot say
+        spec_schema.check(self.to_dict(), "model", lambda path, spec: f"model {short(self.name)}"
+                          + "".join(f": {p}" for p in path))
         if self.num_attention_heads % self.num_query_groups:
             raise HexiSeqError(f"model {short(self.name)}: num_attention_heads={self.num_attention_heads} is not a "
                                f"multiple of num_query_groups={self.num_query_groups}")
-        if self.normalization not in NORMALIZATIONS:
-            raise HexiSeqError(f"model {short(self.name)}: normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                               f"got {short(self.normalization)}")
 
     @property
     def heads_per_query_group(self) -> int:
@@ -110,23 +99,45 @@ def _llama(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: in
                      swiglu=True, seq_length=seq, normalization="RMSNorm", add_bias_linear=False)
 
 
-MODEL_PRESETS: Mapping[str, ModelSpec] = MappingProxyType({m.name: m for m in (
-    # GPT-3 family shapes (Brown et al. 2020, Table 2.1: "2.7B", "6.7B", "13B"; the same shapes the
-    # Megatron(-DeepSpeed) example scripts list as "GPT-3 2.7B/6.7B/13B"), i.e. the HexiSeq paper's
-    # "GPT-style 3B/7B/13B"; ffn = 4h, GELU, LayerNorm, biases.
-    _gpt("gpt-3b", 32, 2560, 32),
-    _gpt("gpt-7b", 32, 4096, 32),
-    _gpt("gpt-13b", 40, 5120, 40),
-    # Llama 2 (Touvron et al. 2023; HF meta-llama/Llama-2-7b-hf and -13b-hf config.json).
-    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
-    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
-    # Llama 3 (Dubey et al. 2024, Table 3; HF meta-llama/Meta-Llama-3-8B and -70B config.json), GQA 8 groups.
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    # A tiny GPT for the CPU testbed (gloo ranks): 2 layers, 8 heads in 4 query groups (exercises GQA).
-    ModelSpec(name="gpt-tiny", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-              ffn_hidden_size=256, vocab_size=256, kv_channels=8, swiglu=False, seq_length=256),
-)})
+def _preset_specs() -> tuple[ModelSpec, ...]:
+    return (
+        # GPT-3 family shapes (Brown et al. 2020, Table 2.1: "2.7B", "6.7B", "13B"; the same shapes the
+        # Megatron(-DeepSpeed) example scripts list as "GPT-3 2.7B/6.7B/13B"), i.e. the HexiSeq paper's
+        # "GPT-style 3B/7B/13B"; ffn = 4h, GELU, LayerNorm, biases.
+        _gpt("gpt-3b", 32, 2560, 32),
+        _gpt("gpt-7b", 32, 4096, 32),
+        _gpt("gpt-13b", 40, 5120, 40),
+        # Llama 2 (Touvron et al. 2023; HF meta-llama/Llama-2-7b-hf and -13b-hf config.json).
+        _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+        _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+        # Llama 3 (Dubey et al. 2024, Table 3; HF meta-llama/Meta-Llama-3-8B and -70B config.json), GQA 8 groups.
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        # A tiny GPT for the CPU testbed (gloo ranks): 2 layers, 8 heads in 4 query groups (exercises GQA).
+        ModelSpec(name="gpt-tiny", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                  ffn_hidden_size=256, vocab_size=256, kv_channels=8, swiglu=False, seq_length=256),
+    )
+
+
+class _Presets(Mapping[str, ModelSpec]):
+    """The bundled presets by name, built (and validated) on first use: validating loads
+    ``jsonschema`` (0.1 s CPU), which ``megatron-hexiseq --help`` (~0.1 s CPU) does not need."""
+
+    @cached_property
+    def _specs(self) -> Mapping[str, ModelSpec]:
+        return MappingProxyType({m.name: m for m in _preset_specs()})
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        return self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+MODEL_PRESETS: Mapping[str, ModelSpec] = _Presets()
 
 _FIELDS = tuple(f.name for f in fields(ModelSpec))
 
@@ -149,7 +160,9 @@ def get_model(name: str | None = None, *, config_path: str | os.PathLike | None 
         where = f"model spec {config_path}"
         spec = _spec_from_yaml(data, where)
     extra = {k: v for k, v in overrides.items() if v is not None}
-    _no_unknown(extra, where + " overrides")
+    unknown = sorted(short(k) for k in extra if k not in _FIELDS)
+    if unknown:
+        raise HexiSeqError(f"{where} overrides: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}")
     return _build(spec | extra, where)
 
 
@@ -176,16 +189,9 @@ def _spec_from_yaml(data: Any, where: str) -> dict[str, Any]:
         if not isinstance(preset, str):
             raise HexiSeqError(f"{where}: preset must be a preset name, got {short(preset)}")
         base = _preset(preset).to_dict()
-    _no_unknown(data, where)
     spec = base | data
+    _check(spec, where)  # before the defaults below compute with the sizes
     spec.setdefault("name", "custom")
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                           "seq_length") if k not in spec]
-    if missing:
-        raise HexiSeqError(f"{where}: missing {', '.join(missing)}")
-    for k in ("hidden_size", "num_attention_heads"):
-        if not _pos_int(spec[k]):
-            raise HexiSeqError(f"{where}: {k} must be a positive integer, got {short(spec[k])}")
     heads, hidden = spec["num_attention_heads"], spec["hidden_size"]
     if "kv_channels" not in spec:
         if hidden % heads:
@@ -198,18 +204,13 @@ def _spec_from_yaml(data: Any, where: str) -> dict[str, Any]:
 
 
 def _build(spec: Mapping[str, Any], where: str) -> ModelSpec:
+    _check(spec, where)
     try:
         return ModelSpec(**spec)
     except HexiSeqError as e:
         raise HexiSeqError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
 
 
-def _no_unknown(d: Mapping[str, Any], where: str) -> None:
-    unknown = sorted(short(k) for k in d if k not in _FIELDS)
-    if unknown:
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-        raise HexiSeqError(f"{where}: unknown field(s) {shown}; allowed: {', '.join(_FIELDS)}")
-
-
-def _pos_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_SIZE
+def _check(spec: Mapping[str, Any], where: str) -> None:
+    """The spec against schema/model.schema.json: ``{where}: num_layers must be a positive integer, got -2``."""
+    spec_schema.check(spec, "model", lambda path, _: where + "".join(f": {p}" for p in path))

@@ -16,12 +16,12 @@ from __future__ import annotations
 import sys
 import time
 
+from megatron_hexiseq.errors import run_user_command
+
 _PROGRAM_START_TIME = time.time()
 
 
 def main() -> int:
-    from megatron_hexiseq.errors import HexiSeqError
-
     try:
         import pretrain_gpt as stock  # Megatron-LM's script, found on PYTHONPATH
     except ModuleNotFoundError as e:
@@ -33,12 +33,7 @@ def main() -> int:
     from megatron_hexiseq.megatron.plugin import run_pretrain
 
     stock._PROGRAM_START_TIME = min(getattr(stock, "_PROGRAM_START_TIME", _PROGRAM_START_TIME), _PROGRAM_START_TIME)
-    try:
-        run_pretrain(stock)
-    except HexiSeqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_user_command(lambda: run_pretrain(stock), interrupts=False)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ import sys
 from dataclasses import replace
 from typing import Any, Sequence
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.cluster import cluster_to_dict, load_cluster
+from megatron_hexiseq.errors import HexiSeqError, run_user_command
+from megatron_hexiseq.io import check_outputs, write_text_atomic
 
 MAX_HOSTS = 1_000_000
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -98,10 +100,6 @@ def _short(text: str, limit: int = 60) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import yaml
-
-    from megatron_hexiseq.cli import run_user_command
-    from megatron_hexiseq.cluster import cluster_to_dict, load_cluster
-    from megatron_hexiseq.io import check_outputs, write_text_atomic
 
     parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.slurm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -42,7 +42,7 @@ def test_plan_show_validate_simulate_round(files, capsys):
     out = capsys.readouterr().out
     assert "predicted throughput vs baselines" in out and "ring" in out and "status" in out
     lay = json.loads((files / "out.json").read_text())
-    assert lay["meta"]["chosen"] and lay["planner"]["solve_time_s"] > 0 and len(lay["baselines"]) >= 2
+    assert lay["meta"]["chosen"] and isinstance(lay["planner"]["solve_time_s"], float) and len(lay["baselines"]) >= 2
     assert main(["show", str(files / "out.json")]) == 0
     assert "h0" in capsys.readouterr().out
     assert main(["show", str(files / "out.json"), "--format", "json"]) == 0
@@ -136,7 +136,7 @@ def test_validate_errors(files, capsys):
     (files / "other.yaml").write_text(CLUSTER.replace("count: 2", "count: 4", 1))
     _error(capsys, ["validate", str(files / "out.json"), "--cluster", str(files / "other.yaml")], "has 6 GPUs")
     (files / "swap.yaml").write_text(CLUSTER.replace("H100-SXM-80GB", "H200-141GB"))
-    _error(capsys, ["validate", str(files / "out.json"), "--cluster", str(files / "swap.yaml")], "planned for H100")
+    _error(capsys, ["validate", str(files / "out.json"), "--cluster", str(files / "swap.yaml")], "rank 0 is on h0/H100-SXM-80GB but the cluster's device 0 is h0/H200-141GB")
 
 
 def test_simulate_errors(files, capsys):
@@ -146,7 +146,7 @@ def test_simulate_errors(files, capsys):
     assert main(_plan_args(files)) == 0
     capsys.readouterr()
     _error(capsys, ["simulate", "--cluster", str(files / "c.yaml"), "--model", "gpt-13b", "--layout",
-                    str(files / "out.json")], "has 32 heads but model 'gpt-13b' has 40")
+                    str(files / "out.json")], "has 32 heads in 32 query groups but model 'gpt-13b' has 40 in 40")
     _error(capsys, base + ["--layout", str(files / "out.json"), "--seq-length", "4096"], "planned for seq_length 32768")
     _error(capsys, base + ["--baselines", "--seq-length", "4096", "--plot", str(files / "no" / "x.png")], "create it first")
     assert main(base + ["--baselines", "--seq-length", "4096"]) == 0

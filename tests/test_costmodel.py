@@ -10,7 +10,6 @@ import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import (
-    TrainOptions,
     activation_bytes_per_token,
     alltoall_time_s,
     attention_bytes_per_group_token,
@@ -29,6 +28,14 @@ from megatron_hexiseq.costmodel.exchange import pairs_vec
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout, zigzag_segments
 from megatron_hexiseq.model import MODEL_PRESETS, ModelSpec
+from megatron_hexiseq.run_config import (
+    TrainOptions,
+    check_options_record,
+    megatron_flags,
+    modes_to_try,
+    options_from_record,
+    options_record,
+)
 
 import numpy as np
 
@@ -132,6 +139,28 @@ def test_train_options_validation():
         with pytest.raises(HexiSeqError):
             TrainOptions(**bad)
     assert TrainOptions.for_model(ModelSpec(**(TINY.to_dict() | {"micro_batch_size": 3}))).micro_batch_size == 3
+
+
+def test_run_config_modes_flags_and_record_round_trip():
+    # the automatic order and what --memory-mode / --recompute leave of it (written out by hand)
+    assert modes_to_try("auto", False) == (("distributed_optimizer", False), ("fsdp", False),
+                                           ("distributed_optimizer", True), ("fsdp", True))
+    assert modes_to_try("fsdp", False) == (("fsdp", False), ("fsdp", True))
+    assert modes_to_try("auto", True) == (("distributed_optimizer", True), ("fsdp", True))
+    with pytest.raises(HexiSeqError, match="--memory-mode must be one of auto, distributed_optimizer, fsdp"):
+        modes_to_try("zero3", False)
+    opts = TrainOptions(memory_mode="fsdp", recompute=True, micro_batch_size=2, data_parallel_size=3)
+    assert megatron_flags(opts)[:2] == ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+    assert megatron_flags(opts)[-6:] == ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                         "--recompute-num-layers", "1"]
+    assert megatron_flags(TrainOptions()) == ["--use-distributed-optimizer"]
+    record = options_record(opts, [TrainOptions(), opts])
+    assert record["memory_modes_tried"] == ["distributed_optimizer", "fsdp+recompute"]
+    assert options_from_record(check_options_record(record, "layout l.json")) == opts
+    with pytest.raises(HexiSeqError, match=r"layout l.json: meta.options.recompute must be bool, got 'yes'"):
+        check_options_record(record | {"recompute": "yes"}, "layout l.json")
+    with pytest.raises(HexiSeqError, match=r"layout l.json: meta.options: micro_batch_size must be a positive integer"):
+        check_options_record(record | {"micro_batch_size": 0}, "layout l.json")
 
 
 # ---- link model ----------------------------------------------------------------------------------

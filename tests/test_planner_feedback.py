@@ -8,12 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
-from megatron_hexiseq.costmodel import TrainOptions, estimate
+from megatron_hexiseq.costmodel import estimate
 from megatron_hexiseq.model import model_from_dict
 from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, surrogate_times
 from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.surrogate import build_surrogate
+from megatron_hexiseq.run_config import TrainOptions
 
 TINY_GQA = {"name": "gpt-tiny-gqa", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
             "num_query_groups": 2, "ffn_hidden_size": 512, "vocab_size": 512, "seq_length": 1024}

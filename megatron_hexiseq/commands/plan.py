@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
 from dataclasses import replace
 
+from megatron_hexiseq.cluster import cluster_to_dict
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.commands._progress import waiting
+from megatron_hexiseq.commands.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
 from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.planner.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
+from megatron_hexiseq.io import check_outputs
 
 EXAMPLES = """examples:
   megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \\
@@ -59,9 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.cluster import cluster_to_dict
-    from megatron_hexiseq.commands._progress import waiting
-    from megatron_hexiseq.io import check_outputs
+    # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
+    # (every command's parser) takes ~0.1 s CPU without them
     from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.report import print_layout
 
@@ -73,12 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "exact" and prob.cluster.world_size > 16:
         raise HexiSeqError(f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
                            "use the default hierarchical planner")
-    kwargs = dict(modes=prob.modes, time_limit_s=args.time_limit, method=args.method, reproducible=args.reproducible)
     with waiting(f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
                  enabled=args.format != "json") as say:
-        if "progress" in inspect.signature(plan).parameters:
-            kwargs["progress"] = say
-        layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, **kwargs)
+        layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, modes=prob.modes,
+                      time_limit_s=args.time_limit, method=args.method, reproducible=args.reproducible, progress=say)
     layout = replace(layout, meta={**layout.meta, CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster),
                                    MODEL_SPEC_KEY: prob.model.to_dict()})
     if prob.survivors is not None:

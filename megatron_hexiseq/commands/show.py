@@ -6,6 +6,8 @@ import json
 import sys
 
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.elastic import diff_layouts
+from megatron_hexiseq.layout import Layout
 
 EXAMPLES = """examples:
   megatron-hexiseq show layout.json
@@ -28,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.elastic import diff_layouts
-    from megatron_hexiseq.layout import Layout
+    # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
+    # (every command's parser) takes ~0.1 s CPU without them
     from megatron_hexiseq.planner.report import print_layout
 
     layout = Layout.load(args.layout)

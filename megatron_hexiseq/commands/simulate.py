@@ -8,8 +8,11 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.commands._progress import waiting
+from megatron_hexiseq.commands.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.planner.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
+from megatron_hexiseq.io import atomic_path, check_outputs
+from megatron_hexiseq.layout import Layout, check_matches
 
 EXAMPLES = """examples:
   megatron-hexiseq simulate --layout layout.json --baselines --plot sim.png
@@ -38,17 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.commands._progress import waiting
-    from megatron_hexiseq.commands.validate import check_against_cluster
-    from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path
-    from megatron_hexiseq.layout import Layout
+    # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
+    # (every command's parser) takes ~0.1 s CPU without them
     from megatron_hexiseq.planner.report import estimate_table, make_console, plot_estimates
     from megatron_hexiseq.planner.simulate import simulate
 
     if not args.layout and not args.baselines:
         raise HexiSeqError("nothing to simulate: give --layout L.json and/or --baselines")
-    check_plot_path("--plot", args.plot)
-    check_outputs([("--plot", args.plot)], inputs=[args.cluster, args.model_config, *args.layout])
+    check_outputs([("--plot", args.plot)], inputs=[args.cluster, args.model_config, *args.layout],
+                  figures=["--plot"])
     layouts = [(path, Layout.load(path)) for path in args.layout]
     seqs = {lay.seq_length for _, lay in layouts}
     if args.seq_length is None and len(seqs) > 1:
@@ -56,12 +57,7 @@ def run(args: argparse.Namespace) -> int:
     seq = args.seq_length if args.seq_length is not None else (seqs.pop() if seqs else None)
     prob = load_problem(args, seq_length=seq) if args.cluster else problem_from_layout(args, layouts, seq)
     for path, lay in layouts:
-        check_against_cluster(lay, prob.cluster)
-        if lay.seq_length != prob.seq_length:
-            raise HexiSeqError(f"layout {path} is planned for seq_length {lay.seq_length}, not {prob.seq_length}")
-        if lay.num_attention_heads != prob.model.num_attention_heads:
-            raise HexiSeqError(f"layout {path} has {lay.num_attention_heads} heads but model {prob.model.name!r} "
-                               f"has {prob.model.num_attention_heads}")
+        check_matches(lay, prob.cluster, prob.model, source=f"layout {path}")
     options = prob.options
     planned = [layout_options(lay, path) for path, lay in layouts if lay.meta.get("options") is not None]
     if args.memory_mode == "auto" and planned:

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_hexiseq.cluster import load_cluster
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.elastic import diff_layouts
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout, check_matches
 
 EXAMPLES = """examples:
   megatron-hexiseq validate layout.json
@@ -25,35 +28,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def check_against_cluster(layout, cluster) -> None:
-    """Rank r of the layout must run on cluster.devices[r]: same count, host and GPU type."""
-    if layout.world_size != cluster.world_size:
-        raise HexiSeqError(f"layout has {layout.world_size} ranks but cluster {cluster.name!r} has "
-                           f"{cluster.world_size} GPUs; plan again for this cluster")
-    for r, d in zip(layout.ranks, cluster.devices):
-        if r.host != d.node or r.gpu != d.gpu.name:
-            raise HexiSeqError(f"rank {r.rank} is planned for {r.gpu} on {r.host} but cluster {cluster.name!r} "
-                               f"has {d.gpu.name} on {d.node} there; plan again for this cluster")
-
-
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.layout import Layout
-
     layout = Layout.load(args.layout)
     diff = None
     if args.previous:
-        from megatron_hexiseq.elastic import diff_layouts
-
         diff = diff_layouts(Layout.load(args.previous), layout)
         if diff.resume_problems:
             raise HexiSeqError(f"{args.layout} cannot resume checkpoints written under {args.previous}: "
                                + "; ".join(diff.resume_problems))
     where = ""
     if args.cluster:
-        from megatron_hexiseq.cluster import load_cluster
-
         cluster = load_cluster(args.cluster)
-        check_against_cluster(layout, cluster)
+        check_matches(layout, cluster, source=f"layout {args.layout}")
         where = f", matches cluster {cluster.name!r}"
     sizes = sorted({len(g.ranks) for g in layout.groups})
     groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"

@@ -14,8 +14,6 @@ from megatron_hexiseq.costmodel.comm import (
 from megatron_hexiseq.costmodel.estimate import Estimate, RankEstimate, estimate, memory_floor_fits
 from megatron_hexiseq.costmodel.exchange import fan_units, kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
-    MEMORY_MODES,
-    TrainOptions,
     a2a_buffer_bytes_per_token,
     activation_bytes_per_token,
     attention_bytes_per_group_token,
@@ -31,8 +29,9 @@ from megatron_hexiseq.costmodel.formulas import (
     train_flops,
 )
 
+from megatron_hexiseq.run_config import TrainOptions  # what estimate() takes; defined with the memory modes
 __all__ = [
-    "Estimate", "MEMORY_MODES", "RankEstimate", "TrainOptions", "a2a_buffer_bytes_per_token",
+    "Estimate", "RankEstimate", "TrainOptions", "a2a_buffer_bytes_per_token",
     "activation_bytes_per_token", "alltoall_rank_times_s", "alltoall_time_s", "attention_bytes_per_group_token",
     "attention_flops_per_pair_head", "attention_s_per_pair_head", "causal_pairs", "estimate", "fan_units", "kv_block_bytes_per_token",
     "kv_exchange_forward", "layer_activation_bytes_per_token", "linear_flops_per_token", "linear_s_per_token",

@@ -33,7 +33,6 @@ from megatron_hexiseq.costmodel.comm import alltoall_time_s
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
     BF16_BYTES,
-    TrainOptions,
     a2a_buffer_bytes_per_token,
     activation_bytes_per_token,
     attention_bytes_per_group_token,
@@ -43,9 +42,9 @@ from megatron_hexiseq.costmodel.formulas import (
     linear_s_per_token,
     static_memory_bytes,
 )
-from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
 
 GIB = 2**30
 
@@ -110,7 +109,7 @@ class Estimate:
 
 def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()) -> Estimate:
     """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``)."""
-    _check_match(layout, cluster, model)
+    check_matches(layout, cluster, model)
     b, L = options.micro_batch_size, model.num_layers
     passes_fwd = 2 if options.recompute else 1
     static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
@@ -229,24 +228,6 @@ def _a2a_layer_s(layout: Layout, cluster: Cluster, model: ModelSpec, ranks: tupl
     out = [[unit * tj * hi for tj in tok] for hi in hq]
     return (alltoall_time_s(q, ranks, cluster) + 2 * alltoall_time_s(kv, ranks, cluster)
             + alltoall_time_s(out, ranks, cluster))
-
-
-def _check_match(layout: Layout, cluster: Cluster, model: ModelSpec) -> None:
-    if layout.world_size != cluster.world_size:
-        raise HexiSeqError(f"the layout has {layout.world_size} ranks but cluster {cluster.name!r} has "
-                           f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for")
-    for plan in layout.ranks:
-        dev = cluster.devices[plan.rank]
-        if plan.gpu != dev.gpu.name or plan.host != dev.node:
-            raise HexiSeqError(f"layout rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
-                               f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
-                               f"{cluster.name!r}?")
-    if (layout.num_attention_heads, layout.num_query_groups) != (model.num_attention_heads, model.num_query_groups):
-        raise HexiSeqError(f"the layout has {layout.num_attention_heads} heads in {layout.num_query_groups} query groups "
-                           f"but model {model.name!r} has {model.num_attention_heads} in {model.num_query_groups}")
-    if layout.seq_length != model.seq_length:
-        raise HexiSeqError(f"the layout is for seq_length {layout.seq_length} but model {model.name!r} says "
-                           f"{model.seq_length}; pass --seq-length {layout.seq_length}")
 
 
 def _sig(x: float) -> float:

@@ -6,56 +6,17 @@ b micro_batch_size. BF16 activations: 2 bytes per element. docs/cost_model.md de
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_hexiseq.cluster import Device
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
 
-MEMORY_MODES = ("distributed_optimizer", "fsdp")
 BF16_BYTES = 2
 FP32_BYTES = 4
 
 Segment = tuple[int, int]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainOptions:
-    """How one iteration is run (what Megatron's flags decide).
-
-    ``micro_batch_size``: sequences per rank per iteration (``--micro-batch-size``; the CLI copies
-    ``ModelSpec.micro_batch_size`` here unless told otherwise). ``recompute``: full activation
-    recompute (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``).
-    ``memory_mode``: ``distributed_optimizer`` (``--use-distributed-optimizer``) or ``fsdp``
-    (``--use-torch-fsdp2`` / Megatron FSDP: params, grads and optimizer state sharded).
-    ``data_parallel_size``: replicas of the layout; the optimizer shards over
-    ``data_parallel_size * world_size`` ranks (Megatron's ``dp_cp`` group).
-    ``capacity_fraction``: usable share of each device's memory.
-    """
-
-    micro_batch_size: int = 1
-    recompute: bool = False
-    memory_mode: str = "distributed_optimizer"
-    data_parallel_size: int = 1
-    capacity_fraction: float = 0.95
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "data_parallel_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise HexiSeqError(f"{name} must be a positive integer, got {v!r}")
-        if self.memory_mode not in MEMORY_MODES:
-            raise HexiSeqError(f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}")
-        if not isinstance(self.recompute, bool):
-            raise HexiSeqError(f"recompute must be true or false, got {self.recompute!r}")
-        if not 0 < self.capacity_fraction <= 1:
-            raise HexiSeqError(f"capacity_fraction must be in (0, 1], got {self.capacity_fraction!r}")
-
-    @classmethod
-    def for_model(cls, model: ModelSpec, **kwargs) -> "TrainOptions":
-        """Options whose micro-batch size comes from the model spec unless given."""
-        return cls(**({"micro_batch_size": model.micro_batch_size} | kwargs))
 
 
 # ---- FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
@@ -123,7 +84,7 @@ def static_memory_bytes(model: ModelSpec, options: TrainOptions, domain_size: in
     bf16 params 2 B + fp32 main grads 4 B replicated, fp32 master params + Adam m + v = 12 B sharded
     over ``domain_size`` (= DP x CP ranks): ``6*P + ceil(12*P / domain)``.
     ``fsdp`` (ZeRO-3): all 18 B/param sharded: ``ceil(18*P / domain)``. Gathered-parameter buffers
-    of FSDP (one layer at a time) are left out.
+    of FSDP (one layer at a time) are left out. (The modes and their flags: ``run_config``.)
     """
     if domain_size <= 0:
         raise HexiSeqError(f"domain_size must be positive, got {domain_size}")

@@ -3,7 +3,7 @@
 ``HexiSeqArgs`` declares every flag (name, type, default, help) as field metadata;
 ``add_hexiseq_args(parser)`` (Megatron's ``extra_args_provider``) registers them and
 ``HexiSeqArgs.from_namespace(args)`` reads them back after Megatron parsed its arguments.
-``tests/test_megatron_args.py`` pins the flag set.
+``tests/test_megatron_unit.py::test_flag_set_is_pinned`` pins the flag set.
 
 The plugin also requires the stock Megatron flags ``--cp-comm-type hexiseq`` (Megatron declares
 ``--cp-comm-type`` without ``choices``; the value reaches the core attention as ``cp_comm_type``)

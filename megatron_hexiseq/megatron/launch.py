@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int, run_user_command
 from megatron_hexiseq.io import read_yaml, write_text_atomic
 from megatron_hexiseq.layout import Layout
 
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p0.add_argument("-o", "--output", required=True)
     p1.add_argument("--layout", required=True)
     args = parser.parse_args(argv)
-    try:
-        if args.data_parallel < 1:
-            raise HexiSeqError(f"--data-parallel must be >= 1, got {args.data_parallel}")
+
+    def body() -> None:
+        check_positive_int("--data-parallel", args.data_parallel)
         data, nodes = _nodes(args.cluster)
         if args.command == "replica0":
             first = {**data, "nodes": split_replicas(nodes, args.data_parallel)[0]}
@@ -107,10 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for p in placements(Layout.load(args.layout), nodes, args.data_parallel):
                 print(p.rank, p.host, p.local_rank)
-    except HexiSeqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_user_command(body)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,12 @@ from typing import Any, Callable, Sequence
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout, split_evenly
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
+from megatron_hexiseq.run_config import TrainOptions
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.layout import Group, Layout, RankPlan, Segment
+from megatron_hexiseq.layout import Layout, Segment, make_layout
 
 
 def mirrored_group_chunks(seq_length: int, group_tokens: Sequence[int]) -> list[tuple[Segment, Segment]]:
@@ -105,27 +105,15 @@ def build_layout(
     assert start == seq_length, (start, seq_length)
     segments: list[list[Segment]] = [[] for _ in range(world)]
     heads: list[list[int]] = [[] for _ in range(world)]
-    rank_group = [0] * world
-    for gid, i in enumerate(order):
+    for i in order:
         members = sorted(groups[i])
         for r, segs in zip(members, split_group_sequence(chunks[i], [rank_tokens[r] for r in members])):
             segments[r] = segs
-            rank_group[r] = gid
         for r, hs in zip(members, head_ranges([rank_heads[r] for r in members])):
             heads[r] = hs
-    return Layout(
-        seq_length=seq_length,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups,
-        world_size=world,
-        groups=tuple(Group(id=gid, ranks=tuple(sorted(groups[i]))) for gid, i in enumerate(order)),
-        ranks=tuple(
-            RankPlan(rank=r, host=hosts[r], gpu=gpus[r], group=rank_group[r],
-                     segments=tuple(segments[r]), heads=tuple(heads[r]))
-            for r in range(world)
-        ),
-        **extra,
-    )
+    return make_layout(seq_length=seq_length, num_attention_heads=num_attention_heads,
+                       num_query_groups=num_query_groups, groups=[sorted(groups[i]) for i in order],
+                       segments=segments, heads=heads, hosts=hosts, gpus=gpus, **extra)
 
 
 def hosts_and_gpus(cluster: Cluster) -> tuple[list[str], list[str]]:

@@ -19,7 +19,7 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
@@ -30,6 +30,7 @@ from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
+from megatron_hexiseq.run_config import TrainOptions
 
 MAX_EXACT_GPUS = 16
 JOINT_DETERMINISTIC_TIME = 20.0  # CP-SAT limit of one grouping's joint model (deterministic seconds)

@@ -11,7 +11,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.arrange import ring_blocks
@@ -21,6 +21,7 @@ from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, 
 from megatron_hexiseq.planner.stage1_groups import Scored, candidate_groupings, score_arranged
 from megatron_hexiseq.planner.stage3_refine import floors, integer_split, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
+from megatron_hexiseq.run_config import TrainOptions
 
 FEEDBACK_GROUPINGS = 2
 # time-feedback schemes, each its own track of rounds from round 0 ("one": one factor per rank;

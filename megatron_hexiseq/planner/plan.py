@@ -9,11 +9,12 @@
 baseline or heuristic. ``planner.winner`` names it (family and name), ``planner.heuristics`` lists
 the heuristics' records as ``baselines`` lists the baselines'.
 
-Memory modes (``planner.modes``): each baseline and heuristic is scored in the first mode of
-``modes`` where it fits (its best); the planner runs in the first mode where it finds a feasible
-layout, starting at the first mode where some baseline or heuristic fits, and also in the mode of
-the best baseline or heuristic when that one is faster. The chosen
-mode is in ``meta.options`` with the Megatron flags it maps to.
+Memory modes (``run_config``; ``planner.feasibility`` skips those that cannot fit at all): each
+baseline and heuristic is scored in the first mode of ``modes`` where it fits (its best); the
+planner runs in the first mode where it finds a feasible layout, starting at the first mode where
+some baseline or heuristic fits, and also in the mode of the best baseline or heuristic when that
+one is faster. The chosen mode is in ``meta.options`` (``run_config.options_record``) with the
+Megatron flags it maps to.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
@@ -33,9 +34,10 @@ from megatron_hexiseq.planner.build import with_fields
 from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 from megatron_hexiseq.planner.candidate import Candidate, Deadline, fastest_feasible
 from megatron_hexiseq.planner.exact import MAX_EXACT_GPUS, exact_candidates
+from megatron_hexiseq.planner.feasibility import explain_infeasible, may_fit
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.hierarchical import planner_candidates
-from megatron_hexiseq.planner.modes import explain_infeasible, may_fit, megatron_flags, mode_label
+from megatron_hexiseq.run_config import TrainOptions, mode_label, options_record
 
 METHODS = ("hierarchical", "node", "exact")
 DEFAULT_TIME_LIMIT_S = 120.0
@@ -65,7 +67,7 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
          modes: Sequence[tuple[str, bool]] | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
          method: str = "hierarchical", reproducible: bool = False, progress: Progress | None = None) -> Layout:
     """The full planner. ``modes``: (memory_mode, recompute) pairs tried in order until one is
-    feasible (default: ``options``' own mode only); ``inputs.load_problem`` builds it from the flags.
+    feasible (default: ``options``' own mode only); ``commands.inputs.load_problem`` builds it from the flags.
 
     ``method``: "hierarchical" (Stages I-III), "node" (one group per node: the first planner) or
     "exact" (one CP-SAT model over all decisions; clusters of at most 16 GPUs).
@@ -176,11 +178,7 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
                "time_limit_s": time_limit_s, "time_limit_reached": deadline.reached,
                "heuristics": heur_records, "stages": info}
     meta = {"cluster": file_cluster.name, "model": model.name, "chosen": chosen,
-            "options": {"micro_batch_size": opts.micro_batch_size, "recompute": opts.recompute,
-                        "memory_mode": opts.memory_mode, "data_parallel_size": opts.data_parallel_size,
-                        "capacity_fraction": opts.capacity_fraction,
-                        "memory_modes_tried": [mode_label(o) for o in tried],
-                        "megatron_flags": megatron_flags(opts)}}
+            "options": options_record(opts, tried)}
     return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
 
 

@@ -6,10 +6,11 @@ from typing import Any, Sequence
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import Estimate, TrainOptions
+from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.baselines import baseline_layouts
+from megatron_hexiseq.run_config import TrainOptions
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,10 @@ from typing import Sequence
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import TrainOptions
 from megatron_hexiseq.layout import split_evenly
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
+from megatron_hexiseq.run_config import TrainOptions
 
 BYTES_PER_ELEMENT = 2  # bf16 activations
 

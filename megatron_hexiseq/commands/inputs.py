@@ -2,28 +2,32 @@
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from megatron_hexiseq.errors import HexiSeqError, short
+from megatron_hexiseq.cluster import Cluster, cluster_from_dict, load_cluster
+from megatron_hexiseq.elastic import Survivors, exclude, parse_exclusions
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec, get_model, model_from_dict
+from megatron_hexiseq.run_config import MEMORY_MODE_CHOICES, TrainOptions, check_options_record, modes_to_try
+from megatron_hexiseq.slurm import expand_hostlist, rename_hosts
 
-MEMORY_MODE_CHOICES = ("auto", "distributed_optimizer", "fsdp")
 MAX_COUNT = 2**31 - 1
 # what `plan` records in a layout's meta so that `simulate --layout` needs no --cluster / --model
 CLUSTER_SPEC_KEY, MODEL_SPEC_KEY = "cluster_spec", "model_spec"
-_OPTION_TYPES = {"micro_batch_size": int, "recompute": bool, "memory_mode": str, "data_parallel_size": int,
-                 "capacity_fraction": float, "memory_modes_tried": list, "megatron_flags": list}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Problem:
-    cluster: Any
-    model: Any
+    """What ``plan`` and ``simulate`` work on, from their flags (or a layout's recorded specs)."""
+
+    cluster: Cluster
+    model: ModelSpec
     seq_length: int
-    options: Any
+    options: TrainOptions
     modes: tuple[tuple[str, bool], ...]  # (memory_mode, recompute) to try, in order
-    survivors: Any = None  # --exclude: elastic.Survivors (the devices left and where they are)
+    survivors: Survivors | None = None  # --exclude: the devices left and where they are
 
 
 def add_problem_args(p: argparse.ArgumentParser, *, seq_required: bool = True, spec_required: bool = True) -> None:
@@ -58,64 +62,47 @@ def add_problem_args(p: argparse.ArgumentParser, *, seq_required: bool = True, s
 
 def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Problem:
     """Cluster, model and options from parsed args; every bad input is a one-line HexiSeqError."""
-    from megatron_hexiseq.cluster import load_cluster
-    from megatron_hexiseq.model import get_model
-
     seq = seq_length if seq_length is not None else args.seq_length
     if seq is None and not args.model_config:
         raise HexiSeqError(f"give --seq-length N for preset {args.model!r} (or a --model-config YAML, whose "
                            "seq_length is the default; or a --layout to take it from)")
-    if seq is not None and seq <= 0:
-        raise HexiSeqError(f"--seq-length must be a positive integer, got {seq}")
+    if seq is not None:
+        check_positive_int("--seq-length", seq)
     _check_counts(args)
     cluster = _with_hosts(args, load_cluster(args.cluster))
     model = get_model(args.model, config_path=args.model_config, overrides={"seq_length": seq})
     if getattr(args, "exclude", None) is None:
         return _problem(args, cluster, model)
-    from dataclasses import replace
-
-    from megatron_hexiseq.elastic import exclude, parse_exclusions
-
     kept = exclude(cluster, parse_exclusions(args.exclude))  # after --hosts: the allocation's names
     return replace(_problem(args, kept.cluster, model), survivors=kept)
 
 
-def _with_hosts(args: argparse.Namespace, cluster: Any) -> Any:
+def _with_hosts(args: argparse.Namespace, cluster: Cluster) -> Cluster:
     """``--hosts``: the cluster's nodes, in file order, renamed after the given hosts."""
     if not getattr(args, "hosts", None):
         return cluster
-    from megatron_hexiseq.slurm import expand_hostlist, rename_hosts
-
     return rename_hosts(cluster, expand_hostlist(args.hosts))
 
 
 def _check_counts(args: argparse.Namespace) -> None:
     for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--data-parallel-size", args.data_parallel_size)):
-        if value is not None and not 0 < value <= MAX_COUNT:
-            raise HexiSeqError(f"{flag} must be a positive integer (at most {MAX_COUNT}), got {value}")
+        if value is not None:
+            check_positive_int(flag, value, at_most=MAX_COUNT)
 
 
-def _problem(args: argparse.Namespace, cluster: Any, model: Any) -> Problem:
-    from megatron_hexiseq.costmodel import TrainOptions
-    from megatron_hexiseq.planner.modes import AUTO_MODES
-
-    seq = model.seq_length
-    mode = "distributed_optimizer" if args.memory_mode == "auto" else args.memory_mode
-    options = TrainOptions(micro_batch_size=args.micro_batch_size or model.micro_batch_size,
-                           recompute=bool(args.recompute), memory_mode=mode,
-                           data_parallel_size=args.data_parallel_size)
-    modes = tuple((m, r) for m, r in AUTO_MODES
-                  if (args.memory_mode == "auto" or m == args.memory_mode) and (r or not args.recompute))
-    return Problem(cluster=cluster, model=model, seq_length=seq, options=options, modes=modes)
+def _problem(args: argparse.Namespace, cluster: Cluster, model: ModelSpec) -> Problem:
+    modes = modes_to_try(args.memory_mode, bool(args.recompute))
+    options = TrainOptions.for_model(model, recompute=bool(args.recompute), memory_mode=modes[0][0],
+                                     data_parallel_size=args.data_parallel_size,
+                                     **({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else {}))
+    return Problem(cluster=cluster, model=model, seq_length=model.seq_length, options=options, modes=modes)
 
 
-def problem_from_layout(args: argparse.Namespace, layouts: Sequence[tuple[str, Any]], seq_length: int | None) -> Problem:
+def problem_from_layout(args: argparse.Namespace, layouts: Sequence[tuple[str, Layout]],
+                        seq_length: int | None) -> Problem:
     """The problem ``plan`` solved for the first layout: its recorded cluster and model specs
     (``meta.cluster_spec`` / ``meta.model_spec``), ``--model``/``--model-config`` and ``--hosts``
     still override."""
-    from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.model import get_model, model_from_dict
-
     if not layouts:
         raise HexiSeqError("give --cluster C.yaml and --model NAME (or a --layout planned by 'megatron-hexiseq plan')")
     path, layout = layouts[0]
@@ -138,28 +125,8 @@ def problem_from_layout(args: argparse.Namespace, layouts: Sequence[tuple[str, A
     return _problem(args, cluster, model)
 
 
-def layout_options(layout: Any, path: str) -> dict[str, Any]:
-    """A layout's ``meta.options`` (the training options ``plan`` used), type-checked: a hand-edited
-    value is a one-line error naming the key, not a traceback later."""
+def layout_options(layout: Layout, path: str) -> dict[str, Any]:
+    """A layout's ``meta.options`` (the training options ``plan`` used), type-checked
+    (``run_config.check_options_record``); empty when the layout records none."""
     opts = layout.meta.get("options") if isinstance(layout.meta, Mapping) else None
-    if opts is None:
-        return {}
-    if not isinstance(opts, Mapping):
-        raise HexiSeqError(f"layout {path}: meta.options must be a mapping, got {short(opts)}; re-plan the layout")
-    for key, value in opts.items():
-        want = _OPTION_TYPES.get(key)
-        ok = want is None or (isinstance(value, want) and not (want is int and isinstance(value, bool)))
-        if want is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok:
-            raise HexiSeqError(f"layout {path}: meta.options.{key} must be {want.__name__}, got {short(value)}; "
-                               "re-plan the layout or fix the value")
-    from megatron_hexiseq.costmodel import TrainOptions
-
-    keep = {k: opts[k] for k in ("micro_batch_size", "recompute", "memory_mode", "data_parallel_size",
-                                 "capacity_fraction") if k in opts}
-    try:
-        TrainOptions(**keep)
-    except HexiSeqError as e:
-        raise HexiSeqError(f"layout {path}: meta.options: {e}; re-plan the layout") from None
-    return dict(opts)
+    return check_options_record(opts, f"layout {path}")

@@ -1,35 +1,16 @@
-"""Memory modes the planner tries, their Megatron-LM flags, and the one-line infeasibility message.
+"""Can a memory mode fit at all, and the one-line message when none does.
 
-``--memory-mode auto`` tries the modes of ``AUTO_MODES`` in order of modelled overhead: distributed
-optimizer, fsdp, distributed optimizer + recompute, fsdp + recompute (``may_fit`` skips a mode whose
-free memory cannot even hold the activations). ``megatron_flags`` maps a mode to the flags that realise
-it; ``explain_infeasible`` says which GPU type runs out of memory, by how much, and what would help.
+The modes, their flags and the automatic order are in ``megatron_hexiseq.run_config``; these two
+checks need the cost model's byte formulas, so they live above ``costmodel``. ``may_fit`` skips a
+mode whose free memory cannot even hold the activations; ``explain_infeasible`` says which GPU
+type runs out of memory, by how much, and what would help.
 """
 from __future__ import annotations
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel import TrainOptions
 from megatron_hexiseq.model import ModelSpec
-
-MEMORY_FLAGS = {
-    "distributed_optimizer": ["--use-distributed-optimizer"],
-    # Megatron-FSDP's required set (megatron/core/distributed/fsdp README, "Required Configurations")
-    "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-             "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
-}
-RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-AUTO_MODES = (("distributed_optimizer", False), ("fsdp", False), ("distributed_optimizer", True), ("fsdp", True))
-
-
-def megatron_flags(options: TrainOptions) -> list[str]:
-    """Megatron-LM flags that realise a memory mode (see docs/planner.md)."""
-    return MEMORY_FLAGS[options.memory_mode] + (RECOMPUTE_FLAGS if options.recompute else [])
-
-
-def mode_label(options: TrainOptions) -> str:
-    """``fsdp+recompute``-style name of a memory mode."""
-    return f"{options.memory_mode}{'+recompute' if options.recompute else ''}"
+from megatron_hexiseq.run_config import TrainOptions, mode_label
 
 
 def may_fit(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions) -> bool:
