@@ -109,7 +109,8 @@ def check_kernels(device: torch.device, kernels: list[Kernel], layouts: int, qui
         gen = torch.Generator().manual_seed(i)
         q = torch.randn(S, 1, H, D, generator=gen).to(dtype).to(device)
         k, v = (torch.randn(S, 1, G, D, generator=gen).to(dtype).to(device) for _ in range(2))
-        for r in (g.ranks[0] for g in lay.groups):  # one rank per group: the group sequence, all heads
+        # one rank per group that holds heads (a 0-head rank posts no sub-ring step): the group sequence, all heads
+        for r in (next(x for x in g.ranks if lay.ranks[x].heads) for g in lay.groups):
             gen_r = torch.Generator().manual_seed(1000 * i + r)
             dout = torch.zeros(S, 1, H, D, device=device, dtype=dtype)
             rows = torch.tensor(runs_positions(build_schedule(lay, r).q_runs), device=device)
