@@ -168,14 +168,17 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hexiseq.layout import make_layout
-    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
+    from megatron_hexiseq.megatron.config import cpu_device_shim, transformer_config
+    from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
     from megatron_hexiseq.megatron.rope import install_rope
     from megatron_hexiseq.megatron.spec import hexiseq_spec
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT, cpu_device_shim
+    from megatron_hexiseq.model import ModelSpec
 
     S = 256 if quick else 4096
-    tiny = TinyGPT(num_layers=2, hidden_size=256 if not quick else 64, num_attention_heads=8, num_query_groups=2,
-                   ffn_hidden_size=512 if not quick else 96, vocab_size=512)
+    h = 256 if not quick else 64
+    tiny = ModelSpec(name="gpu-check", num_layers=2, hidden_size=h, num_attention_heads=8, num_query_groups=2,
+                     ffn_hidden_size=512 if not quick else 96, vocab_size=512, kv_channels=h // 8, swiglu=True,
+                     seq_length=S, normalization="RMSNorm", add_bias_linear=False)
     lay = make_layout(seq_length=S, num_attention_heads=8, num_query_groups=2, group_sizes=[1], segments=[[(0, S)]],
                       heads=[list(range(8))])
     _init_world(device)
@@ -183,7 +186,7 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
     losses = {}
     try:
         for name in ("stock", "hexiseq"):
-            config = tiny.transformer_config(context_parallel_size=1)
+            config = transformer_config(tiny)
             config.bf16 = True
             spec = get_gpt_layer_local_spec(normalization=tiny.normalization)
             runtime = None

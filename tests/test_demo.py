@@ -10,10 +10,9 @@ import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions
-from megatron_hexiseq.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config
+from megatron_hexiseq.testbed.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.megatron.train_cpu import TinyGPT
 from megatron_hexiseq.model import model_from_dict
 from megatron_hexiseq.planner.plan import plan
 
@@ -50,8 +49,11 @@ def test_planner_picks_an_uneven_layout_for_the_testbed():
 
 def test_cpu_driver_rejects_models_it_cannot_build():
     bad = model_from_dict({**MODEL, "kv_channels": 4})
+    one_rank = make_layout(seq_length=384, num_attention_heads=8, num_query_groups=2, group_sizes=[1],
+                           segments=[[(0, 384)]], heads=[list(range(8))])
+    driver_config(one_rank, model_from_dict(MODEL), steps=2)  # the same layout with a buildable model
     with pytest.raises(HexiSeqError, match="kv_channels"):
-        TinyGPT.from_spec(bad)
+        driver_config(one_rank, bad, steps=2)
 
 
 def test_layouts_megatron_cannot_run_fail_before_any_process_starts():
