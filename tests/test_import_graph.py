@@ -4,7 +4,8 @@ Layers: (a) only (no processes): every module of ``megatron_hexiseq`` is parsed 
 (nothing is imported), each ``import``/``from ... import`` of an own module becomes an edge, at
 module top and inside functions alike. ``from package import name`` counts as an edge to
 ``package.name`` when that is a module, else to ``package``. A module's edge to its own parent
-package ``__init__`` is dropped (Python runs the parent first anyway). (b) and (c): none.
+package ``__init__`` is dropped (Python runs the parent first anyway). Every imported own module
+must exist in this tree. (b) and (c): none.
 
 Library = every module outside ``megatron_hexiseq.testbed``, ``megatron_hexiseq.commands``,
 ``cli``, ``__main__`` and ``pretrain_gpt`` (the entry points).
@@ -47,26 +48,41 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(module: str) -> set[str]:
-    """Own modules that ``module`` imports anywhere in its file."""
+def _renamed(name: str) -> str:
+    return next((new + name[len(old):] for old, new in RENAMED.items()
+                 if old not in MODULES and (name == old or name.startswith(old + "."))), name)
+
+
+def _own_imports(module: str) -> list[tuple[str, list[str]]]:
+    """``(imported module, names it is asked for)`` of every own-package import in ``module``'s file."""
     tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
-    found: set[str] = set()
+    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            out += [(_renamed(a.name), []) for a in node.names if a.name.split(".")[0] == PACKAGE]
         elif isinstance(node, ast.ImportFrom):
             src = _resolve(module, node)
-            targets = [f"{src}.{a.name}" if f"{src}.{a.name}" in MODULES else src for a in node.names]
-        else:
-            continue
-        for name in targets:
-            name = next((new + name[len(old):] for old, new in RENAMED.items()
-                         if old not in MODULES and (name == old or name.startswith(old + "."))), name)
+            if src.split(".")[0] == PACKAGE:
+                out.append((_renamed(src), [a.name for a in node.names]))
+    return out
+
+
+def imports_of(module: str) -> set[str]:
+    """Own modules that ``module`` imports anywhere in its file."""
+    found: set[str] = set()
+    for src, names in _own_imports(module):
+        for name in [f"{src}.{n}" if f"{src}.{n}" in MODULES else src for n in names] or [src]:
             while name and name not in MODULES:  # "pkg.mod.attr" -> "pkg.mod"
                 name = name.rpartition(".")[0]
             if name and name != module and not module.startswith(name + "."):
                 found.add(name)
     return found
+
+
+def missing_imports(module: str) -> list[str]:
+    """Own modules ``module`` imports that are not in the tree (an editable install elsewhere
+    would quietly supply them)."""
+    return sorted({src for src, _ in _own_imports(module) if src not in MODULES})
 
 
 MODULES = module_names()
@@ -153,6 +169,11 @@ def test_cycle_finder_on_a_known_graph() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
     assert sorted(map(tuple, find_cycles(graph))) == [("a", "b", "c", "a"), ("e", "e2", "e")]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_own_import_exists(module: str) -> None:
+    assert not missing_imports(module), f"{module} imports modules that do not exist: {missing_imports(module)}"
 
 
 def test_no_import_cycles() -> None:
