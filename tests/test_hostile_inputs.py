@@ -284,7 +284,7 @@ def test_plot_with_unsupported_extension_fails_first(d, capsys, no_long_work):
 
 
 def test_demo_checks_every_output_before_training(d, capsys, monkeypatch):
-    from megatron_hexiseq import demo
+    from megatron_hexiseq.testbed import demo
 
     layout = _layout(d, capsys)
     _stop_long_work(monkeypatch)
