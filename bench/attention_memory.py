@@ -24,7 +24,7 @@ import torch
 from _common import write_outputs
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
 from megatron_hexiseq.layout import Layout, make_layout
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 H, G, D, B = 4, 2, 32, 1
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_hexiseq.io import write_text_atomic
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 WORLD = 4
 

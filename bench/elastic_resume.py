@@ -26,6 +26,7 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -35,10 +36,9 @@ from _common import write_outputs  # noqa: E402
 from megatron_hexiseq.cluster import cluster_from_dict  # noqa: E402
 from megatron_hexiseq.costmodel import TrainOptions  # noqa: E402
 from megatron_hexiseq.elastic import diff_layouts, exclude, parse_exclusions, record_exclusions  # noqa: E402
-from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, train_rank  # noqa: E402
-from megatron_hexiseq.model import model_from_dict  # noqa: E402
+from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank  # noqa: E402
 from megatron_hexiseq.planner.plan import plan  # noqa: E402
-from megatron_hexiseq.testing import run_ranks  # noqa: E402
+from megatron_hexiseq.testbed.spawn import run_ranks  # noqa: E402
 
 CLUSTER = {"name": "cpu-testbed-2x2",
            "gpus": {"FAST-CPU": {"bf16_tflops": 0.2, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
@@ -51,11 +51,7 @@ FP32_U = 2.0**-24
 
 def layouts(seq: int):
     """The planner's 4-GPU layout and its layout for the 3 GPUs left without ``LOST``."""
-    t = TinyGPT()
-    model = model_from_dict({"name": "tiny-gpt", "num_layers": t.num_layers, "hidden_size": t.hidden_size,
-                             "num_attention_heads": t.num_attention_heads, "num_query_groups": t.num_query_groups,
-                             "ffn_hidden_size": t.ffn_hidden_size, "vocab_size": t.vocab_size, "swiglu": True,
-                             "normalization": "RMSNorm", "add_bias_linear": False, "seq_length": seq})
+    model = replace(TINY_GPT, seq_length=seq)
     cluster = cluster_from_dict(CLUSTER)
     full = plan(cluster, model, seq, TrainOptions(), time_limit_s=2, reproducible=True)
     kept = exclude(cluster, parse_exclusions(LOST))
@@ -108,7 +104,7 @@ def main() -> int:
     chain = first.losses + second.losses + last.losses
     n = args.seq  # tokens of the global batch (micro batch 1, DP 1)
     gamma = n * FP32_U / (1 - n * FP32_U)
-    tol = 2 * gamma * (TinyGPT().num_layers + 1)
+    tol = 2 * gamma * (TINY_GPT.num_layers + 1)
     rel_loss = [abs(a - b) / b for a, b in zip(chain, full.losses)]
     exact = all(torch.equal(after.resumed["params"][k], before.params[k]) and all(
         torch.equal(after.resumed["opt_state"][k][s], before.opt_state[k][s]) for s in before.opt_state[k])

@@ -34,12 +34,21 @@ import torch
 import torch.distributed as dist
 
 from _common import write_outputs
+from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
 from megatron_hexiseq.attention.kernel_check import (BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound,
                                                      normwise_error)
 from megatron_hexiseq.attention.kernels import Kernel, block_backward, block_forward, merge_into
 from megatron_hexiseq.attention.peers import build_schedule, runs_positions
 from megatron_hexiseq.attention.reference import reference_attention
 from megatron_hexiseq.attention.testing_layouts import random_layout
+from megatron_hexiseq.layout import make_layout
+from megatron_hexiseq.megatron.config import cpu_device_shim, transformer_config
+from megatron_hexiseq.megatron.loss import per_token_loss
+from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
+from megatron_hexiseq.megatron.rope import install_rope
+from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
+from megatron_hexiseq.megatron.spec import hexiseq_spec
+from megatron_hexiseq.model import ModelSpec
 
 
 def _init_world(device: torch.device) -> None:
@@ -168,15 +177,12 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hexiseq.layout import make_layout
-    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
-    from megatron_hexiseq.megatron.rope import install_rope
-    from megatron_hexiseq.megatron.spec import hexiseq_spec
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT, cpu_device_shim
 
     S = 256 if quick else 4096
-    tiny = TinyGPT(num_layers=2, hidden_size=256 if not quick else 64, num_attention_heads=8, num_query_groups=2,
-                   ffn_hidden_size=512 if not quick else 96, vocab_size=512)
+    h = 256 if not quick else 64
+    tiny = ModelSpec(name="gpu-check", num_layers=2, hidden_size=h, num_attention_heads=8, num_query_groups=2,
+                     ffn_hidden_size=512 if not quick else 96, vocab_size=512, kv_channels=h // 8, swiglu=True,
+                     seq_length=S, normalization="RMSNorm", add_bias_linear=False)
     lay = make_layout(seq_length=S, num_attention_heads=8, num_query_groups=2, group_sizes=[1], segments=[[(0, S)]],
                       heads=[list(range(8))])
     _init_world(device)
@@ -184,7 +190,7 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
     losses = {}
     try:
         for name in ("stock", "hexiseq"):
-            config = tiny.transformer_config(context_parallel_size=1)
+            config = transformer_config(tiny)
             config.bf16 = True
             spec = get_gpt_layer_local_spec(normalization=tiny.normalization)
             runtime = None
@@ -197,7 +203,6 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
             elif device.type == "cpu":
                 from megatron.core.transformer.spec_utils import ModuleSpec
 
-                from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
                 spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=LocalCausalAttention)
             torch.manual_seed(1234)
             with cpu_device_shim():
@@ -220,8 +225,6 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def _train(model, opt, g, vocab: int, S: int, device: torch.device, losses: list[float]) -> None:
-    from megatron_hexiseq.megatron.loss import per_token_loss
-
     for _ in range(3):
         text = torch.randint(0, vocab, (1, S + 1), generator=g).to(device)
         out = model(text[:, :-1], torch.arange(S, device=device)[None], None, labels=text[:, 1:])
@@ -234,9 +237,6 @@ def _train(model, opt, g, vocab: int, S: int, device: torch.device, losses: list
 
 # ---- 4. throughput against torch SDPA ----------------------------------------------------------
 def check_throughput(device: torch.device, quick: bool) -> dict[str, Any]:
-    from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
-    from megatron_hexiseq.layout import make_layout
-
     S, H, G, D = (1024, 8, 2, 32) if quick else (32768, 32, 8, 128)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lay = make_layout(seq_length=S, num_attention_heads=H, num_query_groups=G, group_sizes=[1], segments=[[(0, S)]],

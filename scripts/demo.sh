@@ -18,5 +18,5 @@ megatron-hexiseq profile --testbed "$TESTBED" --memory-gib 4 --model-config "$MO
 echo "== 2/3 plan"
 megatron-hexiseq plan --cluster "$OUT/cluster.yaml" --model-config "$MODEL" --seq-length "$SEQ" -o "$OUT/layout.json"
 echo "== 3/3 train twice: best symmetric layout vs HexiSeq layout"
-python -m megatron_hexiseq.demo --cluster "$OUT/cluster.yaml" --layout "$OUT/layout.json" \
+python -m megatron_hexiseq.testbed.demo --cluster "$OUT/cluster.yaml" --layout "$OUT/layout.json" \
   --model-config "$MODEL" --testbed "$TESTBED" --steps "$STEPS" -o "$OUT/demo.json" --plot "$OUT/demo.png"

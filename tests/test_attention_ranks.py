@@ -21,7 +21,7 @@ from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func, 
 from megatron_hexiseq.attention.kernel_check import BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound, normwise_error
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 

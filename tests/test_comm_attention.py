@@ -17,7 +17,7 @@ from megatron_hexiseq.attention.comm import uneven_all_to_all
 from megatron_hexiseq.attention.ring import ring_attn_func
 from megatron_hexiseq.attention.ulysses import ulysses_attn_func
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 B, D, F64 = 2, 3, 8  # batch, head dim, bytes per float64
 

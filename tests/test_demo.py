@@ -2,20 +2,25 @@
 
 A fixed heterogeneous 3-rank cluster (one fast core, two ranks sharing a slow one), a tiny model,
 the real planner: the HexiSeq layout differs from the best symmetric one, both train 2 steps from
-the same weights on the same data, and their losses agree (exact attention => only fp reordering).
+the same weights on the same data, and their losses agree with each other and with the
+single-process reference (exact attention => only fp reordering; the bound is
+``test_megatron_gpt.reordering_tolerance``). Layer (a) for the checks before any process starts.
 """
 import os
 
 import pytest
+import torch
+from test_megatron_gpt import reordering_tolerance  # the fp32 two-orderings bound, derived there
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions
-from megatron_hexiseq.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.megatron.train_cpu import TinyGPT
 from megatron_hexiseq.model import model_from_dict
 from megatron_hexiseq.planner.plan import plan
+from megatron_hexiseq.testbed.demo import LOSS_RTOL, best_symmetric_layout, compare, driver_config
+from megatron_hexiseq.testbed.spawn import run_ranks
+from megatron_hexiseq.testbed.train import reference_rank
 
 CLUSTER = {
     "name": "testbed-1+2",
@@ -50,8 +55,11 @@ def test_planner_picks_an_uneven_layout_for_the_testbed():
 
 def test_cpu_driver_rejects_models_it_cannot_build():
     bad = model_from_dict({**MODEL, "kv_channels": 4})
+    one_rank = make_layout(seq_length=384, num_attention_heads=8, num_query_groups=2, group_sizes=[1],
+                           segments=[[(0, 384)]], heads=[list(range(8))])
+    driver_config(one_rank, model_from_dict(MODEL), steps=2)  # the same layout with a buildable model
     with pytest.raises(HexiSeqError, match="kv_channels"):
-        TinyGPT.from_spec(bad)
+        driver_config(one_rank, bad, steps=2)
 
 
 def test_layouts_megatron_cannot_run_fail_before_any_process_starts():
@@ -73,3 +81,7 @@ def test_symmetric_and_hexiseq_training_losses_agree():
     assert all(abs(a - b) <= LOSS_RTOL * abs(a) for a, b in zip(s, h))
     assert rec["symmetric"]["per_rank_tokens"] != rec["hexiseq"]["per_rank_tokens"]
     assert rec["speedup_predicted"] > 1.0
+    cfg = driver_config(layout, model, steps=2)
+    ref = run_ranks(reference_rank, 1, cfg)[0].losses  # same weights and data, unsharded, one process
+    for losses in (s, h):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=reordering_tolerance(cfg), atol=0)

@@ -1,6 +1,6 @@
 """Lose a GPU, keep training: checkpoint, re-plan, resume on another world size. Layer (b), gloo.
 
-The CPU driver (``megatron/train_cpu.py`` + ``train_cpu_ckpt.py``: tiny Megatron GPT, Megatron DDP,
+The CPU driver (``testbed/train.py`` + ``testbed/ckpt.py``: tiny Megatron GPT, Megatron DDP,
 AdamW, ``dist_checkpointing`` torch_dist) on layouts planned by the real planner for a small CPU
 cluster spec (2 nodes x 2 devices of two speeds): the 4-rank layout, and ``plan --exclude cpu1:0``
 for the 3 GPUs left.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,8 +31,8 @@ from megatron_hexiseq.cli import main
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.megatron.checkpoint import TRACKER, check_before_training
-from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, train_rank
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 CLUSTER = """name: cpu-testbed-2x2
 gpus:
@@ -41,7 +42,7 @@ nodes:
   - {name: cpu0, gpu: FAST-CPU, count: 2, network_GBps: 1}
   - {name: cpu1, gpu: SLOW-CPU, count: 2, network_GBps: 1}
 """
-TINY = TinyGPT()  # 4 layers, hidden 64, GQA 8/2, SwiGLU, RMSNorm, vocab 128
+TINY = TINY_GPT  # 4 layers, hidden 64, GQA 8/2, SwiGLU, RMSNorm, vocab 128
 MODEL = f"""name: tiny-gpt
 num_layers: {TINY.num_layers}
 hidden_size: {TINY.hidden_size}
@@ -81,7 +82,7 @@ def _save_megatron_style(folder: str, args: argparse.Namespace) -> str:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_hexiseq.megatron.train_cpu_ckpt import checkpoint_shim
+    from megatron_hexiseq.testbed.ckpt import checkpoint_shim
 
     step = os.path.join(folder, "iter_0000005")
     if dist.get_rank() == 0:
@@ -131,7 +132,7 @@ def runs(tmp_path_factory):
         ("train", TrainConfig(layout=l4, **cfg, load_dir=d34))], timeout_s=600)[0]
     per_rank = run_ranks(_jobs, 3, [
         ("train", TrainConfig(layout=l3, **cfg, load_dir=d43)),
-        ("refused", TrainConfig(layout=l3, **cfg, load_dir=d43, model=TinyGPT(num_layers=2))),
+        ("refused", TrainConfig(layout=l3, **cfg, load_dir=d43, model=replace(TINY_GPT, num_layers=2))),
         ("refused", TrainConfig(layout=seq64, **cfg, load_dir=d43)),
         ("refused", TrainConfig(layout=l3, **cfg, load_dir=d43, data_seed=7))], timeout_s=600)
     return {"uninterrupted": a4, "4->3": (s4, per_rank[0][0]), "3->4": (s3, r4),

@@ -12,8 +12,9 @@ from megatron_hexiseq.cli import main
 from megatron_hexiseq.cluster import cluster_from_dict, cluster_to_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.fixed_costs import calibration_heads, calibration_layouts, can_calibrate, fit_latencies
+from megatron_hexiseq.testbed.calibrate import calibration_heads, calibration_layouts, can_calibrate, fit_latencies
 from megatron_hexiseq.model import get_model
+from megatron_hexiseq.profile.measure import significant
 from megatron_hexiseq.planner.baselines import hosts_and_gpus
 
 
@@ -108,9 +109,17 @@ def test_profile_with_a_model_measures_fixed_costs(tmp_path):
     raw = json.loads((tmp_path / "cluster.raw.json").read_text())
     fit = raw["latency_fit"]
     assert fit["a2a"]["steps"] == 8 and fit["p2p"]["steps"] == 3  # 1 round: K/V, K/V again, dK/dV
-    for d in cluster.devices:
-        assert d.step_overhead_s > 0 and d.collective_latency_s >= 0 and d.p2p_latency_s >= 0
+    for name in ("a2a", "p2p"):  # measured minus modelled, per step, never negative
+        f = fit[name]
+        assert f["latency_us"] == significant(max(0.0, f["measured_s"] - f["modelled_without_fixed_s"])
+                                              / f["steps"] * 1e6)
+    per_node = {r["node"]: [] for r in raw["ranks"]}
+    for r in raw["ranks"]:
+        per_node[r["node"]].append(r["step_overhead_s"])
+    for d in cluster.devices:  # the spec carries the fit and each node's mean step overhead
         assert d.collective_latency_s == pytest.approx(fit["a2a"]["latency_us"] * 1e-6)
+        assert d.p2p_latency_s == pytest.approx(fit["p2p"]["latency_us"] * 1e-6)
+        mean_s = sum(per_node[d.node]) / len(per_node[d.node])
+        assert d.step_overhead_s == pytest.approx(significant(mean_s * 1e3) * 1e-3)
     points = raw["ranks"][0]["model_step"]
     assert [p["tokens"] for p in points] == [256, 512, 1024]
-    assert all(p["local_s"] > 0 for p in points)

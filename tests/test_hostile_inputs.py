@@ -76,13 +76,13 @@ def _stop_long_work(monkeypatch) -> None:
     def reached(*a, **k):
         raise AssertionError("the long work started before the inputs were checked")
 
-    import megatron_hexiseq.demo
+    import megatron_hexiseq.testbed.demo
     import megatron_hexiseq.planner.plan
-    import megatron_hexiseq.testing
+    import megatron_hexiseq.testbed.spawn
 
     monkeypatch.setattr(megatron_hexiseq.planner.plan, "plan", reached)
-    monkeypatch.setattr(megatron_hexiseq.testing, "run_ranks", reached)
-    monkeypatch.setattr(megatron_hexiseq.demo, "compare", reached)
+    monkeypatch.setattr(megatron_hexiseq.testbed.spawn, "run_ranks", reached)
+    monkeypatch.setattr(megatron_hexiseq.testbed.demo, "compare", reached)
 
 
 @pytest.fixture()
@@ -284,7 +284,7 @@ def test_plot_with_unsupported_extension_fails_first(d, capsys, no_long_work):
 
 
 def test_demo_checks_every_output_before_training(d, capsys, monkeypatch):
-    from megatron_hexiseq import demo
+    from megatron_hexiseq.testbed import demo
 
     layout = _layout(d, capsys)
     _stop_long_work(monkeypatch)
@@ -342,7 +342,7 @@ def _leftovers(folder: Path) -> list[str]:
 def test_run_ranks_deadline_names_the_stuck_rank(tmp_path, monkeypatch):
     import tempfile
 
-    from megatron_hexiseq.testing import RanksFailed, run_ranks
+    from megatron_hexiseq.testbed.spawn import RanksFailed, run_ranks
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(RanksFailed, match=r"rank\(s\) \[0, 1\] of 2 did not finish within 10 s") as e:
@@ -420,7 +420,7 @@ def test_interrupts_exit_130_and_kill_every_rank(tmp_path, capsys, case):
         assert main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model-config", str(tmp_path / "m.yaml"),
                      "--time-limit", "1", "-o", str(tmp_path / "l.json"), "--format", "json"]) == 0
         capsys.readouterr()
-        argv, world, how = ["-m", "megatron_hexiseq.demo", "--cluster", str(tmp_path / "c.yaml"),
+        argv, world, how = ["-m", "megatron_hexiseq.testbed.demo", "--cluster", str(tmp_path / "c.yaml"),
                             "--layout", str(tmp_path / "l.json"), "--model-config", str(tmp_path / "m.yaml"),
                             "--testbed", "1+1", "--steps", "5000", "-o", str(tmp_path / "demo.json"),
                             "--plot", str(tmp_path / "demo.png")], 2, "sigint"

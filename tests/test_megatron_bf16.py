@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 LAYOUT = make_layout(seq_length=64, num_attention_heads=8, num_query_groups=2, group_sizes=[2, 1],
                      segments=[[(0, 8), (50, 64)], [(8, 20)], [(20, 50)]],
@@ -27,9 +27,11 @@ U_BF16 = torch.finfo(torch.bfloat16).eps / 2
 
 
 def _cfg(layout):
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig
+    from dataclasses import replace
 
-    return TrainConfig(model=TinyGPT(num_layers=2), layout=layout)
+    from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig
+
+    return TrainConfig(model=replace(TINY_GPT, num_layers=2), layout=layout)
 
 
 def _bf16(model):
@@ -54,7 +56,8 @@ def _rope_beyond_65536() -> None:
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
     from megatron_hexiseq.megatron.rope import install_rope
-    from megatron_hexiseq.megatron.train_cpu import build_gpt, cpu_device_shim
+    from megatron_hexiseq.megatron.config import cpu_device_shim
+    from megatron_hexiseq.testbed.train import build_gpt
 
     long = make_layout(seq_length=131072, num_attention_heads=8, num_query_groups=2, group_sizes=[1],
                        segments=[[(0, 131072)]], heads=[list(range(8))])
@@ -77,8 +80,9 @@ def _worker(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as mpu
 
     from megatron_hexiseq.megatron.batch import slice_batch
-    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
-    from megatron_hexiseq.megatron.train_cpu import build_gpt, cpu_device_shim, make_batch
+    from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
+    from megatron_hexiseq.megatron.config import cpu_device_shim
+    from megatron_hexiseq.testbed.train import build_gpt, make_batch
 
     cfg = _cfg(LAYOUT)
     batch = make_batch(cfg, 0, 0)

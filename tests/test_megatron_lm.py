@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM")
 pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")

@@ -16,8 +16,9 @@ import torch
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.megatron import plugin
-from megatron_hexiseq.megatron.train_cpu import TrainConfig, reference_rank_many
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.megatron.config import transformer_config
+from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
                      segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
@@ -30,7 +31,7 @@ def test_package_imports_without_te_or_apex():
     code = ("import sys\n"
             "for m in ('transformer_engine', 'apex', 'flash_attn'): sys.modules[m] = None\n"
             "import megatron_hexiseq.megatron.plugin, megatron_hexiseq.megatron.spec, "
-            "megatron_hexiseq.megatron.train_cpu, megatron_hexiseq.megatron.launch, megatron_hexiseq.pretrain_gpt\n"
+            "megatron_hexiseq.testbed.train, megatron_hexiseq.megatron.launch, megatron_hexiseq.pretrain_gpt\n"
             "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
             "print('ok')\n")
     res = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
@@ -132,7 +133,7 @@ def _plugin_worker(rank: int, world: int, layout_path: str) -> dict:
     from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
     from megatron_hexiseq.megatron.loss import per_token_loss
     from megatron_hexiseq.megatron.rope import LayoutRotaryEmbedding
-    from megatron_hexiseq.megatron.train_cpu import make_batch
+    from megatron_hexiseq.testbed.train import make_batch
 
     out: dict = {}
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4)
@@ -145,7 +146,7 @@ def _plugin_worker(rank: int, world: int, layout_path: str) -> dict:
     provider = plugin.model_provider(_stock_model_provider, _stock_gpt_builder, pretrain_module,
                                      get_args=lambda: _ARGS[0])
     torch.manual_seed(CFG.seed)  # the reference's weights
-    model = provider(pre_process=True, post_process=True, config=CFG.model.transformer_config(context_parallel_size=4),
+    model = provider(pre_process=True, post_process=True, config=transformer_config(CFG.model, context_parallel_size=4),
                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     out["cores"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
     out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)

@@ -7,6 +7,7 @@ per-token loss, and the spec swap (local, MoE block, and TE spec when TE is inst
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import importlib.util
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from megatron_hexiseq.layout import make_layout, zigzag_segments
 from megatron_hexiseq.megatron.args import HexiSeqArgs, add_hexiseq_args, flag_names
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer, slice_batch
 from megatron_hexiseq.megatron.loss import per_token_loss
-from megatron_hexiseq.megatron.parallel_state import (RunShape, check_devices, check_run,
+from megatron_hexiseq.megatron.runtime import (RunShape, check_devices, check_run,
                                                       gpu_name_matches)
 
 
@@ -157,7 +158,7 @@ def test_layout_rope_matches_megatron(interleaved, factor):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_hexiseq.megatron.rope import install_rope
-    from megatron_hexiseq.megatron.train_cpu import cpu_device_shim
+    from megatron_hexiseq.megatron.config import cpu_device_shim
 
     lay = _layout()
     stock = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved,
@@ -189,7 +190,7 @@ def test_per_token_loss_weighs_tokens_not_ranks():
 # ---- spec swap -----------------------------------------------------------------------------
 def _runtime():
     from megatron_hexiseq.attention.kernels import Kernel
-    from megatron_hexiseq.megatron.parallel_state import HexiSeqRuntime
+    from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 
     lay = _layout()
     return HexiSeqRuntime(layout=lay, groups=SimpleNamespace(rank=0, layout=lay), kernel=Kernel.REFERENCE)
@@ -201,8 +202,9 @@ def test_spec_swap_local_and_moe():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+    from megatron_hexiseq.megatron.config import transformer_config
     from megatron_hexiseq.megatron.spec import count_core_attention, hexiseq_spec
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT
+    from megatron_hexiseq.testbed.train import TINY_GPT
 
     rt = _runtime()
     local = get_gpt_layer_local_spec()
@@ -212,7 +214,7 @@ def test_spec_swap_local_and_moe():
     assert core.module is HexiSeqCoreAttention and core.params["runtime"] is rt
     assert swapped.submodules.mlp == local.submodules.mlp  # everything else untouched
 
-    config = TinyGPT().transformer_config()
+    config = transformer_config(TINY_GPT)
     config.num_moe_experts, config.moe_layer_freq = 4, [1, 0, 1, 0]
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
     swapped_block = hexiseq_spec(block, rt)
@@ -239,10 +241,11 @@ def test_spec_swap_te_keeps_te_linears():  # layer (c) when TE is present
 def test_core_attention_rejects_unsupported():
     from megatron.core.transformer.enums import AttnMaskType
 
+    from megatron_hexiseq.megatron.config import transformer_config
     from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT
+    from megatron_hexiseq.testbed.train import TINY_GPT
 
-    config, rt = TinyGPT().transformer_config(), _runtime()
+    config, rt = transformer_config(TINY_GPT), _runtime()
     kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
               runtime=rt)
     HexiSeqCoreAttention(**kw)
@@ -250,7 +253,7 @@ def test_core_attention_rejects_unsupported():
         HexiSeqCoreAttention(**{**kw, "attn_mask_type": AttnMaskType.padding})
     with pytest.raises(HexiSeqError, match="--cp-comm-type hexiseq"):
         HexiSeqCoreAttention(**kw, cp_comm_type="p2p")
-    bad = TinyGPT(num_attention_heads=4, num_query_groups=2).transformer_config()
+    bad = transformer_config(replace(TINY_GPT, num_attention_heads=4, kv_channels=16))
     with pytest.raises(HexiSeqError, match="model has 4 heads"):
         HexiSeqCoreAttention(**{**kw, "config": bad})
 

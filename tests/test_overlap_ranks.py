@@ -11,7 +11,7 @@ from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace
 from megatron_hexiseq.overlap.monitor import DriftMonitor, MonitorConfig
 from megatron_hexiseq.overlap.online import OnlineTuner
 from megatron_hexiseq.overlap.search import Trial, distributed_priority_search, priority_search
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 X_TABLE = [100.0, 80.0, 70.0, 72.0, 50.0]
 

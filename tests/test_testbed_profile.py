@@ -1,7 +1,8 @@
 """CPU testbed pinning and `profile`.
 
 Layers: (a) no processes — shape parsing and pinning logic; (b) gloo ranks — `profile` on a
-2-rank testbed writes a cluster spec that the cluster loader accepts and `plan` can read.
+2-rank testbed writes a cluster spec that the cluster loader accepts and `plan` can read, and
+the library's `run_profile` takes the CPU calibration only as an argument. (c): none.
 """
 import os
 
@@ -10,8 +11,11 @@ import yaml
 
 from megatron_hexiseq.cli import main
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.profiler import cluster_spec_from_measurements
-from megatron_hexiseq.testbed import TestbedShape, cpu_sets, node_names
+from megatron_hexiseq.model import get_model
+from megatron_hexiseq.profile.measure import ProfileOptions
+from megatron_hexiseq.profile.run import CpuCalibration, cluster_spec_from_measurements, run_profile
+from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets, node_names
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 
 def test_shape_parse_and_world_size():
@@ -60,9 +64,13 @@ def test_profile_two_rank_testbed_writes_valid_spec(tmp_path, capsys):
                  "-o", str(out), "--quiet"]) == 0
     cluster = load_cluster(out)
     assert cluster.world_size == 2
-    assert all(d.memory_gib == 2.0 and d.flops_per_s > 0 for d in cluster.devices)
+    assert all(d.memory_gib == 2.0 for d in cluster.devices)
     raw = yaml.safe_load((tmp_path / "cluster.raw.json").read_text())
-    assert raw["testbed"]["shape"] == "1+1" and len(raw["ranks"]) == 2
+    shape = TestbedShape.parse("1+1")
+    assert raw["testbed"] == {"shape": "1+1", "cpu_sets": cpu_sets(shape)}
+    assert [r["node"] for r in raw["ranks"]] == node_names(shape)  # each rank measured on its own core
+    want = cluster_spec_from_measurements(raw["ranks"])  # the written spec is the raw numbers, assembled
+    assert yaml.safe_load(out.read_text()) == {**want, "name": "cpu-testbed-1+1"}
 
 
 def test_profile_errors_are_one_line_exit_2(tmp_path, capsys):
@@ -75,3 +83,48 @@ def test_profile_errors_are_one_line_exit_2(tmp_path, capsys):
     finally:
         os.environ.update(env)
     assert not (tmp_path / "c.yaml").exists()
+
+
+# ---- run_profile with and without a CPU calibration (layer (b), one gloo rank) ---------------
+def _step(model, tokens, opts):
+    return {"flops_per_s": 3e12, "step_overhead_s": 0.25, "points": [{"tokens": tokens}]}
+
+
+def _attention(model, tokens, opts):
+    return 1e9 * tokens  # tokens: the model's sequence, capped at 2048
+
+
+def _fit(spec, calls, model):
+    for entry in spec["gpus"].values():
+        entry["collective_latency_us"] = calls["marker"]
+    return {"seen": calls["marker"]}
+
+
+def _profile(rank: int, world: int, opts: ProfileOptions, calibration: CpuCalibration | None):
+    return run_profile(opts, cpu_calibration=calibration)
+
+
+def test_run_profile_uses_the_calibration_it_is_given():
+    """The calibration's numbers reach the spec unchanged; without one no testbed measurement runs
+    (no step overhead, no fixed costs: the model's layer and SDPA are timed instead)."""
+    model = get_model("gpt-tiny", overrides={"seq_length": 3000})
+    opts = ProfileOptions(seconds_per_test=0.01, repeats=1, message_bytes=1 << 12, memory_gib=1.0, model=model)
+    fake = CpuCalibration(model_step=_step, attention_flops=_attention, can_time_fixed_costs=_always,
+                          fixed_costs=_marker, fit_latencies=_fit)
+    (spec, raw), = run_ranks(_profile, 1, opts, fake)
+    gpu, = spec["gpus"].values()
+    assert gpu["bf16_tflops"] == 3.0 and gpu["attention_tflops"] == 2.048  # 3000 tokens capped at 2048
+    assert gpu["step_overhead_ms"] == 250.0 and gpu["collective_latency_us"] == 42.0
+    assert raw["latency_fit"] == {"seen": 42.0} and raw["ranks"][0]["model_step"] == [{"tokens": 3000}]
+    (plain, raw_plain), = run_ranks(_profile, 1, opts, None)
+    gpu, = plain["gpus"].values()
+    assert "step_overhead_ms" not in gpu and "collective_latency_us" not in gpu and "latency_fit" not in raw_plain
+    assert "model_step" not in raw_plain["ranks"][0]
+
+
+def _always(model, world):
+    return True
+
+
+def _marker(model, opts):
+    return {"marker": 42.0}

@@ -2,12 +2,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import yaml
+
+from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import check_outputs, write_json_atomic, write_text_atomic
+from megatron_hexiseq.model import get_model
+from megatron_hexiseq.testbed import spawn  # the module, not run_ranks: a test stops spawn.run_ranks
+from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets, node_names
+
+if TYPE_CHECKING:
+    from megatron_hexiseq.profile.measure import ProfileOptions
 
 EXAMPLES = """examples:
   # on GPUs, one process per GPU:
@@ -40,8 +51,7 @@ MAX_MEMORY_GIB = 1e6
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.io import check_outputs
-    from megatron_hexiseq.profiler import ProfileOptions
+    from megatron_hexiseq.profile.measure import ProfileOptions  # torch: 2 s CPU of import for every command
 
     raw_path = args.raw or (os.path.splitext(args.output)[0] + ".raw.json")
     check_outputs([("-o", args.output), ("--raw", raw_path)], inputs=[args.model_config])
@@ -51,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
         raise HexiSeqError(f"--memory-gib must be a positive number (at most {MAX_MEMORY_GIB:g}), got {args.memory_gib}")
     model = None
     if args.model or args.model_config:
-        from megatron_hexiseq.model import get_model
-
         model = get_model(args.model, config_path=args.model_config)
     opts = ProfileOptions(seconds_per_test=args.seconds, memory_gib=args.memory_gib, model=model)
     if args.testbed is not None:
@@ -78,11 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
 def write_profile(spec: dict[str, Any], raw: dict[str, Any], spec_path: str, raw_path: str) -> None:
     """Validate the spec with the cluster loader, then write both files atomically."""
-    import yaml
-
-    from megatron_hexiseq.cluster import cluster_from_dict
-    from megatron_hexiseq.io import write_json_atomic, write_text_atomic
-
     cluster_from_dict(spec, source="profiled cluster spec")
     write_text_atomic(spec_path, "# measured by megatron-hexiseq profile\n" + yaml.safe_dump(spec, sort_keys=False))
     write_json_atomic(raw_path, raw)
@@ -92,40 +95,44 @@ def _progress(quiet: bool):
     return None if quiet else (lambda msg: print(f"[profile] {msg}", flush=True))
 
 
-def _profile_rank(rank: int, world: int, opts: Any, quiet: bool):
-    from megatron_hexiseq.profiler import run_profile
+def _run_profile(opts: ProfileOptions, quiet: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``run_profile`` on this rank, with the testbed's step calibration when the rank is a CPU."""
+    # torch (2 s CPU of import) and, for the calibration, megatron.core (5-6 s): here, not at the top,
+    # so that every other command and --help start without them
+    import torch
 
-    return run_profile(opts, progress=_progress(quiet))
+    from megatron_hexiseq.profile.run import run_profile
+    from megatron_hexiseq.testbed.calibrate import CPU_CALIBRATION
+
+    calibration = None if torch.cuda.is_available() else CPU_CALIBRATION
+    return run_profile(opts, progress=_progress(quiet), cpu_calibration=calibration)
 
 
-def profile_testbed(shape_text: str, opts: Any, *, quiet: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def _profile_rank(rank: int, world: int, opts: ProfileOptions, quiet: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    return _run_profile(opts, quiet)
+
+
+def profile_testbed(shape_text: str, opts: ProfileOptions, *, quiet: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Spawn the CPU testbed ranks pinned to their cores and profile them."""
-    import dataclasses
-
-    from megatron_hexiseq.testbed import TestbedShape, cpu_sets, node_names
-    from megatron_hexiseq.testing import run_ranks
-
     shape = TestbedShape.parse(shape_text)
     sets = cpu_sets(shape)
     opts = dataclasses.replace(opts, node_names=tuple(node_names(shape)),
                                memory_gib=opts.memory_gib if opts.memory_gib is not None else 4.0)
-    results = run_ranks(_profile_rank, shape.world_size, opts, quiet, cpu_sets=sets)
+    results = spawn.run_ranks(_profile_rank, shape.world_size, opts, quiet, cpu_sets=sets)
     spec, raw = results[0]
     spec["name"] = f"cpu-testbed-{shape}"
     raw["testbed"] = {"shape": str(shape), "cpu_sets": sets}
     return spec, raw
 
 
-def _profile_torchrun(opts: Any, *, quiet: bool):
-    import torch
+def _profile_torchrun(opts: ProfileOptions, *, quiet: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    import torch  # 2 s CPU of import for every command if at the top
     import torch.distributed as dist
-
-    from megatron_hexiseq.profiler import run_profile
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        return run_profile(opts, progress=_progress(quiet))
+        return _run_profile(opts, quiet)
     finally:
         dist.destroy_process_group()

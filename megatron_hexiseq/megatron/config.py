@@ -1,7 +1,7 @@
 """The one conversion of a :class:`~megatron_hexiseq.model.ModelSpec` to Megatron's ``TransformerConfig``.
 
-Every place that builds a Megatron model from a ``ModelSpec`` (the CPU training driver, the
-profiler's step calibration, the overlap bench, the GPU acceptance check, the tests) calls
+Every place that builds a Megatron model from a ``ModelSpec`` (the CPU training driver and the
+step calibration built on it, the overlap bench, the GPU acceptance check, the tests) calls
 :func:`transformer_config`; ``pretrain_gpt.py`` builds its own from Megatron's arguments.
 
 Also here: :func:`cpu_device_shim`, the one stand-in for ``torch.cuda.current_device()`` that

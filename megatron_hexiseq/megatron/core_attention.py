@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
-from megatron_hexiseq.megatron.parallel_state import HexiSeqRuntime
+from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 
 
 class HexiSeqCoreAttention(MegatronModule):

@@ -2,7 +2,7 @@
 
 Each rank returns ``(sum of masked token losses, number of loss tokens)`` (exactly what
 ``pretrain_gpt.loss_func`` returns under ``--calculate-per-token-loss``); Megatron (or
-``train_cpu``) sums both over data-parallel x context-parallel ranks and divides once, so every
+``testbed.train``) sums both over data-parallel x context-parallel ranks and divides once, so every
 token of the global batch weighs the same. A per-rank mean would weigh a rank's tokens by
 ``1 / its token count``: wrong as soon as counts differ.
 """

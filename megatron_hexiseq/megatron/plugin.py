@@ -122,7 +122,7 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
     from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
     from megatron_hexiseq.megatron.checkpoint import check_before_training
-    from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime, nccl_comm_cfgs
+    from megatron_hexiseq.megatron.runtime import RunShape, build_runtime, nccl_comm_cfgs
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
     hs = HexiSeqArgs.from_namespace(args)  # after it: the overlap hook may set --hexiseq-comm-chunks

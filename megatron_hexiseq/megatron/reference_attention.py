@@ -1,9 +1,12 @@
-"""``LocalCausalAttention``: a single-device causal core attention for the CPU oracle.
+"""``LocalCausalAttention``: a single-device causal core attention for the CPU oracle; and
+``PassThroughAttention``, which fills the same slot with no attention at all.
 
 Megatron's stock ``DotProductAttention`` allocates through the global memory buffer on
 ``torch.cuda.current_device()``, so it cannot run on a CPU-only torch. This module fills the same
 core-attention slot (same constructor/forward protocol) with plain fp32-exact math, independent of
-``megatron_hexiseq.attention``: the unsharded reference that ``train_cpu.train_reference`` uses.
+``megatron_hexiseq.attention``: the unsharded reference that ``testbed.train.train_reference`` uses.
+``PassThroughAttention`` returns the query reshaped: a model built with it times everything *but*
+attention (the CPU step calibration, ``testbed.calibrate.measure_model_step``).
 
 Shapes: ``query [S, b, H, d]``, ``key/value [S, b, G, d]`` -> ``[S, b, H*d]``.
 """
@@ -44,3 +47,19 @@ class LocalCausalAttention(MegatronModule):
         probs = torch.softmax(scores.float().masked_fill(future, float("-inf")), dim=-1).to(query.dtype)
         out_BHSD = torch.matmul(probs, v_BHSD)
         return out_BHSD.permute(2, 0, 1, 3).reshape(S, b, H * d)  # [S, b, H*d]
+
+
+class PassThroughAttention(MegatronModule):
+    """Core attention that passes the query through (``[S, b, H, d] -> [S, b, H*d]``), no attention."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None) -> None:
+        super().__init__(config=config)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params=None) -> Tensor:
+        S, b, H, d = query.shape
+        return query.reshape(S, b, H * d)  # [S, b, H*d]

@@ -15,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
-from megatron_hexiseq.megatron.parallel_state import HexiSeqRuntime
+from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 
 
 def hexiseq_core_attention_spec(runtime: HexiSeqRuntime) -> ModuleSpec:

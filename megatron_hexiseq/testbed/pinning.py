@@ -6,7 +6,7 @@ shape gives genuine 2:1 compute differences under gloo — not a simulation. Eac
 logical "node" of the cluster spec (``<host>-c<core>``), so ranks that share a core can form one
 A2A group, and the planner sees the same structure it sees on GPUs.
 
-Pure functions here; :func:`megatron_hexiseq.testing.run_ranks` does the pinning
+Pure functions here; :func:`megatron_hexiseq.testbed.spawn.run_ranks` does the pinning
 (``os.sched_setaffinity``) in each spawned rank.
 """
 from __future__ import annotations

@@ -20,18 +20,17 @@ import re
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_hexiseq.attention.groups import HexiSeqGroups, build_hexiseq_groups
+from megatron_hexiseq.attention.kernel_check import check_kernel
+from megatron_hexiseq.attention.kernels import Kernel
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
-
-if TYPE_CHECKING:  # the attention package is imported lazily (another engineer's module)
-    from megatron_hexiseq.attention.groups import HexiSeqGroups
-    from megatron_hexiseq.attention.kernels import Kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -238,9 +237,6 @@ def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup 
     ``timeout`` and ``nccl_cfgs`` (``nccl_comm_cfgs``) are applied to HexiSeq's own groups as
     Megatron applies them to its own (NCCL options only on the NCCL backend).
     """
-    from megatron_hexiseq.attention.groups import build_hexiseq_groups
-    from megatron_hexiseq.attention.kernel_check import check_kernel
-
     check_run(layout, run, source=source)
     if dist.get_world_size() != run.world_size:
         raise HexiSeqError(f"{dist.get_world_size()} processes joined but the run expects "

@@ -1,7 +1,7 @@
 """The main job on the heterogeneous CPU testbed: train with the best symmetric layout and with
 the HexiSeq layout, measure both, compare with the cost model, check the losses agree.
 
-``python -m megatron_hexiseq.demo --cluster C.yaml --layout L.json --model-config M.yaml
+``python -m megatron_hexiseq.testbed.demo --cluster C.yaml --layout L.json --model-config M.yaml
 --testbed 1+2`` (``scripts/demo.sh`` runs ``profile`` and ``plan`` first to make C and L).
 
 The best symmetric layout is rebuilt from the planner's own baseline list (the feasible one with
@@ -14,11 +14,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.cluster import Cluster, load_cluster
+from megatron_hexiseq.commands._progress import waiting
+from megatron_hexiseq.costmodel import estimate
+from megatron_hexiseq.errors import HexiSeqError, run_user_command
+from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron.runtime import check_run
+from megatron_hexiseq.model import ModelSpec, get_model
+from megatron_hexiseq.planner.baselines import best_symmetric
+from megatron_hexiseq.run_config import TrainOptions, check_options_record, options_from_record
+from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
+from megatron_hexiseq.testbed.spawn import run_ranks
+from megatron_hexiseq.testbed.train import TrainConfig, run_shape, train_rank
 
 LOSS_RTOL = 1e-4
 
@@ -58,33 +69,24 @@ class RunSummary:
         }
 
 
-def best_symmetric_layout(cluster: Any, model: Any, options: Any) -> tuple[str, Layout]:
+def best_symmetric_layout(cluster: Cluster, model: ModelSpec, options: TrainOptions) -> tuple[str, Layout]:
     """The feasible symmetric baseline with the lowest predicted time, as (label, layout)."""
-    from megatron_hexiseq.planner.baselines import best_symmetric
-
     best = best_symmetric(cluster, model, model.seq_length, [options])
     if best is None:
         raise HexiSeqError("no symmetric layout fits in memory on this testbed; raise --memory-gib")
     return best[0].label, best[0].layout
 
 
-def driver_config(layout: Layout, model: Any, *, steps: int, kernel: str = "auto"):
+def driver_config(layout: Layout, model: ModelSpec, *, steps: int, kernel: str = "auto") -> TrainConfig:
     """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
-    from megatron_hexiseq.megatron.parallel_state import check_run
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, run_shape
-
-    cfg = TrainConfig(model=TinyGPT.from_spec(model), layout=layout, steps=steps, kernel=kernel,
+    cfg = TrainConfig(model=model, layout=layout, steps=steps, kernel=kernel,
                       bucket_size=None, lr=1e-3)
     check_run(layout, run_shape(cfg))
     return cfg
 
 
-def train_on_testbed(cfg: Any, shape: str) -> tuple[list[float], list[list[float]]]:
+def train_on_testbed(cfg: TrainConfig, shape: str) -> tuple[list[float], list[list[float]]]:
     """Train ``cfg`` on pinned testbed ranks: (losses, step times per rank)."""
-    from megatron_hexiseq.megatron.train_cpu import train_rank
-    from megatron_hexiseq.testbed import TestbedShape, cpu_sets
-    from megatron_hexiseq.testing import run_ranks
-
     tb = TestbedShape.parse(shape)
     if tb.world_size != cfg.layout.world_size:
         raise HexiSeqError(f"layout has {cfg.layout.world_size} ranks but testbed {shape} has {tb.world_size}")
@@ -92,11 +94,9 @@ def train_on_testbed(cfg: Any, shape: str) -> tuple[list[float], list[list[float
     return results[0].losses, [r.step_times_s for r in results]
 
 
-def compare(cluster: Any, model: Any, options: Any, hexiseq: Layout, shape: str, *, steps: int, warmup: int,
+def compare(cluster: Cluster, model: ModelSpec, options: TrainOptions, hexiseq: Layout, shape: str, *, steps: int, warmup: int,
             kernel: str = "auto") -> dict[str, Any]:
     """Train with the best symmetric layout and with ``hexiseq``; return the comparison record."""
-    from megatron_hexiseq.costmodel import estimate
-
     sym_label, sym = best_symmetric_layout(cluster, model, options)
     named = [(f"symmetric:{sym_label}", sym), ("hexiseq", hexiseq)]
     cfgs = [driver_config(lay, model, steps=steps, kernel=kernel) for _, lay in named]  # check both first
@@ -182,9 +182,7 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hexiseq.cli import run_user_command
-
-    p = argparse.ArgumentParser(prog="python -m megatron_hexiseq.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_hexiseq.testbed.demo", description=__doc__.splitlines()[0])
     p.add_argument("--cluster", required=True, help="cluster spec (from 'megatron-hexiseq profile')")
     p.add_argument("--layout", required=True, help="HexiSeq layout (from 'megatron-hexiseq plan')")
     p.add_argument("--model-config", required=True, help="model YAML used for the plan")
@@ -199,23 +197,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.cluster import load_cluster
-    from megatron_hexiseq.commands._progress import waiting
-    from megatron_hexiseq.costmodel import TrainOptions
-    from megatron_hexiseq.io import atomic_path, check_outputs, check_plot_path, write_json_atomic
-    from megatron_hexiseq.model import get_model
-    from megatron_hexiseq.commands.inputs import layout_options
-
     if not 0 <= args.warmup < args.steps <= 100_000:
         raise HexiSeqError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0 (and be at most 100000)")
     plot_path = args.plot or None
-    check_plot_path("--plot", plot_path)  # every output is checked before minutes of training
-    check_outputs([("-o", args.output), ("--plot", plot_path)],
-                  inputs=[args.cluster, args.layout, args.model_config])
+    check_outputs([("-o", args.output), ("--plot", plot_path)],  # every output checked before minutes of training
+                  inputs=[args.cluster, args.layout, args.model_config], figures=["--plot"])
     layout = Layout.load(args.layout)
     cluster = load_cluster(args.cluster)
     model = get_model(config_path=args.model_config, overrides={"seq_length": layout.seq_length})
-    options = replace(TrainOptions(), **_options_from_layout(layout_options(layout, args.layout)))
+    options = options_from_record(check_options_record(layout.meta.get("options"), f"layout {args.layout}"))
     with waiting(f"training twice on testbed {args.testbed}, {args.steps} steps each"):
         rec = compare(cluster, model, options, layout, args.testbed, steps=args.steps, warmup=args.warmup,
                       kernel=args.kernel)
@@ -226,12 +216,6 @@ def _run(args: argparse.Namespace) -> int:
     print_table(rec)
     print(f"wrote {args.output}" + (f" and {plot_path}" if plot_path else ""))
     return 0 if rec["losses_agree"] else 1
-
-
-def _options_from_layout(opts: dict[str, Any]) -> dict[str, Any]:
-    """The TrainOptions fields among the options the planner recorded in a layout's meta."""
-    keep = ("micro_batch_size", "recompute", "memory_mode", "data_parallel_size", "capacity_fraction")
-    return {k: v for k, v in opts.items() if k in keep}
 
 
 if __name__ == "__main__":

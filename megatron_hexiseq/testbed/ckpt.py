@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,22 +37,21 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import write_text_atomic
 from megatron_hexiseq.megatron.checkpoint import (RECORD_KEY, TRACKER, RunRecord, check_resume, find_checkpoint,
                                                   on_rank0_for_all, read_record)
-
-if TYPE_CHECKING:
-    from megatron_hexiseq.megatron.train_cpu import TrainConfig
+from megatron_hexiseq.megatron.config import cpu_device_shim
+from megatron_hexiseq.testbed.train_config import TrainConfig
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
-def run_record(cfg: "TrainConfig") -> RunRecord:
+def run_record(cfg: TrainConfig) -> RunRecord:
     """The facts a CPU-driver checkpoint depends on (Megatron's argument names)."""
     m = cfg.model
     model = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
              "num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_query_groups,
-             "kv_channels": m.hidden_size // m.num_attention_heads, "padded_vocab_size": m.vocab_size,
-             "swiglu": m.swiglu, "normalization": m.normalization, "add_bias_linear": False,
+             "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
+             "swiglu": m.swiglu, "normalization": m.normalization, "add_bias_linear": m.add_bias_linear,
              "untie_embeddings_and_output_weights": True, "num_experts": None,
-             "position_embedding_type": m.position_embedding_type}
+             "position_embedding_type": "rope"}
     W = cfg.layout.world_size
     return RunRecord.from_dict({"model": model, "seq_length": cfg.layout.seq_length, "world_size": W * cfg.data_parallel,
                                 "context_parallel_size": W, "data_parallel_size": cfg.data_parallel})
@@ -61,8 +60,6 @@ def run_record(cfg: "TrainConfig") -> RunRecord:
 @contextlib.contextmanager
 def checkpoint_shim() -> Iterator[None]:
     """``dist_checkpointing`` on a CPU-only torch: CUDA device calls become CPU / no-ops (CPU driver only)."""
-    from megatron_hexiseq.megatron.train_cpu import cpu_device_shim
-
     with cpu_device_shim(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.checkpoint deprecations
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
@@ -92,7 +89,7 @@ def _sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, replica: int, *
     return {"model": model.sharded_state_dict(), "optimizer": optimizer}
 
 
-def save_checkpoint(cfg: "TrainConfig", model: torch.nn.Module, opt: torch.optim.Optimizer, steps_done: int, *,
+def save_checkpoint(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, steps_done: int, *,
                     dp_cp_group: Any) -> str:
     """Collective: save after ``steps_done`` steps into ``cfg.save_dir/iter_<steps_done:07d>``; returns it."""
     from megatron.core import dist_checkpointing
@@ -117,7 +114,7 @@ def save_checkpoint(cfg: "TrainConfig", model: torch.nn.Module, opt: torch.optim
     return folder
 
 
-def check_checkpoint(cfg: "TrainConfig") -> str:
+def check_checkpoint(cfg: TrainConfig) -> str:
     """Collective, before anything is built: the folder ``cfg.load_dir`` resumes from, once rank 0
     has checked its record and data position against ``cfg`` (the same one-line error on every rank)."""
     found: list[str | None] = [None]

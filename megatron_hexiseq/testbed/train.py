@@ -1,4 +1,4 @@
-"""A small CPU training driver: tiny megatron-core GPT + Megatron DDP + AdamW over gloo.
+"""A small CPU training driver: a small megatron-core GPT + Megatron DDP + AdamW over gloo.
 
 It drives by hand what Megatron's training loop does on GPU (the loop itself does not run on CPU,
 see /work/shared/MEGATRON_NOTES.md): slice each replica's batch by the layout, forward, per-token
@@ -7,9 +7,9 @@ buckets), ``finalize_model_grads(num_tokens=...)``, ``torch.optim.AdamW`` on the
 
 Use it from any ``run_ranks`` worker::
 
-    from megatron_hexiseq.testing import run_ranks
-    from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, train_rank
-    cfg = TrainConfig(model=TinyGPT(), layout=layout, steps=3)
+    from megatron_hexiseq.testbed.spawn import run_ranks
+    from megatron_hexiseq.testbed.train import TrainConfig, train_rank
+    cfg = TrainConfig(model=model_spec, layout=layout, steps=3)  # default model: TINY_GPT
     results = run_ranks(train_rank, layout.world_size * cfg.data_parallel, cfg)
     results[0].losses, results[0].step_times_s
 
@@ -17,130 +17,41 @@ Use it from any ``run_ranks`` worker::
 unsharded sequences (every replica's batch at once, plain autograd, stock-free local attention):
 the oracle the parallel run must match. World size = ``layout.world_size x data_parallel``.
 
-Checkpoints (``save_dir``/``save_at_step``, ``load_dir``; ``train_cpu_ckpt.py``) are megatron-core
+The model is a :class:`~megatron_hexiseq.model.ModelSpec`, built into Megatron's config by
+:func:`megatron_hexiseq.megatron.config.transformer_config` (RoPE, fp32); the layout's sequence
+length is the one trained. Run description and results: :mod:`megatron_hexiseq.testbed.train_config`.
+
+Checkpoints (``save_dir``/``save_at_step``, ``load_dir``; :mod:`megatron_hexiseq.testbed.ckpt`) are megatron-core
 ``torch_dist`` checkpoints that resume on any layout and world size.
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.megatron import train_cpu_ckpt as ckpt
 from megatron_hexiseq.megatron.batch import slice_batch
+from megatron_hexiseq.megatron.config import cpu_device_shim, transformer_config
 from megatron_hexiseq.megatron.loss import per_token_loss
+from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
+from megatron_hexiseq.megatron.rope import install_rope
+from megatron_hexiseq.megatron.runtime import HexiSeqRuntime, RunShape, build_runtime
+from megatron_hexiseq.megatron.spec import hexiseq_spec
+from megatron_hexiseq.testbed import ckpt
+from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig, TrainResult
 
-
-@dataclass(frozen=True, kw_only=True)
-class TinyGPT:
-    """Model fields (Megatron names). Defaults: 4 layers, GQA 8/2 heads, RoPE, SwiGLU, RMSNorm."""
-
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 8
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 96
-    vocab_size: int = 128
-    swiglu: bool = True
-    normalization: str = "RMSNorm"
-    position_embedding_type: str = "rope"
-
-    @classmethod
-    def from_spec(cls, model) -> "TinyGPT":
-        """From a ``ModelSpec`` (the planner's model description, Megatron field names)."""
-        from megatron_hexiseq.errors import HexiSeqError
-
-        if model.kv_channels * model.num_attention_heads != model.hidden_size:
-            raise HexiSeqError(f"model {model.name}: the CPU driver needs kv_channels * heads == hidden_size")
-        return cls(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                   num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-                   ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size, swiglu=model.swiglu,
-                   normalization=model.normalization)
-
-    def transformer_config(self, *, context_parallel_size: int = 1):
-        """The megatron-core ``TransformerConfig`` (fp32, CPU init, no dropout, no bias)."""
-        import torch.nn.functional as F
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        return TransformerConfig(
-            num_layers=self.num_layers, hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
-            ffn_hidden_size=self.ffn_hidden_size, gated_linear_unit=self.swiglu,
-            activation_func=F.silu if self.swiglu else F.gelu, normalization=self.normalization,
-            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-            use_cpu_initialization=True, context_parallel_size=context_parallel_size,
-            cp_comm_type="hexiseq" if context_parallel_size > 1 else None,
-            calculate_per_token_loss=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
-            apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """One training run: model, layout (one CP domain), DP replicas, optimizer, data, DDP knobs."""
-
-    model: TinyGPT = field(default_factory=TinyGPT)
-    layout: Layout
-    data_parallel: int = 1
-    micro_batch_size: int = 1
-    steps: int = 3
-    lr: float = 1e-3
-    seed: int = 1234
-    data_seed: int = 99
-    bucket_size: int | None = 2_000  # parameters per DDP bucket (small: several buckets)
-    overlap_grad_reduce: bool = True
-    kernel: str = "reference"
-    comm_chunks: int = 1
-    return_grads: bool = False  # rank 0 returns the gradients of step 0 (for equivalence tests)
-    return_params: bool = False  # rank 0 returns the parameters after the last step (+ initial:
-    #                               reference only; + AdamW's state, and both right after a load)
-    save_dir: str | None = None  # checkpoint folder (megatron/train_cpu_ckpt.py)
-    save_at_step: int | None = None  # save once this many steps are done (1..steps)
-    load_dir: str | None = None  # resume from this folder's latest checkpoint (any layout)
-
-    def __post_init__(self) -> None:
-        if (self.save_dir is None) != (self.save_at_step is None):
-            raise HexiSeqError("TrainConfig: give save_dir and save_at_step together")
-        if self.save_at_step is not None and not 1 <= self.save_at_step <= self.steps:
-            raise HexiSeqError(f"TrainConfig: save_at_step must be in 1..steps={self.steps}, got {self.save_at_step}")
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """Per rank: global per-token loss of each step, wall time of each step (s), optional tensors."""
-
-    losses: list[float]
-    step_times_s: list[float]
-    grads: dict[str, torch.Tensor] | None = None
-    params: dict[str, torch.Tensor] | None = None
-    initial_params: dict[str, torch.Tensor] | None = None
-    start_step: int = 0  # steps a loaded checkpoint had done (losses start there)
-    opt_state: dict[str, dict[str, torch.Tensor]] | None = None  # AdamW's after the last step
-    resumed: dict[str, dict] | None = None  # {"params", "opt_state"} right after loading a checkpoint
-
-
-@contextlib.contextmanager
-def cpu_device_shim() -> Iterator[None]:
-    """Let Megatron code that allocates on ``torch.cuda.current_device()`` allocate on CPU.
-
-    Megatron DDP's gradient buffers do that; on a CPU-only torch the call raises. Used only around
-    construction in this CPU driver; a no-op when CUDA is available.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+__all__ = ["TINY_GPT", "TrainConfig", "TrainResult", "StepTiming", "train_step", "make_batch", "build_gpt",
+           "run_shape", "train_rank", "train_reference", "reference_rank", "train_rank_many",
+           "reference_rank_many"]
 
 
 @dataclass(frozen=True)
@@ -158,8 +69,6 @@ def train_step(ddp, opt, params, batch: dict[str, torch.Tensor], *, report_group
     of ``[loss_sum, num_tokens]`` over ``report_group``; ``before_update()`` if given; AdamW on the
     gradient buffers. Returns the reduced ``report [2]`` (global loss sum, token count) and the
     timing. Used by :func:`train_rank`, ``profile``'s model-step measurement and the overlap bench."""
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
     t0 = time.perf_counter()
     ddp.zero_grad_buffer()
     opt.zero_grad(set_to_none=True)
@@ -192,46 +101,35 @@ def make_batch(cfg: TrainConfig, step: int, replica: int) -> dict[str, torch.Ten
             "loss_mask": loss_mask, "position_ids": torch.arange(S).expand(b, S).contiguous()}
 
 
-def build_gpt(cfg: TrainConfig, *, runtime=None, pg_collection=None, core_attention=None):
-    """The tiny ``GPTModel`` with the same weights on every process (seeded CPU init).
+def build_gpt(cfg: TrainConfig, *, runtime: HexiSeqRuntime | None = None, pg_collection=None,
+              core_attention: type | None = None) -> GPTModel:
+    """The ``GPTModel`` of ``cfg.model`` with the same weights on every process (seeded CPU init).
 
     With ``runtime`` (a ``HexiSeqRuntime``) the core attention is HexiSeq's and RoPE follows the
     layout; without it, a single-device causal attention (the reference), or the module class
     ``core_attention`` when given (``profile`` times the model without attention that way).
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_hexiseq.megatron.rope import install_rope
-    from megatron_hexiseq.megatron.spec import hexiseq_spec
-
     cp = cfg.layout.world_size if runtime is not None else 1
-    config = cfg.model.transformer_config(context_parallel_size=cp)
+    config = transformer_config(cfg.model, context_parallel_size=cp)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     if runtime is not None:
         spec = hexiseq_spec(spec, runtime)
     else:
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
-
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
             module=core_attention or LocalCausalAttention)
     torch.manual_seed(cfg.seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
                      max_sequence_length=cfg.layout.seq_length, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False,
-                     position_embedding_type=cfg.model.position_embedding_type, pg_collection=pg_collection)
+                     position_embedding_type="rope", pg_collection=pg_collection)
     if runtime is not None:
         positions = [p for s, e in runtime.segments for p in range(s, e)]
         install_rope(model, positions)
     return model
 
 
-def run_shape(cfg: TrainConfig):
-    """The ``RunShape`` this driver runs (for ``parallel_state.check_run`` before spawning)."""
-    from megatron_hexiseq.megatron.parallel_state import RunShape
-
+def run_shape(cfg: TrainConfig) -> RunShape:
+    """The ``RunShape`` this driver runs (for ``runtime.check_run`` before spawning)."""
     return RunShape(world_size=cfg.layout.world_size * cfg.data_parallel, tensor_model_parallel_size=1,
                     pipeline_model_parallel_size=1, context_parallel_size=cfg.layout.world_size,
                     seq_length=cfg.layout.seq_length, num_attention_heads=cfg.model.num_attention_heads,
@@ -240,11 +138,6 @@ def run_shape(cfg: TrainConfig):
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel`` ranks."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from megatron_hexiseq.megatron.parallel_state import build_runtime
-
     W = cfg.layout.world_size
     if world_size != W * cfg.data_parallel:
         raise HexiSeqError(f"train_rank needs layout ranks x data_parallel = {W} x {cfg.data_parallel} = "
@@ -299,8 +192,6 @@ def train_reference(cfg: TrainConfig) -> TrainResult:
     Needs a default process group of size 1 (call it inside ``run_ranks(..., 1)``) because
     megatron-core modules read their (trivial) tensor-parallel group.
     """
-    from megatron.core import parallel_state as mpu
-
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
     try:
         with cpu_device_shim():  # stock RoPE moves its frequencies to torch.cuda.current_device()

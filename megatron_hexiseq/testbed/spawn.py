@@ -38,9 +38,9 @@ from megatron_hexiseq.errors import HexiSeqError
 
 FAILURE_GRACE_S = 5.0  # after one rank failed, how long the others get to report before they are killed
 _POLL_S = 0.05
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CHILD = ("import sys; sys.path.insert(0, sys.argv[3]); "
-          "from megatron_hexiseq.testing import _child_main; _child_main(sys.argv[1], int(sys.argv[2]))")
+          "from megatron_hexiseq.testbed.spawn import _child_main; _child_main(sys.argv[1], int(sys.argv[2]))")
 
 
 class RanksFailed(RuntimeError):

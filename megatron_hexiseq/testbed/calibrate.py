@@ -1,0 +1,257 @@
+"""CPU calibration of ``profile``: the testbed's training step and the runtime's fixed costs.
+
+Bandwidth and FLOP rates alone under-predict the CPU testbed badly; ``profile`` therefore calls
+:data:`CPU_CALIBRATION` (a :class:`~megatron_hexiseq.profile.run.CpuCalibration`) on CPU with a
+model, and it measures what training executes:
+
+- :func:`measure_model_step`: a whole training step of the CPU driver's model *without* attention
+  (a pass-through core attention) at three token counts, fitted as a FLOP rate plus a fixed
+  ``step_overhead_s``;
+- :func:`measure_runtime_attention_flops`: HexiSeq's own attention (``kernel="auto"``) on one rank;
+- fixed costs of the attention runtime's communication: a head all-to-all or a K/V exchange step
+  between ranks that share a core costs milliseconds of scheduling (one rank must be switched out
+  for its neighbour to send), whatever the bytes. :func:`time_calibration_layouts` times HexiSeq's
+  own attention (the model's head shape; up to 4 calls forward, then their backwards, as a model's
+  layers run; seconds per call) on every rank at once, in two layouts of all ranks:
+
+  - ``a2a``: one A2A group of all ranks (contiguous, even token split): pure head parallelism,
+    4 all-to-alls forward and 4 backward (heads equal among the ranks of a node; the same per-rank
+    work is also timed alone, without communication, as the reference);
+  - ``p2p``: one group per rank, zig-zag segments: pure sub-ring, (n - 1) rounds forward, and
+    backward K/V again plus dK/dV back.
+
+  :func:`fit_latencies` then asks the cost model what the same calls cost *without* fixed costs
+  (the measured compute rates and bandwidths of the profiled spec, a one-layer copy of the model)
+  and divides the difference by the number of collectives / exchange steps, giving
+  ``collective_latency_us`` and ``p2p_latency_us`` for the spec's GPU types: measured minus
+  modelled, no constant set by hand. The same value goes to every type (the calls involve every
+  rank; the fit has two numbers for two layouts). Negative differences (the model already
+  over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the
+  figures.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+from megatron_hexiseq.attention.groups import build_hexiseq_groups
+from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
+from megatron_hexiseq.cluster import cluster_from_dict
+from megatron_hexiseq.costmodel import TrainOptions, estimate, linear_flops_per_token
+from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
+from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
+from megatron_hexiseq.megatron.config import cpu_device_shim
+from megatron_hexiseq.megatron.reference_attention import PassThroughAttention
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.profile.measure import MODEL_ATTENTION_SEQ, ProfileOptions, significant, timed_rate
+from megatron_hexiseq.profile.run import CpuCalibration
+from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
+
+
+
+def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> dict[str, Any]:
+    """CPU calibration: a whole training step of the model *without* attention, as a rate plus a
+    fixed cost: ``time(T) = step_overhead_s + T * flops_per_token / flops_per_s``.
+
+    Builds the same megatron-core GPT the CPU driver trains (:func:`~megatron_hexiseq.testbed.train.build_gpt`) with a
+    pass-through core attention, wrapped in Megatron's DDP over all ranks, and runs the driver's
+    step (forward, per-token loss, backward; ``finalize_model_grads`` and the loss all-reduce; AdamW)
+    at ``tokens // 2``, ``tokens`` and ``2 * tokens`` tokens per rank (``repeats`` steps after a
+    warm-up), every rank at once. Each
+    rank's local work (everything but the two collectives) is fitted with a least-squares line:
+    the slope gives ``flops_per_s`` with the model's non-attention FLOPs
+    (:func:`megatron_hexiseq.costmodel.linear_flops_per_token`; embedding, norms, RoPE and
+    cross-entropy are folded in), the intercept is the rank's fixed local cost (optimizer step,
+    framework). ``step_overhead_s`` = that intercept + the gradient and loss reduction (the fastest
+    rank's median time in the collectives: the others also wait for stragglers, which the phase
+    model already counts). A negative intercept (noise) becomes 0 and the rate the one at
+    ``tokens``. Collective over the default group (Megatron's parallel state is set up and torn down).
+    """
+    H = model.num_attention_heads
+    sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
+    local_s, sync_s = [], []
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)  # DP = all ranks
+    try:
+        with cpu_device_shim():  # megatron's RoPE asks torch.cuda for its device
+            for T in sizes:
+                layout = make_layout(seq_length=T, num_attention_heads=H, num_query_groups=model.num_query_groups,
+                                     group_sizes=[1], segments=[[(0, T)]], heads=[list(range(H))])
+                cfg = TrainConfig(model=model, layout=layout, steps=1)
+                gpt = build_gpt(cfg, core_attention=PassThroughAttention)
+                ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                              gpt)
+                params = [p for p in ddp.parameters() if p.requires_grad]
+                opt = torch.optim.AdamW(params, lr=1e-5)
+                batch = make_batch(cfg, 0, dist.get_rank())
+                loc, syn = [], []
+                dist.barrier()  # every rank times the same size at the same time
+                for _ in range(opts.repeats + 1):  # the same count on every rank: the loop has collectives
+                    _, timing = train_step(ddp, opt, params, batch)
+                    loc.append(timing.local_s)
+                    syn.append(timing.sync_s)
+                local_s.append(statistics.median(loc[1:]))  # the first step warms up
+                sync_s.append(statistics.median(syn[1:]))
+    finally:
+        mpu.destroy_model_parallel()
+    sync = torch.tensor([statistics.median(sync_s)], dtype=torch.float64)
+    dist.all_reduce(sync, op=dist.ReduceOp.MIN)
+    slope, intercept = statistics.linear_regression(sizes, local_s)
+    if intercept < 0 or slope <= 0:
+        k = sizes.index(tokens)
+        slope, intercept = local_s[k] / tokens, 0.0
+    return {"flops_per_s": linear_flops_per_token(model) / slope, "step_overhead_s": intercept + float(sync),
+            "local_overhead_s": intercept, "grad_sync_s": float(sync),
+            "points": [{"tokens": T, "local_s": t, "sync_s": y} for T, t, y in zip(sizes, local_s, sync_s)]}
+
+
+def measure_runtime_attention_flops(model: ModelSpec, tokens: int, opts: ProfileOptions) -> float:
+    """CPU calibration: FLOP/s of HexiSeq's own attention (``kernel="auto"``) fwd+bwd on one rank.
+
+    Every rank runs a one-rank layout of its own (one domain per rank, no communication), so the
+    rate includes the runtime's block kernel, LSE bookkeeping and recompute-style backward — what
+    training executes — rather than PyTorch's fused SDPA alone. Collective (group construction).
+    """
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    layout = make_layout(seq_length=tokens, num_attention_heads=H, num_query_groups=G, group_sizes=[1],
+                         segments=[[(0, tokens)]], heads=[list(range(H))])
+    groups = build_hexiseq_groups(layout, domains=[[r] for r in range(dist.get_world_size())])
+    q = torch.randn(tokens, 1, H, d, requires_grad=True)
+    k = torch.randn(tokens, 1, G, d, requires_grad=True)
+    v = torch.randn(tokens, 1, G, d, requires_grad=True)
+
+    def work() -> None:
+        hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum().backward()
+
+    return timed_rate(work, 12.0 * d * H * tokens * (tokens + 1) / 2, opts.seconds_per_test)
+
+
+CALIBRATION_SEQ = MODEL_ATTENTION_SEQ  # longest sequence the calibration runs (the profile's attention cap)
+CALIBRATION_LAYERS = 4  # attention calls per timed repetition (forward all, then backward all)
+
+
+def calibration_heads(num_heads: int, nodes: list[str]) -> list[int]:
+    """Heads per rank of the ``a2a`` layout: as even as possible, but equal among the ranks of one
+    node (ranks sharing a core with unequal work would not share it half and half: the scheduler
+    gives the busier one the core once the other waits). Leftover heads go to the first rank."""
+    world = len(nodes)
+    per = [num_heads // world] * world
+    left = num_heads - sum(per)
+    members: dict[str, list[int]] = {}
+    for r, n in enumerate(nodes):
+        members.setdefault(n, []).append(r)
+    for ranks in sorted(members.values(), key=len):
+        if len(ranks) <= left:
+            for r in ranks:
+                per[r] += 1
+            left -= len(ranks)
+    per[0] += left
+    return per
+
+
+def calibration_layouts(world: int, seq_length: int, num_heads: int, num_query_groups: int,
+                        hosts: list[str] | None = None, gpus: list[str] | None = None) -> dict[str, Layout]:
+    """The two layouts of all ``world`` ranks the fit uses: ``a2a`` (one group; heads by
+    :func:`calibration_heads` over ``hosts``) and ``p2p`` (a ring)."""
+    sizes = split_evenly(seq_length, world)
+    starts = [sum(sizes[:r]) for r in range(world)]
+    per_head = calibration_heads(num_heads, list(hosts) if hosts else [str(r) for r in range(world)])
+    first = [sum(per_head[:r]) for r in range(world)]
+    common = dict(seq_length=seq_length, num_attention_heads=num_heads, num_query_groups=num_query_groups,
+                  hosts=hosts, gpus=gpus)
+    a2a = make_layout(group_sizes=[world], segments=[[(s, s + n)] for s, n in zip(starts, sizes)],
+                      heads=[list(range(f, f + h)) for f, h in zip(first, per_head)], **common)
+    p2p = make_layout(group_sizes=[1] * world, segments=zigzag_segments(seq_length, world),
+                      heads=[list(range(num_heads))] * world, **common)
+    return {"a2a": a2a, "p2p": p2p}
+
+
+def can_calibrate(model: ModelSpec, world: int) -> bool:
+    """The zig-zag ring needs two chunks of at least one token per rank."""
+    return world > 1 and min(model.seq_length, CALIBRATION_SEQ) >= 2 * world
+
+
+def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str, Any]:
+    """Collective over the default group: seconds per attention call (forward + backward, slowest
+    rank, median of ``opts.repeats``) of each calibration layout. Same dict on every rank.
+    Requires :func:`can_calibrate`."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    S = min(model.seq_length, CALIBRATION_SEQ) // (2 * world) * (2 * world)  # zig-zag: 2 chunks per rank
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    nodes = list(opts.node_names) if opts.node_names else [str(r) for r in range(world)]
+    layouts = calibration_layouts(world, S, H, G, hosts=nodes)
+    # the a2a layout's compute alone: each rank its own heads over the whole sequence, no communication
+    # more ranks than heads: a head-less rank still times one head (its compute reference is a
+    # little high, so the fitted latency a little low)
+    heads_r = max(1, len(layouts["a2a"].ranks[me].heads))
+    alone = make_layout(seq_length=S, num_attention_heads=heads_r, num_query_groups=1, group_sizes=[1],
+                        segments=[[(0, S)]], heads=[list(range(heads_r))])
+    layers = max(1, min(model.num_layers, CALIBRATION_LAYERS))
+    out: dict[str, Any] = {"seq_length": S, "repeats": opts.repeats, "layers": layers,
+                           "a2a_heads": _heads(layouts["a2a"])}
+    for name, layout, domains, g in (("a2a", layouts["a2a"], [list(range(world))], G),
+                                     ("a2a_compute", alone, [[r] for r in range(world)], 1),
+                                     ("p2p", layouts["p2p"], [list(range(world))], G)):
+        groups = build_hexiseq_groups(layout, domains=domains)
+        s_r, h = layout.ranks[0 if len(domains) > 1 else me].num_tokens, layout.num_attention_heads
+        gen = torch.Generator().manual_seed(me)
+        q = torch.randn(s_r, 1, h, d, generator=gen, requires_grad=True)
+        k = torch.randn(s_r, 1, g, d, generator=gen, requires_grad=True)
+        v = torch.randn(s_r, 1, g, d, generator=gen, requires_grad=True)
+        times = []
+        for i in range(opts.repeats + 1):  # the first call warms up
+            dist.barrier()
+            start = time.perf_counter()
+            # `layers` calls forward, then their backwards (as a model's layers run): per call time
+            sum(hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum() for _ in range(layers)).backward()
+            elapsed = torch.tensor([(time.perf_counter() - start) / layers], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:
+                times.append(float(elapsed))
+        out[f"{name}_call_s"] = statistics.median(times)
+    return out
+
+
+def _heads(layout: Layout) -> list[int]:
+    return [len(r.heads) for r in layout.ranks]
+
+
+def fit_latencies(spec: dict[str, Any], calibration: dict[str, Any], model: ModelSpec) -> dict[str, Any]:
+    """Set ``collective_latency_us`` and ``p2p_latency_us`` of every GPU type in ``spec`` (in place)
+    from the timed calibration calls; returns the fit (measured, modelled, counts) for the raw JSON."""
+    cluster = cluster_from_dict(spec, source="profiled cluster spec")
+    S = calibration["seq_length"]
+    one_layer = replace(model, num_layers=1, seq_length=S)
+    options = TrainOptions()
+    hosts, gpus = [d.node for d in cluster.devices], [d.gpu.name for d in cluster.devices]
+    layouts = calibration_layouts(cluster.world_size, S, model.num_attention_heads, model.num_query_groups,
+                                  hosts, gpus)
+    passes = 1 + 1  # forward + backward (no recompute in the calibration call)
+    counts = {"a2a": passes * 4,  # q, k, v in and the output back, per pass
+              "p2p": (passes + 1) * max(kv_exchange_forward(layouts["p2p"], cluster, one_layer, 1).rounds)}
+    fit: dict[str, Any] = {}
+    for name, layout in layouts.items():
+        est = estimate(layout, cluster, one_layer, options)
+        measured = calibration[f"{name}_call_s"]
+        if name == "a2a":  # measured compute (same work, no communication) + modelled bytes
+            modelled = calibration["a2a_compute_call_s"] + max(r.breakdown["a2a_s"] for r in est.per_rank)
+        else:  # modelled compute and exposed transfer (a zig-zag ring: equal work on every rank)
+            modelled = max(r.time_s - r.breakdown["linear_s"] for r in est.per_rank)
+        per_step = max(0.0, measured - modelled) / counts[name] if counts[name] else 0.0
+        fit[name] = {"measured_s": measured, "modelled_without_fixed_s": modelled, "steps": counts[name],
+                     "latency_us": significant(per_step * 1e6)}
+    for entry in spec["gpus"].values():
+        entry["collective_latency_us"] = fit["a2a"]["latency_us"]
+        entry["p2p_latency_us"] = fit["p2p"]["latency_us"]
+    return fit
+
+
+CPU_CALIBRATION = CpuCalibration(model_step=measure_model_step, attention_flops=measure_runtime_attention_flops,
+                                 can_time_fixed_costs=can_calibrate, fixed_costs=time_calibration_layouts,
+                                 fit_latencies=fit_latencies)
