@@ -1,7 +1,7 @@
 """Benchmark: Lagom-style overlap tuning vs Megatron defaults vs an exhaustive grid (CPU, gloo).
 
 Tiny megatron-core GPT (communication-heavy: ~14.7M parameters, 32 tokens per rank) trained with
-Megatron DDP on ``--world-size`` gloo ranks (``megatron_hexiseq.overlap.testbed``). Knobs: the DDP
+Megatron DDP on ``--world-size`` gloo ranks (``megatron_hexiseq.testbed.overlap_bench``). Knobs: the DDP
 ladder (no overlap = Megatron's default, then overlap with buckets of N/2, N/4, ... parameters)
 plus Megatron's ``--overlap-grad-reduce`` default bucket (40M parameters: one bucket here).
 
@@ -33,7 +33,7 @@ from megatron_hexiseq.io import write_json_atomic, write_text_atomic
 from megatron_hexiseq.overlap.costmodel import fit_cpu_ddp
 from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.search import distributed_priority_search, trial_from_exposed
-from megatron_hexiseq.overlap.testbed import Testbed, TestbedConfig, TestbedModel
+from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MODEL, BenchConfig, BenchModel, OverlapBench
 from megatron_hexiseq.testing import run_ranks
 
 OUT_DIR = os.path.join("results", "bench")
@@ -53,10 +53,14 @@ class _DdpScenario:
     """Plain data parallelism: the overlap testbed; one communication (DDP gradient reduce)."""
 
     def __init__(self, opts: dict, group) -> None:
-        self.cfg = TestbedConfig(model=TestbedModel(**opts["model"]), warmup_steps=opts["warmup"],
-                                 measure_steps=opts["steps"])
-        self.tb = Testbed(self.cfg, group)
-        self.num_params = self.tb.count_params()
+        h = opts["model"]["hidden_size"]
+        model = dataclasses.replace(DEFAULT_MODEL, hidden_size=h, kv_channels=h // DEFAULT_MODEL.num_attention_heads,
+                                    ffn_hidden_size=4 * h, num_layers=opts["model"]["num_layers"],
+                                    seq_length=opts["model"]["seq_length"])
+        self.cfg = BenchConfig(model=BenchModel(target=model, bench=model), warmup_steps=opts["warmup"],
+                               measure_steps=opts["steps"])
+        self.tb = OverlapBench(self.cfg, group)
+        self.num_params = model.num_parameters
         self.space = SearchSpace(ladders=(ddp_ladder(self.num_params, min_bucket_params=opts["min_bucket"]),))
 
     def measure(self, config: OverlapConfig) -> dict:

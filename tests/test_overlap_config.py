@@ -1,6 +1,8 @@
 """Layer (a), no processes: knobs, NCCL YAML, results file, Megatron args hooks, drift monitor,
-online tuner (single process), and the ``tune`` command's non-tuning paths."""
+online tuner (single process), the CPU bench's model scaling, and the ``tune`` command's
+non-tuning paths (user errors: one line, exit 2)."""
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -8,6 +10,7 @@ import yaml
 
 from megatron_hexiseq.cli import main
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.model import get_model
 from megatron_hexiseq.overlap import megatron_hooks
 from megatron_hexiseq.overlap.knobs import (Ladder, NcclGroupOptions, OverlapConfig, SearchSpace,
                                             ddp_ladder, nccl_ctas_ladder)
@@ -16,6 +19,7 @@ from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, side_s
 from megatron_hexiseq.overlap.online import OnlineTuner
 from megatron_hexiseq.overlap.results import TuneResult, load_result, save_result
 from megatron_hexiseq.overlap.search import Trial, priority_search
+from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MAX_PARAMS, BenchModel, scale_for_cpu
 
 GPU_CONFIG = OverlapConfig(overlap_grad_reduce=True, bucket_size=20_000_000, comm_chunks=4,
                            nccl=(NcclGroupOptions(group="cp", min_ctas=2, max_ctas=2, is_high_priority_stream=True),
@@ -239,7 +243,53 @@ def test_tune_command_from_result_writes_nccl_yaml(tmp_path, capsys):
     assert "chosen: overlap b=20000000 chunks=4" in capsys.readouterr().out
     assert main(["tune", "--from-result", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["tune", "--world-size", "1"]) == 2
+    assert main(["tune", "--world-size", "1", "--model", "gpt-tiny"]) == 2
+    assert "--world-size must be in [2, 64]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune"], "give a model preset name (--model NAME) or a model YAML"),
+    (["tune", "--model", "gpt-huge"], "unknown model preset 'gpt-huge'"),
+    (["tune", "--model-config", "missing.yaml"], "does not exist"),
+    (["tune", "--model", "gpt-tiny", "--max-params", "0"], "--max-params must be in [1, 256000000]"),
+    (["tune", "--model", "llama3-70b", "--max-params", "1000000"], "raise --max-params"),
+    (["tune", "--model", "gpt-tiny", "--from-result", "r.json"], "drop --model/--model-config"),
+])
+def test_tune_command_user_errors(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_result(TuneResult(config=GPU_CONFIG), tmp_path / "r.json")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- CPU bench model
+
+def test_scale_for_cpu_keeps_layers_and_heads_and_shrinks_widths():
+    tiny = get_model("gpt-tiny")  # 124,544 parameters, kv_channels 8
+    assert scale_for_cpu(tiny, max_params=tiny.num_parameters, seq_length=16) == dataclasses.replace(tiny, seq_length=16)
+    # one parameter less: the next even kv_channels, 6 = 0.75 x 8; every width x 0.75
+    small = scale_for_cpu(tiny, max_params=tiny.num_parameters - 1, seq_length=1024)
+    assert (small.kv_channels, small.hidden_size, small.ffn_hidden_size, small.vocab_size) == (6, 48, 192, 192)
+    assert (small.num_layers, small.num_attention_heads, small.num_query_groups, small.seq_length) == (2, 8, 4, 256)
+    assert small.name == "gpt-tiny@cpu" and small.num_parameters <= tiny.num_parameters - 1
+    # llama3-70b at the default budget: kv_channels 128 -> 2 (the largest even one that fits)
+    big = get_model("llama3-70b")
+    scaled = scale_for_cpu(big)
+    assert (scaled.kv_channels, scaled.hidden_size, scaled.num_layers, scaled.num_query_groups) == (2, 128, 80, 8)
+    assert scaled.num_parameters <= DEFAULT_MAX_PARAMS < scale_for_cpu(big, max_params=10**9).num_parameters
+    assert scale_for_cpu(big, max_params=10**9).kv_channels > 2
+
+
+def test_bench_bucket_is_the_target_bucket_times_the_parameter_ratio():
+    models = BenchModel.for_target(get_model("gpt-7b"))
+    ratio = models.bench.num_parameters / models.target.num_parameters
+    assert models.param_ratio == ratio
+    assert models.bench_bucket(OverlapConfig(), dp_size=2) is None  # no overlap: one bucket
+    assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True, bucket_size=10**8), dp_size=2) == round(1e8 * ratio)
+    # Megatron's default with overlap: max(40M, 1M x dp) parameters of gpt-7b
+    assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True), dp_size=2) == round(4e7 * ratio)
+    assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True), dp_size=64) == round(6.4e7 * ratio)
 
 
 def test_wrap_forward_step_times_iterations(monkeypatch):
