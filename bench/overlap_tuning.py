@@ -30,10 +30,9 @@ import time
 import torch.distributed as dist
 
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic
-from megatron_hexiseq.overlap.costmodel import fit_cpu_ddp
 from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.search import distributed_priority_search, trial_from_exposed
-from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MODEL, BenchConfig, BenchModel, OverlapBench
+from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MODEL, BenchConfig, BenchModel, OverlapBench, fit_cpu_ddp
 from megatron_hexiseq.testing import run_ranks
 
 OUT_DIR = os.path.join("results", "bench")

@@ -12,10 +12,9 @@ from megatron_hexiseq.cli import main
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.overlap import megatron_hooks
-from megatron_hexiseq.overlap.knobs import (Ladder, NcclGroupOptions, OverlapConfig, SearchSpace,
-                                            ddp_ladder, nccl_ctas_ladder)
+from megatron_hexiseq.overlap.knobs import Ladder, NcclGroupOptions, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.monitor import DriftMonitor, MonitorConfig
-from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, side_stream_priority, write_nccl_yaml
+from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, write_nccl_yaml
 from megatron_hexiseq.overlap.online import OnlineTuner
 from megatron_hexiseq.overlap.results import TuneResult, load_result, save_result
 from megatron_hexiseq.overlap.search import Trial, priority_search
@@ -32,7 +31,7 @@ def test_ddp_ladder_and_search_space():
     ladder = ddp_ladder(1_000_000, min_bucket_params=100_000)
     assert ladder.values == ((False, None), (True, 500_000), (True, 250_000), (True, 125_000))
     space = SearchSpace(ladders=(ladder, Ladder(name="attn", knob="comm_chunks", values=(1, 2, 4)),
-                                 nccl_ctas_ladder("dp_cp", (2, 8))))
+                                 Ladder(name="nccl_dp_cp", knob="nccl_ctas:dp_cp", values=(2, 8))))
     assert space.num_levels == (4, 3, 2) and len(list(space.grid())) == 24
     c = space.config_at((2, 1, 1))
     assert (c.overlap_grad_reduce, c.bucket_size, c.comm_chunks) == (True, 250_000, 2)
@@ -69,7 +68,6 @@ def test_nccl_yaml_for_a_result(tmp_path):
     assert yaml.safe_load(path.read_text()) == nccl_yaml_dict(GPU_CONFIG)  # Megatron reads it so
     assert yaml.safe_load(nccl_yaml_text(GPU_CONFIG))["cp"]["max_ctas"] == 2
     assert GPU_CONFIG.high_priority_stream_groups == ("cp",)
-    assert side_stream_priority(GPU_CONFIG) == -1 and side_stream_priority(OverlapConfig()) == 0
     assert not write_nccl_yaml(OverlapConfig(), tmp_path / "none.yaml")
     assert not (tmp_path / "none.yaml").exists()
 

@@ -30,6 +30,9 @@ What a trial measures (medians over ``measure_steps`` after ``warmup_steps``), a
 * ``exposed_us``: the wait in ``finish_grad_sync``;
 * ``z_us``: the whole step (including the optimizer).
 
+``fit_cpu_ddp`` fits compute and exposed-communication time against the number of buckets from
+measured configurations (least squares, with R^2): the benchmark reports it.
+
 The step loop is timed by hand (``time.perf_counter``), not with ``torch.utils.benchmark``: every
 step starts on a barrier of the data-parallel group and is split into three phases (fwd+bwd,
 the exposed wait, the optimizer); ``Timer`` times one statement per call on one process.
@@ -40,7 +43,9 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -242,3 +247,56 @@ class OverlapBench:
                            exposed_us=statistics.median(s[1] for s in samples),
                            z_us=statistics.median(s[2] for s in samples),
                            num_buckets=sum(len(g.buckets) for g in ddp.bucket_groups))
+
+
+# --------------------------------------------------------------------------- fitted CPU model
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``target ~ coef . row``, fitted by least squares, with its R^2 on the data."""
+
+    names: tuple[str, ...]
+    coef: tuple[float, ...]
+    r2: float
+
+    def predict(self, row: Sequence[float]) -> float:
+        return float(np.dot(self.coef, row))
+
+
+def fit_linear(rows: Sequence[Sequence[float]], targets: Sequence[float], names: Sequence[str]) -> LinearFit:
+    a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    if a.shape[0] < a.shape[1]:
+        raise ValueError(f"need at least {a.shape[1]} measurements to fit {list(names)}, got {a.shape[0]}")
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    resid = b - a @ coef
+    total = float(((b - b.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+    return LinearFit(tuple(names), tuple(float(c) for c in coef), r2)
+
+
+@dataclass(frozen=True)
+class CpuDdpFit:
+    """Measured CPU model of overlapped DDP gradient reduce against the bucket count n.
+
+    ``compute``: Y(n) = y0 + a * n (each concurrent gloo all-reduce steals CPU from backward);
+    ``exposed``: E(n) = e0 + t / n + c * n (the last bucket's tail shrinks as 1/n; every bucket
+    costs a fixed overhead). Z(n) is predicted as Y + E + the non-overlapped rest.
+    """
+
+    compute: LinearFit
+    exposed: LinearFit
+    rest_us: float
+
+    def predict_z_us(self, n_buckets: int) -> float:
+        n = float(n_buckets)
+        return self.compute.predict([1.0, n]) + self.exposed.predict([1.0, 1.0 / n, n]) + self.rest_us
+
+
+def fit_cpu_ddp(n_buckets: Sequence[int], y_us: Sequence[float], exposed_us: Sequence[float],
+                z_us: Sequence[float]) -> CpuDdpFit:
+    """Fit ``CpuDdpFit`` from overlapped-DDP measurements (one entry per configuration)."""
+    compute = fit_linear([[1.0, n] for n in n_buckets], y_us, ("y0_us", "per_bucket_us"))
+    exposed = fit_linear([[1.0, 1.0 / n, n] for n in n_buckets], exposed_us,
+                         ("e0_us", "tail_us", "per_bucket_us"))
+    rest = float(np.median([z - y - e for z, y, e in zip(z_us, y_us, exposed_us)]))
+    return CpuDdpFit(compute, exposed, rest)
