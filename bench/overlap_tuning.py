@@ -27,9 +27,17 @@ import statistics
 import sys
 import time
 
+import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic
+from megatron_hexiseq.layout import make_layout
+from megatron_hexiseq.megatron.batch import slice_batch
+from megatron_hexiseq.megatron.config import cpu_device_shim
+from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
+from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt, make_batch, train_step
 from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.search import distributed_priority_search, trial_from_exposed
 from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MODEL, BenchConfig, BenchModel, OverlapBench, fit_cpu_ddp
@@ -40,8 +48,6 @@ OUT_DIR = os.path.join("results", "bench")
 
 def _agree(values: dict, group) -> dict:
     """Slowest rank's medians (a synchronous step is as slow as its slowest rank)."""
-    import torch
-
     keys = ("y_us", "exposed_us", "z_us")
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -80,12 +86,6 @@ class _HexiSeqScenario:
     """
 
     def __init__(self, opts: dict, group) -> None:
-        from megatron.core import parallel_state as mpu
-
-        from megatron_hexiseq.layout import make_layout
-        from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
-        from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt
-
         W, S = dist.get_world_size(), opts["model"]["seq_length"]
         cut = [round(S * i / (2 * W)) for i in range(2 * W + 1)]  # zig-zag halves per rank
         segments = [[(cut[r], cut[r + 1]), (cut[2 * W - r - 1], cut[2 * W - r])] for r in range(W)]
@@ -106,12 +106,6 @@ class _HexiSeqScenario:
         self.space = SearchSpace(ladders=(ddp, Ladder(name="hexiseq_attn", knob="comm_chunks", values=(1, 2, 4, 8))))
 
     def measure(self, config: OverlapConfig) -> dict:
-        import torch
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        from megatron_hexiseq.megatron.batch import slice_batch
-        from megatron_hexiseq.megatron.train_cpu import cpu_device_shim, make_batch, train_step
-
         o = self.opts
         cfg = self.TrainConfig(model=self.model, layout=self.layout, kernel="auto", comm_chunks=config.comm_chunks,
                                bucket_size=config.bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)

@@ -162,7 +162,9 @@ def test_configure_from_args_cpu_result_and_errors(tmp_path):
     with pytest.warns(UserWarning, match="no overlap\\s+knob"):
         args = _megatron_args(hexiseq_overlap_tune=True)
         megatron_hooks.configure_from_args(args)
-    assert args.hexiseq_overlap_tuner is None
+    assert not megatron_hooks.online_tuning_wanted(args)
+    assert megatron_hooks.online_tuning_wanted(_megatron_args(hexiseq_overlap_tune=True, hexiseq_layout="l.json"))
+    assert vars(args) == vars(_megatron_args(hexiseq_overlap_tune=True))  # nothing written on Megatron's args
 
 
 # ----------------------------------------------------------------------------- drift monitor
@@ -290,19 +292,34 @@ def test_bench_bucket_is_the_target_bucket_times_the_parameter_ratio():
     assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True), dp_size=64) == round(6.4e7 * ratio)
 
 
-def test_wrap_forward_step_times_iterations(monkeypatch):
-    space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),))
-    applied = []
-    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2,
-                        group="world")  # no process group yet: resolves to a single process
-    assert tuner.group is None
+def test_online_tuning_step_times_iterations_and_owns_the_chunk_count(tmp_path):
     clock = iter(float(t) for t in range(0, 1000, 1))
-    monkeypatch.setattr(megatron_hooks.time, "perf_counter", lambda: next(clock))
-    seen = []
-    step = megatron_hooks.wrap_forward_step(lambda it, model: seen.append(it) or "out", tuner, num_microbatches=2)
-    for i in range(12):  # 2 micro-batches per iteration: the clock is read on every 1st one only
-        assert step(i, None) == "out"
-    assert seen == list(range(12))
-    # iterations take 1 s whatever the configuration: chunks=2 does not help -> back to 1, done
-    assert applied == [1, 2, 1] and not tuner.tuning
-    assert [s.decision for s in tuner.results[0].trials] == ["start", "reject-slower"]
+    seen, pushed, saved = [], [], []
+    step = megatron_hooks.OnlineTuningStep(
+        lambda it, model: seen.append(it) or "out",
+        space=SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),)),
+        num_microbatches=2, apply_chunks=lambda model, n: pushed.append((model, n)), on_done=saved.append,
+        clock=lambda: next(clock))  # no process group yet: the tuner's "world" is a single process
+    assert step.tuner.group is None and step.comm_chunks == 1 and step.model_chunks is None
+    for i in range(24):  # 2 micro-batches per iteration: the clock is read on every 1st one only
+        assert step(i, "model") == "out"
+    assert seen == list(range(24))
+    # each trial: 1 settling + 4 timed iterations; every iteration takes 1 clock tick whatever the
+    # configuration: chunks=2 is accepted within the 5% noise tolerance, the ladder ends, and the
+    # tie goes to fewer resources -> back to 1 at the start of iteration 11 (call 22)
+    assert pushed == [("model", 1), ("model", 2), ("model", 1)] and not step.tuner.tuning
+    assert [s.decision for s in saved[0].trials] == ["start", "accept"] and saved[0].config.comm_chunks == 1
+    assert [s.trial.z_us for s in saved[0].trials] == [1e6, 1e6]
+    assert step.comm_chunks == step.model_chunks == 1
+    with pytest.raises(ValueError, match="num_microbatches"):
+        megatron_hooks.OnlineTuningStep(lambda *a: None, space=step.tuner.space, num_microbatches=0,
+                                        apply_chunks=lambda m, n: None)
+
+
+def test_online_tuning_step_from_args_saves_on_rank_zero(tmp_path):
+    args = _megatron_args(hexiseq_overlap_tune=True, hexiseq_layout="l.json", save=str(tmp_path))
+    step = megatron_hooks.OnlineTuningStep.from_args(lambda it, m: None, args, num_microbatches=1,
+                                                     apply_chunks=lambda m, n: None)
+    assert step.tuner.space.ladders[0].values == megatron_hooks.COMM_CHUNKS_LADDER
+    step.tuner.on_done(TuneResult(config=OverlapConfig(comm_chunks=4)))
+    assert load_result(tmp_path / "hexiseq_overlap.json").config.comm_chunks == 4

@@ -73,9 +73,12 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # The overlap and testbed modules import torch and megatron.core (2.4 s CPU, measured with
-    # time.process_time): imported here so that every other command starts without them.
+    # time.process_time; the CLI imports every command module): imported here so that every other
+    # command starts without them.
     from megatron_hexiseq.overlap.nccl import write_nccl_yaml
     from megatron_hexiseq.overlap.results import load_result, save_result
+    from megatron_hexiseq.testbed.overlap_bench import BenchConfig, BenchModel
+    from megatron_hexiseq.testbed.overlap_tune import OfflineTuneSpec, tune_offline
 
     check_outputs([("--out", args.out), ("--nccl-yaml", args.nccl_yaml)], inputs=[args.from_result, args.model_config])
     if args.from_result:
@@ -85,9 +88,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _check(args)
         model = get_model(args.model, config_path=args.model_config)
-        from megatron_hexiseq.testbed.overlap_bench import BenchConfig, BenchModel
-        from megatron_hexiseq.testbed.overlap_tune import OfflineTuneSpec, tune_offline
-
         models = BenchModel.for_target(model, max_params=args.max_params, seq_length=args.seq_length)
         spec = OfflineTuneSpec(bench=BenchConfig(model=models, warmup_steps=args.warmup_steps,
                                                  measure_steps=args.measure_steps),
