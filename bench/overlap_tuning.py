@@ -29,10 +29,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from _common import write_outputs  # noqa: E402  (bench/ on sys.path: scripts run as bench/NAME.py)
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_hexiseq.io import write_json_atomic, write_text_atomic
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.megatron.batch import slice_batch
 from megatron_hexiseq.megatron.config import cpu_device_shim
@@ -249,17 +249,9 @@ def _markdown(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(s: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _plot(s: dict, ax) -> None:
     if s["setup"]["scenario"] == "hexiseq":
-        _heatmap(s, fig, ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        _heatmap(s, ax.figure, ax)
         return
     ov = [g for g in s["grid"] if g["config"]["overlap_grad_reduce"] and g["config"]["bucket_size"]]
     xs = [g["config"]["bucket_size"] for g in ov]
@@ -276,8 +268,6 @@ def _plot(s: dict, path: str) -> None:
     ax.set_xlabel("DDP bucket size (parameters)")
     ax.set_ylabel("ms (grid medians; red star: tuned, re-measured)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _heatmap(s: dict, fig, ax) -> None:
@@ -334,12 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     raw = run_ranks(_bench_rank, a.world_size, opts)[0]
     summary = _summarise(raw, opts)
     summary["setup"]["total_seconds"] = time.perf_counter() - t0
-    os.makedirs(OUT_DIR, exist_ok=True)
-    stem = os.path.join(OUT_DIR, f"overlap_tuning_{a.scenario}")
-    write_json_atomic(stem + ".json", {"summary": summary, "raw": raw})
     md = _markdown(summary)
-    write_text_atomic(stem + ".md", md)
-    _plot(summary, stem + ".png")
+    title, table = md.split("\n", 1)
+    write_outputs(OUT_DIR, f"overlap_tuning_{a.scenario}", data={"summary": summary, "raw": raw},
+                  title=title.removeprefix("# "), table=table.strip(), plot=lambda ax: _plot(summary, ax))
     print(md)
     return 0
 
