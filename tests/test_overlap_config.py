@@ -18,7 +18,8 @@ from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, write_
 from megatron_hexiseq.overlap.online import OnlineTuner
 from megatron_hexiseq.overlap.results import TuneResult, load_result, save_result
 from megatron_hexiseq.overlap.search import Trial, priority_search
-from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MAX_PARAMS, BenchModel, scale_for_cpu
+from megatron_hexiseq.testbed.overlap_bench import (DEFAULT_MAX_PARAMS, MAX_ATTENTION_BYTES, BenchModel,
+                                                    attention_bytes, scale_for_cpu)
 
 GPU_CONFIG = OverlapConfig(overlap_grad_reduce=True, bucket_size=20_000_000, comm_chunks=4,
                            nccl=(NcclGroupOptions(group="cp", min_ctas=2, max_ctas=2, is_high_priority_stream=True),
@@ -253,6 +254,7 @@ def test_tune_command_from_result_writes_nccl_yaml(tmp_path, capsys):
     (["tune", "--model-config", "missing.yaml"], "does not exist"),
     (["tune", "--model", "gpt-tiny", "--max-params", "0"], "--max-params must be in [1, 256000000]"),
     (["tune", "--model", "llama3-70b", "--max-params", "1000000"], "raise --max-params"),
+    (["tune", "--model", "llama3-70b", "--seq-length", "4096"], "use at most 224 tokens"),
     (["tune", "--model", "gpt-tiny", "--from-result", "r.json"], "drop --model/--model-config"),
 ])
 def test_tune_command_user_errors(argv, message, capsys, tmp_path, monkeypatch):
@@ -279,6 +281,14 @@ def test_scale_for_cpu_keeps_layers_and_heads_and_shrinks_widths():
     assert (scaled.kv_channels, scaled.hidden_size, scaled.num_layers, scaled.num_query_groups) == (2, 128, 80, 8)
     assert scaled.num_parameters <= DEFAULT_MAX_PARAMS < scale_for_cpu(big, max_params=10**9).num_parameters
     assert scale_for_cpu(big, max_params=10**9).kv_channels > 2
+
+
+def test_scale_for_cpu_bounds_the_reference_attention_memory():
+    gpt7b = get_model("gpt-7b")  # 32 layers, 32 heads: (32 + 3) * 32 * S^2 * 4 bytes <= 1 GiB -> S <= 489
+    assert attention_bytes(gpt7b, 489) <= MAX_ATTENTION_BYTES < attention_bytes(gpt7b, 490)
+    assert scale_for_cpu(gpt7b, seq_length=489).seq_length == 489
+    with pytest.raises(HexiSeqError, match="use at most 489 tokens"):
+        scale_for_cpu(gpt7b, seq_length=490)
 
 
 def test_bench_bucket_is_the_target_bucket_times_the_parameter_ratio():

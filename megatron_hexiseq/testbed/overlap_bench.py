@@ -40,6 +40,7 @@ the exposed wait, the optimizer); ``Timer`` times one statement per call on one 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ from megatron_hexiseq.overlap.search import Trial, trial_from_exposed
 DEFAULT_MAX_PARAMS = 24_000_000
 #: Tokens per sequence on the bench (see the module docstring).
 DEFAULT_SEQ_LENGTH = 32
+#: Bytes the bench's attention may keep per rank: ``LocalCausalAttention`` materialises the
+#: [b, H, S, S] fp32 probabilities, one per layer for backward plus ~3 in flight (see ``attention_bytes``).
+MAX_ATTENTION_BYTES = 1 << 30
 #: Megatron's bucket with ``--overlap-grad-reduce`` and no ``--ddp-bucket-size``:
 #: ``max(40M, 1M * dp)`` parameters (``DistributedDataParallel.__init__``, core_v0.16.1).
 MEGATRON_DEFAULT_BUCKET, MEGATRON_BUCKET_PER_DP = 40_000_000, 1_000_000
@@ -88,6 +92,11 @@ def scale_for_cpu(model: ModelSpec, *, max_params: int = DEFAULT_MAX_PARAMS,
     if max_params < 1 or seq_length < 1:
         raise HexiSeqError(f"max_params and seq_length must be positive, got {max_params}, {seq_length}")
     seq = min(model.seq_length, seq_length)
+    if attention_bytes(model, seq) > MAX_ATTENTION_BYTES:
+        fits = math.isqrt(MAX_ATTENTION_BYTES // attention_bytes(model, 1))
+        raise HexiSeqError(f"--seq-length {seq}: the CPU bench's reference attention would keep "
+                           f"{attention_bytes(model, seq) / 2**30:.1f} GiB of [b, H, S, S] scores per rank for "
+                           f"{model.name}; use at most {fits} tokens")
     for kv in [model.kv_channels] + [k for k in range(model.kv_channels - 1, 1, -1) if k % 2 == 0]:
         r = kv / model.kv_channels
         scaled = dataclasses.replace(
@@ -100,6 +109,13 @@ def scale_for_cpu(model: ModelSpec, *, max_params: int = DEFAULT_MAX_PARAMS,
     raise HexiSeqError(f"model {model.name} does not fit the CPU bench's {max_params:,} parameters even at "
                        f"kv_channels=2 ({scaled.num_parameters:,} parameters, {model.num_layers} layers): "
                        "raise --max-params")
+
+
+def attention_bytes(model: ModelSpec, seq_length: int) -> int:
+    """Bytes of fp32 attention probabilities the bench keeps: one [b, H, S, S] per layer for
+    backward, plus 3 in flight in the layer being computed (scores, scaled, masked)."""
+    per_layer = model.micro_batch_size * model.num_attention_heads * seq_length**2 * 4
+    return (model.num_layers + 3) * per_layer
 
 
 @dataclass(frozen=True, kw_only=True)
