@@ -10,7 +10,7 @@ from megatron_hexiseq.commands import describe
 from megatron_hexiseq.commands._progress import waiting
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import check_outputs
-from megatron_hexiseq.model import get_model
+from megatron_hexiseq.model import MODEL_PRESETS, get_model
 
 if TYPE_CHECKING:
     from megatron_hexiseq.testbed.overlap_bench import BenchModel
@@ -34,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help="tune communication/computation overlap knobs (Lagom search)",
                               description=describe(__doc__), epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="NAME", help="model preset to tune for (see 'plan --help')")
+    p.add_argument("--model", metavar="NAME", help=f"model preset to tune for ({', '.join(MODEL_PRESETS)})")
     p.add_argument("--model-config", metavar="M.yaml", help="model spec YAML with Megatron's field names")
     p.add_argument("--out", metavar="PATH", help="write the result JSON here (for --hexiseq-overlap-config)")
     p.add_argument("--from-result", metavar="PATH", help="do not tune: load this result (e.g. to write its NCCL YAML)")
