@@ -1,7 +1,7 @@
 """Benchmark: Lagom-style overlap tuning vs Megatron defaults vs an exhaustive grid (CPU, gloo).
 
 Tiny megatron-core GPT (communication-heavy: ~14.7M parameters, 32 tokens per rank) trained with
-Megatron DDP on ``--world-size`` gloo ranks (``megatron_hexiseq.overlap.testbed``). Knobs: the DDP
+Megatron DDP on ``--world-size`` gloo ranks (``megatron_hexiseq.testbed.overlap_bench``). Knobs: the DDP
 ladder (no overlap = Megatron's default, then overlap with buckets of N/2, N/4, ... parameters)
 plus Megatron's ``--overlap-grad-reduce`` default bucket (40M parameters: one bucket here).
 
@@ -27,22 +27,28 @@ import statistics
 import sys
 import time
 
+import torch
 import torch.distributed as dist
+from _common import write_outputs  # noqa: E402  (bench/ on sys.path: scripts run as bench/NAME.py)
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_hexiseq.io import write_json_atomic, write_text_atomic
-from megatron_hexiseq.overlap.costmodel import fit_cpu_ddp
+from megatron_hexiseq.layout import make_layout
+from megatron_hexiseq.megatron.batch import slice_batch
+from megatron_hexiseq.megatron.config import cpu_device_shim
+from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
 from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.search import distributed_priority_search, trial_from_exposed
-from megatron_hexiseq.overlap.testbed import Testbed, TestbedConfig, TestbedModel
-from megatron_hexiseq.testing import run_ranks
+from megatron_hexiseq.testbed.overlap_bench import DEFAULT_MODEL, BenchConfig, BenchModel, OverlapBench, fit_cpu_ddp
+from megatron_hexiseq.testbed.spawn import run_ranks
 
 OUT_DIR = os.path.join("results", "bench")
 
 
 def _agree(values: dict, group) -> dict:
     """Slowest rank's medians (a synchronous step is as slow as its slowest rank)."""
-    import torch
-
     keys = ("y_us", "exposed_us", "z_us")
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -53,10 +59,14 @@ class _DdpScenario:
     """Plain data parallelism: the overlap testbed; one communication (DDP gradient reduce)."""
 
     def __init__(self, opts: dict, group) -> None:
-        self.cfg = TestbedConfig(model=TestbedModel(**opts["model"]), warmup_steps=opts["warmup"],
-                                 measure_steps=opts["steps"])
-        self.tb = Testbed(self.cfg, group)
-        self.num_params = self.tb.count_params()
+        h = opts["model"]["hidden_size"]
+        model = dataclasses.replace(DEFAULT_MODEL, hidden_size=h, kv_channels=h // DEFAULT_MODEL.num_attention_heads,
+                                    ffn_hidden_size=4 * h, num_layers=opts["model"]["num_layers"],
+                                    seq_length=opts["model"]["seq_length"])
+        self.cfg = BenchConfig(model=BenchModel(target=model, bench=model), warmup_steps=opts["warmup"],
+                               measure_steps=opts["steps"])
+        self.tb = OverlapBench(self.cfg, group)
+        self.num_params = model.num_parameters
         self.space = SearchSpace(ladders=(ddp_ladder(self.num_params, min_bucket_params=opts["min_bucket"]),))
 
     def measure(self, config: OverlapConfig) -> dict:
@@ -70,27 +80,23 @@ class _DdpScenario:
 class _HexiSeqScenario:
     """Context parallelism over the ranks with HexiSeq attention (two A2A groups of one rank: the
     K/V sub-ring) + Megatron DDP over dp_cp, per-token loss, AdamW: the steps of the Megatron CPU
-    driver (``megatron.train_cpu``), with Megatron's groups and the HexiSeq runtime built ONCE per
+    driver (``testbed.train``), with Megatron's groups and the HexiSeq runtime built ONCE per
     process (``train_rank`` builds them per call, ~50 gloo threads each). Two communications: DDP
     gradient reduce and HexiSeq's K/V exchange (``comm_chunks``). The attention's waits happen
     inside forward/backward, so trials use the step time alone (``trial_from_exposed`` with y = 0).
     """
 
     def __init__(self, opts: dict, group) -> None:
-        from megatron.core import parallel_state as mpu
-
-        from megatron_hexiseq.layout import make_layout
-        from megatron_hexiseq.megatron.parallel_state import RunShape, build_runtime
-        from megatron_hexiseq.megatron.train_cpu import TinyGPT, TrainConfig, build_gpt
-
         W, S = dist.get_world_size(), opts["model"]["seq_length"]
         cut = [round(S * i / (2 * W)) for i in range(2 * W + 1)]  # zig-zag halves per rank
         segments = [[(cut[r], cut[r + 1]), (cut[2 * W - r - 1], cut[2 * W - r])] for r in range(W)]
         self.layout = make_layout(seq_length=S, num_attention_heads=8, num_query_groups=8, group_sizes=[1] * W,
                                   segments=segments, heads=[list(range(8))] * W)
         h = opts["model"]["hidden_size"]
-        self.model = TinyGPT(num_layers=opts["model"]["num_layers"], hidden_size=h, num_attention_heads=8,
-                             num_query_groups=8, ffn_hidden_size=2 * h, vocab_size=512)
+        self.model = ModelSpec(name="overlap-bench-hexiseq", num_layers=opts["model"]["num_layers"], hidden_size=h,
+                               num_attention_heads=8, num_query_groups=8, kv_channels=h // 8, ffn_hidden_size=2 * h,
+                               vocab_size=512, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                               seq_length=S)
         self.TrainConfig, self.build_gpt, self.opts = TrainConfig, build_gpt, opts
         mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
         run = RunShape(world_size=W, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -103,12 +109,6 @@ class _HexiSeqScenario:
         self.space = SearchSpace(ladders=(ddp, Ladder(name="hexiseq_attn", knob="comm_chunks", values=(1, 2, 4, 8))))
 
     def measure(self, config: OverlapConfig) -> dict:
-        import torch
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        from megatron_hexiseq.megatron.batch import slice_batch
-        from megatron_hexiseq.megatron.train_cpu import cpu_device_shim, make_batch, train_step
-
         o = self.opts
         cfg = self.TrainConfig(model=self.model, layout=self.layout, kernel="auto", comm_chunks=config.comm_chunks,
                                bucket_size=config.bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
@@ -252,17 +252,9 @@ def _markdown(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(s: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _plot(s: dict, ax) -> None:
     if s["setup"]["scenario"] == "hexiseq":
-        _heatmap(s, fig, ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        _heatmap(s, ax.figure, ax)
         return
     ov = [g for g in s["grid"] if g["config"]["overlap_grad_reduce"] and g["config"]["bucket_size"]]
     xs = [g["config"]["bucket_size"] for g in ov]
@@ -279,8 +271,6 @@ def _plot(s: dict, path: str) -> None:
     ax.set_xlabel("DDP bucket size (parameters)")
     ax.set_ylabel("ms (grid medians; red star: tuned, re-measured)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _heatmap(s: dict, fig, ax) -> None:
@@ -337,12 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     raw = run_ranks(_bench_rank, a.world_size, opts)[0]
     summary = _summarise(raw, opts)
     summary["setup"]["total_seconds"] = time.perf_counter() - t0
-    os.makedirs(OUT_DIR, exist_ok=True)
-    stem = os.path.join(OUT_DIR, f"overlap_tuning_{a.scenario}")
-    write_json_atomic(stem + ".json", {"summary": summary, "raw": raw})
     md = _markdown(summary)
-    write_text_atomic(stem + ".md", md)
-    _plot(summary, stem + ".png")
+    title, table = md.split("\n", 1)
+    write_outputs(OUT_DIR, f"overlap_tuning_{a.scenario}", data={"summary": summary, "raw": raw},
+                  title=title.removeprefix("# "), table=table.strip(), plot=lambda ax: _plot(summary, ax))
     print(md)
     return 0
 

@@ -100,10 +100,10 @@ def test_version(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["tune", "--min-bucket", "0"], "--min-bucket must be a positive"),
     (["tune", "--min-bucket", "-5"], "--min-bucket must be a positive"),
-    (["tune", "--hidden-size", "0"], "--hidden-size must be in"),
-    (["tune", "--num-layers", "-1"], "--num-layers must be in"),
+    (["tune", "--max-params", "0"], "--max-params must be in"),
+    (["tune", "--warmup-steps", "-1"], "--warmup-steps must be in"),
     (["tune", "--seq-length", "0"], "--seq-length must be in"),
-    (["tune", "--vocab-size", "99999999999"], "--vocab-size must be in"),
+    (["tune", "--max-params", "99999999999"], "--max-params must be in"),
     (["tune", "--world-size", "1"], "--world-size must be in"),
     (["tune", "--tolerance", "nan"], "--tolerance must be in"),
     (["profile", "--testbed", "1+1", "--seconds", "nan", "-o", "{d}/c2.yaml"], "--seconds must be a positive"),
@@ -408,7 +408,7 @@ def _interrupt(argv: list[str], world: int, how: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", ["tune-terminal", "profile-sigterm", "demo-sigint"])
 def test_interrupts_exit_130_and_kill_every_rank(tmp_path, capsys, case):
     if case == "tune-terminal":
-        argv, world, how = ["-m", "megatron_hexiseq.cli", "tune", "--world-size", "2", "--measure-steps", "500",
+        argv, world, how = ["-m", "megatron_hexiseq.cli", "tune", "--model", "gpt-tiny", "--world-size", "2", "--measure-steps", "500",
                             "--out", str(tmp_path / "t.json")], 2, "terminal"
     elif case == "profile-sigterm":
         argv, world, how = ["-m", "megatron_hexiseq.cli", "profile", "--testbed", "1+1", "--seconds", "30",

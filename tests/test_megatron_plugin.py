@@ -40,22 +40,12 @@ def test_package_imports_without_te_or_apex():
 
 def test_post_parse_hook_configures_overlap_once(monkeypatch):
     calls = []
-    hooks = types.ModuleType(plugin.OVERLAP_HOOKS)
-    hooks.configure_from_args = lambda args: calls.append(args.hexiseq_overlap_config)
-    monkeypatch.setitem(sys.modules, plugin.OVERLAP_HOOKS, hooks)
+    monkeypatch.setattr(plugin.megatron_hooks, "configure_from_args", lambda args: calls.append(args.hexiseq_overlap_config))
     parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
     args = parser.parse_args(["--hexiseq-overlap-config", "tune.json"])
     assert calls == ["tune.json"] and args.hexiseq_overlap_configured
     plugin.configure_overlap(args)  # setup() calls it again: no second application
     assert calls == ["tune.json"]
-
-
-def test_overlap_flags_without_the_overlap_module(monkeypatch):
-    monkeypatch.setitem(sys.modules, plugin.OVERLAP_HOOKS, None)  # import fails like a missing module
-    parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
-    parser.parse_args([])  # no overlap flags: fine
-    with pytest.raises(HexiSeqError, match="--hexiseq-overlap-tune/--hexiseq-overlap-config need"):
-        parser.parse_args(["--hexiseq-overlap-tune"])
 
 
 def test_cp_comm_type_hexiseq_needs_a_layout():
@@ -65,30 +55,27 @@ def test_cp_comm_type_hexiseq_needs_a_layout():
     assert plugin.setup(argparse.Namespace(cp_comm_type=["p2p"], hexiseq_overlap_configured=True), None) is None
 
 
-def test_forward_step_wrapper_pushes_comm_chunks_and_feeds_tuner():
+def test_forward_step_wrapper_hands_online_tuning_to_the_tuning_step():
     from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+    from megatron_hexiseq.overlap.megatron_hooks import OnlineTuningStep
 
     cores = [HexiSeqCoreAttention.__new__(HexiSeqCoreAttention) for _ in range(3)]
     model = torch.nn.Module()
     for i, c in enumerate(cores):
         torch.nn.Module.__init__(c)
-        c.comm_chunks = 1
+        c.comm_chunks = 3
         model.add_module(f"core{i}", c)
-    args = argparse.Namespace(hexiseq_comm_chunks=1, hexiseq_overlap_tuner=None)
     seen = []
-    step = plugin.forward_step(lambda it, m: seen.append([c.comm_chunks for c in cores]) or "out",
-                               get_args=lambda: args)
-    assert step(None, model) == "out"
-    args.hexiseq_comm_chunks = 4  # the online tuner applied a new value
-    step(None, [model])
-    assert seen == [[1, 1, 1], [4, 4, 4]]
-    steps = []
-    tuner = types.SimpleNamespace(on_step=lambda *a: steps.append(a), space=types.SimpleNamespace(ladders=[0]))
-    args2 = argparse.Namespace(hexiseq_comm_chunks=None, hexiseq_overlap_tuner=tuner)
-    wrapped = plugin.forward_step(lambda it, m: "x", get_args=lambda: args2, num_microbatches=lambda: 2)
-    for _ in range(6):
-        assert wrapped(None, model) == "x"
-    assert len(steps) == 2  # iterations = pairs of micro-batches; the first has no predecessor
+    plain = plugin.forward_step(lambda it, m: seen.append([c.comm_chunks for c in cores]) or "out",
+                                get_args=lambda: argparse.Namespace(hexiseq_overlap_tune=False))
+    assert plain(None, model) == "out" and plain._inner is plain.forward_step
+    args = argparse.Namespace(hexiseq_overlap_tune=True, hexiseq_layout="layout.json", save=None)
+    tuned = plugin.forward_step(lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x",
+                                get_args=lambda: args, num_microbatches=lambda: 2)
+    assert tuned(None, [model]) == "x"
+    assert isinstance(tuned._inner, OnlineTuningStep) and tuned._inner.num_microbatches == 2
+    assert seen == [[3, 3, 3], [1, 1, 1]]  # the tuner's first configuration reached every core attention
+    assert plugin.set_comm_chunks(model, 1) == 0 and plugin.set_comm_chunks([model], 2) == 3
 
 
 # ---- layer (b) -------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Layer (a), no processes: knobs, NCCL YAML, results file, Megatron args hooks, drift monitor,
-online tuner (single process), and the ``tune`` command's non-tuning paths."""
+online tuner (single process), the CPU bench's model scaling, and the ``tune`` command's
+non-tuning paths (user errors: one line, exit 2)."""
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -8,14 +10,16 @@ import yaml
 
 from megatron_hexiseq.cli import main
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.model import get_model
 from megatron_hexiseq.overlap import megatron_hooks
-from megatron_hexiseq.overlap.knobs import (Ladder, NcclGroupOptions, OverlapConfig, SearchSpace,
-                                            ddp_ladder, nccl_ctas_ladder)
+from megatron_hexiseq.overlap.knobs import Ladder, NcclGroupOptions, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.monitor import DriftMonitor, MonitorConfig
-from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, side_stream_priority, write_nccl_yaml
+from megatron_hexiseq.overlap.nccl import nccl_yaml_dict, nccl_yaml_text, write_nccl_yaml
 from megatron_hexiseq.overlap.online import OnlineTuner
 from megatron_hexiseq.overlap.results import TuneResult, load_result, save_result
 from megatron_hexiseq.overlap.search import Trial, priority_search
+from megatron_hexiseq.testbed.overlap_bench import (DEFAULT_MAX_PARAMS, MAX_ATTENTION_BYTES, BenchModel,
+                                                    attention_bytes, scale_for_cpu)
 
 GPU_CONFIG = OverlapConfig(overlap_grad_reduce=True, bucket_size=20_000_000, comm_chunks=4,
                            nccl=(NcclGroupOptions(group="cp", min_ctas=2, max_ctas=2, is_high_priority_stream=True),
@@ -28,7 +32,7 @@ def test_ddp_ladder_and_search_space():
     ladder = ddp_ladder(1_000_000, min_bucket_params=100_000)
     assert ladder.values == ((False, None), (True, 500_000), (True, 250_000), (True, 125_000))
     space = SearchSpace(ladders=(ladder, Ladder(name="attn", knob="comm_chunks", values=(1, 2, 4)),
-                                 nccl_ctas_ladder("dp_cp", (2, 8))))
+                                 Ladder(name="nccl_dp_cp", knob="nccl_ctas:dp_cp", values=(2, 8))))
     assert space.num_levels == (4, 3, 2) and len(list(space.grid())) == 24
     c = space.config_at((2, 1, 1))
     assert (c.overlap_grad_reduce, c.bucket_size, c.comm_chunks) == (True, 250_000, 2)
@@ -65,7 +69,6 @@ def test_nccl_yaml_for_a_result(tmp_path):
     assert yaml.safe_load(path.read_text()) == nccl_yaml_dict(GPU_CONFIG)  # Megatron reads it so
     assert yaml.safe_load(nccl_yaml_text(GPU_CONFIG))["cp"]["max_ctas"] == 2
     assert GPU_CONFIG.high_priority_stream_groups == ("cp",)
-    assert side_stream_priority(GPU_CONFIG) == -1 and side_stream_priority(OverlapConfig()) == 0
     assert not write_nccl_yaml(OverlapConfig(), tmp_path / "none.yaml")
     assert not (tmp_path / "none.yaml").exists()
 
@@ -160,7 +163,9 @@ def test_configure_from_args_cpu_result_and_errors(tmp_path):
     with pytest.warns(UserWarning, match="no overlap\\s+knob"):
         args = _megatron_args(hexiseq_overlap_tune=True)
         megatron_hooks.configure_from_args(args)
-    assert args.hexiseq_overlap_tuner is None
+    assert not megatron_hooks.online_tuning_wanted(args)
+    assert megatron_hooks.online_tuning_wanted(_megatron_args(hexiseq_overlap_tune=True, hexiseq_layout="l.json"))
+    assert vars(args) == vars(_megatron_args(hexiseq_overlap_tune=True))  # nothing written on Megatron's args
 
 
 # ----------------------------------------------------------------------------- drift monitor
@@ -239,22 +244,92 @@ def test_tune_command_from_result_writes_nccl_yaml(tmp_path, capsys):
     assert "chosen: overlap b=20000000 chunks=4" in capsys.readouterr().out
     assert main(["tune", "--from-result", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["tune", "--world-size", "1"]) == 2
+    assert main(["tune", "--world-size", "1", "--model", "gpt-tiny"]) == 2
+    assert "--world-size must be in [2, 64]" in capsys.readouterr().err
 
 
-def test_wrap_forward_step_times_iterations(monkeypatch):
-    space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),))
-    applied = []
-    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2,
-                        group="world")  # no process group yet: resolves to a single process
-    assert tuner.group is None
+@pytest.mark.parametrize("argv, message", [
+    (["tune"], "give a model preset name (--model NAME) or a model YAML"),
+    (["tune", "--model", "gpt-huge"], "unknown model preset 'gpt-huge'"),
+    (["tune", "--model-config", "missing.yaml"], "does not exist"),
+    (["tune", "--model", "gpt-tiny", "--max-params", "0"], "--max-params must be in [1, 256000000]"),
+    (["tune", "--model", "llama3-70b", "--max-params", "1000000"], "raise --max-params"),
+    (["tune", "--model", "llama3-70b", "--seq-length", "4096"], "use at most 224 tokens"),
+    (["tune", "--model", "gpt-tiny", "--from-result", "r.json"], "drop --model/--model-config"),
+])
+def test_tune_command_user_errors(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_result(TuneResult(config=GPU_CONFIG), tmp_path / "r.json")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- CPU bench model
+
+def test_scale_for_cpu_keeps_layers_and_heads_and_shrinks_widths():
+    tiny = get_model("gpt-tiny")  # 124,544 parameters, kv_channels 8
+    assert scale_for_cpu(tiny, max_params=tiny.num_parameters, seq_length=16) == dataclasses.replace(tiny, seq_length=16)
+    # one parameter less: the next even kv_channels, 6 = 0.75 x 8; every width x 0.75
+    small = scale_for_cpu(tiny, max_params=tiny.num_parameters - 1, seq_length=1024)
+    assert (small.kv_channels, small.hidden_size, small.ffn_hidden_size, small.vocab_size) == (6, 48, 192, 192)
+    assert (small.num_layers, small.num_attention_heads, small.num_query_groups, small.seq_length) == (2, 8, 4, 256)
+    assert small.name == "gpt-tiny@cpu" and small.num_parameters <= tiny.num_parameters - 1
+    # llama3-70b at the default budget: kv_channels 128 -> 2 (the largest even one that fits)
+    big = get_model("llama3-70b")
+    scaled = scale_for_cpu(big)
+    assert (scaled.kv_channels, scaled.hidden_size, scaled.num_layers, scaled.num_query_groups) == (2, 128, 80, 8)
+    assert scaled.num_parameters <= DEFAULT_MAX_PARAMS < scale_for_cpu(big, max_params=10**9).num_parameters
+    assert scale_for_cpu(big, max_params=10**9).kv_channels > 2
+
+
+def test_scale_for_cpu_bounds_the_reference_attention_memory():
+    gpt7b = get_model("gpt-7b")  # 32 layers, 32 heads: (32 + 3) * 32 * S^2 * 4 bytes <= 1 GiB -> S <= 489
+    assert attention_bytes(gpt7b, 489) <= MAX_ATTENTION_BYTES < attention_bytes(gpt7b, 490)
+    assert scale_for_cpu(gpt7b, seq_length=489).seq_length == 489
+    with pytest.raises(HexiSeqError, match="use at most 489 tokens"):
+        scale_for_cpu(gpt7b, seq_length=490)
+
+
+def test_bench_bucket_is_the_target_bucket_times_the_parameter_ratio():
+    models = BenchModel.for_target(get_model("gpt-7b"))
+    ratio = models.bench.num_parameters / models.target.num_parameters
+    assert models.param_ratio == ratio
+    assert models.bench_bucket(OverlapConfig(), dp_size=2) is None  # no overlap: one bucket
+    assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True, bucket_size=10**8), dp_size=2) == round(1e8 * ratio)
+    # Megatron's default with overlap: max(40M, 1M x dp) parameters of gpt-7b
+    assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True), dp_size=2) == round(4e7 * ratio)
+    assert models.bench_bucket(OverlapConfig(overlap_grad_reduce=True), dp_size=64) == round(6.4e7 * ratio)
+
+
+def test_online_tuning_step_times_iterations_and_owns_the_chunk_count(tmp_path):
     clock = iter(float(t) for t in range(0, 1000, 1))
-    monkeypatch.setattr(megatron_hooks.time, "perf_counter", lambda: next(clock))
-    seen = []
-    step = megatron_hooks.wrap_forward_step(lambda it, model: seen.append(it) or "out", tuner, num_microbatches=2)
-    for i in range(12):  # 2 micro-batches per iteration: the clock is read on every 1st one only
-        assert step(i, None) == "out"
-    assert seen == list(range(12))
-    # iterations take 1 s whatever the configuration: chunks=2 does not help -> back to 1, done
-    assert applied == [1, 2, 1] and not tuner.tuning
-    assert [s.decision for s in tuner.results[0].trials] == ["start", "reject-slower"]
+    seen, pushed, saved = [], [], []
+    step = megatron_hooks.OnlineTuningStep(
+        lambda it, model: seen.append(it) or "out",
+        space=SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),)),
+        num_microbatches=2, apply_chunks=lambda model, n: pushed.append((model, n)), on_done=saved.append,
+        clock=lambda: next(clock))  # no process group yet: the tuner's "world" is a single process
+    assert step.tuner.group is None and step.comm_chunks == 1 and step.model_chunks is None
+    for i in range(24):  # 2 micro-batches per iteration: the clock is read on every 1st one only
+        assert step(i, "model") == "out"
+    assert seen == list(range(24))
+    # each trial: 1 settling + 4 timed iterations; every iteration takes 1 clock tick whatever the
+    # configuration: chunks=2 is accepted within the 5% noise tolerance, the ladder ends, and the
+    # tie goes to fewer resources -> back to 1 at the start of iteration 11 (call 22)
+    assert pushed == [("model", 1), ("model", 2), ("model", 1)] and not step.tuner.tuning
+    assert [s.decision for s in saved[0].trials] == ["start", "accept"] and saved[0].config.comm_chunks == 1
+    assert [s.trial.z_us for s in saved[0].trials] == [1e6, 1e6]
+    assert step.comm_chunks == step.model_chunks == 1
+    with pytest.raises(ValueError, match="num_microbatches"):
+        megatron_hooks.OnlineTuningStep(lambda *a: None, space=step.tuner.space, num_microbatches=0,
+                                        apply_chunks=lambda m, n: None)
+
+
+def test_online_tuning_step_from_args_saves_on_rank_zero(tmp_path):
+    args = _megatron_args(hexiseq_overlap_tune=True, hexiseq_layout="l.json", save=str(tmp_path))
+    step = megatron_hooks.OnlineTuningStep.from_args(lambda it, m: None, args, num_microbatches=1,
+                                                     apply_chunks=lambda m, n: None)
+    assert step.tuner.space.ladders[0].values == megatron_hooks.COMM_CHUNKS_LADDER
+    step.tuner.on_done(TuneResult(config=OverlapConfig(comm_chunks=4)))
+    assert load_result(tmp_path / "hexiseq_overlap.json").config.comm_chunks == 4

@@ -1,4 +1,4 @@
-"""Layer (a), no processes: the Lagom priority search and the overlap cost model.
+"""Layer (a), no processes: the Lagom priority search, its H metric, and the CPU bench's fitted model.
 
 The search runs against synthetic cost functions whose optimum is known by hand (and checked by
 brute force over the grid); the exact sequence of trials is asserted.
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from megatron_hexiseq.overlap import costmodel as cm
-from megatron_hexiseq.overlap.search import Trial, priority_search, search_steps, trial_from_exposed
+from megatron_hexiseq.overlap.search import Trial, h_metric, priority_search, search_steps, trial_from_exposed
+from megatron_hexiseq.testbed.overlap_bench import fit_cpu_ddp, fit_linear
 
 
 def lagom_cost(y_fn, x_tables):
@@ -109,54 +109,13 @@ def test_trial_from_exposed():
     assert t.x_us == (130.0, 1.0) and t.y_us == 100.0 and t.z_us == 150.0
 
 
-# ----------------------------------------------------------------------------- cost model
+# ----------------------------------------------------------------------------- H metric, CPU fit
 
-GPU = cm.GpuSpec(sms=132, mem_bw_bytes_per_us=3.0e6)
-KERNEL = cm.ComputeKernel(blocks=1056, blocks_per_sm=2, bytes_per_block=64e3, theta_us=5.0)
-COMM = cm.CommSpec(bytes=256e6, latency_us=10.0, link_bw_bytes_per_us=400e3, link_bw_per_cta=25e3,
-                   mem_bw_per_cta=40e3, chunk_saturation_bytes=1 << 20)
-
-
-def test_lagom_waves_and_wave_time():
-    assert cm.waves(KERNEL, 132) == 4            # ceil(1056 / 264)
-    assert cm.waves(KERNEL, 116) == 5            # 16 SMs for communication: ceil(1056 / 232)
-    s = cm.CommSetting(nc=16, chunk_bytes=1 << 20)
-    assert cm.mem_bw_taken(COMM, s) == 16 * 40e3
-    f = cm.wave_time_us(KERNEL, GPU, 116, cm.mem_bw_taken(COMM, s))
-    assert f == pytest.approx(5.0 + 116 * 2 * 64e3 / (3.0e6 - 640e3))
-    assert cm.kernel_time_us(KERNEL, GPU, COMM, s) == pytest.approx(5 * f)
-    alone = cm.kernel_time_us(KERNEL, GPU)
-    assert alone == pytest.approx(4 * (5.0 + 132 * 2 * 64e3 / 3.0e6))
-    assert cm.kernel_time_us(KERNEL, GPU, COMM, s) > alone  # overlapped communication slows it
-
-
-def test_lagom_comm_time_saturates_and_h_metric():
-    xs = [cm.comm_time_us(COMM, cm.CommSetting(nc=nc, chunk_bytes=1 << 20)) for nc in (1, 2, 4, 8, 16, 32)]
-    assert xs[0] == pytest.approx(10.0 + 256e6 / 25e3)
-    assert all(a > b for a, b in zip(xs, xs[1:5]))           # faster until the link saturates
-    assert xs[4] == pytest.approx(xs[5]) == pytest.approx(10.0 + 256e6 / 400e3)
-    half_chunk = cm.comm_time_us(COMM, cm.CommSetting(nc=4, chunk_bytes=1 << 19))
-    assert half_chunk == pytest.approx(10.0 + 256e6 / 50e3)
-    assert cm.h_metric(100.0, 110.0, 80.0, 60.0) == 0.5
-    assert cm.h_metric(100.0, 110.0, 60.0, 60.0) == math.inf
-
-
-def test_lagom_model_drives_the_search_to_the_grid_optimum():
-    """Search over NC for two windows priced by the GPU model: within 3% of the brute-force best."""
-    comms = (COMM, cm.CommSpec(bytes=64e6, latency_us=10.0, link_bw_bytes_per_us=400e3,
-                               link_bw_per_cta=25e3, mem_bw_per_cta=40e3, chunk_saturation_bytes=1 << 20))
-    windows = (cm.Window(kernels=(KERNEL,) * 100, comm=0), cm.Window(kernels=(KERNEL,) * 10, comm=1))
-    ladder = (1, 2, 4, 8, 16, 32)
-
-    def measure(levels):
-        settings = [cm.CommSetting(nc=ladder[l], chunk_bytes=1 << 20) for l in levels]
-        y, x, z = cm.step_times_us(windows, GPU, comms, settings)
-        return Trial(y_us=y, x_us=x, z_us=z)
-
-    result = priority_search((6, 6), measure)
-    best = min(measure(l).z_us for l in itertools.product(range(6), range(6)))
-    assert result.trial.z_us <= 1.03 * best
-    assert result.num_trials < 36 * 0.5
+def test_h_metric():
+    before, after = Trial(100.0, (80.0, 5.0), 180.0), Trial(110.0, (60.0, 5.0), 170.0)
+    assert h_metric(before, after, 0) == 0.5             # 10 us more computation for 20 us saved
+    assert h_metric(before, after, 1) == math.inf        # x_1 did not drop
+    assert h_metric(after, before, 0) == math.inf        # x_0 grew
 
 
 def test_cpu_fit_recovers_known_coefficients():
@@ -164,10 +123,10 @@ def test_cpu_fit_recovers_known_coefficients():
     y = [1000 + 7 * n for n in ns]
     e = [50 + 400 / n + 3 * n for n in ns]
     z = [a + b + 200 for a, b in zip(y, e)]
-    fit = cm.fit_cpu_ddp(ns, y, e, z)
+    fit = fit_cpu_ddp(ns, y, e, z)
     assert fit.compute.coef == pytest.approx((1000, 7))
     assert fit.exposed.coef == pytest.approx((50, 400, 3))
     assert fit.rest_us == pytest.approx(200) and fit.compute.r2 == pytest.approx(1.0)
     assert fit.predict_z_us(4) == pytest.approx(z[2])
     with pytest.raises(ValueError, match="at least 3"):
-        cm.fit_linear([[1, 1, 1], [1, 2, 3]], [1, 2], ("a", "b", "c"))
+        fit_linear([[1, 1, 1], [1, 2, 3]], [1, 2], ("a", "b", "c"))

@@ -1,22 +1,32 @@
-"""``megatron-hexiseq tune``: offline overlap tuning on the CPU testbed (gloo ranks)."""
+"""``megatron-hexiseq tune``: offline overlap tuning of your model on the CPU testbed (gloo ranks)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from typing import TYPE_CHECKING
 
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.commands._progress import waiting
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.io import check_outputs
+from megatron_hexiseq.model import MODEL_PRESETS, get_model
+
+if TYPE_CHECKING:
+    from megatron_hexiseq.testbed.overlap_bench import BenchModel
 
 # what the CPU testbed can run in minutes; larger is a typo (and would exhaust memory in every rank)
-LIMITS = {"world_size": 64, "num_layers": 256, "hidden_size": 16384, "seq_length": 1 << 20, "vocab_size": 1 << 20,
-          "warmup_steps": 10_000, "measure_steps": 10_000}
+LIMITS = {"world_size": 64, "seq_length": 1 << 20, "max_params": 256_000_000, "warmup_steps": 10_000,
+          "measure_steps": 10_000}
 
 EXAMPLES = """examples:
-  megatron-hexiseq tune --out overlap.json
-  megatron-hexiseq tune --hidden-size 256 --measure-steps 4 --format json --out overlap.json
+  megatron-hexiseq tune --model gpt-7b --out overlap.json
+  megatron-hexiseq tune --model-config examples/models/cpu-demo.yaml --measure-steps 4 --format json --out overlap.json
   megatron-hexiseq tune --from-result overlap.json --nccl-yaml nccl.yaml   # YAML of a saved result
 then train with: --hexiseq-overlap-config overlap.json
+
+The model is scaled to fit the CPU ranks (layers and heads kept, widths shrunk to --max-params,
+sequence shortened to --seq-length); bucket sizes in the result are in YOUR model's parameters.
 """
 
 
@@ -24,20 +34,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help="tune communication/computation overlap knobs (Lagom search)",
                               description=describe(__doc__), epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="NAME", help=f"model preset to tune for ({', '.join(MODEL_PRESETS)})")
+    p.add_argument("--model-config", metavar="M.yaml", help="model spec YAML with Megatron's field names")
     p.add_argument("--out", metavar="PATH", help="write the result JSON here (for --hexiseq-overlap-config)")
     p.add_argument("--from-result", metavar="PATH", help="do not tune: load this result (e.g. to write its NCCL YAML)")
     p.add_argument("--nccl-yaml", metavar="PATH", help="write the NCCL communicator YAML of the result here")
     p.add_argument("--world-size", type=int, default=2, metavar="N",
-                   help=f"gloo ranks = data-parallel replicas of the testbed model (default 2, at most {LIMITS['world_size']})")
-    p.add_argument("--num-layers", type=int, default=4, metavar="L", help="testbed model: layers (default 4)")
-    p.add_argument("--hidden-size", type=int, default=512, metavar="H", help="testbed model: hidden size (default 512)")
-    p.add_argument("--seq-length", type=int, default=32, metavar="S", help="testbed model: tokens per step (default 32)")
-    p.add_argument("--vocab-size", type=int, default=2048, metavar="V", help="testbed model: vocabulary (default 2048)")
+                   help=f"gloo ranks = data-parallel replicas of the model (default 2, at most {LIMITS['world_size']})")
+    p.add_argument("--seq-length", type=int, default=32, metavar="S",
+                   help="tokens per sequence on the CPU ranks (default 32; at most the model's)")
+    p.add_argument("--max-params", type=int, default=24_000_000, metavar="P",
+                   help="parameters the CPU-scaled model may hold (default 24000000, ~384 MiB per rank)")
     p.add_argument("--warmup-steps", type=int, default=2, metavar="K", help="untimed iterations per trial (default 2)")
     p.add_argument("--measure-steps", type=int, default=6, metavar="K", help="timed iterations per trial (default 6)")
-    p.add_argument("--min-bucket", type=int, default=100_000, metavar="P",
-                   help="smallest DDP bucket tried, in parameters (default 100000; the ladder halves the bucket "
-                        "down to it)")
+    p.add_argument("--min-bucket", type=int, default=None, metavar="P",
+                   help="smallest DDP bucket tried, in parameters of your model (default: 1/128 of the model; "
+                        "the ladder halves the bucket down to it)")
     p.add_argument("--no-gallop", action="store_true", help="advance one ladder level per trial (Lagom as written)")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="measurement noise: reject a move only when it is worse by this fraction (0 = Lagom as written)")
@@ -53,33 +65,36 @@ def _check(args: argparse.Namespace) -> None:
         if not lo <= v <= hi:
             why = " (data-parallel gradient reduce)" if name == "world_size" else ""
             raise HexiSeqError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {v}")
-    if args.min_bucket < 1:
+    if args.min_bucket is not None and args.min_bucket < 1:
         raise HexiSeqError(f"--min-bucket must be a positive number of parameters, got {args.min_bucket}")
     if not (math.isfinite(args.tolerance) and 0 <= args.tolerance < 1):
         raise HexiSeqError(f"--tolerance must be in [0, 1), got {args.tolerance}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hexiseq.io import check_outputs
+    # The overlap and testbed modules import torch and megatron.core (2.4 s CPU, measured with
+    # time.process_time; the CLI imports every command module): imported here so that every other
+    # command starts without them.
     from megatron_hexiseq.overlap.nccl import write_nccl_yaml
     from megatron_hexiseq.overlap.results import load_result, save_result
+    from megatron_hexiseq.testbed.overlap_bench import BenchConfig, BenchModel
+    from megatron_hexiseq.testbed.overlap_tune import OfflineTuneSpec, tune_offline
 
-    check_outputs([("--out", args.out), ("--nccl-yaml", args.nccl_yaml)], inputs=[args.from_result])
+    check_outputs([("--out", args.out), ("--nccl-yaml", args.nccl_yaml)], inputs=[args.from_result, args.model_config])
     if args.from_result:
+        if args.model or args.model_config:
+            raise HexiSeqError("--from-result loads a finished tuning: drop --model/--model-config")
         result = load_result(args.from_result)
     else:
         _check(args)
-        from megatron_hexiseq.overlap.offline import OfflineTuneSpec, tune_offline
-        from megatron_hexiseq.overlap.testbed import TestbedConfig, TestbedModel
-
-        model = TestbedModel(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                             seq_length=args.seq_length, vocab_size=args.vocab_size)
-        spec = OfflineTuneSpec(testbed=TestbedConfig(model=model, warmup_steps=args.warmup_steps,
-                                                     measure_steps=args.measure_steps),
+        model = get_model(args.model, config_path=args.model_config)
+        models = BenchModel.for_target(model, max_params=args.max_params, seq_length=args.seq_length)
+        spec = OfflineTuneSpec(bench=BenchConfig(model=models, warmup_steps=args.warmup_steps,
+                                                 measure_steps=args.measure_steps),
                                world_size=args.world_size, min_bucket_params=args.min_bucket,
                                gallop=not args.no_gallop, tolerance=args.tolerance)
-        from megatron_hexiseq.commands._progress import waiting
-
+        if args.format != "json":
+            print(_describe(models))
         with waiting(f"tuning on {args.world_size} gloo ranks", enabled=args.format != "json"):
             result = tune_offline(spec)
     if args.out:
@@ -103,3 +118,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.nccl_yaml}" if wrote_yaml else
               "no NCCL options in this result (CPU/gloo tuning): no YAML written")
     return 0
+
+
+def _describe(models: BenchModel) -> str:
+    t, b = models.target, models.bench
+    if b.num_parameters == t.num_parameters:
+        return f"model {t.name}: {t.num_parameters:,} parameters, trained as it is with {b.seq_length} tokens"
+    return (f"model {t.name} ({t.num_parameters:,} parameters) on the CPU ranks: {b.num_layers} layers, "
+            f"{b.num_attention_heads} heads, hidden {b.hidden_size} (was {t.hidden_size}), ffn {b.ffn_hidden_size}, "
+            f"vocab {b.vocab_size}, {b.seq_length} tokens: {b.num_parameters:,} parameters; bucket sizes are "
+            f"scaled by {models.param_ratio:.3g} on the ranks and reported in {t.name}'s parameters")

@@ -22,14 +22,14 @@ this model, sequence length and memory mode) + start-up checks + groups (``build
 collective), and replaces
 ``pretrain_gpt.get_batch_on_this_cp_rank`` with the layout's slicer. Every call builds the GPT
 through ``build_gpt_model``: the stock layer spec with ``HexiSeqCoreAttention`` swapped in, RoPE at
-this rank's global positions. During training our ``forward_step`` wrapper pushes a changed
-``args.hexiseq_comm_chunks`` (online overlap tuning) into the core-attention modules and feeds the
-online tuner. Without ``--hexiseq-layout`` everything is stock Megatron.
+this rank's global positions. During training, with ``--hexiseq-overlap-tune``, our
+``forward_step`` wrapper owns the online tuner
+(``megatron_hooks.OnlineTuningStep``), times iterations and puts the ``comm_chunks`` it chooses into
+the core-attention modules. Without ``--hexiseq-layout`` everything is stock Megatron.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import warnings
 from datetime import timedelta
@@ -39,9 +39,7 @@ from typing import Any, Callable
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
-
-OVERLAP_HOOKS = "megatron_hexiseq.overlap.megatron_hooks"
-
+from megatron_hexiseq.overlap import megatron_hooks
 
 def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
                         ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -96,17 +94,7 @@ def configure_overlap(args: argparse.Namespace) -> None:
     if getattr(args, "hexiseq_overlap_configured", False):
         return
     args.hexiseq_overlap_configured = True
-    hs = HexiSeqArgs.from_namespace(args)
-    try:
-        hooks = importlib.import_module(OVERLAP_HOOKS)
-    except ModuleNotFoundError as e:
-        if e.name not in (OVERLAP_HOOKS, "megatron_hexiseq.overlap"):
-            raise
-        if hs.overlap_tune or hs.overlap_config:
-            raise HexiSeqError(f"--hexiseq-overlap-tune/--hexiseq-overlap-config need {OVERLAP_HOOKS}, "
-                               "which this installation lacks; update megatron-hexiseq or drop the flags") from None
-        return
-    hooks.configure_from_args(args)
+    megatron_hooks.configure_from_args(args)
 
 
 def _cp_comm_types(args: argparse.Namespace) -> set[str]:
@@ -263,9 +251,9 @@ def set_comm_chunks(model: Any, comm_chunks: int) -> int:
 
 
 class HexiSeqForwardStep:
-    """Megatron ``forward_step_func`` wrapper: applies ``args.hexiseq_comm_chunks`` to the model when
-    it changed (online overlap tuning) and, with ``--hexiseq-overlap-tune``, times iterations for
-    the tuner (``megatron_hooks.wrap_forward_step``). Otherwise it calls ``forward_step`` as is."""
+    """Megatron ``forward_step_func`` wrapper. With ``--hexiseq-overlap-tune`` (and a layout) its
+    first call hands over to ``megatron_hooks.OnlineTuningStep``, which owns the online tuner and
+    puts the ``comm_chunks`` it chooses into the model; otherwise it calls ``forward_step`` as is."""
 
     def __init__(self, forward_step: Callable, *, get_args: Callable[[], argparse.Namespace] | None = None,
                  num_microbatches: Callable[[], int] | None = None) -> None:
@@ -273,32 +261,24 @@ class HexiSeqForwardStep:
         self._get_args = get_args
         self._num_microbatches = num_microbatches
         self._inner: Callable | None = None
-        self._comm_chunks: int | None = None
 
     def _setup(self, args: argparse.Namespace) -> Callable:
-        tuner = getattr(args, "hexiseq_overlap_tuner", None)
-        if tuner is None:
+        if not megatron_hooks.online_tuning_wanted(args):
             return self.forward_step
-        from megatron_hexiseq.overlap.megatron_hooks import wrap_forward_step
-
         if self._num_microbatches is None:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
 
             self._num_microbatches = get_num_microbatches
-        return wrap_forward_step(self.forward_step, tuner, self._num_microbatches())
+        return megatron_hooks.OnlineTuningStep.from_args(self.forward_step, args, num_microbatches=self._num_microbatches(),
+                                                         apply_chunks=set_comm_chunks)
 
     def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._get_args is None:
-            from megatron.training import get_args
-
-            self._get_args = get_args
-        margs = self._get_args()
         if self._inner is None:
-            self._inner = self._setup(margs)
-        chunks = getattr(margs, "hexiseq_comm_chunks", None)
-        if chunks is not None and chunks != self._comm_chunks:
-            set_comm_chunks(model, chunks)
-            self._comm_chunks = chunks
+            if self._get_args is None:
+                from megatron.training import get_args
+
+                self._get_args = get_args
+            self._inner = self._setup(self._get_args())
         return self._inner(data_iterator, model, *args, **kwargs)
 
 

@@ -1,6 +1,6 @@
 """The overlap knobs, one configuration of them, and the search space the tuner walks.
 
-Knobs (issue 7):
+Knobs:
 
 * Megatron DDP: ``overlap_grad_reduce`` and ``bucket_size`` (a number of PARAMETERS per gradient
   bucket; ``None`` means one bucket, Megatron's behaviour without ``--overlap-grad-reduce``);
@@ -192,8 +192,3 @@ def ddp_ladder(num_params: int, *, min_bucket_params: int = 50_000, factor: int 
         bucket //= factor
     return Ladder(name="dp_grad_reduce", knob="ddp", values=tuple(values))
 
-
-def nccl_ctas_ladder(group: str, ctas: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> Ladder:
-    """GPU ladder for one group: CTA (channel) counts, fewest first (Lagom's NC)."""
-    NcclGroupOptions(group=group, min_ctas=min(ctas), max_ctas=max(ctas))  # validates
-    return Ladder(name=f"nccl_{group}", knob=f"nccl_ctas:{group}", values=tuple(sorted(ctas)))

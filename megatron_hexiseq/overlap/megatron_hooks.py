@@ -9,11 +9,13 @@ Megatron parsed its arguments and before the model and DDP are built:
   ``PATH.nccl.yaml`` (merged over a YAML the user already passed; ours wins per group) and point
   ``args.nccl_communicator_config_path`` at it. NCCL options only act if this runs before
   ``initialize_model_parallel``; when the groups exist already it warns with the flags to pass.
-* ``--hexiseq-overlap-tune``: attach an ``OnlineTuner`` as ``args.hexiseq_overlap_tuner`` over the
-  knobs that can change between iterations (``comm_chunks`` when HexiSeq attention is on) and
-  save its result to ``<args.save or .>/hexiseq_overlap.json`` (rank 0). The training loop feeds
-  it through ``wrap_forward_step`` (Megatron calls ``forward_step_func`` once per micro-batch; the
-  wrapper times iterations between the first micro-batches of consecutive iterations).
+* ``--hexiseq-overlap-tune``: warn when no knob can change during training (no HexiSeq
+  attention). The online tuner itself belongs to the forward-step wrapper:
+  ``OnlineTuningStep.from_args`` builds an ``OnlineTuner`` over the knobs that can change between
+  iterations (``comm_chunks``), puts the chunk count it chooses into the model's core attentions,
+  times iterations (Megatron calls ``forward_step_func`` once per micro-batch; an iteration runs
+  from one first micro-batch to the next) and saves the result to
+  ``<args.save or .>/hexiseq_overlap.json`` (rank 0).
 
 Not possible through seams (docs/overlap.md): Megatron's ``train()`` builds DDP buckets and NCCL
 communicators once, so bucket size and CTAs are tuned offline (``megatron-hexiseq tune``) or by
@@ -28,6 +30,10 @@ import os
 import time
 import warnings
 from typing import Any, Callable
+
+import torch.distributed as dist
+import yaml
+from megatron.core import parallel_state
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import read_yaml, write_text_atomic
@@ -62,18 +68,12 @@ def apply_config_to_args(config: OverlapConfig, args: argparse.Namespace, *, ncc
         if user:
             merged = dict(read_yaml(user, "NCCL communicator config") or {})
         merged.update(nccl_yaml_dict(config))
-        import yaml
-
         write_text_atomic(nccl_yaml_path, yaml.safe_dump(merged, sort_keys=True))
         args.nccl_communicator_config_path = nccl_yaml_path
 
 
 def _groups_exist() -> bool:
     """Whether Megatron's process groups (and so their NCCL communicators' options) exist already."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return False
     return bool(parallel_state.model_parallel_is_initialized())
 
 
@@ -97,44 +97,68 @@ def configure_from_args(args: argparse.Namespace) -> None:
                           f"this run; pass --nccl-communicator-config-path {path}.nccl.yaml "
                           f"--high-priority-stream-groups {' '.join(result.config.high_priority_stream_groups) or '<none>'} "
                           "on the command line instead")
-    elif tune:
-        args.hexiseq_overlap_tuner = make_online_tuner(args)
-
-
-def make_online_tuner(args: argparse.Namespace, *, group="world") -> OnlineTuner | None:
-    """The online tuner for ``args`` (None, with a warning, when no knob can change at run time)."""
-    if not getattr(args, "hexiseq_layout", None):
+    elif tune and not getattr(args, "hexiseq_layout", None):
         warnings.warn("--hexiseq-overlap-tune: without HexiSeq attention (--hexiseq-layout) no overlap "
                       "knob can change during training; tune DDP buckets offline with "
                       "'megatron-hexiseq tune' and pass --hexiseq-overlap-config")
-        return None
-    space = SearchSpace(ladders=(Ladder(name="hexiseq_attn", knob="comm_chunks", values=COMM_CHUNKS_LADDER),))
-    out = result_path(args)
-
-    def apply(config: OverlapConfig) -> None:
-        args.hexiseq_comm_chunks = config.comm_chunks
-
-    def save(result: TuneResult) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            save_result(result, out)
-
-    return OnlineTuner(space, apply, on_done=save, group=group, tolerance=0.05)
 
 
-def wrap_forward_step(forward_step: Callable, tuner: OnlineTuner, num_microbatches: int) -> Callable:
-    """Megatron ``forward_step_func`` that also times iterations for ``tuner`` (step time only)."""
-    state = {"calls": 0, "t": None}
+def online_tuning_wanted(args: argparse.Namespace) -> bool:
+    """``--hexiseq-overlap-tune`` with a knob that can change at run time (HexiSeq's ``comm_chunks``)."""
+    return bool(getattr(args, "hexiseq_overlap_tune", False) and getattr(args, "hexiseq_layout", None))
 
-    def wrapped(*a: Any, **kw: Any) -> Any:
-        if state["calls"] % num_microbatches == 0:
-            now = time.perf_counter()
-            if state["t"] is not None:
-                step_s = now - state["t"]
-                tuner.on_step(step_s, 0.0, [step_s] * len(tuner.space.ladders))
-            state["t"] = now
-        state["calls"] += 1
-        return forward_step(*a, **kw)
 
-    return wrapped
+class OnlineTuningStep:
+    """Megatron ``forward_step_func`` wrapper that owns the online tuning state: the tuner, the
+    ``comm_chunks`` it put in force, the value the model runs with, and the iteration clock.
+
+    Every ``num_microbatches``-th call starts an iteration: the time since the previous start is
+    one iteration (step time only: ``trial_from_exposed`` with y = 0), fed to the tuner, which may
+    choose new ``comm_chunks``; ``apply_chunks(model, n)`` puts a changed value into the model
+    before the forward step runs.
+    """
+
+    def __init__(self, forward_step: Callable, *, space: SearchSpace, num_microbatches: int,
+                 apply_chunks: Callable[[Any, int], Any], on_done: Callable[[TuneResult], None] | None = None,
+                 group: dist.ProcessGroup | str | None = "world", tolerance: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        self.forward_step, self.num_microbatches = forward_step, num_microbatches
+        self.apply_chunks, self.clock = apply_chunks, clock
+        self.comm_chunks = 1
+        self.model_chunks: int | None = None
+        self.calls = 0
+        self.iteration_start_s: float | None = None
+        self.tuner = OnlineTuner(space, self._choose, on_done=on_done, group=group, tolerance=tolerance)
+
+    @classmethod
+    def from_args(cls, forward_step: Callable, args: argparse.Namespace, *, num_microbatches: int,
+                  apply_chunks: Callable[[Any, int], Any]) -> "OnlineTuningStep":
+        """The wrapper for ``--hexiseq-overlap-tune``: ``comm_chunks`` over ``COMM_CHUNKS_LADDER``,
+        the result saved at ``result_path(args)`` by rank 0."""
+        space = SearchSpace(ladders=(Ladder(name="hexiseq_attn", knob="comm_chunks", values=COMM_CHUNKS_LADDER),))
+        out = result_path(args)
+
+        def save(result: TuneResult) -> None:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                save_result(result, out)
+
+        return cls(forward_step, space=space, num_microbatches=num_microbatches, apply_chunks=apply_chunks,
+                   on_done=save)
+
+    def _choose(self, config: OverlapConfig) -> None:
+        self.comm_chunks = config.comm_chunks
+
+    def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.calls % self.num_microbatches == 0:
+            now = self.clock()
+            if self.iteration_start_s is not None:
+                step_s = now - self.iteration_start_s
+                self.tuner.on_step(step_s, 0.0, [step_s] * len(self.tuner.space.ladders))
+            self.iteration_start_s = now
+        self.calls += 1
+        if self.comm_chunks != self.model_chunks:
+            self.apply_chunks(model, self.comm_chunks)
+            self.model_chunks = self.comm_chunks
+        return self.forward_step(data_iterator, model, *args, **kwargs)

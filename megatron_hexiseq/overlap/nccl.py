@@ -1,4 +1,4 @@
-"""NCCL communicator YAML (Megatron's ``--nccl-communicator-config-path``) and stream priorities.
+"""NCCL communicator YAML (Megatron's ``--nccl-communicator-config-path``).
 
 Format, as read by ``megatron.core.parallel_state.initialize_model_parallel`` (core_v0.16.1):
 ``yaml.safe_load`` of a mapping from process-group name (``dp``, ``dp_cp``, ``cp``, ``hcp``,
@@ -7,9 +7,6 @@ Format, as read by ``megatron.core.parallel_state.initialize_model_parallel`` (c
 ``is_high_priority_stream`` (bool). ``get_nccl_options`` turns an entry into
 ``ProcessGroupNCCL.Options``; a key left out keeps NCCL's default (Hopper: cga 4, max 32, min 1).
 ``--high-priority-stream-groups g1 g2`` sets ``is_high_priority_stream: true`` on top of the YAML.
-
-HexiSeq's own CUDA side streams take their priority from the same result
-(``side_stream_priority``): high when the ``cp`` group is high priority.
 """
 from __future__ import annotations
 
@@ -47,7 +44,3 @@ def write_nccl_yaml(config: OverlapConfig, path: str | os.PathLike) -> bool:
     write_text_atomic(path, nccl_yaml_text(config))
     return True
 
-
-def side_stream_priority(config: OverlapConfig) -> int:
-    """CUDA stream priority for HexiSeq's side streams: -1 (high) if ``cp`` is high priority, else 0."""
-    return -1 if "cp" in config.high_priority_stream_groups else 0

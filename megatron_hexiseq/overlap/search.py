@@ -1,4 +1,4 @@
-"""Lagom's priority search over communication resources (arXiv 2602.20656, PAPERS.md section 2).
+"""Lagom's priority search over communication resources (arXiv 2602.20656).
 
 Pure logic, separate from measurement. The search sees N communications, communication j with
 ``num_levels[j]`` resource levels (level 0 = least resources taken from the overlapped
@@ -84,6 +84,13 @@ class SearchResult:
         return len(self.history)
 
 
+def h_metric(before: Trial, after: Trial, j: int) -> float:
+    """Lagom's priority of communication j after a move: H_j = (Y' - Y) / (x_j - x_j'), the
+    computation added per unit of communication saved; inf when x_j did not drop."""
+    saved_us = before.x_us[j] - after.x_us[j]
+    return (after.y_us - before.y_us) / saved_us if saved_us > 0 else math.inf
+
+
 def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: float = 0.0
                  ) -> Generator[Levels, Trial, SearchResult]:
     """The search as a coroutine: yields level vectors to try, receives their ``Trial``.
@@ -121,7 +128,6 @@ def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: 
         candidate = levels[:j] + (min(levels[j] + step[j], top),) + levels[j + 1:]
         trial = yield candidate
         _check(trial, n)
-        saved_us = current.x_us[j] - trial.x_us[j]
         slower = trial.x_us[j] >= current.x_us[j] * (1.0 + tolerance)
         if slower or trial.z_us >= current.z_us * (1.0 + tolerance):
             history.append(Step(candidate, trial, j, "reject-slower" if slower else "reject-no-gain"))
@@ -130,7 +136,7 @@ def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: 
             else:
                 done[j] = True
             continue
-        h[j] = (trial.y_us - current.y_us) / saved_us if saved_us > 0 else math.inf
+        h[j] = h_metric(current, trial, j)
         levels, current = candidate, trial
         if trial.z_us < best[1].z_us:
             best = (levels, trial)
