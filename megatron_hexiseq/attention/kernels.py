@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -44,7 +45,7 @@ from torch import Tensor
 from megatron_hexiseq.errors import HexiSeqError
 
 
-class Kernel(str, Enum):
+class Kernel(str, Enum):  # noqa: UP042 (StrEnum changes str() of a member)
     """Block kernels; the value is the ``--hexiseq-kernel`` name."""
 
     AUTO = "auto"
@@ -229,7 +230,7 @@ def _efficient_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal
 
 
 # ---- flash-attn (optional package) --------------------------------------------------------------
-def _flash_attn_call(fn: Any, positional: dict[str, Any], **options: Any) -> Any:
+def _flash_attn_call(fn: Callable[..., Any], positional: dict[str, Any], **options: Any) -> Any:
     """Call a flash_attn private function with the keywords its installed version accepts."""
     params = inspect.signature(fn).parameters
     kw = dict(positional)

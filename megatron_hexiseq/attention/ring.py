@@ -17,7 +17,14 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_hexiseq.attention.comm import post_p2p, wait_all
-from megatron_hexiseq.attention.kernels import Kernel, acc_dtype, block_backward, block_forward, merge_into, resolve_kernel
+from megatron_hexiseq.attention.kernels import (
+    Kernel,
+    acc_dtype,
+    block_backward,
+    block_forward,
+    merge_into,
+    resolve_kernel,
+)
 
 
 def _ring_peers(group: ProcessGroup) -> tuple[int, int, int, int]:

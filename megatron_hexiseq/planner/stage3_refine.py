@@ -26,9 +26,14 @@ from functools import lru_cache
 from ortools.sat.python import cp_model
 
 from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
-from megatron_hexiseq.planner.stage2_split import (Split, group_phase_time, max_heads, min_units, split_at,
-                                                    split_sequence)
-
+from megatron_hexiseq.planner.stage2_split import (
+    Split,
+    group_phase_time,
+    max_heads,
+    min_units,
+    split_at,
+    split_sequence,
+)
 
 GREEDY_GAP = 5e-3          # accept the rounded continuous optimum when within 0.5% of the bound
 BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
@@ -176,10 +181,9 @@ def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -
     if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
         return GroupSolution((), (), 0, 0, "INFEASIBLE")
     if n == 1:
-        t, h = [T], [H]
         if T * g.mt[0] + H * T * g.mh[0] > g.free[0]:
             return GroupSolution((), (), 0, 0, "INFEASIBLE")
-        return _solution(g, T, t, h, _floored(g, T, t, h, lf, af), "OPTIMAL")
+        return _solution(g, T, [T], [H], _floored(g, T, [T], [H], lf, af), "OPTIMAL")
     hint = greedy(g, T, lf, af)
     if hint and not _fits(g, T, *hint):
         hint = None
@@ -347,11 +351,11 @@ def integer_split(groups: list[GroupCoef], num_units: int) -> tuple[Split, list[
         target = split.z_rounded_ns * (1 + REPAIR_SLACK)
         fl = floors(split)
 
-        def f(g: GroupCoef, T: int) -> float:
+        def f(g: GroupCoef, T: int, fl: tuple[int, int] = fl) -> float:
             return probe_time(g, T, *fl)
 
         changed = False
-        first = {}
+        first: dict[GroupCoef, int] = {}
         for i, g in enumerate(groups):
             first.setdefault(g, i)
         for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], first[x[0]])):
