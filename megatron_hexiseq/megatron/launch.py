@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import read_yaml, write_text_atomic
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             first = {**data, "nodes": split_replicas(nodes, args.data_parallel)[0]}
             write_text_atomic(args.output, yaml.safe_dump(first, sort_keys=False))
         else:
-            for p in placements(Layout.load(args.layout), nodes, args.data_parallel):
-                print(p.rank, p.host, p.local_rank)
+            for placement in placements(Layout.load(args.layout), nodes, args.data_parallel):
+                print(placement.rank, placement.host, placement.local_rank)
     except HexiSeqError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
