@@ -14,8 +14,8 @@ step() {
   echo "[lint] $name: $*"
   if "$@"; then echo "[lint] $name: ok"; else echo "[lint] $name: FAILED"; failed+=("$name"); fi
 }
-step "ruff check" ruff check .
-step "ruff format" ruff format --check .
+step "ruff check" ruff check --output-format concise .
+step "ruff format" ruff format --check --output-format concise .
 step "mypy" mypy
 if [ ${#failed[@]} -gt 0 ]; then
   echo "[lint] failed: ${failed[*]} (\`ruff format . && ruff check --fix .\` fixes most of ruff's)"
