@@ -304,6 +304,7 @@ class HexiSeqForwardStep:
         tuner = getattr(args, "hexiseq_overlap_tuner", None)
         if tuner is None:
             return self.forward_step
+        # on demand, as configure_overlap imports OVERLAP_HOOKS (which treats it as optional)
         from megatron_hexiseq.overlap.megatron_hooks import wrap_forward_step
 
         if self._num_microbatches is None:
