@@ -20,6 +20,7 @@ solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of m
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -165,7 +166,8 @@ def _floored(g: GroupCoef, T: int, t: list[int], h: list[int], lf: int, af: int)
     return max(lin, lf) + max(att, af)
 
 
-def _solution(g: GroupCoef, T: int, t, h, bound: int, status: str) -> GroupSolution:
+def _solution(g: GroupCoef, T: int, t: Sequence[int], h: Sequence[int], bound: int,
+              status: str) -> GroupSolution:
     lin, att = _phases(g, T, list(t), list(h))
     return GroupSolution(tuple(t), tuple(h), lin + att, bound, status, lin, att)
 
