@@ -7,6 +7,12 @@ from setuptools import find_packages, setup
 # batch_invariant_kernels; GPU kernels only, nothing on the CPU path calls it; Linux wheels only).
 MEGATRON_LM_DEPS = ["six", "regex", "pydantic", "triton; platform_system == 'Linux'"]
 
+# scripts/lint.sh (run by scripts/test.sh): exact versions, because a new ruff or mypy release adds
+# rules and inference that turn a passing tree red; the stubs type the library's yaml and
+# jsonschema imports.
+LINT_DEPS = ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML==6.0.12.20261122",
+             "types-jsonschema==4.26.0.20261006"]
+
 setup(
     name="megatron-hexiseq",
     version="0.1.0",
@@ -30,7 +36,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine", "flash-attn", "nvidia-ml-py"],
         "megatron-lm": MEGATRON_LM_DEPS,
-        "test": ["pytest", *MEGATRON_LM_DEPS],
+        "test": ["pytest", *MEGATRON_LM_DEPS, *LINT_DEPS],
     },
     entry_points={"console_scripts": ["megatron-hexiseq=megatron_hexiseq.cli:main"]},
 )

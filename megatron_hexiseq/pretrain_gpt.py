@@ -30,6 +30,8 @@ def main() -> int:
         print(f"error: cannot import Megatron-LM's pretrain_gpt ({e}); put a Megatron-LM checkout "
               "(tag core_v0.16.1) on PYTHONPATH", file=sys.stderr)
         return 2
+    # here, not at the top: it loads torch and megatron.core (6.5 s CPU on the development machine),
+    # which Megatron's start-up timestamps count from _PROGRAM_START_TIME, as its own script does
     from megatron_hexiseq.megatron.plugin import run_pretrain
 
     stock._PROGRAM_START_TIME = min(getattr(stock, "_PROGRAM_START_TIME", _PROGRAM_START_TIME), _PROGRAM_START_TIME)

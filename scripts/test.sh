@@ -32,4 +32,5 @@ for a in "$@"; do
   case $a in -*) ;; *) [ -e "${a%%::*}" ] && paths=1 ;; esac
 done
 [ "$paths" = 1 ] || set -- "$@" tests
+[ "${HEXISEQ_LINT:-1}" = 0 ] || "$ROOT/scripts/lint.sh"  # HEXISEQ_LINT=0 skips it
 exec python -m pytest -q -p no:cacheprovider "$@"

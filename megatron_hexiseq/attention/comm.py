@@ -19,8 +19,8 @@ No ``synchronize()`` anywhere; buffers come from ``x.new_empty``; dtypes follow 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -19,9 +19,10 @@ hot path never copies index lists from host to device after the first call.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,8 +101,8 @@ def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | N
             kwargs["pg_options"] = options
         return dist.new_group(list(ranks), **kwargs)
 
-    cp_group = None
-    a2a_group = None
+    cp_group: ProcessGroup | None = None
+    a2a_group: ProcessGroup | None = None
     for i, d in enumerate(domains):  # same order of new_group calls on every process
         g = cp_groups[i] if cp_groups is not None else new_group(d, "cp")
         if i == dom:
@@ -117,10 +118,10 @@ def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | N
         raise HexiSeqError(f"global rank {me} is rank {dist.get_rank(cp_group)} of its CP group but layout "
                            f"rank {rank} of its domain; pass domains in CP-rank order")
     warm = device if device is not None else torch.device("cpu")
-    for pg in (cp_group, a2a_group):  # every member, the same order everywhere: CP first, then A2A
-        if pg is not None:
-            warm_up(pg, warm)
+    for group in (cp_group, a2a_group):  # every member, the same order everywhere: CP first, then A2A
+        if group is not None:
+            warm_up(group, warm)
     my_group = layout.group_of(rank)
-    return HexiSeqGroups(layout=layout, rank=rank, cp_group=cp_group, cp_global_ranks=domains[dom],
+    return HexiSeqGroups(layout=layout, rank=rank, cp_group=cp_group, cp_global_ranks=tuple(domains[dom]),
                          a2a_group=a2a_group,
                          a2a_global_ranks=tuple(domains[dom][r] for r in my_group.ranks))

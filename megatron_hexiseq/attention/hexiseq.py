@@ -123,7 +123,7 @@ def heads_to_group(q_sBHD: Tensor, k_sBGD: Tensor, v_sBGD: Tensor, *, groups: He
         q_i, k_i, v_i = chunk.split([si * B * H * D, si * B * G * D, si * B * G * D])
         qs[j], ks[j], vs[j] = q_i.view(si, B, H, D), k_i.view(si, B, G, D), v_i.view(si, B, G, D)
     pieces = group_pieces(groups.layout, groups.layout.ranks[groups.rank].group)
-    return tuple(_in_position_order(x, pieces) for x in (qs, ks, vs))
+    return _in_position_order(qs, pieces), _in_position_order(ks, pieces), _in_position_order(vs, pieces)
 
 
 def _in_position_order(by_member: dict[int, Tensor], pieces) -> Tensor:
@@ -142,7 +142,7 @@ def group_to_tokens(out_SBHD: Tensor, *, groups: HexiSeqGroups, num_heads: int,
     members = _members(groups)
     send = [sj * B * H * D for _, sj, _, _ in members]
     recv = [s * B * len(hi) * D for _, _, hi, _ in members]
-    rows = {j: [] for j, _, _, _ in members}  # member j's tokens = these rows of the group sequence
+    rows: dict[int, list[tuple[int, int]]] = {j: [] for j, _, _, _ in members}  # member j's tokens = these rows of the group sequence
     for j, a, b, off in group_pieces(groups.layout, groups.layout.ranks[groups.rank].group):
         rows[j].append((off, off + b - a))
     flat_N = _PackRows.apply(out_SBHD, tuple(r for j, _, _, _ in members for r in rows[j]))

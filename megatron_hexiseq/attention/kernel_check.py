@@ -65,11 +65,13 @@ def _inputs(dtype: torch.dtype, device: torch.device, head_dim: int, S: int, T: 
     return [torch.randn(*s, generator=gen).to(dtype).to(device) for s in shapes]
 
 
-def _run(kernel: Kernel, q, k, v, dout, *, causal: bool, kv_of_head: Tensor, scale: float, dtype: torch.dtype):
-    kw = dict(causal=causal, kv_of_head_H=kv_of_head, scale=scale, kernel=kernel)
-    out, lse = block_forward(q, k, v, **kw)
+def _run(kernel: Kernel, q, k, v, dout, *, causal: bool, kv_of_head: Tensor, scale: float,
+         dtype: torch.dtype) -> tuple[Tensor, ...]:
+    out, lse = block_forward(q, k, v, causal=causal, kv_of_head_H=kv_of_head, scale=scale, kernel=kernel)
     final = out.to(dtype) if kernel is not Kernel.REFERENCE else out
-    return (out, lse, *block_backward(dout, q, k, v, final, lse, **kw))
+    grads = block_backward(dout, q, k, v, final, lse, causal=causal, kv_of_head_H=kv_of_head, scale=scale,
+                           kernel=kernel)
+    return (out, lse, *grads)
 
 
 def check_kernel(kernel: str | Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> Kernel:

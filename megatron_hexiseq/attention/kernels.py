@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -44,7 +45,7 @@ from torch import Tensor
 from megatron_hexiseq.errors import HexiSeqError
 
 
-class Kernel(str, Enum):
+class Kernel(str, Enum):  # noqa: UP042 (StrEnum changes str() of a member)
     """Block kernels; the value is the ``--hexiseq-kernel`` name."""
 
     AUTO = "auto"
@@ -160,14 +161,16 @@ def _reference_scores(q_BHSD: Tensor, k_BHTD: Tensor, causal: bool, scale: float
     return s_BHST
 
 
-def _reference_forward(q_BHSD, k_BHTD, v_BHTD, causal, scale):
+def _reference_forward(q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor]:
     s_BHST = _reference_scores(q_BHSD, k_BHTD, causal, scale)
     lse_BHS = torch.logsumexp(s_BHST, dim=-1)
     out_BHSD = torch.matmul(torch.exp(s_BHST - lse_BHS[..., None]), v_BHTD.to(s_BHST.dtype))
     return out_BHSD, lse_BHS
 
 
-def _reference_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, scale):
+def _reference_backward(do_BHSD: Tensor, q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, o_BHSD: Tensor,
+                        lse_BHS: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     acc = acc_dtype(q_BHSD.dtype)
     do_BHSD, v_BHTD = do_BHSD.to(acc), v_BHTD.to(acc)
     delta_BHS = (do_BHSD * o_BHSD.to(acc)).sum(-1)
@@ -180,13 +183,15 @@ def _reference_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal
 
 
 # ---- PyTorch CPU flash ------------------------------------------------------------------------
-def _cpu_forward(q_BHSD, k_BHTD, v_BHTD, causal, scale):
+def _cpu_forward(q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, causal: bool,
+                 scale: float) -> tuple[Tensor, Tensor]:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q_BHSD.contiguous(), k_BHTD.contiguous(), v_BHTD.contiguous(), 0.0, causal, scale=scale)
     return out, lse.to(acc_dtype(q_BHSD.dtype))
 
 
-def _cpu_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, scale):
+def _cpu_backward(do_BHSD: Tensor, q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, o_BHSD: Tensor,
+                  lse_BHS: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dt = q_BHSD.dtype
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do_BHSD.to(dt).contiguous(), q_BHSD.contiguous(), k_BHTD.contiguous(), v_BHTD.contiguous(),
@@ -194,13 +199,15 @@ def _cpu_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, scal
 
 
 # ---- PyTorch CUDA flash -----------------------------------------------------------------------
-def _flash_forward(q_BHSD, k_BHTD, v_BHTD, causal, scale):
+def _flash_forward(q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor]:
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
         q_BHSD, k_BHTD, v_BHTD, 0.0, causal, False, scale=scale)
     return out, lse
 
 
-def _flash_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, scale):
+def _flash_backward(do_BHSD: Tensor, q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, o_BHSD: Tensor,
+                    lse_BHS: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dt = q_BHSD.dtype
     # dense (non-varlen) call: cum_seq_q/k undefined (None), no dropout so the RNG state is unused
     rng = torch.empty(2, dtype=torch.int64, device=q_BHSD.device)
@@ -210,13 +217,15 @@ def _flash_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, sc
 
 
 # ---- PyTorch CUDA memory-efficient --------------------------------------------------------------
-def _efficient_forward(q_BHSD, k_BHTD, v_BHTD, causal, scale):
+def _efficient_forward(q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q_BHSD, k_BHTD, v_BHTD, None, True, 0.0, causal, scale=scale)
     return out, lse[..., :q_BHSD.shape[2]]  # the kernel pads the LSE rows to a multiple of 32
 
 
-def _efficient_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, scale):
+def _efficient_backward(do_BHSD: Tensor, q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, o_BHSD: Tensor,
+                        lse_BHS: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dt = q_BHSD.dtype
     S = q_BHSD.shape[2]
     lse_pad = lse_BHS.new_full((*lse_BHS.shape[:2], 32 * math.ceil(S / 32)), float("inf"))
@@ -229,7 +238,7 @@ def _efficient_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal
 
 
 # ---- flash-attn (optional package) --------------------------------------------------------------
-def _flash_attn_call(fn: Any, positional: dict[str, Any], **options: Any) -> Any:
+def _flash_attn_call(fn: Callable[..., Any], positional: dict[str, Any], **options: Any) -> Any:
     """Call a flash_attn private function with the keywords its installed version accepts."""
     params = inspect.signature(fn).parameters
     kw = dict(positional)
@@ -243,7 +252,8 @@ def _flash_attn_call(fn: Any, positional: dict[str, Any], **options: Any) -> Any
     return fn(**{k: v for k, v in kw.items() if k in params})
 
 
-def _flash_attn_forward(q_BHSD, k_BHTD, v_BHTD, causal, scale):
+def _flash_attn_forward(q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, causal: bool,
+                        scale: float) -> tuple[Tensor, Tensor]:
     from flash_attn.flash_attn_interface import _flash_attn_forward as fwd
 
     q, k, v = (x.transpose(1, 2) for x in (q_BHSD, k_BHTD, v_BHTD))  # [B, S, H, D], last dim contiguous
@@ -253,7 +263,8 @@ def _flash_attn_forward(q_BHSD, k_BHTD, v_BHTD, causal, scale):
     return out.transpose(1, 2), lse
 
 
-def _flash_attn_backward(do_BHSD, q_BHSD, k_BHTD, v_BHTD, o_BHSD, lse_BHS, causal, scale):
+def _flash_attn_backward(do_BHSD: Tensor, q_BHSD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, o_BHSD: Tensor,
+                         lse_BHS: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     from flash_attn.flash_attn_interface import _flash_attn_backward as bwd
 
     dt = q_BHSD.dtype

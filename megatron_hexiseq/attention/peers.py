@@ -101,10 +101,10 @@ def trim_runs(runs: tuple[Run, ...], max_pos: int) -> tuple[Run, ...]:
 def split_runs(runs: tuple[Run, ...], parts: int) -> list[tuple[Run, ...]]:
     """Split runs into up to ``parts`` contiguous pieces of near-equal token count (no empty piece)."""
     sizes = [n for n in split_evenly(runs_num_tokens(runs), parts) if n > 0]
-    pieces, cur, need = [], [], None
+    pieces: list[tuple[Run, ...]] = []
     queue = list(runs)
     for size in sizes:
-        need, cur = size, []
+        need, cur = size, list[Run]()
         while need:
             s, e, p = queue.pop(0)
             take = min(need, e - s)

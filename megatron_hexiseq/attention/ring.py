@@ -17,7 +17,14 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_hexiseq.attention.comm import post_p2p, wait_all
-from megatron_hexiseq.attention.kernels import Kernel, acc_dtype, block_backward, block_forward, merge_into, resolve_kernel
+from megatron_hexiseq.attention.kernels import (
+    Kernel,
+    acc_dtype,
+    block_backward,
+    block_forward,
+    merge_into,
+    resolve_kernel,
+)
 
 
 def _ring_peers(group: ProcessGroup) -> tuple[int, int, int, int]:
@@ -32,33 +39,38 @@ def _blocks(i: int, j: int, c: int) -> tuple[slice, slice]:
     return (slice(None), slice(0, c)) if j < i else (slice(c, 2 * c), slice(None))
 
 
-def ring_forward(q, k, v, group, scale, kernel):
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: float,
+                 kernel: Kernel) -> tuple[Tensor, Tensor]:
+    """Forward of this rank's two chunks: ``out [2c, B, H, D]``, ``lse [2c, B, H]`` (accumulation dtype)."""
     W, i, nxt, prv = _ring_peers(group)
     c = q.shape[0] // 2
-    kw = dict(kv_of_head_H=_gqa_index(q, k), scale=scale, kernel=kernel)
+    gqa_H = _gqa_index(q, k)
     kv2_cur = torch.stack([k, v])
     kv2_next = torch.empty_like(kv2_cur)
     works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=1) if W > 1 else []
-    out, lse = block_forward(q, k, v, causal=True, **kw)
+    out, lse = block_forward(q, k, v, causal=True, kv_of_head_H=gqa_H, scale=scale, kernel=kernel)
     out, lse = out.to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
     for t in range(1, W):
         wait_all(works)
         kv2_cur, kv2_next = kv2_next, torch.empty_like(kv2_next)
         works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1) if t + 1 < W else []
         rows, cols = _blocks(i, (i - t) % W, c)
-        blk_out, blk_lse = block_forward(q[rows], kv2_cur[0][cols], kv2_cur[1][cols], causal=False, **kw)
+        blk_out, blk_lse = block_forward(q[rows], kv2_cur[0][cols], kv2_cur[1][cols], causal=False, kv_of_head_H=gqa_H, scale=scale,
+                                    kernel=kernel)
         out[rows], lse[rows] = merge_into(out[rows], lse[rows], blk_out, blk_lse)
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, group, scale, kernel):
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  group: ProcessGroup, scale: float, kernel: Kernel) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of this rank's two chunks: ``dq [2c, B, H, D]``, ``dk, dv [2c, B, G, D]``."""
     W, i, nxt, prv = _ring_peers(group)
     c = q.shape[0] // 2
-    kw = dict(kv_of_head_H=_gqa_index(q, k), scale=scale, kernel=kernel)
+    gqa_H = _gqa_index(q, k)
     kv2_cur = torch.stack([k, v])
     kv2_next = torch.empty_like(kv2_cur)
     kv_works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=1) if W > 1 else []
-    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=True, **kw)
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=True, kv_of_head_H=gqa_H, scale=scale, kernel=kernel)
     dkv2 = torch.stack([dk, dv])          # the accumulator for the K/V I hold now (my own)
     dkv2_next = torch.empty_like(dkv2)
     for t in range(1, W):
@@ -68,7 +80,8 @@ def ring_backward(dout, q, k, v, out, lse, group, scale, kernel):
         kv_works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1) if t + 1 < W else []
         rows, cols = _blocks(i, (i - t) % W, c)
         gq, gk, gv = block_backward(dout[rows], q[rows], kv2_cur[0][cols], kv2_cur[1][cols], out[rows], lse[rows],
-                                    causal=False, **kw)
+                                    causal=False, kv_of_head_H=gqa_H, scale=scale,
+                                    kernel=kernel)
         dq[rows] += gq
         wait_all(d_works)
         dkv2, dkv2_next = dkv2_next, torch.empty_like(dkv2_next)

@@ -52,7 +52,13 @@ from torch import Tensor
 
 from megatron_hexiseq.attention.comm import CommStats, post_p2p, wait_all
 from megatron_hexiseq.attention.groups import HexiSeqGroups
-from megatron_hexiseq.attention.kernels import Kernel, acc_dtype, block_backward, block_forward, merge_into
+from megatron_hexiseq.attention.kernels import (
+    Kernel,
+    acc_dtype,
+    block_backward,
+    block_forward,
+    merge_into,
+)
 from megatron_hexiseq.attention.peers import RankSchedule, RankStep, Run, runs_num_tokens
 
 Posted = tuple[list, list[Tensor], list[Tensor]]  # (works, send buffers, receive buffers)
@@ -168,18 +174,17 @@ def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> 
             wait_all(kv_cur[0])
         kv_next = _post_kv(c, c.sched.step_at(t + 1), k_SBGD, v_SBGD, "kv") if t + 1 < N else None
         if step is not None and step.computes:
+            assert kv_cur is not None  # a computing step received its K/V in the previous event
             _block_forward(c, step, q_SBHD, _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2]), out_SBHD, lse_SBH)
             if c.stats is not None:
                 c.stats.blocks["remote"] += 1
     return out_SBHD, lse_SBH
 
 
-def _post_dkv(c: _Ctx, step: RankStep | None, dkv2_TBGD: Tensor | None, wire: torch.dtype,
-              like: Tensor) -> Posted | None:
+def _post_dkv(c: _Ctx, step: RankStep, dkv2_TBGD: Tensor | None, wire: torch.dtype,
+              like: Tensor) -> Posted:
     """Post my part of event dkv(step): return the block's dK/dV to the holders that sent it, receive
     dK/dV for the K/V I sent. ``like``: [2, S, B, G, D] (device, B, D)."""
-    if step is None:
-        return None
     B, D = like.shape[2], like.shape[4]
     sends = []
     if dkv2_TBGD is not None:
@@ -235,6 +240,7 @@ def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor,
             continue
         dkv2_TBGD = None
         if step.computes:
+            assert kv_cur is not None  # a computing step received its K/V in the previous event
             kv2_TBGD = _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2])
             dkv2_TBGD = _block_backward(c, step, dout_SBHD, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH, dq_SBHD)
         posted = _post_dkv(c, step, dkv2_TBGD, wire, dkv2_SBGD)

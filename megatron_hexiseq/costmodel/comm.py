@@ -8,7 +8,7 @@ endpoint's port). The two ports and the two directions run at the same time. Lat
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -25,8 +25,9 @@ for the rank's heads + communication buffers. Formulas and sources: docs/cost_mo
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import alltoall_time_s
@@ -179,8 +180,8 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     # heavy in linear work and another heavy in attention do not hide each other's time.
     iteration = (max(r.breakdown["linear_s"] for r in per_rank)
                  + max(r.time_s - r.breakdown["linear_s"] for r in per_rank))
-    tokens = layout.seq_length * b * options.data_parallel_size
-    return Estimate(iteration_time_s=iteration, tokens_per_s=tokens / iteration if iteration > 0 else 0.0,
+    batch_tokens = layout.seq_length * b * options.data_parallel_size
+    return Estimate(iteration_time_s=iteration, tokens_per_s=batch_tokens / iteration if iteration > 0 else 0.0,
                     per_rank=tuple(per_rank), feasible=all(r.fits for r in per_rank),
                     capacity_fraction=options.capacity_fraction, options=options)
 

@@ -12,8 +12,11 @@ and ``--calculate-per-token-loss`` (checked at start-up, see ``parallel_state.ch
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
+
+from megatron_hexiseq.errors import HexiSeqError
 
 #: Value of Megatron's ``--cp-comm-type`` that selects HexiSeq attention.
 CP_COMM_TYPE = "hexiseq"
@@ -59,8 +62,6 @@ class HexiSeqArgs:
         metavar="PATH", default=None)
 
     def __post_init__(self) -> None:
-        from megatron_hexiseq.errors import HexiSeqError
-
         if self.comm_chunks < 1:
             raise HexiSeqError(f"--hexiseq-comm-chunks must be >= 1, got {self.comm_chunks}")
         if self.overlap_tune and self.overlap_config:
@@ -72,7 +73,7 @@ class HexiSeqArgs:
         return self.layout is not None
 
     @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> "HexiSeqArgs":
+    def from_namespace(cls, args: argparse.Namespace) -> HexiSeqArgs:
         """Read the flags back from Megatron's parsed ``args`` (missing ones take defaults)."""
         values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
         return cls(**values)

@@ -10,13 +10,16 @@ Shapes: ``tokens/labels/loss_mask/position_ids [b, S] -> [b, s_r]``;
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TypeVar, cast
 
 import torch
+import torch.distributed as dist
 
 from megatron_hexiseq.errors import HexiSeqError
 
 Segment = tuple[int, int]
+BatchValue = TypeVar("BatchValue", bound=torch.Tensor | None)  # a batch's values keep their type
 
 
 def slice_sequence(x: torch.Tensor, segments: Sequence[Segment], *, dim: int = 1) -> torch.Tensor:
@@ -29,12 +32,13 @@ def slice_sequence(x: torch.Tensor, segments: Sequence[Segment], *, dim: int = 1
     return torch.cat(parts, dim=dim)
 
 
-def slice_batch(batch: dict[str, Any], *, segments: Sequence[Segment], seq_length: int) -> dict[str, Any]:
+def slice_batch(batch: Mapping[str, BatchValue], *, segments: Sequence[Segment],
+                seq_length: int) -> dict[str, BatchValue]:
     """Slice every tensor of a Megatron batch dict to this rank's segments (None entries kept).
 
     Sequence dimension: 2 for ``attention_mask``, 1 for everything else (Megatron's convention).
     """
-    out: dict[str, Any] = {}
+    out: dict[str, BatchValue] = {}
     for key, val in batch.items():
         if val is None or not isinstance(val, torch.Tensor):
             out[key] = val
@@ -43,7 +47,7 @@ def slice_batch(batch: dict[str, Any], *, segments: Sequence[Segment], seq_lengt
         if val.dim() <= dim or val.size(dim) != seq_length:
             raise HexiSeqError(f"batch '{key}' has shape {tuple(val.shape)}; expected the full sequence "
                                f"of {seq_length} tokens in dimension {dim} (is --seq-length the layout's?)")
-        out[key] = slice_sequence(val, segments, dim=dim)
+        out[key] = cast(BatchValue, slice_sequence(val, segments, dim=dim))
     return out
 
 
@@ -57,7 +61,8 @@ class LayoutBatchSlicer:
         self.segments = tuple((int(s), int(e)) for s, e in segments)
         self.seq_length = seq_length
 
-    def __call__(self, batch: dict[str, Any], cp_group: Any = None) -> dict[str, Any]:
+    def __call__(self, batch: Mapping[str, BatchValue],
+                 cp_group: dist.ProcessGroup | None = None) -> dict[str, BatchValue]:
         return slice_batch(batch, segments=self.segments, seq_length=self.seq_length)
 
     def __repr__(self) -> str:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError, short
 
@@ -82,9 +83,11 @@ class RunRecord:
         return "distributed_optimizer" if self.use_distributed_optimizer else None
 
     @classmethod
-    def from_megatron_args(cls, args: argparse.Namespace) -> "RunRecord":
+    def from_megatron_args(cls, args: argparse.Namespace) -> RunRecord:
         """From Megatron-LM's parsed and validated ``args`` (a run's, or those a checkpoint holds)."""
-        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        def get(name: str, default: Any = None) -> Any:
+            return getattr(args, name, default)
+
         model = {name: get(name) for name in MODEL_FIELDS}
         if not get("group_query_attention", False):
             model["num_query_groups"] = get("num_attention_heads")
@@ -116,7 +119,7 @@ class RunRecord:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "checkpoint") -> "RunRecord":
+    def from_dict(cls, data: object, *, source: str = "checkpoint") -> RunRecord:
         if not isinstance(data, Mapping) or not isinstance(data.get("model"), Mapping):
             raise HexiSeqError(f"{source}: its run record is not a mapping with a 'model' entry, got {short(data)}")
         try:

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
-
-from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
 
+from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
@@ -38,10 +37,10 @@ class HexiSeqCoreAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
         *,
         runtime: HexiSeqRuntime,
     ) -> None:
@@ -78,17 +77,15 @@ class HexiSeqCoreAttention(MegatronModule):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        attention_mask: Optional[Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         """``query [s_r, b, H, d]``, ``key/value [s_r, b, G, d]`` -> ``[s_r, b, H*d]``.
 
         ``attention_mask`` is ignored: the mask is causal over global positions by construction.
         """
-        from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
-
         if packed_seq_params is not None or attention_bias is not None:
             raise HexiSeqError("HexiSeq attention supports neither packed sequences nor attention bias")
         if attn_mask_type not in (None, AttnMaskType.causal):

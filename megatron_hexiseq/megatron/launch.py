@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, run_user_command
 from megatron_hexiseq.io import read_yaml, write_text_atomic

@@ -32,14 +32,38 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
+from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
+from megatron_hexiseq.megatron.checkpoint import check_before_training
+from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+from megatron_hexiseq.megatron.runtime import (
+    HexiSeqRuntime,
+    RunShape,
+    build_runtime,
+    nccl_comm_cfgs,
+)
+from megatron_hexiseq.megatron.rope import install_rope
+from megatron_hexiseq.megatron.spec import hexiseq_spec
 from megatron_hexiseq.overlap import megatron_hooks
+
+if TYPE_CHECKING:  # annotations only: megatron.core's model modules are heavy to import
+    import torch.distributed as dist
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
 
 def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
                         ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -62,7 +86,8 @@ def _after_parse(parser: argparse.ArgumentParser, hook: Callable[[argparse.Names
         hook(namespace)
         return namespace, rest
 
-    parser.parse_known_args = parse_and_hook  # type: ignore[method-assign]
+    # one parser instance's bound method, replaced by a wrapper of the same behaviour
+    parser.parse_known_args = parse_and_hook  # type: ignore[method-assign,assignment]
 
 
 def after_parse(args: argparse.Namespace) -> None:
@@ -99,22 +124,21 @@ def configure_overlap(args: argparse.Namespace) -> None:
 
 def _cp_comm_types(args: argparse.Namespace) -> set[str]:
     value = getattr(args, "cp_comm_type", None)
+    if value is None:
+        return set()
     return set(value) if isinstance(value, (list, tuple)) else {value}
 
 
-def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_group: Any = None):
+def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *,
+          cp_group: dist.ProcessGroup | None = None) -> HexiSeqRuntime | None:
     """Once per process, after ``initialize_model_parallel``: returns the ``HexiSeqRuntime`` or None.
 
     Collective over the default group when ``--hexiseq-layout`` is given.
     """
-    from megatron_hexiseq.layout import Layout
-    from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
-    from megatron_hexiseq.megatron.checkpoint import check_before_training
-    from megatron_hexiseq.megatron.runtime import RunShape, build_runtime, nccl_comm_cfgs
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
     hs = HexiSeqArgs.from_namespace(args)  # after it: the overlap hook may set --hexiseq-comm-chunks
-    if not hs.enabled:
+    if hs.layout is None:  # not hs.enabled
         if CP_COMM_TYPE in _cp_comm_types(args):
             raise HexiSeqError(f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH "
                                "(plan one with 'megatron-hexiseq plan')")
@@ -138,11 +162,14 @@ def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *, cp_gr
                       "by construction); pass --no-create-attention-mask-in-dataloader to save memory",
                       stacklevel=2)
     if pretrain_module is not None:
-        pretrain_module.get_batch_on_this_cp_rank = LayoutBatchSlicer(runtime.segments, layout.seq_length)
+        # pretrain_gpt's module-level function, replaced on purpose (the batch seam)
+        pretrain_module.get_batch_on_this_cp_rank = (  # type: ignore[attr-defined]
+            LayoutBatchSlicer(runtime.segments, layout.seq_length))
     return runtime
 
 
-def _stock_layer_spec(args: argparse.Namespace, config: Any, vp_stage: int | None, stock_builder: Callable) -> Any:
+def _stock_layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None,
+                      stock_builder: Callable[..., GPTModel]) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer/block spec Megatron-LM's ``gpt_builder`` would choose (core_v0.16.1)."""
     from megatron.core.transformer.spec_utils import import_module
 
@@ -163,12 +190,11 @@ def _stock_layer_spec(args: argparse.Namespace, config: Any, vp_stage: int | Non
 
 
 def build_gpt_model(args: argparse.Namespace, pre_process: bool, post_process: bool, vp_stage: int | None = None,
-                    config: Any = None, pg_collection: Any = None, *, runtime: Any, stock_builder: Callable) -> Any:
+                    config: TransformerConfig | None = None, pg_collection: ProcessGroupCollection | None = None,
+                    *, runtime: HexiSeqRuntime, stock_builder: Callable[..., GPTModel]) -> GPTModel:
     """``gpt_builder`` with HexiSeq: same ``GPTModel`` arguments, spec swapped, layout RoPE."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_hexiseq.megatron.rope import install_rope
-    from megatron_hexiseq.megatron.spec import hexiseq_spec
 
     for flag, value in (("--use-legacy-models", args.use_legacy_models),
                         ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)),
@@ -211,10 +237,11 @@ class HexiSeqModelProvider:
         self.pretrain_module = pretrain_module
         self._get_args = get_args
         self._ready = False
-        self.runtime = None
+        self.runtime: HexiSeqRuntime | None = None
 
     def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
-                 config: Any = None, pg_collection: Any = None) -> Any:
+                 config: TransformerConfig | None = None,
+                 pg_collection: ProcessGroupCollection | None = None) -> torch.nn.Module:
         if self._get_args is None:
             from megatron.training import get_args
 
@@ -236,13 +263,12 @@ def model_provider(model_provider_fn: Callable, gpt_builder: Callable, pretrain_
     return HexiSeqModelProvider(model_provider_fn, gpt_builder, pretrain_module, **kwargs)
 
 
-def set_comm_chunks(model: Any, comm_chunks: int) -> int:
+def set_comm_chunks(model: torch.nn.Module | Sequence[torch.nn.Module], comm_chunks: int) -> int:
     """Set the chunking knob of every ``HexiSeqCoreAttention`` in ``model`` (a module or a list of
     model chunks); returns how many modules changed."""
-    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
 
     changed = 0
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+    for chunk in [model] if isinstance(model, torch.nn.Module) else model:
         for module in chunk.modules():
             if isinstance(module, HexiSeqCoreAttention) and module.comm_chunks != comm_chunks:
                 module.comm_chunks = comm_chunks
@@ -272,7 +298,8 @@ class HexiSeqForwardStep:
         return megatron_hooks.OnlineTuningStep.from_args(self.forward_step, args, num_microbatches=self._num_microbatches(),
                                                          apply_chunks=set_comm_chunks)
 
-    def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, data_iterator: object, model: torch.nn.Module | Sequence[torch.nn.Module],
+                 *args: Any, **kwargs: Any) -> Any:
         if self._inner is None:
             if self._get_args is None:
                 from megatron.training import get_args

@@ -19,12 +19,17 @@ Shape: ``forward(...) -> emb [s_r, 1, 1, rotary_dim]`` (float32), as ``RotaryEmb
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_hexiseq.errors import HexiSeqError
+
+if TYPE_CHECKING:  # for annotations only: importing it at run time loads much of megatron.core
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *, interleaved: bool = False,
@@ -44,7 +49,11 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *, interleaved:
 class LayoutRotaryEmbedding(nn.Module):
     """Drop-in for ``model.rotary_pos_emb``: this rank's frequencies, whatever length is asked."""
 
-    def __init__(self, original: nn.Module, positions: Sequence[int]) -> None:
+    positions: torch.Tensor  # [s_r] int64 buffer
+    inv_freq_bits: torch.Tensor  # [rotary_dim / 2] int32 buffer (float32 bits)
+    emb: torch.Tensor  # [s_r, 1, 1, rotary_dim] float32 buffer
+
+    def __init__(self, original: RotaryEmbedding, positions: Sequence[int]) -> None:
         super().__init__()
         for name in ("inv_freq", "rotary_interleaved", "seq_len_interpolation_factor"):
             if not hasattr(original, name):
@@ -64,7 +73,8 @@ class LayoutRotaryEmbedding(nn.Module):
         return rope_angles(self.positions, inv_freq, interleaved=self.rotary_interleaved,
                            interpolation_factor=self.interpolation_factor)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "LayoutRotaryEmbedding":
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
+               recurse: bool = True) -> LayoutRotaryEmbedding:
         super()._apply(fn, recurse)
         self.emb = self._angles()  # float32 again, on the (possibly new) device
         return self
@@ -74,7 +84,7 @@ class LayoutRotaryEmbedding(nn.Module):
         return self.num_tokens
 
     def forward(self, max_seq_len: int | None = None, offset: int = 0, packed_seq: bool = False,
-                cp_group: Any = None) -> torch.Tensor:
+                cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         if packed_seq or offset:
             raise HexiSeqError("HexiSeq RoPE supports neither packed sequences nor position offsets")
         return self.emb

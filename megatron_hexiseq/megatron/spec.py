@@ -9,7 +9,7 @@ modified (Megatron's spec helpers may share submodule objects).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -17,28 +17,31 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 
+if TYPE_CHECKING:  # annotations only: the block module imports much of megatron.core
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
 
 def hexiseq_core_attention_spec(runtime: HexiSeqRuntime) -> ModuleSpec:
     """The core-attention spec bound to ``runtime``."""
     return ModuleSpec(module=HexiSeqCoreAttention, params={"runtime": runtime})
 
 
-def hexiseq_spec(spec: Any, runtime: HexiSeqRuntime) -> Any:
+def hexiseq_spec(spec: ModuleSpec | TransformerBlockSubmodules, runtime: HexiSeqRuntime) -> ModuleSpec | TransformerBlockSubmodules:
     """Copy of ``spec`` with every ``core_attention`` replaced; raises if there is none."""
     replacement = hexiseq_core_attention_spec(runtime)
     count = [0]
-    out = _swap(spec, replacement, count)
+    out = cast("ModuleSpec | TransformerBlockSubmodules", _swap(spec, replacement, count))
     if count[0] == 0:
         raise HexiSeqError(f"no core_attention found in the layer spec ({type(spec).__name__}); "
                            "HexiSeq needs a spec with self-attention")
     return out
 
 
-def count_core_attention(spec: Any, cls: type = HexiSeqCoreAttention) -> int:
+def count_core_attention(spec: ModuleSpec | TransformerBlockSubmodules, cls: type = HexiSeqCoreAttention) -> int:
     """How many ``core_attention`` slots of ``spec`` build ``cls`` (a test/diagnostic helper)."""
     found = []
 
-    def visit(x: Any) -> None:
+    def visit(x: object) -> None:
         if isinstance(x, (list, tuple)):
             for y in x:
                 visit(y)
@@ -54,7 +57,7 @@ def count_core_attention(spec: Any, cls: type = HexiSeqCoreAttention) -> int:
     return sum(1 for m in found if m is cls)
 
 
-def _swap(x: Any, replacement: ModuleSpec, count: list[int]) -> Any:
+def _swap(x: object, replacement: ModuleSpec, count: list[int]) -> object:
     if isinstance(x, list):
         return [_swap(y, replacement, count) for y in x]
     if isinstance(x, tuple):

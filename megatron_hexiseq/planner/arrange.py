@@ -23,15 +23,24 @@ evenly among their groups).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Sequence
 
 from megatron_hexiseq.planner.coef import INF, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
-from megatron_hexiseq.planner.stage2_split import (A_TOL, COARSE_A_TOL, Split, _bracket, _hand_out, closed_range,
-                                                    group_time, lin_floor, linear_phase, units_range)
-
+from megatron_hexiseq.planner.stage2_split import (
+    A_TOL,
+    COARSE_A_TOL,
+    Split,
+    _bracket,
+    _hand_out,
+    closed_range,
+    group_time,
+    lin_floor,
+    linear_phase,
+    units_range,
+)
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ def arrangements(coefs: Sequence[GroupCoef], shares: Sequence[float] | None = No
         return tuple(i for c in sorted(cs, key=lambda c: (keys[c][0], first.index(c))) for i in classes[c])
 
     out = [Arrangement(prefix=(), final=final(first))]
-    seen = {((), out[0].final)}
+    seen: set[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]] = {((), out[0].final)}
     ms = set(range(1, C)) if shares is None else ({1, C - 1} | {round(s * C) for s in shares}) & set(range(1, C))
     for name, key in (("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
                       ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c)))):
@@ -300,7 +309,8 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     and then ``P + sum hi >= N`` decides (it only grows with P). ``exact=False`` (Stage I's coarse
     split) tries a few shorter prefixes instead of the bisection."""
     final_min = sum(coefs[g].min_units() for g in arr.final)
-    sizes, P = [], 0
+    sizes: list[int] = []
+    P = 0
     block_w, final_w = _fan_weights(tuple(coefs), arr)
     for i, block in enumerate(arr.prefix):
         g = coefs[block[0]]
@@ -313,8 +323,8 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
     block_w, final_w = _fan_weights(tuple(coefs), arr)
     count: dict[tuple[GroupCoef, tuple[float, ...]], int] = {}  # final groups by (coefficients, fan-out)
-    for g in arr.final:
-        key = (coefs[g], final_w[g])
+    for gi in arr.final:
+        key = (coefs[gi], final_w[gi])
         count[key] = count.get(key, 0) + 1
 
     def state(P_target: int) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:

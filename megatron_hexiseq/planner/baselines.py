@@ -35,8 +35,9 @@ and returns records ``{name, config, iteration_time_s, tokens_per_s[, reason]}``
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
@@ -167,8 +168,11 @@ def best_symmetric(cluster: Cluster, model: ModelSpec, seq_length: int, options:
     ``options`` (memory modes in order of overhead) where it fits, the fastest record wins (ties: first
     listed). Returns (baseline, its record) or None when none fits."""
     baselines = baseline_layouts(cluster, model, seq_length)
+
+    def scorer(o: TrainOptions) -> Callable[[Layout], Estimate]:
+        return lambda layout: costmodel.estimate(layout, cluster, model, o)
+
     records = evaluate_baselines(baselines, [
-        ({"memory_mode": o.memory_mode, "recompute": o.recompute},
-         lambda layout, o=o: costmodel.estimate(layout, cluster, model, o)) for o in options])
+        ({"memory_mode": o.memory_mode, "recompute": o.recompute}, scorer(o)) for o in options])
     best = best_baseline(records)
     return None if best is None else next((b, r) for b, r in zip(baselines, records) if r is best)

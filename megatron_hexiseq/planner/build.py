@@ -14,7 +14,8 @@ order, which keeps GQA ranks on as few K/V heads as possible.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.layout import Layout, Segment, make_layout
@@ -123,7 +124,7 @@ def hosts_and_gpus(cluster: Cluster) -> tuple[list[str], list[str]]:
 
 def with_fields(layout: Layout, **fields: Any) -> Layout:
     """A copy of ``layout`` with its non-structural fields (predicted, baselines, planner, meta) replaced."""
-    kw = dict(
+    kw: dict[str, Any] = dict(
         seq_length=layout.seq_length, num_attention_heads=layout.num_attention_heads,
         num_query_groups=layout.num_query_groups, world_size=layout.world_size,
         groups=layout.groups, ranks=layout.ranks, predicted=layout.predicted,

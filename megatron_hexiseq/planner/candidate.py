@@ -3,8 +3,9 @@ exact reference) hands to the final choice, scored by ``costmodel.estimate``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout

@@ -88,7 +88,7 @@ class GroupCoef:
     def __hash__(self) -> int:  # hashed on every cache lookup: computed once
         return self._hash
 
-    def placed(self, start: int, end: int, band: bool, kv_extra: int = 0) -> "GroupCoef":
+    def placed(self, start: int, end: int, band: bool, kv_extra: int = 0) -> GroupCoef:
         """The same group at another place in the sequence (the member-derived fields are reused:
         Stage II moves groups thousands of times per split)."""
         if (start, end, band, kv_extra) == (self.start, self.end, self.band, self.kv_extra):

@@ -14,7 +14,7 @@ The result is the proven optimum of the surrogate over all decisions up to the e
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
@@ -22,11 +22,11 @@ from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.arrange import mirrored, with_fan_out
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline
-from megatron_hexiseq.planner.arrange import mirrored, with_fan_out
-from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_arranged
 from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
+from megatron_hexiseq.planner.stage1_groups import Grouping, group_coef, node_blocks, score_arranged
 from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate

@@ -8,13 +8,13 @@ steer the next round; ``surrogate_times`` gives the surrogate's side of the rati
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.planner.stage1_groups import Grouping
 from megatron_hexiseq.planner.coef import GroupCoef
+from megatron_hexiseq.planner.stage1_groups import Grouping
 from megatron_hexiseq.planner.surrogate import Surrogate
 
 
@@ -82,12 +82,12 @@ def feedback_factors(sur: Surrogate, layout: Layout, est: Estimate, st: Surrogat
         raw.append(min(4.0, max(0.25, (p.time_s - p.breakdown["kv_exposed_s"]) / rest)) if rest > 0 else 1.0)
         raw_kv.append(min(4.0, max(0.25, p.breakdown["kv_exchange_s"] / s_kv)) if s_kv > 0 else None)
     classes: dict[tuple, list[int]] = {}
-    for r, (dev, lay_r) in enumerate(zip(sur.devices, layout.ranks)):
+    for r, (dev, _) in enumerate(zip(sur.devices, layout.ranks)):
         classes.setdefault((dev, len(layout.group_of(r).ranks)), []).append(r)
     factors, kv_factors = [1.0] * len(raw), [1.0] * len(raw)
     for members in classes.values():
         mean = round(sum(raw[r] for r in members) / len(members), 3)
-        kvs = [raw_kv[r] for r in members if raw_kv[r] is not None]
+        kvs = [kv for kv in (raw_kv[r] for r in members) if kv is not None]
         mean_kv = round(sum(kvs) / len(kvs), 3) if kvs else mean
         for r in members:
             factors[r], kv_factors[r] = mean, mean_kv

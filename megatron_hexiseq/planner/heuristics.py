@@ -17,7 +17,7 @@ Every heuristic is built on the canonical cluster (``planner.canonical``) like t
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.layout import Layout, split_evenly

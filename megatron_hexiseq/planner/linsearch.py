@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable
+from collections.abc import Callable
 
 LIN_TOL = 1e-3   # the linear-phase search stops once its best point is proven within 0.1%
 FIRST_TOL = 1e-3  # the bisection to the first feasible linear bound: to 0.1%

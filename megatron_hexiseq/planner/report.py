@@ -1,11 +1,12 @@
 """Human output of plans and simulations: rich tables and a matplotlib figure."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
+from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 
 
@@ -94,7 +95,7 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
                       f"-> Megatron flags: {' '.join(opts.get('megatron_flags', []))}")
 
 
-def estimate_table(name: str, layout: Layout, est: Any) -> Table:
+def estimate_table(name: str, layout: Layout, est: Estimate) -> Table:
     """Per-rank cost-model figures of one layout (simulate)."""
     table = Table(title=f"{name}: iteration {_fmt_time(est.iteration_time_s)}, {_fmt_rate(est.tokens_per_s)} tokens/s"
                         f"{'' if est.feasible else ' (OUT OF MEMORY)'}")
@@ -108,7 +109,7 @@ def estimate_table(name: str, layout: Layout, est: Any) -> Table:
     return table
 
 
-def plot_estimates(path: str, items: Sequence[tuple[str, Any]]) -> None:
+def plot_estimates(path: str, items: Sequence[tuple[str, Estimate]]) -> None:
     """Per layout: stacked bars per rank (compute / exposed comm / idle up to the step) and memory vs capacity."""
     import matplotlib
 

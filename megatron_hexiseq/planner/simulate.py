@@ -1,8 +1,9 @@
 """Evaluate layouts and baselines with the cost model (the ``simulate`` command's library side)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster

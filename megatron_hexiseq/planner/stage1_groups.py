@@ -27,11 +27,17 @@ within itself).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.planner.arrange import Arrangement, arrangements, mirrored, split_arranged, with_fan_out
+from megatron_hexiseq.planner.arrange import (
+    Arrangement,
+    arrangements,
+    mirrored,
+    split_arranged,
+    with_fan_out,
+)
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.stage2_split import Split, split_sequence
 from megatron_hexiseq.planner.surrogate import Surrogate
@@ -201,8 +207,8 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
         # uniform cross-node groups (k nodes per group in every class): groups of one size have no
         # K/V fan-out between them (``arrange.kappa``), which one class at a time never reaches
         seed = choice
-        for k in range(2, max(nodes_of.values()) + 1):
-            trial = {c: max([s for s in options[c] if s <= k * c[1]]) for c in keys}
+        for n_nodes in range(2, max(nodes_of.values()) + 1):
+            trial = {c: max([s for s in options[c] if s <= n_nodes * c[1]]) for c in keys}
             if trial != seed and any(s > c[1] for c, s in trial.items()):
                 z = evaluate(trial)
                 if z < best:

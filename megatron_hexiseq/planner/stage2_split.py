@@ -22,9 +22,9 @@ coefficients share every evaluation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
 
 from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
@@ -59,13 +59,13 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
         k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
         beta = max(b * T * num // den, vis * c) + T * e
         per = T * mh
-        t = T / n
+        t_even = T / n
         tmax = min(cap, z / s if s > 0 else INF, lin / a if a > 0 else INF)
-        if tmax < lo or tmax < t:
+        if tmax < lo or tmax < t_even:
             return -INF, []
-        att = (z - s * t) / beta if beta > 0 else INF
-        mem = (free - mt * t) / per if per > 0 else INF
-        return n * min(att, mem), [t] * n
+        att = (z - s * t_even) / beta if beta > 0 else INF
+        mem = (free - mt * t_even) / per if per > 0 else INF
+        return n * min(att, mem), [t_even] * n
     pieces: list[tuple[float, int, float]] = []  # (slope, class, length for the whole class)
     heads0 = 0.0
     room = 0.0

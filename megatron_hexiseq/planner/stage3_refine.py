@@ -20,15 +20,21 @@ solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of m
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ortools.sat.python import cp_model
 
 from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
-from megatron_hexiseq.planner.stage2_split import (Split, group_phase_time, max_heads, min_units, split_at,
-                                                    split_sequence)
-
+from megatron_hexiseq.planner.stage2_split import (
+    Split,
+    group_phase_time,
+    max_heads,
+    min_units,
+    split_at,
+    split_sequence,
+)
 
 GREEDY_GAP = 5e-3          # accept the rounded continuous optimum when within 0.5% of the bound
 BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
@@ -160,7 +166,8 @@ def _floored(g: GroupCoef, T: int, t: list[int], h: list[int], lf: int, af: int)
     return max(lin, lf) + max(att, af)
 
 
-def _solution(g: GroupCoef, T: int, t, h, bound: int, status: str) -> GroupSolution:
+def _solution(g: GroupCoef, T: int, t: Sequence[int], h: Sequence[int], bound: int,
+              status: str) -> GroupSolution:
     lin, att = _phases(g, T, list(t), list(h))
     return GroupSolution(tuple(t), tuple(h), lin + att, bound, status, lin, att)
 
@@ -176,10 +183,9 @@ def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -
     if T > sum(g.cap) or T < min_units(g) or min(g.cap) < MIN_UNITS_PER_RANK:
         return GroupSolution((), (), 0, 0, "INFEASIBLE")
     if n == 1:
-        t, h = [T], [H]
         if T * g.mt[0] + H * T * g.mh[0] > g.free[0]:
             return GroupSolution((), (), 0, 0, "INFEASIBLE")
-        return _solution(g, T, t, h, _floored(g, T, t, h, lf, af), "OPTIMAL")
+        return _solution(g, T, [T], [H], _floored(g, T, [T], [H], lf, af), "OPTIMAL")
     hint = greedy(g, T, lf, af)
     if hint and not _fits(g, T, *hint):
         hint = None
@@ -347,11 +353,11 @@ def integer_split(groups: list[GroupCoef], num_units: int) -> tuple[Split, list[
         target = split.z_rounded_ns * (1 + REPAIR_SLACK)
         fl = floors(split)
 
-        def f(g: GroupCoef, T: int) -> float:
+        def f(g: GroupCoef, T: int, fl: tuple[int, int] = fl) -> float:
             return probe_time(g, T, *fl)
 
         changed = False
-        first = {}
+        first: dict[GroupCoef, int] = {}
         for i, g in enumerate(groups):
             first.setdefault(g, i)
         for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], first[x[0]])):

@@ -51,8 +51,8 @@ by lowering ``free_r``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
@@ -107,7 +107,7 @@ class Surrogate:
         e = d.a2a_head_s * slow if group_size > 1 else 0.0
         return _ns(d.lin_s), _ns(s), _ns(d.att_s), _ns(c), _ns(e)
 
-    def scaled(self, factors: Sequence[float], kv_factors: Sequence[float] | None = None) -> "Surrogate":
+    def scaled(self, factors: Sequence[float], kv_factors: Sequence[float] | None = None) -> Surrogate:
         """Every time coefficient of device r multiplied by ``factors[r]`` (feedback from ``estimate``),
         the K/V ring coefficient ``kv_s`` by ``kv_factors[r]`` when given (calibrated on its own)."""
         kv = factors if kv_factors is None else kv_factors
@@ -116,7 +116,7 @@ class Surrogate:
                     a2a_head_s=d.a2a_head_s * f, kv_s=d.kv_s * fk)
             for d, f, fk in zip(self.devices, factors, kv)))
 
-    def with_free(self, free: Sequence[int]) -> "Surrogate":
+    def with_free(self, free: Sequence[int]) -> Surrogate:
         return replace(self, devices=tuple(replace(d, free_bytes=int(f)) for d, f in zip(self.devices, free)))
 
 
