@@ -15,10 +15,13 @@ blocks (a sender serves every receiver that picked it, one copy each).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
 
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.comm import cluster_arrays
 from megatron_hexiseq.costmodel.formulas import kv_block_bytes_per_token
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
@@ -84,8 +87,15 @@ def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ..
     return [max([len(kvs)] + [load[j] for j in mine]) if kvs else 0 for kvs, mine in zip(receiver, picked)]
 
 
-def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int) -> ExchangeForward:
-    """Simulate the forward exchange rounds of every rank at once (see module docstring)."""
+@lru_cache(maxsize=65536)
+def _fan_units_cached(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(fan_units(sender, receiver))
+
+
+def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int, *,
+                        kv_heads: Sequence[tuple[int, ...]] | None = None) -> ExchangeForward:
+    """Simulate the forward exchange rounds of every rank at once (see module docstring).
+    ``kv_heads[r]``: ``layout.kv_heads(r)`` when the caller has them."""
     W, groups = layout.world_size, layout.groups
     n = len(groups)
     if n == 1:
@@ -102,23 +112,21 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
         QS[i, :len(s)] = [a for a, _ in s]
         QE[i, :len(s)] = [e for _, e in s]
     q_end = QE.max(axis=1)
-    node_names = sorted({d.node for d in cluster.devices})
-    node_id = {name: i for i, name in enumerate(node_names)}
-    dev = [cluster.devices[r] for r in range(W)]
-    node = np.array([node_id[d.node] for d in dev])
-    nv = np.array([d.nvlink_GBps for d in dev]) * 1e9
-    net = np.array([d.network_GBps for d in dev]) * 1e9
+    arrays = cluster_arrays(cluster)
+    node, nv, net, rate = arrays.node, arrays.nv, arrays.net, arrays.rate
     gnode = np.array([node[g.ranks[0]] if len({node[r] for r in g.ranks}) == 1 else -1 for g in groups])
     gnv = np.array([nv[list(g.ranks)].min() for g in groups])
     gnet = np.array([net[list(g.ranks)].min() for g in groups])
-    gidx = {g.id: i for i, g in enumerate(groups)}
-    gi = np.array([gidx[r.group] for r in layout.ranks])
-    pos = np.array([layout.group(r.group).ranks.index(r.rank) for r in layout.ranks])
+    gi_of, pos_of = [0] * W, [0] * W
+    for i, g in enumerate(groups):
+        for j, r in enumerate(g.ranks):
+            gi_of[r], pos_of[r] = i, j
+    gi, pos = np.array(gi_of), np.array(pos_of)
     heads = np.array([len(r.heads) for r in layout.ranks], dtype=np.float64)
-    rate = np.array([d.attention_flops_per_s for d in dev])
     # fan-out table per (sending group structure, receiving group structure): O(#structures^2)
     # Python calls; layouts repeat a few head splits, so there are few distinct structures
-    sig_of = [tuple(layout.kv_heads(r) for r in g.ranks) for g in groups]
+    kv_of = kv_heads if kv_heads is not None else [layout.kv_heads(r) for r in range(W)]
+    sig_of = [tuple(kv_of[r] for r in g.ranks) for g in groups]
     sigs = sorted(set(sig_of))
     sig_index = {s: i for i, s in enumerate(sigs)}
     sig_id = np.array([sig_index[s] for s in sig_of])
@@ -126,7 +134,7 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     fan = np.zeros((len(sigs), len(sigs), kmax))
     for a, sa in enumerate(sigs):
         for c, sc in enumerate(sigs):
-            fan[a, c, :len(sc)] = fan_units(sa, sc)
+            fan[a, c, :len(sc)] = _fan_units_cached(sa, sc)
     L, b = model.num_layers, micro_batch_size
     flops_per_pair_head = 4 * model.kv_channels * L * b           # forward only, all layers
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
