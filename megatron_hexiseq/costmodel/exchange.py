@@ -114,9 +114,12 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     q_end = QE.max(axis=1)
     arrays = cluster_arrays(cluster)
     node, nv, net, rate = arrays.node, arrays.nv, arrays.net, arrays.rate
-    gnode = np.array([node[g.ranks[0]] if len({node[r] for r in g.ranks}) == 1 else -1 for g in groups])
-    gnv = np.array([nv[list(g.ranks)].min() for g in groups])
-    gnet = np.array([net[list(g.ranks)].min() for g in groups])
+    members = np.array([r for g in groups for r in g.ranks])   # every group's ranks, group after group
+    starts = np.cumsum([0] + [len(g.ranks) for g in groups[:-1]])
+    lowest, highest = np.minimum.reduceat(node[members], starts), np.maximum.reduceat(node[members], starts)
+    gnode = np.where(lowest == highest, lowest, -1)            # the group's node, -1 when it spans nodes
+    gnv = np.minimum.reduceat(nv[members], starts)
+    gnet = np.minimum.reduceat(net[members], starts)
     gi_of, pos_of = [0] * W, [0] * W
     for i, g in enumerate(groups):
         for j, r in enumerate(g.ranks):
@@ -142,9 +145,8 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     p0 = pairs_vec(QS, QE, QS, QE)
     comp_end = flops_per_pair_head * p0[gi] * heads / rate
     comp_sum, comm_end, comm_sum = comp_end.copy(), np.zeros(W), np.zeros(W)
-    free = np.zeros((2, W))                          # when each receive buffer can be overwritten
+    free0, free1 = np.zeros(W), np.zeros(W)          # when each receive buffer can be overwritten
     blocks, vmax = np.zeros(W, dtype=np.int64), np.zeros(W, dtype=np.int64)
-    ranks = np.arange(W)
     chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
     for t0 in range(1, n, chunk):
         # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
@@ -160,15 +162,18 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
         comp_sum += comp.sum(axis=0)
         comm_sum += comm.sum(axis=0)
         vmax = np.maximum(vmax, np.where(active, vis, 0).max(axis=0))
+        steps = blocks + np.cumsum(active, axis=0)   # [T, W] blocks received after each round
+        odd = steps % 2 == 1                          # the receive buffer of each round's block
         for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time
-            on = active[k]
-            blocks += on
-            slot = blocks % 2
-            new_comm_end = np.maximum(comm_end, free[slot, ranks]) + comm[k]
+            on, second = active[k], odd[k]
+            buffer_free = np.where(second, free1, free0)
+            new_comm_end = np.maximum(comm_end, buffer_free) + comm[k]
             new_comp_end = np.maximum(comp_end, new_comm_end) + comp[k]
             comm_end = np.where(on, new_comm_end, comm_end)
             comp_end = np.where(on, new_comp_end, comp_end)
-            free[slot, ranks] = np.where(on, comp_end, free[slot, ranks])
+            freed = np.where(on, comp_end, buffer_free)
+            free0, free1 = np.where(second, free0, freed), np.where(second, freed, free1)
+        blocks = steps[-1]
     exposed = comp_end - comp_sum
     exposed = np.where(exposed > 1e-9 * comp_sum, exposed, 0.0)   # float noise of a fully hidden pipeline
     return ExchangeForward(comm_s=tuple(comm_sum.tolist()), exposed_s=tuple(exposed.tolist()),

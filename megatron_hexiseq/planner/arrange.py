@@ -336,7 +336,7 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
         out = {}
         lo_sum = 0
         for key, k in count.items():
-            moved = key[0].placed(p, 0, False, round(sum(x * s for x, s in zip(key[1], sz))))
+            moved = _placed_final(key[0], p, round(sum(x * s for x, s in zip(key[1], sz))))
             r = units_range(moved, z, lin, exact)
             if r is None:
                 return None
@@ -369,6 +369,14 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
         return None
     pos = [out[key][0] for key in keys]
     return sz, p, {m: r for m, r in out.values()}, pos
+
+
+@lru_cache(maxsize=100_000)
+def _placed_final(g: GroupCoef, start: int, kv_extra: int) -> GroupCoef:
+    """``g.placed(start, 0, False, kv_extra)``, one object per place: the bisections over the
+    attention bound move the final groups to the same starts again and again, and the unit-range
+    caches then hit by identity."""
+    return g.placed(start, 0, False, kv_extra)
 
 
 def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut: int) -> list[int]:

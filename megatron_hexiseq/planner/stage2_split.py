@@ -479,15 +479,20 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
                                                                             for g in distinct):
         return None  # fewer units than ranks, or a rank cannot hold one unit
 
+    capped = [(g, k, caps.get(g, num_units)) for g, k in distinct.items()]
+    settle = not coarse
+
     def ranges(z: float) -> dict[GroupCoef, tuple[int, int]] | None:
         out = {}
-        for g in distinct:
-            r = units_range(g, z, lin, not coarse)
-            if r is None or r[0] > caps.get(g, num_units):
+        lo_sum = hi_sum = 0
+        for g, k, cap in capped:
+            r = units_range(g, z, lin, settle)
+            if r is None or r[0] > cap:
                 return None
-            out[g] = (r[0], min(r[1], caps.get(g, num_units)))
-        lo_sum = sum(k * out[g][0] for g, k in distinct.items())
-        hi_sum = sum(k * out[g][1] for g, k in distinct.items())
+            hi = r[1] if r[1] < cap else cap
+            out[g] = (r[0], hi)
+            lo_sum += k * r[0]
+            hi_sum += k * hi
         return out if lo_sum <= num_units <= hi_sum else None
 
     # start from the slowest group's time for an even share (usually enough), else double
