@@ -41,19 +41,27 @@ class ExchangeForward:
 
 def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
     """Row-wise :func:`causal_pairs`: query segments ``[..., sq]`` and key segments ``[..., sk]``
-    (same leading shape) -> ``[...]``. Empty padding segments (start == end) contribute 0."""
-    qs, qe = qs[..., :, None], qe[..., :, None]
-    ks, ke = ks[..., None, :], ke[..., None, :]
+    (same leading shape) -> ``[...]``. Empty padding segments (start == end) contribute 0.
+    Computed with the segment axes first (``[sq, sk, ...]``), so numpy's inner loops run over the
+    long leading axes rather than a handful of segments."""
+    qs, qe = _segments_first(qs)[:, None], _segments_first(qe)[:, None]
+    ks, ke = _segments_first(ks)[None], _segments_first(ke)[None]
     a, c = np.maximum(qs, ks), np.minimum(qe, ke)
     n1 = np.maximum(c - a, 0)
-    series = (a + c + 1 - 2 * ks) * n1 // 2            # queries inside the key segment: x..y, x = a-ks+1, y = c-ks
+    # queries inside the key segment: x..y, x = a-ks+1, y = c-ks (the product is >= 0: halved by a shift)
+    series = ((a + c + 1 - 2 * ks) * n1) >> 1
     full = np.maximum(qe - np.maximum(qs, ke), 0) * (ke - ks)   # queries past it see all of it
-    return (series + full).sum(axis=(-2, -1))
+    return (series + full).sum(axis=(0, 1))
 
 
 def visible_vec(ks: np.ndarray, ke: np.ndarray, q_end: np.ndarray) -> np.ndarray:
     """Tokens of key segments ``[..., sk]`` at positions < ``q_end[...]`` (visible to some query)."""
-    return np.maximum(np.minimum(ke, q_end[..., None]) - ks, 0).sum(axis=-1)
+    return np.maximum(np.minimum(_segments_first(ke), q_end) - _segments_first(ks), 0).sum(axis=0)
+
+
+def _segments_first(x: np.ndarray) -> np.ndarray:
+    """``[..., s] -> [s, ...]``, contiguous."""
+    return np.ascontiguousarray(np.moveaxis(x, -1, 0))
 
 
 def _merged(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
@@ -164,15 +172,17 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
         vmax = np.maximum(vmax, np.where(active, vis, 0).max(axis=0))
         steps = blocks + np.cumsum(active, axis=0)   # [T, W] blocks received after each round
         odd = steps % 2 == 1                          # the receive buffer of each round's block
-        for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time
-            on, second = active[k], odd[k]
-            buffer_free = np.where(second, free1, free0)
-            new_comm_end = np.maximum(comm_end, buffer_free) + comm[k]
-            new_comp_end = np.maximum(comp_end, new_comm_end) + comp[k]
-            comm_end = np.where(on, new_comm_end, comm_end)
-            comp_end = np.where(on, new_comp_end, comp_end)
-            freed = np.where(on, comp_end, buffer_free)
-            free0, free1 = np.where(second, free0, freed), np.where(second, freed, free1)
+        into0, into1 = active & ~odd, active & odd
+        for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time (in place)
+            on = active[k]
+            new_comm_end = np.maximum(comm_end, np.where(odd[k], free1, free0))
+            new_comm_end += comm[k]
+            new_comp_end = np.maximum(comp_end, new_comm_end)
+            new_comp_end += comp[k]
+            np.copyto(comm_end, new_comm_end, where=on)
+            np.copyto(comp_end, new_comp_end, where=on)
+            np.copyto(free0, comp_end, where=into0[k])
+            np.copyto(free1, comp_end, where=into1[k])
         blocks = steps[-1]
     exposed = comp_end - comp_sum
     exposed = np.where(exposed > 1e-9 * comp_sum, exposed, 0.0)   # float noise of a fully hidden pipeline
