@@ -152,6 +152,7 @@ def closed_range(n: int, H: int, z: float, s: float, e: float, c: float, quad: f
     return _closed_eval(_closed_consts(n, H, s, e, quad, lin_att, kv_slope, kv_const), z, s)
 
 
+@lru_cache(maxsize=100_000)
 def _closed_consts(n: int, H: int, s: float, e: float, quad: float, lin_att: float, kv_slope: float,
                    kv_const: float) -> tuple[tuple[float, ...], ...]:
     """The parts of ``closed_range`` that do not depend on z, per lower bound (the continuous even
