@@ -153,38 +153,38 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     a2a_buf, kv_block = a2a_buffer_bytes_per_token(model), kv_block_bytes_per_token(model)
     devices = _device_constants(cluster)
     comm_s, exposed_s_of, rounds_of, block_of = exchange.comm_s, exchange.exposed_s, exchange.rounds, exchange.max_block_tokens
+    steps = (passes_fwd + 2) * L  # exchange steps per round with something to receive
+    fraction = options.capacity_fraction
     for plan in layout.ranks:
-        gpu_of, gpu, node, overhead_s, p2p_latency_s, memory_bytes, memory_gib = devices[plan.rank]
-        heads, kv = head_count[plan.rank], kv_count[plan.rank]
-        group_tokens = group_tokens_of[plan.group]
+        r, gid = plan.rank, plan.group
+        gpu_of, gpu, node, overhead_s, p2p_latency_s, memory_bytes, memory_gib = devices[r]
+        heads, kv, t = head_count[r], kv_count[r], tokens[r]
         if gpu_of not in rate:  # per GPU type (the first device of an equal type stands for it)
             dev = cluster.devices[gpu_of]
             rate[gpu_of] = (linear_s_per_token(model, dev, options), attention_s_per_pair_head(model, dev, options))
         lin_rate, att_rate = rate[gpu_of]
         if (heads, kv) not in att_mem:
             att_mem[(heads, kv)] = attention_bytes_per_group_token(model, options, heads, kv)
-        linear_s = tokens[plan.rank] * lin_rate + overhead_s
-        attention_s = group_pairs[plan.group] * heads * att_rate
-        a2a_s = group_a2a_s[plan.group]
-        kv_latency_s = (passes_fwd + 2) * L * rounds_of[plan.rank] * p2p_latency_s
-        kv_s = (passes_fwd + 2) * comm_s[plan.rank] + kv_latency_s
-        kv_exposed_s = (passes_fwd + 2) * exposed_s_of[plan.rank] + kv_latency_s
+        linear_s = t * lin_rate + overhead_s
+        attention_s = group_pairs[gid] * heads * att_rate
+        a2a_s = group_a2a_s[gid]
+        kv_latency_s = steps * rounds_of[r] * p2p_latency_s
+        kv_s = (passes_fwd + 2) * comm_s[r] + kv_latency_s
+        kv_exposed_s = (passes_fwd + 2) * exposed_s_of[r] + kv_latency_s
         compute_s = linear_s + attention_s
         exposed_s = a2a_s + kv_exposed_s
-        mem = {
-            "mem_static": static,
-            "mem_activations": b * tokens[plan.rank] * act_per_token,
-            "mem_attention": b * group_tokens * att_mem[(heads, kv)],
-            "mem_comm": b * tokens[plan.rank] * a2a_buf + 4 * b * block_of[plan.rank] * kv * kv_block,
-        }
-        memory = sum(mem.values())
+        mem_activations = b * t * act_per_token
+        mem_attention = b * group_tokens_of[gid] * att_mem[(heads, kv)]
+        mem_comm = b * t * a2a_buf + 4 * b * block_of[r] * kv * kv_block
         per_rank.append(RankEstimate(
-            rank=plan.rank, gpu=gpu, node=node, tokens=tokens[plan.rank], heads=heads,
+            rank=r, gpu=gpu, node=node, tokens=t, heads=heads,
             compute_s=compute_s, comm_s=a2a_s + kv_s, exposed_comm_s=exposed_s, time_s=compute_s + exposed_s,
-            memory_bytes=memory, capacity_bytes=int(options.capacity_fraction * memory_bytes),
-            device_memory_gib=memory_gib,
+            memory_bytes=static + mem_activations + mem_attention + mem_comm,
+            capacity_bytes=int(fraction * memory_bytes), device_memory_gib=memory_gib,
             breakdown={"linear_s": linear_s, "overhead_s": overhead_s, "attention_s": attention_s, "a2a_s": a2a_s,
-                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, "kv_latency_s": kv_latency_s, **mem},
+                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, "kv_latency_s": kv_latency_s,
+                       "mem_static": static, "mem_activations": mem_activations, "mem_attention": mem_attention,
+                       "mem_comm": mem_comm},
         ))
     # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
     # the whole CP domain, the linear work between two attentions does not. So the iteration is the
