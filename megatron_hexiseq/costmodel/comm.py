@@ -44,17 +44,67 @@ def alltoall_rank_times_s(send_bytes: Sequence[Sequence[int]], ranks: Sequence[i
     if n == 0:
         return []
     nbytes = np.asarray(send_bytes, dtype=np.float64).reshape(n, n)
-    devs = [cluster.devices[r] for r in ranks]
-    nodes = np.unique([d.node for d in devs], return_inverse=True)[1]
-    nv = np.array([d.nvlink_GBps for d in devs]) * 1e9
-    net = np.array([d.network_GBps for d in devs]) * 1e9
-    same = nodes[:, None] == nodes[None, :]
-    link_Bps = np.where(same, np.minimum(nv[:, None], nv[None, :]), np.minimum(net[:, None], net[None, :]))
+    return rank_times_from_links(nbytes, *group_links(cluster, ranks)).tolist()
+
+
+def rank_times_from_links(nbytes: np.ndarray, same: np.ndarray, link_Bps: np.ndarray) -> np.ndarray:
+    """Per-participant busy time of a ragged all-to-all of ``nbytes[i, j]`` (float64 bytes) given
+    its members' ``group_links``."""
     seconds = nbytes / link_Bps
     np.fill_diagonal(seconds, 0.0)   # a rank's share for itself is a local copy
     send = np.maximum(np.where(same, seconds, 0).sum(1), np.where(same, 0, seconds).sum(1))
     recv = np.maximum(np.where(same, seconds, 0).sum(0), np.where(same, 0, seconds).sum(0))
-    return np.maximum(send, recv).tolist()
+    return np.maximum(send, recv)
+
+
+class ClusterArrays:
+    """Per-device arrays of one cluster that the cost model reads on every call: node number (by
+    sorted node name), NVLink and network bytes/s, attention FLOP/s; plus each member tuple's
+    link matrices (``group_links``), computed once per tuple, and ``memo``: other tables per cluster."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        devs = cluster.devices
+        names = sorted({d.node for d in devs})
+        node_id = {name: i for i, name in enumerate(names)}
+        self.node = np.array([node_id[d.node] for d in devs])
+        self.nv = np.array([d.nvlink_GBps for d in devs]) * 1e9
+        self.net = np.array([d.network_GBps for d in devs]) * 1e9
+        self.rate = np.array([d.attention_flops_per_s for d in devs])
+        self.links: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self.memo: dict[str, dict] = {}  # other per-cluster tables, by the name of what they hold
+
+
+_ARRAYS: dict[int, tuple[Cluster, ClusterArrays]] = {}  # id -> (the cluster, kept alive: ids stay unique)
+_ARRAYS_MAX = 8
+_LINKS_CACHED_MAX = 256  # larger groups' [n, n] matrices are rebuilt per call rather than kept
+
+
+def cluster_arrays(cluster: Cluster) -> ClusterArrays:
+    """The cluster's ``ClusterArrays`` (a few recent clusters are kept; clusters are frozen)."""
+    got = _ARRAYS.get(id(cluster))
+    if got is not None and got[0] is cluster:
+        return got[1]
+    if len(_ARRAYS) >= _ARRAYS_MAX:
+        _ARRAYS.pop(next(iter(_ARRAYS)))
+    arrays = ClusterArrays(cluster)
+    _ARRAYS[id(cluster)] = (cluster, arrays)
+    return arrays
+
+
+def group_links(cluster: Cluster, ranks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(same node [n, n] bool, link bytes/s [n, n]) of the devices ``ranks``: the slower endpoint's
+    NVLink inside a node, its network port between nodes."""
+    arrays = cluster_arrays(cluster)
+    key = tuple(ranks)
+    got = arrays.links.get(key)
+    if got is None:
+        idx = np.array(key)
+        node, nv, net = arrays.node[idx], arrays.nv[idx], arrays.net[idx]
+        same = node[:, None] == node[None, :]
+        got = same, np.where(same, np.minimum(nv[:, None], nv[None, :]), np.minimum(net[:, None], net[None, :]))
+        if len(key) <= _LINKS_CACHED_MAX:
+            arrays.links[key] = got
+    return got
 
 
 def alltoall_time_s(send_bytes: Sequence[Sequence[int]], ranks: Sequence[int], cluster: Cluster) -> float:

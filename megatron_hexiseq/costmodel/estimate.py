@@ -29,8 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel.comm import alltoall_time_s
+from megatron_hexiseq.costmodel.comm import cluster_arrays, group_links, rank_times_from_links
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
     BF16_BYTES,
@@ -115,64 +117,74 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     passes_fwd = 2 if options.recompute else 1
     static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
     act_per_token = activation_bytes_per_token(model, options)
-    exchange = kv_exchange_forward(layout, cluster, model, b)
+    hpg = layout.heads_per_query_group
+    kv_of = [tuple(sorted({h // hpg for h in r.heads})) for r in layout.ranks]  # layout.kv_heads of each rank
+    exchange = kv_exchange_forward(layout, cluster, model, b, kv_heads=kv_of)
 
     tokens = [r.num_tokens for r in layout.ranks]
-    kv_count = [len(layout.kv_heads(r.rank)) for r in layout.ranks]
+    kv_count = [len(k) for k in kv_of]
+    head_count = [len(r.heads) for r in layout.ranks]
+    structures = cluster_arrays(cluster).memo.setdefault("a2a_structure", {})
     group_pairs: dict[int, int] = {}
     group_a2a_s: dict[int, float] = {}
     group_tokens_of: dict[int, int] = {}
     a2a_memo: dict[tuple, float] = {}  # groups of one structure (devices, tokens, heads) cost the same
     for g in layout.groups:
         group_pairs[g.id] = causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)])
-        group_tokens_of[g.id] = sum(tokens[r] for r in g.ranks)
-        key = (tuple(cluster.devices[r].gpu.name for r in g.ranks), _node_pattern(cluster, g.ranks),
-               tuple((cluster.devices[r].nvlink_GBps, cluster.devices[r].network_GBps) for r in g.ranks),
-               tuple(tokens[r] for r in g.ranks), tuple(len(layout.ranks[r].heads) for r in g.ranks),
-               tuple(kv_count[r] for r in g.ranks))
+        tok = [tokens[r] for r in g.ranks]
+        group_tokens_of[g.id] = sum(tok)
+        if g.ranks not in structures:  # (gpus, node pattern, bandwidths), slowest collective latency
+            structures[g.ranks] = ((tuple(cluster.devices[r].gpu.name for r in g.ranks), _node_pattern(cluster, g.ranks),
+                                    tuple((cluster.devices[r].nvlink_GBps, cluster.devices[r].network_GBps)
+                                          for r in g.ranks)),
+                                   max(cluster.devices[r].collective_latency_s for r in g.ranks))
+        structure, latency_s = structures[g.ranks]
+        hq, hkv = [head_count[r] for r in g.ranks], [kv_count[r] for r in g.ranks]
+        key = (*structure, tuple(tok), tuple(hq), tuple(hkv))
         if key not in a2a_memo:
-            a2a_memo[key] = _a2a_layer_s(layout, cluster, model, g.ranks, b)
+            a2a_memo[key] = _a2a_layer_s(cluster, model, g.ranks, b, tok, hq, hkv)
         group_a2a_s[g.id] = (passes_fwd + 1) * L * a2a_memo[key]
         if len(g.ranks) > 1:  # fixed cost per collective: 4 per layer and pass, the slowest member's
-            group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * max(cluster.devices[r].collective_latency_s
-                                                                for r in g.ranks)
+            group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * latency_s
 
     per_rank = []
     rate: dict[object, tuple[float, float]] = {}  # per GPU type: (linear s per token, attention s per pair-head)
     att_mem: dict[tuple[int, int], int] = {}
     a2a_buf, kv_block = a2a_buffer_bytes_per_token(model), kv_block_bytes_per_token(model)
+    devices = _device_constants(cluster)
+    comm_s, exposed_s_of, rounds_of, block_of = exchange.comm_s, exchange.exposed_s, exchange.rounds, exchange.max_block_tokens
+    steps = (passes_fwd + 2) * L  # exchange steps per round with something to receive
+    fraction = options.capacity_fraction
     for plan in layout.ranks:
-        dev = cluster.devices[plan.rank]
-        heads, kv = len(plan.heads), kv_count[plan.rank]
-        group_tokens = group_tokens_of[plan.group]
-        overhead_s = dev.step_overhead_s
-        if dev.gpu not in rate:
-            rate[dev.gpu] = (linear_s_per_token(model, dev, options), attention_s_per_pair_head(model, dev, options))
-        lin_rate, att_rate = rate[dev.gpu]
+        r, gid = plan.rank, plan.group
+        gpu_of, gpu, node, overhead_s, p2p_latency_s, memory_bytes, memory_gib = devices[r]
+        heads, kv, t = head_count[r], kv_count[r], tokens[r]
+        if gpu_of not in rate:  # per GPU type (the first device of an equal type stands for it)
+            dev = cluster.devices[gpu_of]
+            rate[gpu_of] = (linear_s_per_token(model, dev, options), attention_s_per_pair_head(model, dev, options))
+        lin_rate, att_rate = rate[gpu_of]
         if (heads, kv) not in att_mem:
             att_mem[(heads, kv)] = attention_bytes_per_group_token(model, options, heads, kv)
-        linear_s = tokens[plan.rank] * lin_rate + overhead_s
-        attention_s = group_pairs[plan.group] * heads * att_rate
-        a2a_s = group_a2a_s[plan.group]
-        kv_latency_s = (passes_fwd + 2) * L * exchange.rounds[plan.rank] * dev.p2p_latency_s
-        kv_s = (passes_fwd + 2) * exchange.comm_s[plan.rank] + kv_latency_s
-        kv_exposed_s = (passes_fwd + 2) * exchange.exposed_s[plan.rank] + kv_latency_s
+        linear_s = t * lin_rate + overhead_s
+        attention_s = group_pairs[gid] * heads * att_rate
+        a2a_s = group_a2a_s[gid]
+        kv_latency_s = steps * rounds_of[r] * p2p_latency_s
+        kv_s = (passes_fwd + 2) * comm_s[r] + kv_latency_s
+        kv_exposed_s = (passes_fwd + 2) * exposed_s_of[r] + kv_latency_s
         compute_s = linear_s + attention_s
         exposed_s = a2a_s + kv_exposed_s
-        mem = {
-            "mem_static": static,
-            "mem_activations": b * tokens[plan.rank] * act_per_token,
-            "mem_attention": b * group_tokens * att_mem[(heads, kv)],
-            "mem_comm": b * tokens[plan.rank] * a2a_buf + 4 * b * exchange.max_block_tokens[plan.rank] * kv * kv_block,
-        }
-        memory = sum(mem.values())
+        mem_activations = b * t * act_per_token
+        mem_attention = b * group_tokens_of[gid] * att_mem[(heads, kv)]
+        mem_comm = b * t * a2a_buf + 4 * b * block_of[r] * kv * kv_block
         per_rank.append(RankEstimate(
-            rank=plan.rank, gpu=dev.gpu.name, node=dev.node, tokens=tokens[plan.rank], heads=heads,
+            rank=r, gpu=gpu, node=node, tokens=t, heads=heads,
             compute_s=compute_s, comm_s=a2a_s + kv_s, exposed_comm_s=exposed_s, time_s=compute_s + exposed_s,
-            memory_bytes=memory, capacity_bytes=int(options.capacity_fraction * dev.memory_bytes),
-            device_memory_gib=dev.memory_gib,
+            memory_bytes=static + mem_activations + mem_attention + mem_comm,
+            capacity_bytes=int(fraction * memory_bytes), device_memory_gib=memory_gib,
             breakdown={"linear_s": linear_s, "overhead_s": overhead_s, "attention_s": attention_s, "a2a_s": a2a_s,
-                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, "kv_latency_s": kv_latency_s, **mem},
+                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, "kv_latency_s": kv_latency_s,
+                       "mem_static": static, "mem_activations": mem_activations, "mem_attention": mem_attention,
+                       "mem_comm": mem_comm},
         ))
     # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
     # the whole CP domain, the linear work between two attentions does not. So the iteration is the
@@ -204,31 +216,45 @@ def memory_floor_fits(layout: Layout, cluster: Cluster, model: ModelSpec, option
     return True
 
 
+def _device_constants(cluster: Cluster) -> list[tuple[int, str, str, float, float, int, float]]:
+    """Per device: (first device of an equal GPU type, GPU name, node, step overhead s, P2P latency s,
+    memory bytes, memory GiB), once per cluster."""
+    memo = cluster_arrays(cluster).memo
+    if "devices" not in memo:
+        first: dict[object, int] = {}
+        memo["devices"] = [(first.setdefault(d.gpu, i), d.gpu.name, d.node, d.step_overhead_s, d.p2p_latency_s,
+                            d.memory_bytes, d.memory_gib) for i, d in enumerate(cluster.devices)]
+    return memo["devices"]
+
+
 def _node_pattern(cluster: Cluster, ranks: tuple[int, ...]) -> tuple[int, ...]:
     """Which members share a node, as first-occurrence indices ((0, 0, 1, 1): two nodes of two)."""
     seen: dict[str, int] = {}
     return tuple(seen.setdefault(cluster.devices[r].node, len(seen)) for r in ranks)
 
 
-def _a2a_layer_s(layout: Layout, cluster: Cluster, model: ModelSpec, ranks: tuple[int, ...], b: int) -> float:
+def _a2a_layer_s(cluster: Cluster, model: ModelSpec, ranks: tuple[int, ...], b: int, tok: list[int], hq: list[int],
+                 hkv: list[int]) -> float:
     """One layer's forward head all-to-alls of a group: q, k, v in, attention output back.
 
     Bytes from member i to member j: q ``tokens_i * heads_j * d * 2``, k and v each
     ``tokens_i * kv_heads_j * d * 2``, output ``tokens_j * heads_i * d * 2`` (times b). Four
     collectives one after another. Backward runs the duals (same matrices transposed), which take
-    the same time in this model.
+    the same time in this model. ``tok``, ``hq``, ``hkv``: tokens, query heads and K/V heads of the
+    members.
     """
     if len(ranks) == 1:
         return 0.0
     unit = b * model.kv_channels * BF16_BYTES
-    tok = [layout.ranks[r].num_tokens for r in ranks]
-    hq = [len(layout.ranks[r].heads) for r in ranks]
-    hkv = [len(layout.kv_heads(r)) for r in ranks]
-    q = [[unit * ti * hj for hj in hq] for ti in tok]
-    kv = [[unit * ti * hj for hj in hkv] for ti in tok]
-    out = [[unit * tj * hi for tj in tok] for hi in hq]
-    return (alltoall_time_s(q, ranks, cluster) + 2 * alltoall_time_s(kv, ranks, cluster)
-            + alltoall_time_s(out, ranks, cluster))
+    t_n = np.array(tok, dtype=np.int64) * unit  # exact integers, as the byte counts
+    hq_n, hkv_n = np.array(hq, dtype=np.int64), np.array(hkv, dtype=np.int64)
+    same, link = group_links(cluster, ranks)
+
+    def slowest(nbytes_nn: np.ndarray) -> float:
+        return float(rank_times_from_links(nbytes_nn.astype(np.float64), same, link).max())
+
+    return (slowest(np.outer(t_n, hq_n)) + 2 * slowest(np.outer(t_n, hkv_n))
+            + slowest(np.outer(hq_n, t_n)))
 
 
 def _sig(x: float) -> float:

@@ -15,10 +15,13 @@ blocks (a sender serves every receiver that picked it, one copy each).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
 
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.comm import cluster_arrays
 from megatron_hexiseq.costmodel.formulas import kv_block_bytes_per_token
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
@@ -38,19 +41,27 @@ class ExchangeForward:
 
 def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
     """Row-wise :func:`causal_pairs`: query segments ``[..., sq]`` and key segments ``[..., sk]``
-    (same leading shape) -> ``[...]``. Empty padding segments (start == end) contribute 0."""
-    qs, qe = qs[..., :, None], qe[..., :, None]
-    ks, ke = ks[..., None, :], ke[..., None, :]
+    (same leading shape) -> ``[...]``. Empty padding segments (start == end) contribute 0.
+    Computed with the segment axes first (``[sq, sk, ...]``), so numpy's inner loops run over the
+    long leading axes rather than a handful of segments."""
+    qs, qe = _segments_first(qs)[:, None], _segments_first(qe)[:, None]
+    ks, ke = _segments_first(ks)[None], _segments_first(ke)[None]
     a, c = np.maximum(qs, ks), np.minimum(qe, ke)
     n1 = np.maximum(c - a, 0)
-    series = (a + c + 1 - 2 * ks) * n1 // 2            # queries inside the key segment: x..y, x = a-ks+1, y = c-ks
+    # queries inside the key segment: x..y, x = a-ks+1, y = c-ks (the product is >= 0: halved by a shift)
+    series = ((a + c + 1 - 2 * ks) * n1) >> 1
     full = np.maximum(qe - np.maximum(qs, ke), 0) * (ke - ks)   # queries past it see all of it
-    return (series + full).sum(axis=(-2, -1))
+    return (series + full).sum(axis=(0, 1))
 
 
 def visible_vec(ks: np.ndarray, ke: np.ndarray, q_end: np.ndarray) -> np.ndarray:
     """Tokens of key segments ``[..., sk]`` at positions < ``q_end[...]`` (visible to some query)."""
-    return np.maximum(np.minimum(ke, q_end[..., None]) - ks, 0).sum(axis=-1)
+    return np.maximum(np.minimum(_segments_first(ke), q_end) - _segments_first(ks), 0).sum(axis=0)
+
+
+def _segments_first(x: np.ndarray) -> np.ndarray:
+    """``[..., s] -> [s, ...]``, contiguous."""
+    return np.ascontiguousarray(np.moveaxis(x, -1, 0))
 
 
 def _merged(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
@@ -84,8 +95,15 @@ def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ..
     return [max([len(kvs)] + [load[j] for j in mine]) if kvs else 0 for kvs, mine in zip(receiver, picked)]
 
 
-def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int) -> ExchangeForward:
-    """Simulate the forward exchange rounds of every rank at once (see module docstring)."""
+@lru_cache(maxsize=65536)
+def _fan_units_cached(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return tuple(fan_units(sender, receiver))
+
+
+def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int, *,
+                        kv_heads: Sequence[tuple[int, ...]] | None = None) -> ExchangeForward:
+    """Simulate the forward exchange rounds of every rank at once (see module docstring).
+    ``kv_heads[r]``: ``layout.kv_heads(r)`` when the caller has them."""
     W, groups = layout.world_size, layout.groups
     n = len(groups)
     if n == 1:
@@ -102,23 +120,24 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
         QS[i, :len(s)] = [a for a, _ in s]
         QE[i, :len(s)] = [e for _, e in s]
     q_end = QE.max(axis=1)
-    node_names = sorted({d.node for d in cluster.devices})
-    node_id = {name: i for i, name in enumerate(node_names)}
-    dev = [cluster.devices[r] for r in range(W)]
-    node = np.array([node_id[d.node] for d in dev])
-    nv = np.array([d.nvlink_GBps for d in dev]) * 1e9
-    net = np.array([d.network_GBps for d in dev]) * 1e9
-    gnode = np.array([node[g.ranks[0]] if len({node[r] for r in g.ranks}) == 1 else -1 for g in groups])
-    gnv = np.array([nv[list(g.ranks)].min() for g in groups])
-    gnet = np.array([net[list(g.ranks)].min() for g in groups])
-    gidx = {g.id: i for i, g in enumerate(groups)}
-    gi = np.array([gidx[r.group] for r in layout.ranks])
-    pos = np.array([layout.group(r.group).ranks.index(r.rank) for r in layout.ranks])
+    arrays = cluster_arrays(cluster)
+    node, nv, net, rate = arrays.node, arrays.nv, arrays.net, arrays.rate
+    members = np.array([r for g in groups for r in g.ranks])   # every group's ranks, group after group
+    starts = np.cumsum([0] + [len(g.ranks) for g in groups[:-1]])
+    lowest, highest = np.minimum.reduceat(node[members], starts), np.maximum.reduceat(node[members], starts)
+    gnode = np.where(lowest == highest, lowest, -1)            # the group's node, -1 when it spans nodes
+    gnv = np.minimum.reduceat(nv[members], starts)
+    gnet = np.minimum.reduceat(net[members], starts)
+    gi_of, pos_of = [0] * W, [0] * W
+    for i, g in enumerate(groups):
+        for j, r in enumerate(g.ranks):
+            gi_of[r], pos_of[r] = i, j
+    gi, pos = np.array(gi_of), np.array(pos_of)
     heads = np.array([len(r.heads) for r in layout.ranks], dtype=np.float64)
-    rate = np.array([d.attention_flops_per_s for d in dev])
     # fan-out table per (sending group structure, receiving group structure): O(#structures^2)
     # Python calls; layouts repeat a few head splits, so there are few distinct structures
-    sig_of = [tuple(layout.kv_heads(r) for r in g.ranks) for g in groups]
+    kv_of = kv_heads if kv_heads is not None else [layout.kv_heads(r) for r in range(W)]
+    sig_of = [tuple(kv_of[r] for r in g.ranks) for g in groups]
     sigs = sorted(set(sig_of))
     sig_index = {s: i for i, s in enumerate(sigs)}
     sig_id = np.array([sig_index[s] for s in sig_of])
@@ -126,7 +145,7 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     fan = np.zeros((len(sigs), len(sigs), kmax))
     for a, sa in enumerate(sigs):
         for c, sc in enumerate(sigs):
-            fan[a, c, :len(sc)] = fan_units(sa, sc)
+            fan[a, c, :len(sc)] = _fan_units_cached(sa, sc)
     L, b = model.num_layers, micro_batch_size
     flops_per_pair_head = 4 * model.kv_channels * L * b           # forward only, all layers
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
@@ -134,9 +153,8 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     p0 = pairs_vec(QS, QE, QS, QE)
     comp_end = flops_per_pair_head * p0[gi] * heads / rate
     comp_sum, comm_end, comm_sum = comp_end.copy(), np.zeros(W), np.zeros(W)
-    free = np.zeros((2, W))                          # when each receive buffer can be overwritten
+    free0, free1 = np.zeros(W), np.zeros(W)          # when each receive buffer can be overwritten
     blocks, vmax = np.zeros(W, dtype=np.int64), np.zeros(W, dtype=np.int64)
-    ranks = np.arange(W)
     chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
     for t0 in range(1, n, chunk):
         # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
@@ -152,15 +170,20 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
         comp_sum += comp.sum(axis=0)
         comm_sum += comm.sum(axis=0)
         vmax = np.maximum(vmax, np.where(active, vis, 0).max(axis=0))
-        for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time
+        steps = blocks + np.cumsum(active, axis=0)   # [T, W] blocks received after each round
+        odd = steps % 2 == 1                          # the receive buffer of each round's block
+        into0, into1 = active & ~odd, active & odd
+        for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time (in place)
             on = active[k]
-            blocks += on
-            slot = blocks % 2
-            new_comm_end = np.maximum(comm_end, free[slot, ranks]) + comm[k]
-            new_comp_end = np.maximum(comp_end, new_comm_end) + comp[k]
-            comm_end = np.where(on, new_comm_end, comm_end)
-            comp_end = np.where(on, new_comp_end, comp_end)
-            free[slot, ranks] = np.where(on, comp_end, free[slot, ranks])
+            new_comm_end = np.maximum(comm_end, np.where(odd[k], free1, free0))
+            new_comm_end += comm[k]
+            new_comp_end = np.maximum(comp_end, new_comm_end)
+            new_comp_end += comp[k]
+            np.copyto(comm_end, new_comm_end, where=on)
+            np.copyto(comp_end, new_comp_end, where=on)
+            np.copyto(free0, comp_end, where=into0[k])
+            np.copyto(free1, comp_end, where=into1[k])
+        blocks = steps[-1]
     exposed = comp_end - comp_sum
     exposed = np.where(exposed > 1e-9 * comp_sum, exposed, 0.0)   # float noise of a fully hidden pipeline
     return ExchangeForward(comm_s=tuple(comm_sum.tolist()), exposed_s=tuple(exposed.tolist()),

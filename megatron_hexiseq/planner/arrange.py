@@ -231,6 +231,7 @@ def positioned(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int
     return out
 
 
+@lru_cache(maxsize=200_000)
 def _block_time(g: GroupCoef, k: int, P: int, V: float, T: int, lin: float) -> float:
     """Attention phase of each of k identical groups of identical members holding T units each in a
     prefix block starting at P that sees V units before it (k = 1: a band), as
@@ -296,7 +297,25 @@ def _block_max(g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, roo
     return T if T >= n and _block_time(g, k, P, V, T, lin) <= z else None
 
 
-def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, lin: float, exact: bool = True
+@lru_cache(maxsize=4096)
+def _prepared(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple:
+    """What ``_feasible`` reads on every call for one (groups, arrangement): the ``_fan_weights``,
+    the final block's and the prefix's minimum units, the final groups counted by (coefficients,
+    fan-out) and each final group's key, and each prefix block's (coefficients, group count)."""
+    block_w, final_w = _fan_weights(coefs, arr)
+    final_min = sum(coefs[g].min_units() for g in arr.final)
+    prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
+    count: dict[tuple[GroupCoef, tuple[float, ...]], int] = {}  # final groups by (coefficients, fan-out)
+    for g in arr.final:
+        key = (coefs[g], final_w[g])
+        count[key] = count.get(key, 0) + 1
+    keys = [(coefs[g], final_w[g]) for g in arr.final]
+    heads = [(coefs[block[0]], len(block)) for block in arr.prefix]
+    return block_w, final_min, prefix_min, count, keys, heads
+
+
+def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, lin: float, exact: bool = True,
+              prep: tuple | None = None
               ) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
     """Per prefix block its units per group, the final block's start and its groups' positioned
     coefficients and unit ranges, or None when the arrangement cannot hold N within z.
@@ -307,25 +326,19 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     fan-out; so P is the longest prefix (shortened from its last block) at which every final range is
     non-empty and the final groups' lower ends fit in ``N - P`` (both hold for every shorter prefix),
     and then ``P + sum hi >= N`` decides (it only grows with P). ``exact=False`` (Stage I's coarse
-    split) tries a few shorter prefixes instead of the bisection."""
-    final_min = sum(coefs[g].min_units() for g in arr.final)
+    split) tries a few shorter prefixes instead of the bisection. ``prep``: ``_prepared(tuple(coefs),
+    arr)`` when the caller has it.
+    """
+    block_w, final_min, prefix_min, count, keys, heads = prep if prep is not None else _prepared(tuple(coefs), arr)
     sizes: list[int] = []
     P = 0
-    block_w, final_w = _fan_weights(tuple(coefs), arr)
-    for i, block in enumerate(arr.prefix):
-        g = coefs[block[0]]
+    for i, (g, k) in enumerate(heads):
         V = sum(w * s for w, s in zip(block_w[i], sizes))
-        T = _block_max(g, len(block), P, V, z, lin, N - P - final_min)
+        T = _block_max(g, k, P, V, z, lin, N - P - final_min)
         if T is None:
             return None
         sizes.append(T)
-        P += T * len(block)
-    prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
-    block_w, final_w = _fan_weights(tuple(coefs), arr)
-    count: dict[tuple[GroupCoef, tuple[float, ...]], int] = {}  # final groups by (coefficients, fan-out)
-    for gi in arr.final:
-        key = (coefs[gi], final_w[gi])
-        count[key] = count.get(key, 0) + 1
+        P += T * k
 
     def state(P_target: int) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
         sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
@@ -333,7 +346,7 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
         out = {}
         lo_sum = 0
         for key, k in count.items():
-            moved = key[0].placed(p, 0, False, round(sum(x * s for x, s in zip(key[1], sz))))
+            moved = _placed_final(key[0], p, round(sum(x * s for x, s in zip(key[1], sz))))
             r = units_range(moved, z, lin, exact)
             if r is None:
                 return None
@@ -364,8 +377,16 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     sz, p, out = got
     if p + sum(k * out[key][1][1] for key, k in count.items()) < N:
         return None
-    pos = [out[(coefs[g], final_w[g])][0] for g in arr.final]
+    pos = [out[key][0] for key in keys]
     return sz, p, {m: r for m, r in out.values()}, pos
+
+
+@lru_cache(maxsize=100_000)
+def _placed_final(g: GroupCoef, start: int, kv_extra: int) -> GroupCoef:
+    """``g.placed(start, 0, False, kv_extra)``, one object per place: the bisections over the
+    attention bound move the final groups to the same starts again and again, and the unit-range
+    caches then hit by identity."""
+    return g.placed(start, 0, False, kv_extra)
 
 
 def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut: int) -> list[int]:
@@ -387,23 +408,24 @@ def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, 
     """The arranged split for a fixed linear bound (see the module docstring); ``bracket`` as in
     ``stage2_split.split_at``."""
     exact = tol <= A_TOL
-    if bracket is not None and _feasible(coefs, arr, N, bracket[1], lin, exact) is not None:
+    prep = _prepared(tuple(coefs), arr)
+    if bracket is not None and _feasible(coefs, arr, N, bracket[1], lin, exact, prep) is not None:
         lo, hi = bracket
     else:
         share = max(1, N // len(coefs))
         even = [group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)]
         lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    at_hi = _feasible(coefs, arr, N, hi, lin, exact)
+    at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep)
     while at_hi is None:
         lo, hi = hi, hi * 2
         if hi > 1e18:
             return None
-        at_hi = _feasible(coefs, arr, N, hi, lin, exact)
+        at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep)
     for _ in range(80):
         if hi - lo <= tol * hi:
             break
         mid = (lo + hi) / 2
-        at_mid = _feasible(coefs, arr, N, mid, lin, exact)
+        at_mid = _feasible(coefs, arr, N, mid, lin, exact, prep)
         if at_mid is not None:
             hi, at_hi = mid, at_mid
         else:
@@ -449,8 +471,10 @@ def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_
         got = at(L)
         return got[0].z_relaxed_ns if got is not None else INF
 
+    prep = _prepared(tuple(coefs), arr)
+
     def ok(L: float) -> bool:
-        return _feasible(coefs, arr, N, 1e30, L, search_lin) is not None
+        return _feasible(coefs, arr, N, 1e30, L, search_lin, prep) is not None
 
     L, bound = best_lin(f, min(lo, hi), hi, ok)
     best = at(L)

@@ -136,30 +136,60 @@ def _identical_time(g: GroupCoef, T: int, lin: float) -> float:
     return max(s * t + H * beta / n, s + hmax * beta)
 
 
+@lru_cache(maxsize=400_000)
+def _identical_time_cached(g: GroupCoef, T: int, lin: float) -> float:
+    """``_identical_time``, cached: the bisections over the attention bound settle the same unit
+    counts again and again."""
+    return _identical_time(g, T, lin)
+
+
 def closed_range(n: int, H: int, z: float, s: float, e: float, c: float, quad: float, lin_att: float,
                  kv_slope: float, kv_const: float) -> tuple[float, float] | None:
     """Real range of T (per group) where both lower bounds of ``_identical_time`` stay within z, for
     an attention term ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const`` per
     head (``c`` times the visible units) plus ``e T`` A2A per head; None when empty. Used by the
     closed forms of Stage II's unit ranges and of the arrangement's prefix blocks."""
-    lo, hi = 0.0, INF
+    return _closed_eval(_closed_consts(n, H, s, e, quad, lin_att, kv_slope, kv_const), z, s)
+
+
+@lru_cache(maxsize=100_000)
+def _closed_consts(n: int, H: int, s: float, e: float, quad: float, lin_att: float, kv_slope: float,
+                   kv_const: float) -> tuple[tuple[float, ...], ...]:
+    """The parts of ``closed_range`` that do not depend on z, per lower bound (the continuous even
+    split, the member with ceil(H/n) heads): (4 qa, 2 qa, -qb, qb^2, qb, m, k0, qa > 0)."""
+    out = []
     hmax = -(-H // n)
-    for alpha, heads, budget in ((s / n, H / n, z), (0.0, hmax, z - s)):
+    for alpha, heads in ((s / n, H / n), (0.0, hmax)):
         # attention branch: heads (quad T^2 + (lin_att + e) T) + alpha T <= budget
         qa, qb = heads * quad, alpha + heads * (lin_att + e)
-        if budget < 0:
-            return None
-        root = ((-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa) if qa > 0
-                else (budget / qb if qb > 0 else INF))
-        hi = min(hi, root)
         # K/V branch: heads (kv_slope T + kv_const + e T) + alpha T <= budget
         m, k0 = alpha + heads * (kv_slope + e), heads * kv_const
+        out.append((4 * qa, 2 * qa, -qb, qb * qb, qb, m, k0, qa > 0))
+    return tuple(out)
+
+
+def _closed_eval(consts: tuple[tuple[float, ...], ...], z: float, s: float) -> tuple[float, float] | None:
+    """``closed_range`` at attention bound z from its ``_closed_consts`` (budgets z and z - s)."""
+    lo, hi = 0.0, INF
+    budget = z
+    for qa4, qa2, nqb, qb2, qb, m, k0, quadratic in consts:
+        if budget < 0:
+            return None
+        root = ((nqb + math.sqrt(qb2 + qa4 * budget)) / qa2 if quadratic
+                else (budget / qb if qb > 0 else INF))
+        if root < hi:
+            hi = root
         if m > 0:
-            hi = min(hi, (budget - k0) / m)
+            x = (budget - k0) / m
+            if x < hi:
+                hi = x
         elif m < 0:
-            lo = max(lo, (k0 - budget) / -m)
+            x = (k0 - budget) / -m
+            if x > lo:
+                lo = x
         elif k0 > budget:
             return None
+        budget = z - s
     return (lo, hi) if lo <= hi + 1.0 else None
 
 
@@ -204,35 +234,46 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
     return hi
 
 
+@lru_cache(maxsize=200_000)
+def _range_consts(g: GroupCoef, lin: float) -> tuple[int, int, int, tuple[tuple[float, ...], ...], float]:
+    """What ``_identical_range`` needs that does not depend on the attention bound: (n, N, s, the
+    ``_closed_consts``, the smallest of the caps on the upper end: memory, the sequence, ``lin``)."""
+    n, H, N = g.size, g.heads, g.num_units
+    k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
+    if g.band:  # att = b T (2P + T) / N, visible = P
+        consts = _closed_consts(n, H, s, e, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
+    else:  # att = b T (P + Q) / N, visible = Q - T
+        num, den = g.att_scale(0)
+        consts = _closed_consts(n, H, s, e, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
+    caps = [float(min(N, n * cap))]
+    if a > 0 and math.isfinite(lin):
+        caps.append(n * lin / a)
+    hmax = -(-H // n)
+    if mt + H * mh > 0:
+        caps.append(n * free / (mt + H * mh))
+    if mh > 0:
+        caps.append((free - mt) / (hmax * mh))
+    return n, N, s, consts, min(caps)
+
+
 def _identical_range(g: GroupCoef, z: float, lin: float, settle: bool = True) -> tuple[int, int] | None:
     """``units_range`` of a group of identical members, in closed form (``closed_range``), then
     settled on integers with the exact ``_identical_time`` (``settle=False``: the closed form's
     integers as they are, for Stage I's coarse split)."""
-    n, H, N = g.size, g.heads, g.num_units
-    k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
-    if g.band:  # att = b T (2P + T) / N, visible = P
-        real = closed_range(n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
-    else:  # att = b T (P + Q) / N, visible = Q - T
-        num, den = g.att_scale(0)
-        real = closed_range(n, H, z, s, e, c, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
+    n, N, s, consts, hi_cap = _range_consts(g, lin)
+    real = _closed_eval(consts, z, s)
     if real is None:
         return None
     lo, hi = real
-    hi = min(hi, float(min(N, n * cap)))
-    if a > 0 and math.isfinite(lin):
-        hi = min(hi, n * lin / a)
-    hmax = -(-H // n)
-    if mt + H * mh > 0:
-        hi = min(hi, n * free / (mt + H * mh))
-    if mh > 0:
-        hi = min(hi, (free - mt) / (hmax * mh))
+    if hi_cap < hi:
+        hi = hi_cap
     lo = max(lo, float(n * MIN_UNITS_PER_RANK))
     if not (lo <= hi + 1.0):
         return None
     ilo, ihi = max(n * MIN_UNITS_PER_RANK, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
 
     def ok(T: int) -> bool:
-        return _identical_time(g, T, lin) <= z
+        return _identical_time_cached(g, T, lin) <= z
 
     # the closed form is exact up to the integer rounding of att(): settle the ends on integers
     if ilo > ihi:
@@ -439,15 +480,20 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
                                                                             for g in distinct):
         return None  # fewer units than ranks, or a rank cannot hold one unit
 
+    capped = [(g, k, caps.get(g, num_units)) for g, k in distinct.items()]
+    settle = not coarse
+
     def ranges(z: float) -> dict[GroupCoef, tuple[int, int]] | None:
         out = {}
-        for g in distinct:
-            r = units_range(g, z, lin, not coarse)
-            if r is None or r[0] > caps.get(g, num_units):
+        lo_sum = hi_sum = 0
+        for g, k, cap in capped:
+            r = units_range(g, z, lin, settle)
+            if r is None or r[0] > cap:
                 return None
-            out[g] = (r[0], min(r[1], caps.get(g, num_units)))
-        lo_sum = sum(k * out[g][0] for g, k in distinct.items())
-        hi_sum = sum(k * out[g][1] for g, k in distinct.items())
+            hi = r[1] if r[1] < cap else cap
+            out[g] = (r[0], hi)
+            lo_sum += k * r[0]
+            hi_sum += k * hi
         return out if lo_sum <= num_units <= hi_sum else None
 
     # start from the slowest group's time for an even share (usually enough), else double

@@ -1,0 +1,155 @@
+"""The planner's and cost model's fast paths give exactly the values of their plain formulations.
+
+Layer (a): no processes. Each fast path (per-cluster link tables and vectorised byte matrices of the
+head all-to-all, K/V heads passed in, the closed forms split into bound-independent constants and a
+per-bound evaluation) is compared with ``==`` (not a tolerance: the planner's decisions compare these
+floats, so the fast paths must reproduce them bit for bit) against a plain reference written here from
+the formulas, on random inputs. Layers (b) and (c): none (pure functions, no ranks, no GPU).
+"""
+import math
+import random
+
+from megatron_hexiseq.cluster import cluster_from_dict
+from megatron_hexiseq.costmodel import alltoall_time_s, kv_exchange_forward
+from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
+from megatron_hexiseq.model import get_model
+from megatron_hexiseq.planner.baselines import baseline_layouts
+from megatron_hexiseq.planner.coef import INF, GroupCoef
+from megatron_hexiseq.planner.stage2_split import (_general_range, _identical_range, _identical_time,
+                                                   closed_range)
+
+TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB")
+
+
+def _cluster(rng: random.Random, nodes: int = 4):
+    return cluster_from_dict({"name": "t", "nodes": [
+        {"name": f"n{i}", "gpu": rng.choice(TYPES), "count": 4, "network_GBps": rng.choice((12.5, 25.0, 50.0))}
+        for i in range(nodes)]})
+
+
+def test_a2a_layer_matches_list_formula() -> None:
+    rng = random.Random(7)
+    model = get_model("gpt-7b")
+    for _ in range(30):
+        cl = _cluster(rng)
+        ranks = tuple(sorted(rng.sample(range(cl.world_size), rng.randint(2, cl.world_size))))
+        tok = [rng.randint(1, 1 << 20) for _ in ranks]
+        hq = [rng.randint(0, 32) for _ in ranks]
+        hkv = [rng.randint(0, 8) for _ in ranks]
+        b = rng.choice((1, 2))
+        unit = b * model.kv_channels * 2
+        q = [[unit * ti * hj for hj in hq] for ti in tok]
+        kv = [[unit * ti * hj for hj in hkv] for ti in tok]
+        out = [[unit * tj * hi for tj in tok] for hi in hq]
+        want = (alltoall_time_s(q, ranks, cl) + 2 * alltoall_time_s(kv, ranks, cl) + alltoall_time_s(out, ranks, cl))
+        assert _a2a_layer_s(cl, model, ranks, b, tok, hq, hkv) == want
+
+
+def test_kv_exchange_with_given_kv_heads_is_the_same() -> None:
+    rng = random.Random(3)
+    model = get_model("llama3-8b", overrides={"seq_length": 4096})
+    cl = _cluster(rng)
+    for base in baseline_layouts(cl, model, 4096):
+        if base.layout is None:
+            continue
+        lay = base.layout
+        given = kv_exchange_forward(lay, cl, model, 1, kv_heads=[lay.kv_heads(r) for r in range(lay.world_size)])
+        assert given == kv_exchange_forward(lay, cl, model, 1)
+
+
+def _closed_range_ref(n, H, z, s, e, c, quad, lin_att, kv_slope, kv_const):
+    """The closed form written out in one piece."""
+    lo, hi = 0.0, INF
+    hmax = -(-H // n)
+    for alpha, heads, budget in ((s / n, H / n, z), (0.0, hmax, z - s)):
+        qa, qb = heads * quad, alpha + heads * (lin_att + e)
+        if budget < 0:
+            return None
+        root = ((-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa) if qa > 0
+                else (budget / qb if qb > 0 else INF))
+        hi = min(hi, root)
+        m, k0 = alpha + heads * (kv_slope + e), heads * kv_const
+        if m > 0:
+            hi = min(hi, (budget - k0) / m)
+        elif m < 0:
+            lo = max(lo, (k0 - budget) / -m)
+        elif k0 > budget:
+            return None
+    return (lo, hi) if lo <= hi + 1.0 else None
+
+
+def _identical_range_ref(g, z, lin, settle):
+    """Stage II's unit range of identical members written out in one piece."""
+    n, H, N = g.size, g.heads, g.num_units
+    k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
+    if g.band:
+        real = _closed_range_ref(n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
+    else:
+        num, den = g.att_scale(0)
+        real = _closed_range_ref(n, H, z, s, e, c, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
+    if real is None:
+        return None
+    lo, hi = real
+    hi = min(hi, float(min(N, n * cap)))
+    if a > 0 and math.isfinite(lin):
+        hi = min(hi, n * lin / a)
+    hmax = -(-H // n)
+    if mt + H * mh > 0:
+        hi = min(hi, n * free / (mt + H * mh))
+    if mh > 0:
+        hi = min(hi, (free - mt) / (hmax * mh))
+    lo = max(lo, float(n))
+    if not (lo <= hi + 1.0):
+        return None
+    ilo, ihi = max(n, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
+    if ilo > ihi:
+        return None
+    if not settle:
+        return ilo, ihi
+    ok = lambda T: _identical_time(g, T, lin) <= z  # noqa: E731
+    settled = False
+    for _ in range(4):
+        if not ok(ihi):
+            ihi -= 1
+            if ihi < ilo:
+                return None
+        elif ihi + 1 <= N and ok(ihi + 1):
+            ihi += 1
+        else:
+            settled = True
+            break
+    for _ in range(4 if settled else 0):
+        if not ok(ilo):
+            ilo += 1
+        elif ilo - 1 >= n and ok(ilo - 1):
+            ilo -= 1
+        else:
+            return ilo, ihi
+    return _general_range(g, z, lin)
+
+
+def test_closed_range_matches_reference() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        n, H = rng.randint(1, 16), rng.randint(1, 64)
+        args = (n, H, rng.uniform(-1e3, 1e9), rng.randint(0, 10**5), rng.randint(0, 10**4), rng.randint(0, 10**5),
+                rng.choice((0.0, rng.uniform(0, 50))), rng.uniform(0, 1e4), rng.choice((0.0, -rng.randint(1, 10**5),
+                                                                                         rng.randint(1, 10**5))),
+                rng.randint(0, 10**8))
+        assert closed_range(*args) == _closed_range_ref(*args)
+
+
+def test_identical_range_matches_reference() -> None:
+    rng = random.Random(5)
+    for _ in range(400):
+        n, N = rng.choice((1, 2, 4, 8)), rng.randint(64, 4096)
+        row = lambda lo, hi: (rng.randint(lo, hi),) * n  # noqa: E731
+        start = rng.randint(0, N // 2)
+        g = GroupCoef(a=row(10**5, 10**8), b=row(10**3, 10**7), c=row(0, 10**6), e=row(0, 10**5),
+                      free=row(10**9, 10**11), mt=row(10**5, 10**8), mh=row(0, 10**5), heads=rng.choice((8, 32, 40)),
+                      num_units=N, s=row(0, 10**5), start=start, end=rng.choice((0, rng.randint(start + n, N))),
+                      band=rng.random() < 0.3, kv_extra=rng.randint(0, N // 4))
+        for _ in range(20):
+            z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
+            for settle in (True, False):
+                assert _identical_range(g, z, lin, settle) == _identical_range_ref(g, z, lin, settle)
