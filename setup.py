@@ -1,4 +1,5 @@
 """megatron-hexiseq: heterogeneous long-context training for Megatron-LM."""
+
 from setuptools import find_packages, setup
 
 # What Megatron-LM's own pretrain_gpt.py (tag core_v0.16.1) imports besides megatron-core, found by
@@ -10,8 +11,12 @@ MEGATRON_LM_DEPS = ["six", "regex", "pydantic", "triton; platform_system == 'Lin
 # scripts/lint.sh (run by scripts/test.sh): exact versions, because a new ruff or mypy release adds
 # rules and inference that turn a passing tree red; the stubs type the library's yaml and
 # jsonschema imports.
-LINT_DEPS = ["ruff==0.17.6", "mypy==2.4.1", "types-PyYAML==6.0.12.20261122",
-             "types-jsonschema==4.26.0.20261006"]
+LINT_DEPS = [
+    "ruff==0.17.6",
+    "mypy==2.4.1",
+    "types-PyYAML==6.0.12.20261122",
+    "types-jsonschema==4.26.0.20261006",
+]
 
 setup(
     name="megatron-hexiseq",

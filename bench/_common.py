@@ -1,5 +1,6 @@
 """What every benchmark does at the end: write ``NAME.json``, ``NAME.md`` and ``NAME.png`` into the
 output folder (atomically, so an interrupted run leaves no half-written result)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,16 @@ def in_fresh_process(target: Callable[..., None], *args: Any) -> Any:
     return out
 
 
-def write_outputs(out: str, name: str, *, data: Any, title: str, table: str,
-                  plot: Callable[[Any], None] | None = None, figsize: tuple[float, float] = (7, 4)) -> None:
+def write_outputs(
+    out: str,
+    name: str,
+    *,
+    data: Any,
+    title: str,
+    table: str,
+    plot: Callable[[Any], None] | None = None,
+    figsize: tuple[float, float] = (7, 4),
+) -> None:
     """JSON of ``data``, markdown ``# title`` + ``table``, and a PNG drawn by ``plot(ax)`` if given."""
     os.makedirs(out, exist_ok=True)
     write_json_atomic(os.path.join(out, f"{name}.json"), data)

@@ -18,6 +18,7 @@ start-up included; the machine may be shared: wall times are noisy, CPU times le
 
 Writes results/bench/elastic_resume.{json,md,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,17 @@ from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank  # 
 from megatron_hexiseq.planner.plan import plan  # noqa: E402
 from megatron_hexiseq.testbed.spawn import run_ranks  # noqa: E402
 
-CLUSTER = {"name": "cpu-testbed-2x2",
-           "gpus": {"FAST-CPU": {"bf16_tflops": 0.2, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-                    "SLOW-CPU": {"bf16_tflops": 0.1, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0}},
-           "nodes": [{"name": "cpu0", "gpu": "FAST-CPU", "count": 2, "network_GBps": 1},
-                     {"name": "cpu1", "gpu": "SLOW-CPU", "count": 2, "network_GBps": 1}]}
+CLUSTER = {
+    "name": "cpu-testbed-2x2",
+    "gpus": {
+        "FAST-CPU": {"bf16_tflops": 0.2, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
+        "SLOW-CPU": {"bf16_tflops": 0.1, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
+    },
+    "nodes": [
+        {"name": "cpu0", "gpu": "FAST-CPU", "count": 2, "network_GBps": 1},
+        {"name": "cpu1", "gpu": "SLOW-CPU", "count": 2, "network_GBps": 1},
+    ],
+}
 LOST = "cpu1:0"
 FP32_U = 2.0**-24
 
@@ -65,7 +72,11 @@ def timed(fn, *args, **kwargs):
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return out, time.perf_counter() - t0, (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+    return (
+        out,
+        time.perf_counter() - t0,
+        (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
+    )
 
 
 def folder_bytes(path: str) -> int:
@@ -78,7 +89,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12, help="steps in all (a multiple of 3; default 12)")
+    p.add_argument(
+        "--steps", type=int, default=12, help="steps in all (a multiple of 3; default 12)"
+    )
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--out", default="results/bench")
     args = p.parse_args()
@@ -94,64 +107,122 @@ def main() -> int:
         os.makedirs(c1)
         os.makedirs(c2)
         full, phases["uninterrupted, 4 ranks"] = _run(4, TrainConfig(layout=l4, **base))
-        first, phases["4 ranks, steps 1-%d, save" % third] = _run(4, TrainConfig(
-            layout=l4, **{**base, "steps": third}, save_dir=c1, save_at_step=third))
-        second, phases["3 ranks, resume, steps %d-%d, save" % (third + 1, 2 * third)] = _run(3, TrainConfig(
-            layout=l3, **{**base, "steps": 2 * third}, load_dir=c1, save_dir=c2, save_at_step=2 * third))
-        last, phases["4 ranks, resume, steps %d-%d" % (2 * third + 1, args.steps)] = _run(4, TrainConfig(
-            layout=l4, **base, load_dir=c2))
+        first, phases["4 ranks, steps 1-%d, save" % third] = _run(
+            4, TrainConfig(layout=l4, **{**base, "steps": third}, save_dir=c1, save_at_step=third)
+        )
+        second, phases["3 ranks, resume, steps %d-%d, save" % (third + 1, 2 * third)] = _run(
+            3,
+            TrainConfig(
+                layout=l3,
+                **{**base, "steps": 2 * third},
+                load_dir=c1,
+                save_dir=c2,
+                save_at_step=2 * third,
+            ),
+        )
+        last, phases["4 ranks, resume, steps %d-%d" % (2 * third + 1, args.steps)] = _run(
+            4, TrainConfig(layout=l4, **base, load_dir=c2)
+        )
         sizes = {"after 4 ranks": folder_bytes(c1), "after 3 ranks": folder_bytes(c2)}
     chain = first.losses + second.losses + last.losses
     n = args.seq  # tokens of the global batch (micro batch 1, DP 1)
     gamma = n * FP32_U / (1 - n * FP32_U)
     tol = 2 * gamma * (TINY_GPT.num_layers + 1)
     rel_loss = [abs(a - b) / b for a, b in zip(chain, full.losses)]
-    exact = all(torch.equal(after.resumed["params"][k], before.params[k]) and all(
-        torch.equal(after.resumed["opt_state"][k][s], before.opt_state[k][s]) for s in before.opt_state[k])
-        for before, after in ((first, second), (second, last)) for k in before.params)
-    final = {"params_rel_norm_max": max(rel(last.params[k], full.params[k]) for k in full.params),
-             "exp_avg_rel_norm_max": max(rel(last.opt_state[k]["exp_avg"], full.opt_state[k]["exp_avg"])
-                                         for k in full.params),
-             "exp_avg_sq_rel_norm_max": max(rel(last.opt_state[k]["exp_avg_sq"], full.opt_state[k]["exp_avg_sq"])
-                                            for k in full.params),
-             "steps_equal": all(float(last.opt_state[k]["step"]) == float(full.opt_state[k]["step"]) == args.steps
-                                for k in full.params)}
-    data = {"steps": args.steps, "seq_length": args.seq, "lost": LOST, "layout_changes": diff.to_dict(),
-            "losses": {"uninterrupted": full.losses, "chain": chain},
-            "relative_loss_difference": rel_loss, "fp32_bound": tol, "restored_exactly": exact, "final": final,
-            "checkpoint_bytes": sizes, "phases": phases,
-            "layouts": {"4": l4.to_dict(), "3": l3.to_dict()}}
+    exact = all(
+        torch.equal(after.resumed["params"][k], before.params[k])
+        and all(
+            torch.equal(after.resumed["opt_state"][k][s], before.opt_state[k][s])
+            for s in before.opt_state[k]
+        )
+        for before, after in ((first, second), (second, last))
+        for k in before.params
+    )
+    final = {
+        "params_rel_norm_max": max(rel(last.params[k], full.params[k]) for k in full.params),
+        "exp_avg_rel_norm_max": max(
+            rel(last.opt_state[k]["exp_avg"], full.opt_state[k]["exp_avg"]) for k in full.params
+        ),
+        "exp_avg_sq_rel_norm_max": max(
+            rel(last.opt_state[k]["exp_avg_sq"], full.opt_state[k]["exp_avg_sq"])
+            for k in full.params
+        ),
+        "steps_equal": all(
+            float(last.opt_state[k]["step"]) == float(full.opt_state[k]["step"]) == args.steps
+            for k in full.params
+        ),
+    }
+    data = {
+        "steps": args.steps,
+        "seq_length": args.seq,
+        "lost": LOST,
+        "layout_changes": diff.to_dict(),
+        "losses": {"uninterrupted": full.losses, "chain": chain},
+        "relative_loss_difference": rel_loss,
+        "fp32_bound": tol,
+        "restored_exactly": exact,
+        "final": final,
+        "checkpoint_bytes": sizes,
+        "phases": phases,
+        "layouts": {"4": l4.to_dict(), "3": l3.to_dict()},
+    }
     rows = ["| phase | wall s | CPU s (all ranks) | median step wall s |", "|---|---|---|---|"]
-    rows += [f"| {name} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {ph['median_step_s']:.4f} |"
-             for name, ph in phases.items()]
-    table = "\n".join([
-        f"{args.steps} steps, {args.seq} tokens, tiny GPT (4 layers); lost {LOST} after step {third}, back after "
-        f"step {2 * third}.", "",
-        *[f"- {line}" for line in diff.lines()], "",
-        f"- restored exactly after each resume (parameters and AdamW state, torch.equal): {exact}",
-        f"- largest relative loss difference of the chain vs the uninterrupted run: {max(rel_loss):.2e} "
-        f"(fp32 two-orderings bound {tol:.1e})",
-        f"- final parameters vs uninterrupted, worst relative norm: {final['params_rel_norm_max']:.2e}; "
-        f"exp_avg {final['exp_avg_rel_norm_max']:.2e}; exp_avg_sq {final['exp_avg_sq_rel_norm_max']:.2e}; "
-        f"step counts equal: {final['steps_equal']}",
-        f"- checkpoint size: {', '.join(f'{k} {v / 1024:.0f} KiB' for k, v in sizes.items())}", "", *rows])
+    rows += [
+        f"| {name} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {ph['median_step_s']:.4f} |"
+        for name, ph in phases.items()
+    ]
+    table = "\n".join(
+        [
+            f"{args.steps} steps, {args.seq} tokens, tiny GPT (4 layers); lost {LOST} after step {third}, back after "
+            f"step {2 * third}.",
+            "",
+            *[f"- {line}" for line in diff.lines()],
+            "",
+            f"- restored exactly after each resume (parameters and AdamW state, torch.equal): {exact}",
+            f"- largest relative loss difference of the chain vs the uninterrupted run: {max(rel_loss):.2e} "
+            f"(fp32 two-orderings bound {tol:.1e})",
+            f"- final parameters vs uninterrupted, worst relative norm: {final['params_rel_norm_max']:.2e}; "
+            f"exp_avg {final['exp_avg_rel_norm_max']:.2e}; exp_avg_sq {final['exp_avg_sq_rel_norm_max']:.2e}; "
+            f"step counts equal: {final['steps_equal']}",
+            f"- checkpoint size: {', '.join(f'{k} {v / 1024:.0f} KiB' for k, v in sizes.items())}",
+            "",
+            *rows,
+        ]
+    )
 
     def draw(ax):
         steps = list(range(1, args.steps + 1))
         ax.plot(steps, full.losses, "-", color="black", label="uninterrupted, 4 ranks")
-        spans = ((first, 0, "4 ranks", "o"), (second, third, "3 ranks (lost " + LOST + ")", "s"),
-                 (last, 2 * third, "4 ranks (GPU back)", "^"))
+        spans = (
+            (first, 0, "4 ranks", "o"),
+            (second, third, "3 ranks (lost " + LOST + ")", "s"),
+            (last, 2 * third, "4 ranks (GPU back)", "^"),
+        )
         for res, start, label, marker in spans:
-            ax.plot(steps[start:start + len(res.losses)], res.losses, marker, linestyle="none", label=label)
+            ax.plot(
+                steps[start : start + len(res.losses)],
+                res.losses,
+                marker,
+                linestyle="none",
+                label=label,
+            )
         for x in (third + 0.5, 2 * third + 0.5):
             ax.axvline(x, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("step")
         ax.set_ylabel("per-token loss")
-        ax.set_title(f"resume on another world size: worst relative loss difference {max(rel_loss):.1e}")
+        ax.set_title(
+            f"resume on another world size: worst relative loss difference {max(rel_loss):.1e}"
+        )
         ax.legend()
 
-    write_outputs(args.out, "elastic_resume", data=data, title="Elastic resume on the CPU testbed: 4 -> 3 -> 4 ranks",
-                  table=table, plot=draw)
+    write_outputs(
+        args.out,
+        "elastic_resume",
+        data=data,
+        title="Elastic resume on the CPU testbed: 4 -> 3 -> 4 ranks",
+        table=table,
+        plot=draw,
+    )
     print(table)
     print(f"wrote {args.out}/elastic_resume.{{json,md,png}}")
     return 0
@@ -160,8 +231,12 @@ def main() -> int:
 def _run(world: int, cfg: TrainConfig):
     results, wall, cpu = timed(run_ranks, train_rank, world, cfg, timeout_s=1800)
     steps = sorted(results[0].step_times_s)
-    return results[0], {"world_size": world, "wall_s": wall, "cpu_s": cpu,
-                        "median_step_s": steps[len(steps) // 2] if steps else 0.0}
+    return results[0], {
+        "world_size": world,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "median_step_s": steps[len(steps) // 2] if steps else 0.0,
+    }
 
 
 if __name__ == "__main__":

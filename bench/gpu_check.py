@@ -23,6 +23,7 @@ Run by ``scripts/gpu_check.sh``. Four parts, each a pass/fail with its figures:
     python bench/gpu_check.py --out results/gpu_check            # on a GPU machine
     python bench/gpu_check.py --device cpu --quick --out /tmp/g  # anywhere
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,12 @@ import torch.distributed as dist
 
 from _common import write_outputs
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
-from megatron_hexiseq.attention.kernel_check import (BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound,
-                                                     normwise_error)
+from megatron_hexiseq.attention.kernel_check import (
+    BACKWARD_ROUNDINGS,
+    FORWARD_ROUNDINGS,
+    normwise_bound,
+    normwise_error,
+)
 from megatron_hexiseq.attention.kernels import Kernel, block_backward, block_forward, merge_into
 from megatron_hexiseq.attention.peers import build_schedule, runs_positions
 from megatron_hexiseq.attention.reference import reference_attention
@@ -60,8 +65,12 @@ def _init_world(device: torch.device) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -92,19 +101,25 @@ def emulate_rank(lay, rank: int, q, k, v, dout, kernel: Kernel, dtype: torch.dty
             out[lo:hi], lse[lo:hi] = merge_into(out[lo:hi], lse[lo:hi], o, l_)
     final = out.to(dtype)
     dq, dk, dv = block_backward(dom, qm, km, vm, final, lse, causal=True, **kw)
-    dk_full, dv_full = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    dk_full, dv_full = (
+        torch.zeros_like(k, dtype=torch.float32),
+        torch.zeros_like(v, dtype=torch.float32),
+    )
     dk_full[rows], dv_full[rows] = dk, dv
     for st, cols, kb, vb in blocks:
         for lo, hi, n in st.calls:
-            gq, gk, gv = block_backward(dom[lo:hi], qm[lo:hi], kb[:n], vb[:n], final[lo:hi], lse[lo:hi],
-                                        causal=False, **kw)
+            gq, gk, gv = block_backward(
+                dom[lo:hi], qm[lo:hi], kb[:n], vb[:n], final[lo:hi], lse[lo:hi], causal=False, **kw
+            )
             dq[lo:hi] += gq
             dk_full[cols[:n]] += gk
             dv_full[cols[:n]] += gv
     return rows, final, dq, dk_full, dv_full
 
 
-def check_kernels(device: torch.device, kernels: list[Kernel], layouts: int, quick: bool) -> dict[str, Any]:
+def check_kernels(
+    device: torch.device, kernels: list[Kernel], layouts: int, quick: bool
+) -> dict[str, Any]:
     rng = random.Random(7)
     dtype = torch.bfloat16
     D = 16 if quick else 128
@@ -112,8 +127,12 @@ def check_kernels(device: torch.device, kernels: list[Kernel], layouts: int, qui
     bounds: dict[str, float] = {}
     cases = 0
     for i in range(layouts):
-        lay = random_layout(rng, rng.randint(4, 8), seq_length=rng.randint(64, 128) if quick else rng.randint(2048, 6144),
-                            heads=rng.choice([(8, 2), (16, 4), (8, 8), (12, 4)]))
+        lay = random_layout(
+            rng,
+            rng.randint(4, 8),
+            seq_length=rng.randint(64, 128) if quick else rng.randint(2048, 6144),
+            heads=rng.choice([(8, 2), (16, 4), (8, 8), (12, 4)]),
+        )
         S, H, G = lay.seq_length, lay.num_attention_heads, lay.num_query_groups
         gen = torch.Generator().manual_seed(i)
         q = torch.randn(S, 1, H, D, generator=gen).to(dtype).to(device)
@@ -129,10 +148,12 @@ def check_kernels(device: torch.device, kernels: list[Kernel], layouts: int, qui
             ref.backward(dout.double())
             for kernel in kernels:
                 got_rows, out, dq, dk, dv = emulate_rank(lay, r, q, k, v, dout, kernel, dtype)
-                for name, g, want, rnd in (("out", out, ref.detach()[got_rows], FORWARD_ROUNDINGS),
-                                           ("dq", dq, qd.grad[got_rows], BACKWARD_ROUNDINGS),
-                                           ("dk", dk, kd.grad, BACKWARD_ROUNDINGS),
-                                           ("dv", dv, vd.grad, BACKWARD_ROUNDINGS)):
+                for name, g, want, rnd in (
+                    ("out", out, ref.detach()[got_rows], FORWARD_ROUNDINGS),
+                    ("dq", dq, qd.grad[got_rows], BACKWARD_ROUNDINGS),
+                    ("dk", dk, kd.grad, BACKWARD_ROUNDINGS),
+                    ("dv", dv, vd.grad, BACKWARD_ROUNDINGS),
+                ):
                     key = f"{kernel.value}/{name}"
                     worst[key] = max(worst.get(key, 0.0), normwise_error(g, want))
                     bounds[key] = normwise_bound(dtype, roundings=rnd, reduction=S, device=device)
@@ -148,25 +169,33 @@ def check_memory(device: torch.device, quick: bool) -> dict[str, Any]:
     H, G, D = 32, 8, 128
     kernel = Kernel.FLASH
     rows = []
-    for S in ((1024, 2048, 4096) if quick else (8192, 16384, 32768)):
+    for S in (1024, 2048, 4096) if quick else (8192, 16384, 32768):
         for kind in ("local", "received"):
             q = torch.randn(S, 1, H, D, device=device, dtype=torch.bfloat16)
             k, v = (torch.randn(S, 1, G, D, device=device, dtype=torch.bfloat16) for _ in range(2))
             kv_of_head = torch.arange(H, device=device) // (H // G)
-            kw = dict(causal=kind == "local", kv_of_head_H=kv_of_head, scale=D ** -0.5, kernel=kernel)
+            kw = dict(causal=kind == "local", kv_of_head_H=kv_of_head, scale=D**-0.5, kernel=kernel)
             _sync(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
             out, lse = block_forward(q, k, v, **kw)
             block_backward(torch.ones_like(q), q, k, v, out, lse, **kw)
             _sync(device)
-            rows.append({"S": S, "block": kind, "peak_extra_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20})
+            rows.append(
+                {
+                    "S": S,
+                    "block": kind,
+                    "peak_extra_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20,
+                }
+            )
             del q, k, v, out, lse
     ratios = {}
     for kind in ("local", "received"):
         pts = [r for r in rows if r["block"] == kind]
         ratios[kind] = [b["peak_extra_mib"] / a["peak_extra_mib"] for a, b in zip(pts, pts[1:])]
-    ok = all(r < 3.0 for rs in ratios.values() for r in rs)  # linear: 2 per doubling; S^2 would give 4
+    ok = all(
+        r < 3.0 for rs in ratios.values() for r in rs
+    )  # linear: 2 per doubling; S^2 would give 4
     return {"pass": ok, "rows": rows, "growth_per_doubling": ratios}
 
 
@@ -177,14 +206,30 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-
     S = 256 if quick else 4096
     h = 256 if not quick else 64
-    tiny = ModelSpec(name="gpu-check", num_layers=2, hidden_size=h, num_attention_heads=8, num_query_groups=2,
-                     ffn_hidden_size=512 if not quick else 96, vocab_size=512, kv_channels=h // 8, swiglu=True,
-                     seq_length=S, normalization="RMSNorm", add_bias_linear=False)
-    lay = make_layout(seq_length=S, num_attention_heads=8, num_query_groups=2, group_sizes=[1], segments=[[(0, S)]],
-                      heads=[list(range(8))])
+    tiny = ModelSpec(
+        name="gpu-check",
+        num_layers=2,
+        hidden_size=h,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=512 if not quick else 96,
+        vocab_size=512,
+        kv_channels=h // 8,
+        swiglu=True,
+        seq_length=S,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+    )
+    lay = make_layout(
+        seq_length=S,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[1],
+        segments=[[(0, S)]],
+        heads=[list(range(8))],
+    )
     _init_world(device)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
     losses = {}
@@ -195,33 +240,55 @@ def check_megatron(device: torch.device, quick: bool) -> dict[str, Any]:
             spec = get_gpt_layer_local_spec(normalization=tiny.normalization)
             runtime = None
             if name == "hexiseq":
-                run = RunShape(world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                               context_parallel_size=1, seq_length=S, num_attention_heads=8, num_query_groups=2,
-                               params_dtype="bfloat16", head_dim=tiny.hidden_size // 8)
+                run = RunShape(
+                    world_size=1,
+                    tensor_model_parallel_size=1,
+                    pipeline_model_parallel_size=1,
+                    context_parallel_size=1,
+                    seq_length=S,
+                    num_attention_heads=8,
+                    num_query_groups=2,
+                    params_dtype="bfloat16",
+                    head_dim=tiny.hidden_size // 8,
+                )
                 runtime = build_runtime(lay, run, cp_group=mpu.get_context_parallel_group())
                 spec = hexiseq_spec(spec, runtime)
             elif device.type == "cpu":
                 from megatron.core.transformer.spec_utils import ModuleSpec
 
-                spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=LocalCausalAttention)
+                spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+                    module=LocalCausalAttention
+                )
             torch.manual_seed(1234)
             with cpu_device_shim():
-                model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=tiny.vocab_size,
-                                 max_sequence_length=S, position_embedding_type="rope",
-                                 share_embeddings_and_output_weights=False)
+                model = GPTModel(
+                    config=config,
+                    transformer_layer_spec=spec,
+                    vocab_size=tiny.vocab_size,
+                    max_sequence_length=S,
+                    position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False,
+                )
             if runtime is not None:
                 install_rope(model, list(range(S)))
             model = Float16Module(config, model.to(device))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             g = torch.Generator().manual_seed(5)
             losses[name] = []
-            with cpu_device_shim():  # stock RoPE asks for torch.cuda.current_device() (a no-op on GPU)
+            with (
+                cpu_device_shim()
+            ):  # stock RoPE asks for torch.cuda.current_device() (a no-op on GPU)
                 _train(model, opt, g, tiny.vocab_size, S, device, losses[name])
     finally:
         mpu.destroy_model_parallel()
     u = torch.finfo(torch.bfloat16).eps / 2
     diffs = [abs(a - b) / abs(a) for a, b in zip(losses["stock"], losses["hexiseq"])]
-    return {"pass": max(diffs) <= 8 * u, "losses": losses, "max_relative_difference": max(diffs), "bound": 8 * u}
+    return {
+        "pass": max(diffs) <= 8 * u,
+        "losses": losses,
+        "max_relative_difference": max(diffs),
+        "bound": 8 * u,
+    }
 
 
 def _train(model, opt, g, vocab: int, S: int, device: torch.device, losses: list[float]) -> None:
@@ -239,12 +306,20 @@ def _train(model, opt, g, vocab: int, S: int, device: torch.device, losses: list
 def check_throughput(device: torch.device, quick: bool) -> dict[str, Any]:
     S, H, G, D = (1024, 8, 2, 32) if quick else (32768, 32, 8, 128)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lay = make_layout(seq_length=S, num_attention_heads=H, num_query_groups=G, group_sizes=[1], segments=[[(0, S)]],
-                      heads=[list(range(H))])
+    lay = make_layout(
+        seq_length=S,
+        num_attention_heads=H,
+        num_query_groups=G,
+        group_sizes=[1],
+        segments=[[(0, S)]],
+        heads=[list(range(H))],
+    )
     _init_world(device)
     groups = build_hexiseq_groups(lay, device=device)
     q = torch.randn(S, 1, H, D, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(S, 1, G, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    k, v = (
+        torch.randn(S, 1, G, D, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+    )
     dout = torch.randn(S, 1, H * D, device=device, dtype=dtype)
 
     def hexiseq() -> None:
@@ -252,7 +327,12 @@ def check_throughput(device: torch.device, quick: bool) -> dict[str, Any]:
 
     def sdpa() -> None:
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, enable_gqa=True)
+            q.permute(1, 2, 0, 3),
+            k.permute(1, 2, 0, 3),
+            v.permute(1, 2, 0, 3),
+            is_causal=True,
+            enable_gqa=True,
+        )
         out.permute(2, 0, 1, 3).reshape(S, 1, H * D).backward(dout)
 
     times = {}
@@ -266,8 +346,12 @@ def check_throughput(device: torch.device, quick: bool) -> dict[str, Any]:
         _sync(device)
         times[name] = (time.perf_counter() - start) / reps
     ratio = times["sdpa"] / times["hexiseq"]
-    return {"pass": ratio >= 0.9 or device.type != "cuda", "seq_length": S, "tokens_per_s":
-            {k: S / t for k, t in times.items()}, "hexiseq_over_sdpa": ratio}
+    return {
+        "pass": ratio >= 0.9 or device.type != "cuda",
+        "seq_length": S,
+        "tokens_per_s": {k: S / t for k, t in times.items()},
+        "hexiseq_over_sdpa": ratio,
+    }
 
 
 def main() -> None:
@@ -279,12 +363,16 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device(a.device)
     kernels = [Kernel.FLASH, Kernel.EFFICIENT] if device.type == "cuda" else [Kernel.CPU_FLASH]
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__}
-    for name, fn in (("kernels", lambda: check_kernels(device, kernels, a.layouts, a.quick)),
-                     ("memory", lambda: check_memory(device, a.quick)),
-                     ("megatron", lambda: check_megatron(device, a.quick)),
-                     ("throughput", lambda: check_throughput(device, a.quick))):
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    for name, fn in (
+        ("kernels", lambda: check_kernels(device, kernels, a.layouts, a.quick)),
+        ("memory", lambda: check_memory(device, a.quick)),
+        ("megatron", lambda: check_megatron(device, a.quick)),
+        ("throughput", lambda: check_throughput(device, a.quick)),
+    ):
         start = time.perf_counter()
         try:
             result[name] = fn()
@@ -297,7 +385,13 @@ def main() -> None:
     for n in ("kernels", "memory", "megatron", "throughput"):
         figures = {k: v for k, v in result[n].items() if k != "pass"}
         lines.append(f"| {n} | {'yes' if result[n]['pass'] else 'NO'} | `{figures}` |")
-    write_outputs(a.out, "gpu_check", data=result, title=f"GPU check on {result['device']}", table="\n".join(lines))
+    write_outputs(
+        a.out,
+        "gpu_check",
+        data=result,
+        title=f"GPU check on {result['device']}",
+        table="\n".join(lines),
+    )
     raise SystemExit(0 if result["pass"] else 1)
 
 

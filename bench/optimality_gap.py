@@ -14,6 +14,7 @@ Writes results/bench/optimality_gap.{json,md,png} and prints the table.
     python bench/optimality_gap.py             # 20 instances
     python bench/optimality_gap.py --smoke     # 2 instances of 4 GPUs, for the test suite
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ TYPES = (("H100-SXM-80GB", 25), ("A100-SXM-80GB", 25), ("A800-80GB", 25), ("L40S
 MODELS = (("gpt-3b", 32768), ("gpt-7b", 65536), ("llama3-8b", 65536), ("llama2-7b", 32768))
 
 
-def random_instance(rng: random.Random, min_gpus: int = 4, max_gpus: int = 16,
-                    models: tuple = MODELS) -> tuple[dict, str, int]:
+def random_instance(
+    rng: random.Random, min_gpus: int = 4, max_gpus: int = 16, models: tuple = MODELS
+) -> tuple[dict, str, int]:
     while True:
         nodes, total = [], 0
         for i in range(rng.randint(1, 4)):
@@ -46,7 +48,9 @@ def hierarchical_surrogate_ns(cluster, sur) -> tuple[int, list[int]]:
     from megatron_hexiseq.planner.stage1_groups import candidate_groupings
 
     best, sizes = None, []
-    for scored in candidate_groupings(cluster, sur, top_k=3, arranged=False):  # exact models the mirrored one
+    for scored in candidate_groupings(
+        cluster, sur, top_k=3, arranged=False
+    ):  # exact models the mirrored one
         _, _, info = solve_grouping(sur, scored)
         if info["status"] != "INFEASIBLE":
             z = round(info["surrogate_time_s"] * 1e9)
@@ -74,20 +78,35 @@ def one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
     t0 = time.perf_counter()
     ex = exact_surrogate(cl, sur)
     t_exact = time.perf_counter() - t0
-    row = {"cluster": "+".join(f"{n['count']}x{n['gpu'].split('-')[0]}" for n in spec["nodes"]),
-           "gpus": cl.world_size, "model": model_name, "seq_length": seq, "hier_s": hier and hier * 1e-9,
-           "hier_groups": hier_sizes, "hier_time_s": round(t_hier, 3), "exact_time_s": round(t_exact, 3)}
+    row = {
+        "cluster": "+".join(f"{n['count']}x{n['gpu'].split('-')[0]}" for n in spec["nodes"]),
+        "gpus": cl.world_size,
+        "model": model_name,
+        "seq_length": seq,
+        "hier_s": hier and hier * 1e-9,
+        "hier_groups": hier_sizes,
+        "hier_time_s": round(t_hier, 3),
+        "exact_time_s": round(t_exact, 3),
+    }
     if ex is None or hier is None:
         row.update(exact_s=None, exact_status="INFEASIBLE", gap=None)
         return row
     grouping, status, z, bound, _, _ = ex
-    row.update(exact_s=z * 1e-9, exact_status=status, exact_bound_s=bound * 1e-9,
-               exact_groups=[len(g) for g in grouping], gap=hier / z - 1)
+    row.update(
+        exact_s=z * 1e-9,
+        exact_status=status,
+        exact_bound_s=bound * 1e-9,
+        exact_groups=[len(g) for g in grouping],
+        gap=hier / z - 1,
+    )
     # end to end, scored by the cost model
     try:
         lay_h = plan(cl, m, seq, opts, time_limit_s=time_limit, method="hierarchical")
         lay_e = plan(cl, m, seq, opts, time_limit_s=time_limit, method="exact")
-        row.update(plan_hier_s=lay_h.predicted["iteration_time_s"], plan_exact_s=lay_e.predicted["iteration_time_s"])
+        row.update(
+            plan_hier_s=lay_h.predicted["iteration_time_s"],
+            plan_exact_s=lay_e.predicted["iteration_time_s"],
+        )
     except Exception as e:  # infeasible by the cost model: keep the surrogate comparison
         row.update(plan_hier_s=None, plan_exact_s=None, plan_note=str(e)[:120])
     return row
@@ -95,22 +114,32 @@ def one(spec: dict, model_name: str, seq: int, time_limit: float) -> dict:
 
 def write(rows: list[dict], out: str) -> str:
     gaps = [r["gap"] for r in rows if r.get("gap") is not None]
-    summary = {"instances": len(rows), "solved": len(gaps), "max_gap": max(gaps, default=None),
-               "mean_gap": sum(gaps) / len(gaps) if gaps else None,
-               "within_1pct": sum(g <= 0.01 for g in gaps)}
-    lines = ["| # | cluster | model | seq | hier surrogate s | exact s | status | gap % | hier groups | exact groups | "
-             "plan() hier s | plan() exact s | t hier s | t exact s |",
-             "|---:|---|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|"]
+    summary = {
+        "instances": len(rows),
+        "solved": len(gaps),
+        "max_gap": max(gaps, default=None),
+        "mean_gap": sum(gaps) / len(gaps) if gaps else None,
+        "within_1pct": sum(g <= 0.01 for g in gaps),
+    }
+    lines = [
+        "| # | cluster | model | seq | hier surrogate s | exact s | status | gap % | hier groups | exact groups | "
+        "plan() hier s | plan() exact s | t hier s | t exact s |",
+        "|---:|---|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|",
+    ]
     for i, r in enumerate(rows):
         g = "-" if r.get("gap") is None else f"{100 * r['gap']:.3f}"
         fmt = lambda x: "-" if x is None else f"{x:.4f}"
-        lines.append(f"| {i} | {r['cluster']} | {r['model']} | {r['seq_length']} | {fmt(r['hier_s'])} | "
-                     f"{fmt(r.get('exact_s'))} | {r['exact_status']} | {g} | {r['hier_groups']} | "
-                     f"{r.get('exact_groups', '-')} | {fmt(r.get('plan_hier_s'))} | {fmt(r.get('plan_exact_s'))} | "
-                     f"{r['hier_time_s']} | {r['exact_time_s']} |")
+        lines.append(
+            f"| {i} | {r['cluster']} | {r['model']} | {r['seq_length']} | {fmt(r['hier_s'])} | "
+            f"{fmt(r.get('exact_s'))} | {r['exact_status']} | {g} | {r['hier_groups']} | "
+            f"{r.get('exact_groups', '-')} | {fmt(r.get('plan_hier_s'))} | {fmt(r.get('plan_exact_s'))} | "
+            f"{r['hier_time_s']} | {r['exact_time_s']} |"
+        )
     lines.append("")
-    lines.append(f"max gap {100 * (summary['max_gap'] or 0):.3f}%, mean {100 * (summary['mean_gap'] or 0):.3f}%, "
-                 f"{summary['within_1pct']}/{summary['solved']} within 1%")
+    lines.append(
+        f"max gap {100 * (summary['max_gap'] or 0):.3f}%, mean {100 * (summary['mean_gap'] or 0):.3f}%, "
+        f"{summary['within_1pct']}/{summary['solved']} within 1%"
+    )
     table = "\n".join(lines)
 
     def plot(ax) -> None:
@@ -120,8 +149,15 @@ def write(rows: list[dict], out: str) -> str:
         ax.set_ylabel("gap to exact optimum %")
         ax.legend()
 
-    write_outputs(out, "optimality_gap", data={"summary": summary, "rows": rows},
-                  title="Hierarchical vs exact (surrogate time)", table=table, plot=plot, figsize=(7, 3.5))
+    write_outputs(
+        out,
+        "optimality_gap",
+        data={"summary": summary, "rows": rows},
+        title="Hierarchical vs exact (surrogate time)",
+        table=table,
+        plot=plot,
+        figsize=(7, 3.5),
+    )
     return table
 
 
@@ -130,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="2 instances of 4 GPUs")
     ap.add_argument("--instances", type=int, default=20)
     ap.add_argument("--seed", type=int, default=2026)
-    ap.add_argument("--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap per instance (s)")
+    ap.add_argument(
+        "--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap per instance (s)"
+    )
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -139,15 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     attempts = 0
     while len(rows) < n and attempts < 5 * n:
         attempts += 1
-        spec, model, seq = random_instance(rng, 4, hi, (("gpt-3b", 16384),) if args.smoke else MODELS)
+        spec, model, seq = random_instance(
+            rng, 4, hi, (("gpt-3b", 16384),) if args.smoke else MODELS
+        )
         row = one(spec, model, seq, args.time_limit)
         if row.get("gap") is None:  # the sequence does not fit this cluster: draw another
             continue
         i = len(rows)
         rows.append(row)
         g = "-" if row.get("gap") is None else f"{100 * row['gap']:.3f}%"
-        print(f"  {i:2d} {row['cluster']:28s} {model:10s} gap {g} (exact {row['exact_status']}, {row['exact_time_s']} s)",
-              flush=True)
+        print(
+            f"  {i:2d} {row['cluster']:28s} {model:10s} gap {g} (exact {row['exact_status']}, {row['exact_time_s']} s)",
+            flush=True,
+        )
     print(write(rows, args.out))
     return 0
 

@@ -17,6 +17,7 @@ Writes results/bench/planner_scale.{json,md,png} and prints the table.
     python bench/planner_scale.py            # all sizes
     python bench/planner_scale.py --smoke    # 16 and 32 GPUs, for the test suite
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,18 @@ TARGETS = {128: 0.5, 1024: 10.0, 4096: 60.0}
 
 def cluster_dict(world: int) -> dict:
     nodes = world // 8
-    return {"name": f"four-types-{world}", "nodes": [
-        {"name": f"n{i:04d}", "gpu": TYPES[i * len(TYPES) // nodes][0], "count": 8,
-         "network_GBps": TYPES[i * len(TYPES) // nodes][1]} for i in range(nodes)]}
+    return {
+        "name": f"four-types-{world}",
+        "nodes": [
+            {
+                "name": f"n{i:04d}",
+                "gpu": TYPES[i * len(TYPES) // nodes][0],
+                "count": 8,
+                "network_GBps": TYPES[i * len(TYPES) // nodes][1],
+            }
+            for i in range(nodes)
+        ],
+    }
 
 
 def seq_for(world: int) -> int:
@@ -60,13 +70,26 @@ def _one(world: int, time_limit: float, queue: mp.Queue) -> None:
     stages = lay.planner["stages_time_s"]
     best_record = best_baseline(list(lay.baselines))
     best = None if best_record is None else best_record["iteration_time_s"]
-    queue.put({"gpus": world, "seq_length": seq, "stages_s": round(stages, 3), "total_s": round(total, 3), "cpu_s": round(cpu, 3),
-               "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-               "status": lay.planner["status"], "chosen": lay.meta["chosen"], "winner": lay.planner["winner"]["family"],
-               "memory_mode": o["memory_mode"],
-               "group_sizes": sorted(set(len(g.ranks) for g in lay.groups)), "groups": len(lay.groups),
-               "iteration_s": lay.predicted["iteration_time_s"],
-               "speedup_vs_best_baseline": round(best / lay.predicted["iteration_time_s"], 3) if best else None})
+    queue.put(
+        {
+            "gpus": world,
+            "seq_length": seq,
+            "stages_s": round(stages, 3),
+            "total_s": round(total, 3),
+            "cpu_s": round(cpu, 3),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "status": lay.planner["status"],
+            "chosen": lay.meta["chosen"],
+            "winner": lay.planner["winner"]["family"],
+            "memory_mode": o["memory_mode"],
+            "group_sizes": sorted(set(len(g.ranks) for g in lay.groups)),
+            "groups": len(lay.groups),
+            "iteration_s": lay.predicted["iteration_time_s"],
+            "speedup_vs_best_baseline": round(best / lay.predicted["iteration_time_s"], 3)
+            if best
+            else None,
+        }
+    )
 
 
 def run(sizes, time_limit: float) -> list[dict]:
@@ -74,32 +97,57 @@ def run(sizes, time_limit: float) -> list[dict]:
     for w in sizes:
         row = in_fresh_process(_one, w, time_limit)
         rows.append(row)
-        print(f"  {w:5d} GPUs: stages {row['stages_s']:.2f} s, total {row['total_s']:.2f} s "
-              f"(CPU {row['cpu_s']:.2f} s), "
-              f"peak {row['peak_rss_mib']:.0f} MiB, {row['speedup_vs_best_baseline']}x", flush=True)
+        print(
+            f"  {w:5d} GPUs: stages {row['stages_s']:.2f} s, total {row['total_s']:.2f} s "
+            f"(CPU {row['cpu_s']:.2f} s), "
+            f"peak {row['peak_rss_mib']:.0f} MiB, {row['speedup_vs_best_baseline']}x",
+            flush=True,
+        )
     return rows
 
 
 def write(rows: list[dict], out: str) -> str:
-    lines = ["| GPUs | seq | stages s | total s (incl. baselines) | CPU s | target s | peak RSS MiB | groups | sizes | mode | "
-             "chosen | speedup vs best baseline |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|"]
+    lines = [
+        "| GPUs | seq | stages s | total s (incl. baselines) | CPU s | target s | peak RSS MiB | groups | sizes | mode | "
+        "chosen | speedup vs best baseline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['gpus']} | {r['seq_length']} | {r['stages_s']:.2f} | {r['total_s']:.2f} | {r['cpu_s']:.2f} | "
-                     f"{TARGETS.get(r['gpus'], '')} | {r['peak_rss_mib']:.0f} | {r['groups']} | {r['group_sizes']} | "
-                     f"{r['memory_mode']} | {r['chosen']} | {r['speedup_vs_best_baseline']} |")
+        lines.append(
+            f"| {r['gpus']} | {r['seq_length']} | {r['stages_s']:.2f} | {r['total_s']:.2f} | {r['cpu_s']:.2f} | "
+            f"{TARGETS.get(r['gpus'], '')} | {r['peak_rss_mib']:.0f} | {r['groups']} | {r['group_sizes']} | "
+            f"{r['memory_mode']} | {r['chosen']} | {r['speedup_vs_best_baseline']} |"
+        )
     table = "\n".join(lines)
 
     def plot(ax) -> None:
-        ax.loglog([r["gpus"] for r in rows], [r["stages_s"] for r in rows], "o-", label="stages I-III")
-        ax.loglog([r["gpus"] for r in rows], [r["total_s"] for r in rows], "s-", label="plan() incl. baselines")
+        ax.loglog(
+            [r["gpus"] for r in rows], [r["stages_s"] for r in rows], "o-", label="stages I-III"
+        )
+        ax.loglog(
+            [r["gpus"] for r in rows],
+            [r["total_s"] for r in rows],
+            "s-",
+            label="plan() incl. baselines",
+        )
         ax.loglog(list(TARGETS), list(TARGETS.values()), "k^", label="targets")
         ax.set_xlabel("GPUs")
         ax.set_ylabel("wall time s")
         ax.legend()
 
-    write_outputs(out, "planner_scale", data={"rows": rows, "targets_s": TARGETS, "note": "wall clock, shared 2-core CPU (noisy); cpu_s = process CPU time of plan()"}, title="Planner scale", table=table, plot=plot,
-                  figsize=(6, 4))
+    write_outputs(
+        out,
+        "planner_scale",
+        data={
+            "rows": rows,
+            "targets_s": TARGETS,
+            "note": "wall clock, shared 2-core CPU (noisy); cpu_s = process CPU time of plan()",
+        },
+        title="Planner scale",
+        table=table,
+        plot=plot,
+        figsize=(6, 4),
+    )
     return table
 
 

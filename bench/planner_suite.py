@@ -20,6 +20,7 @@ Writes results/bench/planner_suite.{json,md,png} and prints the table.
     python bench/planner_suite.py --smoke      # two small cases, for the test suite
     python bench/planner_suite.py --only 0 5   # some cases by index
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,16 +35,44 @@ from _common import in_fresh_process, write_outputs
 TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "A800-80GB", "L40S-48GB")
 MATCHED_GBPS = {"H100-SXM-80GB": 50.0, "A100-SXM-80GB": 25.0, "A800-80GB": 25.0, "L40S-48GB": 12.5}
 MODELS = ("gpt-7b", "gpt-13b", "llama2-7b", "llama3-8b", "llama3-70b")
-SIZES = (32, 32, 64, 64, 128, 128, 128, 256, 256, 256, 512, 512, 512, 1024, 1024, 1024, 1024, 2048, 2048, 2048)
+SIZES = (
+    32,
+    32,
+    64,
+    64,
+    128,
+    128,
+    128,
+    256,
+    256,
+    256,
+    512,
+    512,
+    512,
+    1024,
+    1024,
+    1024,
+    1024,
+    2048,
+    2048,
+    2048,
+)
 SEQS = (131072, 262144, 524288, 1048576)
 
 
-def cluster_spec(name: str, types: list[str], nodes_per_type: list[int], network: str, rng: random.Random) -> dict:
+def cluster_spec(
+    name: str, types: list[str], nodes_per_type: list[int], network: str, rng: random.Random
+) -> dict:
     nodes = []
     for gpu, k in zip(types, nodes_per_type):
         for _ in range(k):
-            nodes.append({"gpu": gpu, "count": 8,
-                          "network_GBps": MATCHED_GBPS[gpu] if network == "matched" else 25.0})
+            nodes.append(
+                {
+                    "gpu": gpu,
+                    "count": 8,
+                    "network_GBps": MATCHED_GBPS[gpu] if network == "matched" else 25.0,
+                }
+            )
     rng.shuffle(nodes)
     for i, n in enumerate(nodes):
         n["name"] = f"host{i:04d}"
@@ -52,10 +81,23 @@ def cluster_spec(name: str, types: list[str], nodes_per_type: list[int], network
 
 def cycling_case() -> dict:
     """The K/V-bound example: 1024 GPUs cycling H100/A100/A800/L40S nodes, L40S on 12.5 GB/s."""
-    nodes = [{"name": f"n{i:04d}", "gpu": TYPES[i % 4], "count": 8, "network_GBps": 12.5 if i % 4 == 3 else 25.0}
-             for i in range(128)]
-    return {"label": "cycle-1024 (L40S 12.5 GB/s)", "spec": {"name": "cycle-1024", "nodes": nodes},
-            "model": "gpt-13b", "seq_length": 524288, "network": "L40S slow", "types": 4}
+    nodes = [
+        {
+            "name": f"n{i:04d}",
+            "gpu": TYPES[i % 4],
+            "count": 8,
+            "network_GBps": 12.5 if i % 4 == 3 else 25.0,
+        }
+        for i in range(128)
+    ]
+    return {
+        "label": "cycle-1024 (L40S 12.5 GB/s)",
+        "spec": {"name": "cycle-1024", "nodes": nodes},
+        "model": "gpt-13b",
+        "seq_length": 524288,
+        "network": "L40S slow",
+        "types": 4,
+    }
 
 
 def cases(seed: int = 2027, big: bool = True) -> list[dict]:
@@ -76,8 +118,16 @@ def cases(seed: int = 2027, big: bool = True) -> list[dict]:
         model = rng.choice(MODELS)
         seq = rng.choice(SEQS[1:] if world >= 512 else SEQS)
         label = f"{world} {'/'.join(t.split('-')[0] for t in types)} {network}"
-        out.append({"label": label, "spec": cluster_spec(f"suite-{i}", types, counts, network, rng),
-                    "model": model, "seq_length": seq, "network": network, "types": k})
+        out.append(
+            {
+                "label": label,
+                "spec": cluster_spec(f"suite-{i}", types, counts, network, rng),
+                "model": model,
+                "seq_length": seq,
+                "network": network,
+                "types": k,
+            }
+        )
     return out
 
 
@@ -95,7 +145,9 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     row["gpus"] = cl.world_size
     c0 = time.process_time()
     try:
-        lay = plan(cl, m, case["seq_length"], TrainOptions(), modes=AUTO_MODES, time_limit_s=time_limit)
+        lay = plan(
+            cl, m, case["seq_length"], TrainOptions(), modes=AUTO_MODES, time_limit_s=time_limit
+        )
     except HexiSeqError as e:
         row.update(cpu_s=round(time.process_time() - c0, 3), plan_s=None, note=str(e)[:140])
         queue.put(row)
@@ -104,16 +156,27 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     t = lay.predicted["iteration_time_s"]
     best = best_baseline(list(lay.baselines))
     pl = lay.planner
-    heur = {_label(h): h["iteration_time_s"] / t for h in pl.get("heuristics", []) if h["iteration_time_s"]}
-    row.update(plan_s=t, winner=pl.get("winner", {}).get("name", lay.meta["chosen"]),
-               family=pl.get("winner", {}).get("family"),
-               best_symmetric=None if best is None else f"{best['name']}(hp={best['config']['hp']})",
-               best_symmetric_s=None if best is None else best["iteration_time_s"],
-               speedup=None if best is None else best["iteration_time_s"] / t,
-               over_heuristics=heur, bound_s=pl.get("bound"), gap=pl.get("gap"),
-               time_limit_reached=pl.get("time_limit_reached"), mode=lay.meta["options"]["memory_mode"]
-               + ("+recompute" if lay.meta["options"]["recompute"] else ""),
-               groups=len(lay.groups), group_sizes=sorted({len(g.ranks) for g in lay.groups}))
+    heur = {
+        _label(h): h["iteration_time_s"] / t
+        for h in pl.get("heuristics", [])
+        if h["iteration_time_s"]
+    }
+    row.update(
+        plan_s=t,
+        winner=pl.get("winner", {}).get("name", lay.meta["chosen"]),
+        family=pl.get("winner", {}).get("family"),
+        best_symmetric=None if best is None else f"{best['name']}(hp={best['config']['hp']})",
+        best_symmetric_s=None if best is None else best["iteration_time_s"],
+        speedup=None if best is None else best["iteration_time_s"] / t,
+        over_heuristics=heur,
+        bound_s=pl.get("bound"),
+        gap=pl.get("gap"),
+        time_limit_reached=pl.get("time_limit_reached"),
+        mode=lay.meta["options"]["memory_mode"]
+        + ("+recompute" if lay.meta["options"]["recompute"] else ""),
+        groups=len(lay.groups),
+        group_sizes=sorted({len(g.ranks) for g in lay.groups}),
+    )
     queue.put(row)
 
 
@@ -128,8 +191,11 @@ def run(selected: list[dict], time_limit: float) -> list[dict]:
         row = in_fresh_process(_run, case, time_limit)
         rows.append(row)
         sp = row.get("speedup")
-        print(f"  {row['label']:34s} {row['model']:10s} {row['seq_length'] // 1024:5d}K: "
-              f"{'-' if sp is None else f'{sp:.2f}x'} ({row.get('winner')}), CPU {row['cpu_s']:.2f} s", flush=True)
+        print(
+            f"  {row['label']:34s} {row['model']:10s} {row['seq_length'] // 1024:5d}K: "
+            f"{'-' if sp is None else f'{sp:.2f}x'} ({row.get('winner')}), CPU {row['cpu_s']:.2f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -141,53 +207,82 @@ def summary(rows: list[dict]) -> dict:
     ok = [r for r in rows if r.get("speedup")]
     big = [r["speedup"] for r in ok if r["gpus"] >= 512]
     heur = [min(r["over_heuristics"].values()) for r in ok if r["over_heuristics"]]
-    cpu = {w: max((r["cpu_s"] for r in rows if r["gpus"] == w), default=None) for w in (128, 1024, 4096)}
-    return {"cases": len(rows), "planned": len(ok),
-            "median_speedup": statistics.median([r["speedup"] for r in ok]) if ok else None,
-            "median_speedup_512_up": statistics.median(big) if big else None,
-            "min_speedup": min((r["speedup"] for r in ok), default=None),
-            "max_speedup": max((r["speedup"] for r in ok), default=None),
-            "cases_below_1_05": sum(r["speedup"] < 1.05 for r in ok),
-            "min_over_best_heuristic": min(heur, default=None),
-            "max_cpu_s": cpu, "targets_cpu_s": {128: 0.5, 1024: 10.0, 4096: 60.0}}
+    cpu = {
+        w: max((r["cpu_s"] for r in rows if r["gpus"] == w), default=None)
+        for w in (128, 1024, 4096)
+    }
+    return {
+        "cases": len(rows),
+        "planned": len(ok),
+        "median_speedup": statistics.median([r["speedup"] for r in ok]) if ok else None,
+        "median_speedup_512_up": statistics.median(big) if big else None,
+        "min_speedup": min((r["speedup"] for r in ok), default=None),
+        "max_speedup": max((r["speedup"] for r in ok), default=None),
+        "cases_below_1_05": sum(r["speedup"] < 1.05 for r in ok),
+        "min_over_best_heuristic": min(heur, default=None),
+        "max_cpu_s": cpu,
+        "targets_cpu_s": {128: 0.5, 1024: 10.0, 4096: 60.0},
+    }
 
 
 def write(rows: list[dict], out: str) -> str:
     s = summary(rows)
-    lines = ["| # | case | model | seq | GPUs | plan s | best symmetric | its s | speed-up | vs best heuristic | "
-             "winner | surrogate bound s | gap % | CPU s |",
-             "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "| # | case | model | seq | GPUs | plan s | best symmetric | its s | speed-up | vs best heuristic | "
+        "winner | surrogate bound s | gap % | CPU s |",
+        "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for i, r in enumerate(rows):
         if r.get("plan_s") is None:
-            lines.append(f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "
-                         f"does not fit | | | | | | | | {r['cpu_s']:.2f} |")
+            lines.append(
+                f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "
+                f"does not fit | | | | | | | | {r['cpu_s']:.2f} |"
+            )
             continue
         hv = min(r["over_heuristics"].values()) if r["over_heuristics"] else None
         gap = None if r.get("gap") is None else 100 * r["gap"]
-        lines.append(f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "
-                     f"{_fmt(r['plan_s'], 3)} | {r['best_symmetric'] or 'none fits'} | {_fmt(r['best_symmetric_s'], 3)} | "
-                     f"{_fmt(r['speedup'])} | {_fmt(hv)} | {r['winner']} | {_fmt(r.get('bound_s'), 3)} | "
-                     f"{_fmt(gap, 1)} | {r['cpu_s']:.2f} |")
-    lines += ["", f"median speed-up over the best symmetric baseline {_fmt(s['median_speedup'])}x "
-              f"(at >= 512 GPUs {_fmt(s['median_speedup_512_up'])}x), min {_fmt(s['min_speedup'])}x, "
-              f"max {_fmt(s['max_speedup'])}x; {s['cases_below_1_05']} of {s['planned']} cases below 1.05x; "
-              f"plan / best heuristic >= {_fmt(s['min_over_best_heuristic'])}x; largest CPU s at 128 / 1024 / 4096 "
-              f"GPUs: {s['max_cpu_s'][128]} / {s['max_cpu_s'][1024]} / {s['max_cpu_s'][4096]} "
-              f"(targets 0.5 / 10 / 60)"]
+        lines.append(
+            f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "
+            f"{_fmt(r['plan_s'], 3)} | {r['best_symmetric'] or 'none fits'} | {_fmt(r['best_symmetric_s'], 3)} | "
+            f"{_fmt(r['speedup'])} | {_fmt(hv)} | {r['winner']} | {_fmt(r.get('bound_s'), 3)} | "
+            f"{_fmt(gap, 1)} | {r['cpu_s']:.2f} |"
+        )
+    lines += [
+        "",
+        f"median speed-up over the best symmetric baseline {_fmt(s['median_speedup'])}x "
+        f"(at >= 512 GPUs {_fmt(s['median_speedup_512_up'])}x), min {_fmt(s['min_speedup'])}x, "
+        f"max {_fmt(s['max_speedup'])}x; {s['cases_below_1_05']} of {s['planned']} cases below 1.05x; "
+        f"plan / best heuristic >= {_fmt(s['min_over_best_heuristic'])}x; largest CPU s at 128 / 1024 / 4096 "
+        f"GPUs: {s['max_cpu_s'][128]} / {s['max_cpu_s'][1024]} / {s['max_cpu_s'][4096]} "
+        f"(targets 0.5 / 10 / 60)",
+    ]
     table = "\n".join(lines)
 
     def plot(ax) -> None:
         ok = [r for r in rows if r.get("speedup")]
-        ax.scatter([r["gpus"] for r in ok], [r["speedup"] for r in ok], c=["C1" if r["network"] == "matched" else "C0"
-                                                                           for r in ok])
+        ax.scatter(
+            [r["gpus"] for r in ok],
+            [r["speedup"] for r in ok],
+            c=["C1" if r["network"] == "matched" else "C0" for r in ok],
+        )
         ax.set_xscale("log", base=2)
         ax.axhline(1.0, color="k", lw=1)
         ax.set_xlabel("GPUs (blue: equal network, orange: speed-matched / slow L40S)")
         ax.set_ylabel("speed-up over the best symmetric baseline")
 
-    write_outputs(out, "planner_suite", data={"summary": s, "rows": rows,
-                                              "note": "CPU time of plan() in a fresh process per case; shared machine"},
-                  title="Planner suite (generated clusters, cost model)", table=table, plot=plot, figsize=(7, 4))
+    write_outputs(
+        out,
+        "planner_suite",
+        data={
+            "summary": s,
+            "rows": rows,
+            "note": "CPU time of plan() in a fresh process per case; shared machine",
+        },
+        title="Planner suite (generated clusters, cost model)",
+        table=table,
+        plot=plot,
+        figsize=(7, 4),
+    )
     return table
 
 
@@ -202,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     all_cases = cases(args.seed, big=not args.no_big)
     if args.smoke:
-        selected = [c for c in all_cases if c["spec"]["nodes"] and len(c["spec"]["nodes"]) * 8 <= 64][:2]
+        selected = [
+            c for c in all_cases if c["spec"]["nodes"] and len(c["spec"]["nodes"]) * 8 <= 64
+        ][:2]
     elif args.only is not None:
         selected = [all_cases[i] for i in args.only]
     else:

@@ -1,4 +1,5 @@
 """megatron-hexiseq: uneven context + head parallelism for Megatron-LM on mixed GPUs."""
+
 from megatron_hexiseq.errors import HexiSeqError
 
 __version__ = "0.1.0"

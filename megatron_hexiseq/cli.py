@@ -6,6 +6,7 @@ User mistakes raise ``HexiSeqError``: printed on one line as ``error: ...``, exi
 SIGINT (Ctrl-C) and SIGTERM: ``error: interrupted``, exit code 130, child processes killed
 (``errors.run_user_command``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="megatron-hexiseq", description=__doc__.splitlines()[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="megatron-hexiseq",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

@@ -24,6 +24,7 @@ YAML format (see docs/specs.md)::
         network_GBps: 25      # per-GPU inter-node bandwidth (required)
         memory_gib: 60        # optional per-node memory budget (default: the GPU type's)
 """
+
 from __future__ import annotations
 
 import math
@@ -101,7 +102,11 @@ class Device:
     @property
     def attention_flops_per_s(self) -> float:
         """Achievable attention-kernel FLOP/s (``attention_tflops`` or ``bf16_tflops``, times efficiency)."""
-        peak = self.gpu.attention_tflops if self.gpu.attention_tflops is not None else self.gpu.bf16_tflops
+        peak = (
+            self.gpu.attention_tflops
+            if self.gpu.attention_tflops is not None
+            else self.gpu.bf16_tflops
+        )
         return peak * 1e12 * self.gpu.efficiency
 
     @property
@@ -154,47 +159,114 @@ class Cluster:
 
 
 # ---- catalog ----------------------------------------------------------------------------------
-def _gpu(name: str, bf16_tflops: float, memory_gib: float, nvlink_GBps: float, source: str,
-         efficiency: float = DEFAULT_EFFICIENCY) -> GpuType:
-    return GpuType(name=name, bf16_tflops=bf16_tflops, memory_gib=memory_gib, nvlink_GBps=nvlink_GBps,
-                   efficiency=efficiency, source=source)
+def _gpu(
+    name: str,
+    bf16_tflops: float,
+    memory_gib: float,
+    nvlink_GBps: float,
+    source: str,
+    efficiency: float = DEFAULT_EFFICIENCY,
+) -> GpuType:
+    return GpuType(
+        name=name,
+        bf16_tflops=bf16_tflops,
+        memory_gib=memory_gib,
+        nvlink_GBps=nvlink_GBps,
+        efficiency=efficiency,
+        source=source,
+    )
 
 
 # Dense BF16 (no sparsity) peak, memory, and per-GPU one-direction NVLink = half the datasheet's
 # bidirectional aggregate. GPUs without NVLink get their PCIe link (one direction).
-GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType({g.name: g for g in (
-    _gpu("H100-SXM-80GB", 989.4, 80, 450,
-         "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity -> 989 dense; "
-         "80 GB HBM3; NVLink 900 GB/s bidirectional"),
-    _gpu("H100-PCIe-80GB", 756.5, 80, 64,
-         "NVIDIA H100 datasheet (PCIe): BF16 1,513 TFLOPS with sparsity -> 756 dense; 80 GB HBM2e; "
-         "NVLink bridge joins only pairs, so intra-node uses PCIe Gen5 x16 (128 GB/s bidirectional)"),
-    _gpu("H200-141GB", 989.4, 141, 450,
-         "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity -> 989 dense; "
-         "141 GB HBM3e; NVLink 900 GB/s bidirectional"),
-    _gpu("B200-192GB", 2250, 180, 900,
-         "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity per 8 GPUs -> 2.25 PFLOPS dense "
-         "per GPU; 192 GB HBM3e of which HGX exposes 180 GB (1,440 GB per 8 GPUs); NVLink 5 1.8 TB/s "
-         "bidirectional"),
-    _gpu("A100-SXM-80GB", 312, 80, 300,
-         "NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 80 GB HBM2e; "
-         "NVLink 600 GB/s bidirectional"),
-    _gpu("A100-SXM-40GB", 312, 40, 300,
-         "NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 40 GB HBM2; "
-         "NVLink 600 GB/s bidirectional"),
-    _gpu("A800-80GB", 312, 80, 200,
-         "NVIDIA A800 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 80 GB HBM2e; "
-         "NVLink 400 GB/s bidirectional"),
-    _gpu("L40S-48GB", 362.05, 48, 32,
-         "NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity -> 362 dense; 48 GB GDDR6; no NVLink, "
-         "PCIe Gen4 x16 (64 GB/s bidirectional)"),
-    _gpu("V100-SXM-32GB", 125, 32, 150,
-         "NVIDIA V100 datasheet (SXM2): no BF16 -- FP16 tensor 125 TFLOPS used instead (trains in FP16); "
-         "32 GB HBM2; NVLink 300 GB/s bidirectional"),
-    _gpu("CPU", 0.1, 8, 5,
-         "placeholder for the CPU testbed (gloo ranks); run `megatron-hexiseq profile` to measure",
-         efficiency=1.0),
-)})
+GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType(
+    {
+        g.name: g
+        for g in (
+            _gpu(
+                "H100-SXM-80GB",
+                989.4,
+                80,
+                450,
+                "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity -> 989 dense; "
+                "80 GB HBM3; NVLink 900 GB/s bidirectional",
+            ),
+            _gpu(
+                "H100-PCIe-80GB",
+                756.5,
+                80,
+                64,
+                "NVIDIA H100 datasheet (PCIe): BF16 1,513 TFLOPS with sparsity -> 756 dense; 80 GB HBM2e; "
+                "NVLink bridge joins only pairs, so intra-node uses PCIe Gen5 x16 (128 GB/s bidirectional)",
+            ),
+            _gpu(
+                "H200-141GB",
+                989.4,
+                141,
+                450,
+                "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity -> 989 dense; "
+                "141 GB HBM3e; NVLink 900 GB/s bidirectional",
+            ),
+            _gpu(
+                "B200-192GB",
+                2250,
+                180,
+                900,
+                "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity per 8 GPUs -> 2.25 PFLOPS dense "
+                "per GPU; 192 GB HBM3e of which HGX exposes 180 GB (1,440 GB per 8 GPUs); NVLink 5 1.8 TB/s "
+                "bidirectional",
+            ),
+            _gpu(
+                "A100-SXM-80GB",
+                312,
+                80,
+                300,
+                "NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 80 GB HBM2e; "
+                "NVLink 600 GB/s bidirectional",
+            ),
+            _gpu(
+                "A100-SXM-40GB",
+                312,
+                40,
+                300,
+                "NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 40 GB HBM2; "
+                "NVLink 600 GB/s bidirectional",
+            ),
+            _gpu(
+                "A800-80GB",
+                312,
+                80,
+                200,
+                "NVIDIA A800 Tensor Core GPU datasheet (SXM): BF16 312 TFLOPS dense; 80 GB HBM2e; "
+                "NVLink 400 GB/s bidirectional",
+            ),
+            _gpu(
+                "L40S-48GB",
+                362.05,
+                48,
+                32,
+                "NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity -> 362 dense; 48 GB GDDR6; no NVLink, "
+                "PCIe Gen4 x16 (64 GB/s bidirectional)",
+            ),
+            _gpu(
+                "V100-SXM-32GB",
+                125,
+                32,
+                150,
+                "NVIDIA V100 datasheet (SXM2): no BF16 -- FP16 tensor 125 TFLOPS used instead (trains in FP16); "
+                "32 GB HBM2; NVLink 300 GB/s bidirectional",
+            ),
+            _gpu(
+                "CPU",
+                0.1,
+                8,
+                5,
+                "placeholder for the CPU testbed (gloo ranks); run `megatron-hexiseq profile` to measure",
+                efficiency=1.0,
+            ),
+        )
+    }
+)
 
 _FIXED_COST_KEYS = ("step_overhead_ms", "collective_latency_us", "p2p_latency_us")
 _GPU_REQUIRED = ("bf16_tflops", "memory_gib", "nvlink_GBps")  # for a type the catalog lacks
@@ -223,22 +295,38 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     gpus: dict[str, dict[str, Any]] = {}
     for node in cluster.nodes:
         g = node.gpu
-        entry: dict[str, Any] = {"bf16_tflops": g.bf16_tflops, "memory_gib": g.memory_gib,
-                                 "nvlink_GBps": g.nvlink_GBps, "efficiency": g.efficiency, "source": g.source}
+        entry: dict[str, Any] = {
+            "bf16_tflops": g.bf16_tflops,
+            "memory_gib": g.memory_gib,
+            "nvlink_GBps": g.nvlink_GBps,
+            "efficiency": g.efficiency,
+            "source": g.source,
+        }
         if g.attention_tflops is not None:
             entry["attention_tflops"] = g.attention_tflops
         for key in _FIXED_COST_KEYS:
             if getattr(g, key):
                 entry[key] = getattr(g, key)
         gpus[g.name] = entry
-    nodes = [{"name": n.name, "gpu": n.gpu.name, "count": n.count, "nvlink_GBps": n.nvlink_GBps,
-              "network_GBps": n.network_GBps, "memory_gib": n.memory_gib} for n in cluster.nodes]
+    nodes = [
+        {
+            "name": n.name,
+            "gpu": n.gpu.name,
+            "count": n.count,
+            "nvlink_GBps": n.nvlink_GBps,
+            "network_GBps": n.network_GBps,
+            "memory_gib": n.memory_gib,
+        }
+        for n in cluster.nodes
+    ]
     return {"name": cluster.name, "gpus": gpus, "nodes": nodes}
 
 
 def _build(data: Any, source: str) -> Cluster:
     if not isinstance(data, Mapping):
-        raise HexiSeqError(f"expected a mapping with keys 'name' and 'nodes' at the top level, got {_kind(data)}")
+        raise HexiSeqError(
+            f"expected a mapping with keys 'name' and 'nodes' at the top level, got {_kind(data)}"
+        )
     spec_schema.check(data, "cluster", _where)  # types, ranges, required and unknown keys
     types = dict(GPU_CATALOG)
     for gname, spec in (data.get("gpus") or {}).items():
@@ -248,12 +336,21 @@ def _build(data: Any, source: str) -> Cluster:
     for raw in data["nodes"]:
         node = _node(raw, types)
         if node.name in seen:
-            raise HexiSeqError(f"node name {short(node.name)} appears twice; node names must be unique hostnames")
+            raise HexiSeqError(
+                f"node name {short(node.name)} appears twice; node names must be unique hostnames"
+            )
         seen.add(node.name)
         nodes.append(node)
     devices = tuple(
-        Device(index=idx, node=n.name, local_index=local, gpu=n.gpu, nvlink_GBps=n.nvlink_GBps,
-               network_GBps=n.network_GBps, memory_gib=n.memory_gib)
+        Device(
+            index=idx,
+            node=n.name,
+            local_index=local,
+            gpu=n.gpu,
+            nvlink_GBps=n.nvlink_GBps,
+            network_GBps=n.network_GBps,
+            memory_gib=n.memory_gib,
+        )
         for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
     )
     return Cluster(name=data.get("name", "cluster"), nodes=tuple(nodes), devices=devices)
@@ -272,14 +369,20 @@ def _where(path: Sequence[Any], data: Any) -> str:
     if len(path) == 2 or path[2] == "name":
         return f"nodes[{i}]" + ("" if len(path) == 2 else ".name")
     name = data["nodes"][i].get("name")
-    return f"node {short(name)}: {path[2]}" if isinstance(name, str) and name else f"nodes[{i}].{path[2]}"
+    return (
+        f"node {short(name)}: {path[2]}"
+        if isinstance(name, str) and name
+        else f"nodes[{i}].{path[2]}"
+    )
 
 
 def _gpu_type(name: str, spec: Mapping[str, Any], base: GpuType | None, source: str) -> GpuType:
     if base is None:
         missing = [k for k in _GPU_REQUIRED if k not in spec]
         if missing:
-            raise HexiSeqError(f"gpus.{name} is not in the catalog, so it needs {', '.join(missing)}")
+            raise HexiSeqError(
+                f"gpus.{name} is not in the catalog, so it needs {', '.join(missing)}"
+            )
         base = GpuType(name=name, bf16_tflops=1.0, memory_gib=1.0, nvlink_GBps=1.0, source=source)
     return replace(base, **spec)
 
@@ -287,11 +390,19 @@ def _gpu_type(name: str, spec: Mapping[str, Any], base: GpuType | None, source: 
 def _node(raw: Mapping[str, Any], types: Mapping[str, GpuType]) -> Node:
     name, gpu_name = raw["name"], raw["gpu"]
     if gpu_name not in types:
-        raise HexiSeqError(f"node {short(name)}: unknown GPU {short(gpu_name)}; known: {', '.join(sorted(types))} "
-                           "(or describe it under 'gpus')")
+        raise HexiSeqError(
+            f"node {short(name)}: unknown GPU {short(gpu_name)}; known: {', '.join(sorted(types))} "
+            "(or describe it under 'gpus')"
+        )
     gpu = types[gpu_name]
-    return Node(name=name, gpu=gpu, count=raw["count"], nvlink_GBps=raw.get("nvlink_GBps", gpu.nvlink_GBps),
-                network_GBps=raw["network_GBps"], memory_gib=raw.get("memory_gib", gpu.memory_gib))
+    return Node(
+        name=name,
+        gpu=gpu,
+        count=raw["count"],
+        nvlink_GBps=raw.get("nvlink_GBps", gpu.nvlink_GBps),
+        network_GBps=raw["network_GBps"],
+        memory_gib=raw.get("memory_gib", gpu.memory_gib),
+    )
 
 
 def _kind(x: Any) -> str:

@@ -18,6 +18,7 @@ CLI (used by ``scripts/slurm/hexiseq.sbatch``; errors are one line, exit 2)::
     python -m megatron_hexiseq.elastic exclude --cluster C.yaml --exclude 'gpu01:1,gpu03' -o C2.yaml
         -> writes C2.yaml; prints "HOST I,J,..." (the GPUs left) for every host that lost some GPUs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,18 @@ from megatron_hexiseq.run_config import CHECKPOINT_FORMAT
 # layout meta keys written by ``plan --exclude``
 EXCLUDED_KEY, GPU_INDICES_KEY = "excluded", "gpu_indices"
 # model fields a checkpoint's parameter shapes depend on (ModelSpec names = Megatron's)
-MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                      "vocab_size", "kv_channels", "swiglu", "normalization", "add_bias_linear")
+MODEL_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "kv_channels",
+    "swiglu",
+    "normalization",
+    "add_bias_linear",
+)
 
 
 @dataclass(frozen=True)
@@ -53,13 +64,17 @@ def parse_exclusions(text: str) -> tuple[Exclusion, ...]:
     """``"HOST[:LOCAL_RANK],..."`` (commas or spaces) -> exclusions in the order given."""
     items = [t for t in text.replace(",", " ").split() if t]
     if not items:
-        raise HexiSeqError("--exclude is empty; give HOST or HOST:LOCAL_RANK, comma-separated (e.g. gpu01:3,gpu04)")
+        raise HexiSeqError(
+            "--exclude is empty; give HOST or HOST:LOCAL_RANK, comma-separated (e.g. gpu01:3,gpu04)"
+        )
     out = []
     for item in items:
         host, sep, index = item.partition(":")
         if not host or (sep and not index.isdigit()):
-            raise HexiSeqError(f"--exclude: cannot read {short(item)}; write HOST or HOST:LOCAL_RANK "
-                               "(LOCAL_RANK a GPU index such as 0)")
+            raise HexiSeqError(
+                f"--exclude: cannot read {short(item)}; write HOST or HOST:LOCAL_RANK "
+                "(LOCAL_RANK a GPU index such as 0)"
+            )
         out.append(Exclusion(host, int(index) if sep else None))
     return tuple(out)
 
@@ -70,11 +85,17 @@ class Survivors:
 
     cluster: Cluster
     excluded: tuple[Exclusion, ...]
-    gpu_indices: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # partly excluded hosts only
-    absent: tuple[Exclusion, ...] = ()  # exclusions naming hosts the cluster does not have (allow_absent)
+    gpu_indices: Mapping[str, tuple[int, ...]] = field(
+        default_factory=dict
+    )  # partly excluded hosts only
+    absent: tuple[
+        Exclusion, ...
+    ] = ()  # exclusions naming hosts the cluster does not have (allow_absent)
 
 
-def exclude(cluster: Cluster, exclusions: Sequence[Exclusion], *, allow_absent: bool = False) -> Survivors:
+def exclude(
+    cluster: Cluster, exclusions: Sequence[Exclusion], *, allow_absent: bool = False
+) -> Survivors:
     """``cluster`` without ``exclusions``. Unknown host or GPU index, or nothing left: HexiSeqError
     (with ``allow_absent``, exclusions of hosts the cluster does not have are set aside instead)."""
     nodes = {n.name: n for n in cluster.nodes}
@@ -86,12 +107,16 @@ def exclude(cluster: Cluster, exclusions: Sequence[Exclusion], *, allow_absent: 
             if allow_absent:
                 absent.append(ex)
                 continue
-            raise HexiSeqError(f"--exclude {ex}: cluster {cluster.name!r} has no host {ex.host!r} "
-                               f"(hosts: {', '.join(short(h) for h in list(nodes)[:8])}"
-                               f"{', ...' if len(nodes) > 8 else ''})")
+            raise HexiSeqError(
+                f"--exclude {ex}: cluster {cluster.name!r} has no host {ex.host!r} "
+                f"(hosts: {', '.join(short(h) for h in list(nodes)[:8])}"
+                f"{', ...' if len(nodes) > 8 else ''})"
+            )
         if ex.local_rank is not None and not 0 <= ex.local_rank < node.count:
             raise HexiSeqError(f"--exclude {ex}: host {ex.host!r} has GPUs 0..{node.count - 1}")
-        lost.setdefault(ex.host, set()).update(range(node.count) if ex.local_rank is None else {ex.local_rank})
+        lost.setdefault(ex.host, set()).update(
+            range(node.count) if ex.local_rank is None else {ex.local_rank}
+        )
     kept_nodes, indices = [], {}
     for node in cluster.nodes:
         left = tuple(i for i in range(node.count) if i not in lost.get(node.name, ()))
@@ -101,15 +126,21 @@ def exclude(cluster: Cluster, exclusions: Sequence[Exclusion], *, allow_absent: 
             indices[node.name] = left
         kept_nodes.append(replace(node, count=len(left)))
     if not kept_nodes:
-        raise HexiSeqError(f"--exclude leaves no GPU of cluster {cluster.name!r}; exclude fewer devices")
+        raise HexiSeqError(
+            f"--exclude leaves no GPU of cluster {cluster.name!r}; exclude fewer devices"
+        )
     devices, per_node = [], {}
     for d in cluster.devices:
         if d.local_index in lost.get(d.node, ()):
             continue
         local = per_node[d.node] = per_node.get(d.node, -1) + 1
         devices.append(replace(d, index=len(devices), local_index=local))
-    return Survivors(cluster=replace(cluster, nodes=tuple(kept_nodes), devices=tuple(devices)),
-                     excluded=tuple(exclusions), gpu_indices=indices, absent=tuple(absent))
+    return Survivors(
+        cluster=replace(cluster, nodes=tuple(kept_nodes), devices=tuple(devices)),
+        excluded=tuple(exclusions),
+        gpu_indices=indices,
+        absent=tuple(absent),
+    )
 
 
 def record_exclusions(layout: Layout, survivors: Survivors) -> Layout:
@@ -117,8 +148,14 @@ def record_exclusions(layout: Layout, survivors: Survivors) -> Layout:
     partly excluded host keeps in its meta (``excluded``, ``gpu_indices``)."""
     if not survivors.excluded:
         return layout
-    return replace(layout, meta={**layout.meta, EXCLUDED_KEY: [str(e) for e in survivors.excluded],
-                                 GPU_INDICES_KEY: {h: list(left) for h, left in survivors.gpu_indices.items()}})
+    return replace(
+        layout,
+        meta={
+            **layout.meta,
+            EXCLUDED_KEY: [str(e) for e in survivors.excluded],
+            GPU_INDICES_KEY: {h: list(left) for h, left in survivors.gpu_indices.items()},
+        },
+    )
 
 
 def device_names(layout: Layout) -> list[str]:
@@ -132,7 +169,9 @@ def device_names(layout: Layout) -> list[str]:
         pos = seen.get(r.host, 0)
         seen[r.host] = pos + 1
         left = indices.get(r.host)
-        names.append(f"{r.host}:{left[pos] if isinstance(left, Sequence) and pos < len(left) else pos}")
+        names.append(
+            f"{r.host}:{left[pos] if isinstance(left, Sequence) and pos < len(left) else pos}"
+        )
     return names
 
 
@@ -153,19 +192,28 @@ def resume_problems(old: Layout, new: Layout) -> list[str]:
     the memory mode (each mode has its own checkpoint format)."""
     problems = []
     if old.seq_length != new.seq_length:
-        problems.append(f"seq_length {old.seq_length} -> {new.seq_length} (re-plan with --seq-length {old.seq_length})")
+        problems.append(
+            f"seq_length {old.seq_length} -> {new.seq_length} (re-plan with --seq-length {old.seq_length})"
+        )
     for name in ("num_attention_heads", "num_query_groups"):
         if getattr(old, name) != getattr(new, name):
             problems.append(f"{name} {getattr(old, name)} -> {getattr(new, name)} (another model)")
     a, b = _model_spec(old), _model_spec(new)
     if a is not None and b is not None:
         for name in MODEL_SHAPE_FIELDS:
-            if name in a and name in b and a[name] != b[name] and name not in ("num_attention_heads", "num_query_groups"):
+            if (
+                name in a
+                and name in b
+                and a[name] != b[name]
+                and name not in ("num_attention_heads", "num_query_groups")
+            ):
                 problems.append(f"model {name} {a[name]} -> {b[name]} (another model)")
     ma, mb = _memory_mode(old), _memory_mode(new)
     if ma and mb and ma != mb:
-        problems.append(f"memory mode {ma} ({CHECKPOINT_FORMAT.get(ma, ma)}) -> {mb} "
-                        f"({CHECKPOINT_FORMAT.get(mb, mb)}): re-plan with --memory-mode {ma}")
+        problems.append(
+            f"memory mode {ma} ({CHECKPOINT_FORMAT.get(ma, ma)}) -> {mb} "
+            f"({CHECKPOINT_FORMAT.get(mb, mb)}): re-plan with --memory-mode {ma}"
+        )
     return problems
 
 
@@ -174,8 +222,8 @@ class LayoutDiff:
     """What changed from ``old`` to ``new``; ``resume_problems`` empty means a checkpoint carries over."""
 
     world_size: tuple[int, int]
-    gone: tuple[str, ...]           # "host:gpu-index (GPU type)" of ranks only the old layout has
-    added: tuple[str, ...]          # ... only the new layout has
+    gone: tuple[str, ...]  # "host:gpu-index (GPU type)" of ranks only the old layout has
+    added: tuple[str, ...]  # ... only the new layout has
     kept: int
     iteration_time_s: tuple[float | None, float | None]
     tokens_per_s: tuple[float | None, float | None]
@@ -183,34 +231,49 @@ class LayoutDiff:
     resume_problems: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"world_size": list(self.world_size), "gone": list(self.gone), "added": list(self.added),
-                "kept": self.kept, "iteration_time_s": list(self.iteration_time_s),
-                "tokens_per_s": list(self.tokens_per_s), "memory_mode": list(self.memory_mode),
-                "resume_problems": list(self.resume_problems), "resumable": not self.resume_problems}
+        return {
+            "world_size": list(self.world_size),
+            "gone": list(self.gone),
+            "added": list(self.added),
+            "kept": self.kept,
+            "iteration_time_s": list(self.iteration_time_s),
+            "tokens_per_s": list(self.tokens_per_s),
+            "memory_mode": list(self.memory_mode),
+            "resume_problems": list(self.resume_problems),
+            "resumable": not self.resume_problems,
+        }
 
     def lines(self) -> list[str]:
         """Human summary, one fact per line."""
+
         def t(x: float | None) -> str:  # seconds in s, ms or µs with 4 significant digits
-            scale, unit = next(((f, u) for f, u in ((1.0, "s"), (1e-3, "ms")) if x and abs(x) >= f), (1e-6, "µs"))
+            scale, unit = next(
+                ((f, u) for f, u in ((1.0, "s"), (1e-3, "ms")) if x and abs(x) >= f), (1e-6, "µs")
+            )
             return "-" if x is None else f"{x / scale:.4g} {unit}"
 
         def r(x: float | None) -> str:
             return "-" if x is None else f"{x:,.0f}"
 
-        out = [f"world size: {self.world_size[0]} -> {self.world_size[1]} ({self.kept} GPUs kept)",
-               f"ranks gone: {', '.join(self.gone) or 'none'}",
-               f"ranks added: {', '.join(self.added) or 'none'}",
-               f"predicted iteration time: {t(self.iteration_time_s[0])} -> {t(self.iteration_time_s[1])}",
-               f"predicted tokens/s: {r(self.tokens_per_s[0])} -> {r(self.tokens_per_s[1])}"]
+        out = [
+            f"world size: {self.world_size[0]} -> {self.world_size[1]} ({self.kept} GPUs kept)",
+            f"ranks gone: {', '.join(self.gone) or 'none'}",
+            f"ranks added: {', '.join(self.added) or 'none'}",
+            f"predicted iteration time: {t(self.iteration_time_s[0])} -> {t(self.iteration_time_s[1])}",
+            f"predicted tokens/s: {r(self.tokens_per_s[0])} -> {r(self.tokens_per_s[1])}",
+        ]
         if self.memory_mode[0] or self.memory_mode[1]:
             out.append(f"memory mode: {self.memory_mode[0] or '-'} -> {self.memory_mode[1] or '-'}")
-        out.append("resume from its checkpoints: " + ("yes" if not self.resume_problems
-                                                        else "no: " + "; ".join(self.resume_problems)))
+        out.append(
+            "resume from its checkpoints: "
+            + ("yes" if not self.resume_problems else "no: " + "; ".join(self.resume_problems))
+        )
         return out
 
 
 def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
     """Compare two layouts device by device (``host:gpu-index``)."""
+
     def devices(layout: Layout) -> dict[str, str]:
         return {name: f"{name} ({r.gpu})" for name, r in zip(device_names(layout), layout.ranks)}
 
@@ -218,37 +281,56 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
 
     def predicted(layout: Layout, key: str) -> float | None:
         value = (layout.predicted or {}).get(key)
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        return (
+            float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else None
+        )
 
-    return LayoutDiff(world_size=(old.world_size, new.world_size),
-                      gone=tuple(v for k, v in a.items() if k not in b),
-                      added=tuple(v for k, v in b.items() if k not in a),
-                      kept=len(a.keys() & b.keys()),
-                      iteration_time_s=(predicted(old, "iteration_time_s"), predicted(new, "iteration_time_s")),
-                      tokens_per_s=(predicted(old, "tokens_per_s"), predicted(new, "tokens_per_s")),
-                      memory_mode=(_memory_mode(old), _memory_mode(new)),
-                      resume_problems=tuple(resume_problems(old, new)))
+    return LayoutDiff(
+        world_size=(old.world_size, new.world_size),
+        gone=tuple(v for k, v in a.items() if k not in b),
+        added=tuple(v for k, v in b.items() if k not in a),
+        kept=len(a.keys() & b.keys()),
+        iteration_time_s=(predicted(old, "iteration_time_s"), predicted(new, "iteration_time_s")),
+        tokens_per_s=(predicted(old, "tokens_per_s"), predicted(new, "tokens_per_s")),
+        memory_mode=(_memory_mode(old), _memory_mode(new)),
+        resume_problems=tuple(resume_problems(old, new)),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.elastic", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_hexiseq.elastic", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("exclude", help="write the cluster spec without the excluded GPUs or hosts")
     p.add_argument("--cluster", required=True)
     p.add_argument("--exclude", required=True, metavar="HOST[:LOCAL_RANK],...")
-    p.add_argument("--allow-absent", action="store_true",
-                   help="set aside exclusions of hosts the cluster does not have (a requeued job's new allocation)")
+    p.add_argument(
+        "--allow-absent",
+        action="store_true",
+        help="set aside exclusions of hosts the cluster does not have (a requeued job's new allocation)",
+    )
     p.add_argument("-o", "--output", required=True)
     args = parser.parse_args(argv)
 
     def body() -> int:
         check_outputs([("-o", args.output)], inputs=[args.cluster])
-        kept = exclude(load_cluster(args.cluster), parse_exclusions(args.exclude), allow_absent=args.allow_absent)
+        kept = exclude(
+            load_cluster(args.cluster),
+            parse_exclusions(args.exclude),
+            allow_absent=args.allow_absent,
+        )
         for ex in kept.absent:
-            print(f"note: --exclude {ex}: not in this allocation, nothing to exclude", file=sys.stderr)
-        write_text_atomic(args.output, yaml.safe_dump(cluster_to_dict(kept.cluster), sort_keys=False))
+            print(
+                f"note: --exclude {ex}: not in this allocation, nothing to exclude", file=sys.stderr
+            )
+        write_text_atomic(
+            args.output, yaml.safe_dump(cluster_to_dict(kept.cluster), sort_keys=False)
+        )
         for host, left in kept.gpu_indices.items():
             print(host, ",".join(map(str, left)))
         return 0

@@ -5,6 +5,7 @@ A ``HexiSeqError``'s message says what is wrong and what to do next. Internal in
 ``assert`` instead. ``run_user_command`` is how every entry point (the CLI, the module CLIs, the
 Megatron launchers) runs its body.
 """
+
 from __future__ import annotations
 
 import reprlib
@@ -32,15 +33,26 @@ def short(value: Any) -> str:
 
 def is_positive_int(value: Any, at_most: int | None = None) -> bool:
     """An ``int`` (not a ``bool``) in ``[1, at_most]``."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 < value and (at_most is None or value <= at_most)
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and 0 < value
+        and (at_most is None or value <= at_most)
+    )
 
 
-def check_positive_int(name: str, value: Any, *, at_most: int | None = None, where: str = "") -> int:
+def check_positive_int(
+    name: str, value: Any, *, at_most: int | None = None, where: str = ""
+) -> int:
     """``value`` if :func:`is_positive_int`, else ``HexiSeqError("{where}: {name} must be a positive
     integer, got {value}")`` (`` (at most N)`` added when it is an integer above ``at_most``)."""
     if is_positive_int(value, at_most):
         return value
-    big = f" (at most {at_most})" if at_most is not None and isinstance(value, int) and value > at_most else ""
+    big = (
+        f" (at most {at_most})"
+        if at_most is not None and isinstance(value, int) and value > at_most
+        else ""
+    )
     prefix = f"{where}: " if where else ""
     raise HexiSeqError(f"{prefix}{name} must be a positive integer, got {short(value)}{big}")
 
@@ -68,7 +80,9 @@ def run_user_command(body: Callable[[], int | None], *, interrupts: bool = True)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean-up
+        signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # a second Ctrl-C must not interrupt the clean-up
         print("error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `megatron-hexiseq show x | head`

@@ -10,6 +10,7 @@ existing non-regular file (``/dev/full``, a directory), a missing or unwritable 
 Readers: missing files, non-UTF-8 bytes, syntax errors, duplicate YAML keys, nesting too deep and
 files over ``MAX_INPUT_BYTES`` are one-line HexiSeqErrors naming the file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     path = Path(path)
     folder = _existing_folder(path, str(path))
     if path.is_symlink():
-        raise HexiSeqError(f"cannot write {path}: it is a symbolic link; give the real path or remove the link")
+        raise HexiSeqError(
+            f"cannot write {path}: it is a symbolic link; give the real path or remove the link"
+        )
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=folder)
     except OSError as e:
@@ -81,8 +84,10 @@ def check_plot_path(flag: str, path: str | os.PathLike | None) -> None:
     kinds = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in kinds:
-        raise HexiSeqError(f"{flag} {path}: cannot write a figure as {'.' + suffix if suffix else 'a file without a suffix'};"
-                           f" use one of {', '.join('.' + k for k in sorted(kinds))}")
+        raise HexiSeqError(
+            f"{flag} {path}: cannot write a figure as {'.' + suffix if suffix else 'a file without a suffix'};"
+            f" use one of {', '.join('.' + k for k in sorted(kinds))}"
+        )
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -95,8 +100,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
-def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]],
-                  inputs: Iterable[str | os.PathLike | None] = (), *, figures: Iterable[str] = ()) -> None:
+def check_outputs(
+    outputs: Iterable[tuple[str, str | os.PathLike | None]],
+    inputs: Iterable[str | os.PathLike | None] = (),
+    *,
+    figures: Iterable[str] = (),
+) -> None:
     """Before any long work: every ``(flag, path)`` in ``outputs`` (None = not requested) can be
     written atomically and clobbers no input and no other output; the paths of the flags named in
     ``figures`` are also figure formats matplotlib writes (:func:`check_plot_path`)."""
@@ -113,24 +122,32 @@ def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]],
             raise HexiSeqError(f"{flag} is empty; give a file name")
         path = Path(raw)
         if path.is_symlink():
-            raise HexiSeqError(f"{flag} {path} is a symbolic link; writing through it would replace another file: "
-                               "give the real path or remove the link")
+            raise HexiSeqError(
+                f"{flag} {path} is a symbolic link; writing through it would replace another file: "
+                "give the real path or remove the link"
+            )
         if path.exists() and not stat.S_ISREG(path.stat().st_mode):
             kind = "a directory" if path.is_dir() else "not a regular file"
             raise HexiSeqError(f"{flag} {path} is {kind}; give a file name to write")
         for other in ins:
             if _same(path, other):
-                raise HexiSeqError(f"{flag} {path} is also an input ({other}); writing it would destroy the input: "
-                                   "give another output path")
+                raise HexiSeqError(
+                    f"{flag} {path} is also an input ({other}); writing it would destroy the input: "
+                    "give another output path"
+                )
         for oflag, other in seen:
             if _same(path, other):
-                raise HexiSeqError(f"{flag} and {oflag} are the same file {path}; give two different paths")
+                raise HexiSeqError(
+                    f"{flag} and {oflag} are the same file {path}; give two different paths"
+                )
         seen.append((flag, path))
         folder = _existing_folder(path, f"{flag} {path}")
         try:  # the only test that holds for root, read-only mounts and ACLs alike: create a file there
             fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
         except OSError as e:
-            raise HexiSeqError(f"cannot write {flag} {path}: {e.strerror} (folder {folder})") from None
+            raise HexiSeqError(
+                f"cannot write {flag} {path}: {e.strerror} (folder {folder})"
+            ) from None
         os.close(fd)
         _unlink(probe)
 
@@ -156,8 +173,10 @@ def _read_text(path: str | os.PathLike, what: str) -> str:
     try:
         size = os.stat(path).st_size
         if size > MAX_INPUT_BYTES:
-            raise HexiSeqError(f"{what} {path} is {size >> 20} MiB, more than the {MAX_INPUT_BYTES >> 20} MiB "
-                               "an input may be; is it the right file?")
+            raise HexiSeqError(
+                f"{what} {path} is {size >> 20} MiB, more than the {MAX_INPUT_BYTES >> 20} MiB "
+                "an input may be; is it the right file?"
+            )
         with open(path, "rb") as f:
             data = f.read(MAX_INPUT_BYTES + 1)
     except FileNotFoundError:
@@ -169,8 +188,10 @@ def _read_text(path: str | os.PathLike, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise HexiSeqError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                           "save it as UTF-8") from None
+        raise HexiSeqError(
+            f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
@@ -179,7 +200,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise HexiSeqError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise HexiSeqError(
+            f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
     except RecursionError:
         raise HexiSeqError(f"{what} {path} is nested too deeply to be a {what}") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
@@ -199,9 +222,12 @@ def _yaml_loader():
                 try:
                     if key in seen:
                         raise yaml.constructor.ConstructorError(
-                            None, None, f"key {short(key)} appears twice in one mapping (line "
+                            None,
+                            None,
+                            f"key {short(key)} appears twice in one mapping (line "
                             f"{seen[key].start_mark.line + 1} and line {key_node.start_mark.line + 1})",
-                            key_node.start_mark)
+                            key_node.start_mark,
+                        )
                     seen[key] = key_node
                 except TypeError:  # unhashable: the base class reports it
                     break

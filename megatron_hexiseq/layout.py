@@ -21,6 +21,7 @@ all-to-all is the concatenation of the member ranks' tokens in ascending rank or
 JSON form: ``format: "megatron-hexiseq/layout"``, ``version: 1``; the JSON Schema lives in
 ``megatron_hexiseq/schema/layout.schema.json``. ``Layout.from_json(layout.to_json())`` is exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -263,34 +264,48 @@ def zigzag_segments(seq_length: int, cp: int) -> list[list[Segment]]:
     Matches ``megatron.core.utils.get_batch_on_this_cp_rank`` (requires seq_length % (2*cp) == 0).
     """
     if seq_length % (2 * cp):
-        raise HexiSeqError(f"zig-zag split needs seq_length divisible by 2*cp={2 * cp}, got {seq_length}")
+        raise HexiSeqError(
+            f"zig-zag split needs seq_length divisible by 2*cp={2 * cp}, got {seq_length}"
+        )
     c = seq_length // (2 * cp)
     return [[(i * c, (i + 1) * c), ((2 * cp - 1 - i) * c, (2 * cp - i) * c)] for i in range(cp)]
 
 
 # ---- validation -----------------------------------------------------------------------------
-def check_matches(layout: Layout, cluster: Cluster, model: ModelSpec | None = None, *,
-                  source: str = "the layout") -> None:
+def check_matches(
+    layout: Layout, cluster: Cluster, model: ModelSpec | None = None, *, source: str = "the layout"
+) -> None:
     """A layout runs on ``cluster`` (rank r on ``cluster.devices[r]``: same count, host and GPU type)
     and, given ``model``, trains it (same heads, query groups and sequence length); otherwise a
     one-line HexiSeqError that starts with ``source`` ("layout out.json", "the layout")."""
     if layout.world_size != cluster.world_size:
-        raise HexiSeqError(f"{source} has {layout.world_size} ranks but cluster {cluster.name!r} has "
-                           f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for")
+        raise HexiSeqError(
+            f"{source} has {layout.world_size} ranks but cluster {cluster.name!r} has "
+            f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for"
+        )
     for plan, dev in zip(layout.ranks, cluster.devices):
         if plan.gpu != dev.gpu.name or plan.host != dev.node:
-            raise HexiSeqError(f"{source} rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
-                               f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
-                               f"{cluster.name!r}?")
+            raise HexiSeqError(
+                f"{source} rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
+                f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
+                f"{cluster.name!r}?"
+            )
     if model is None:
         return
-    if (layout.num_attention_heads, layout.num_query_groups) != (model.num_attention_heads, model.num_query_groups):
-        raise HexiSeqError(f"{source} has {layout.num_attention_heads} heads in {layout.num_query_groups} query "
-                           f"groups but model {model.name!r} has {model.num_attention_heads} in "
-                           f"{model.num_query_groups}")
+    if (layout.num_attention_heads, layout.num_query_groups) != (
+        model.num_attention_heads,
+        model.num_query_groups,
+    ):
+        raise HexiSeqError(
+            f"{source} has {layout.num_attention_heads} heads in {layout.num_query_groups} query "
+            f"groups but model {model.name!r} has {model.num_attention_heads} in "
+            f"{model.num_query_groups}"
+        )
     if layout.seq_length != model.seq_length:
-        raise HexiSeqError(f"{source} is planned for seq_length {layout.seq_length} but model {model.name!r} has "
-                           f"seq_length {model.seq_length}; pass --seq-length {layout.seq_length}")
+        raise HexiSeqError(
+            f"{source} is planned for seq_length {layout.seq_length} but model {model.name!r} has "
+            f"seq_length {model.seq_length}; pass --seq-length {layout.seq_length}"
+        )
 
 
 def _fail(msg: str) -> None:
@@ -344,9 +359,13 @@ def _validate(lay: Layout) -> None:
                 _fail(f"rank {r.rank}: segment {list(seg)} must be two integers [start, end)")
             s, e = seg
             if not 0 <= s < e <= S:
-                _fail(f"rank {r.rank}: segment [{s}, {e}) must satisfy 0 <= start < end <= seq_length={S}")
+                _fail(
+                    f"rank {r.rank}: segment [{s}, {e}) must satisfy 0 <= start < end <= seq_length={S}"
+                )
             if s < prev_end:
-                _fail(f"rank {r.rank}: segments must be sorted and disjoint, [{s}, {e}) comes after one ending at {prev_end}")
+                _fail(
+                    f"rank {r.rank}: segments must be sorted and disjoint, [{s}, {e}) comes after one ending at {prev_end}"
+                )
             prev_end = e
             owned.append((s, e, r.rank))
     owned.sort()
@@ -371,7 +390,9 @@ def _validate(lay: Layout) -> None:
                 holder[h] = r
         missing = sorted(set(range(H)) - set(holder))
         if missing:
-            _fail(f"group {g.id}: heads {_ranges(missing)} are held by no rank; each group must hold all {H} heads")
+            _fail(
+                f"group {g.id}: heads {_ranges(missing)} are held by no rank; each group must hold all {H} heads"
+            )
         if sum(lay.ranks[r].num_tokens for r in g.ranks) == 0:
             _fail(f"group {g.id} owns no tokens; give it a segment or remove the group")
     for r in lay.ranks:
@@ -409,13 +430,19 @@ def _check_schema(data: Any, source: str) -> None:
     if not isinstance(data, dict):
         raise HexiSeqError(f"{source}: expected a JSON object at the top level")
     if data.get("format") != FORMAT:
-        raise HexiSeqError(f"{source}: 'format' must be {FORMAT!r}, got {data.get('format')!r}; is this a layout file?")
+        raise HexiSeqError(
+            f"{source}: 'format' must be {FORMAT!r}, got {data.get('format')!r}; is this a layout file?"
+        )
     if data.get("version") != VERSION:
         raise HexiSeqError(
             f"{source}: layout version {data.get('version')!r} is not supported (this release reads version {VERSION})"
         )
-    schema = json.loads(resources.files("megatron_hexiseq").joinpath("schema/layout.schema.json").read_text())
-    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    schema = json.loads(
+        resources.files("megatron_hexiseq").joinpath("schema/layout.schema.json").read_text()
+    )
+    err = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(data)
+    )
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise HexiSeqError(f"{source}: at {where}: {err.message}")

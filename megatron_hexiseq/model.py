@@ -11,6 +11,7 @@ YAML form (``--model-config M.yaml``): the fields below; ``kv_channels`` default
 ``hidden_size // num_attention_heads``, ``num_query_groups`` to ``num_attention_heads``. A YAML
 may start from a preset with ``preset: llama2-7b`` and override fields.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,6 @@ from typing import Any, Iterator, Mapping
 from megatron_hexiseq import spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,11 +46,16 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         # every field's type and range: schema/model.schema.json; here what a schema cannot say
-        spec_schema.check(self.to_dict(), "model", lambda path, spec: f"model {short(self.name)}"
-                          + "".join(f": {p}" for p in path))
+        spec_schema.check(
+            self.to_dict(),
+            "model",
+            lambda path, spec: f"model {short(self.name)}" + "".join(f": {p}" for p in path),
+        )
         if self.num_attention_heads % self.num_query_groups:
-            raise HexiSeqError(f"model {short(self.name)}: num_attention_heads={self.num_attention_heads} is not a "
-                               f"multiple of num_query_groups={self.num_query_groups}")
+            raise HexiSeqError(
+                f"model {short(self.name)}: num_attention_heads={self.num_attention_heads} is not a "
+                f"multiple of num_query_groups={self.num_query_groups}"
+            )
 
     @property
     def heads_per_query_group(self) -> int:
@@ -59,7 +64,13 @@ class ModelSpec:
     @property
     def layer_parameters(self) -> int:
         """Parameters of one transformer layer (see :attr:`num_parameters`)."""
-        h, d, a, g, f = self.hidden_size, self.kv_channels, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
+        h, d, a, g, f = (
+            self.hidden_size,
+            self.kv_channels,
+            self.num_attention_heads,
+            self.num_query_groups,
+            self.ffn_hidden_size,
+        )
         bias = self.add_bias_linear
         qkv_out = (a + 2 * g) * d
         fc1_out = f * (2 if self.swiglu else 1)
@@ -76,7 +87,11 @@ class ModelSpec:
         else 1) ``+ 2 norms`` (LayerNorm 2h each: weight and bias; RMSNorm h) ``+ biases`` when
         ``add_bias_linear`` (``(a+2g)*d + h + f*m + h``).
         """
-        return 2 * self.vocab_size * self.hidden_size + self.num_layers * self.layer_parameters + self._norm_parameters
+        return (
+            2 * self.vocab_size * self.hidden_size
+            + self.num_layers * self.layer_parameters
+            + self._norm_parameters
+        )
 
     @property
     def _norm_parameters(self) -> int:
@@ -88,15 +103,37 @@ class ModelSpec:
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, seq: int = 2048) -> ModelSpec:
     # GPT-2 BPE vocabulary 50,257 padded by Megatron to a multiple of 128 -> 50,304.
-    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                     num_query_groups=heads, ffn_hidden_size=4 * hidden, vocab_size=50304,
-                     kv_channels=hidden // heads, swiglu=False, seq_length=seq)
+    return ModelSpec(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        ffn_hidden_size=4 * hidden,
+        vocab_size=50304,
+        kv_channels=hidden // heads,
+        swiglu=False,
+        seq_length=seq,
+    )
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
-    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                     num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab, kv_channels=hidden // heads,
-                     swiglu=True, seq_length=seq, normalization="RMSNorm", add_bias_linear=False)
+def _llama(
+    name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        kv_channels=hidden // heads,
+        swiglu=True,
+        seq_length=seq,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+    )
 
 
 def _preset_specs() -> tuple[ModelSpec, ...]:
@@ -114,8 +151,18 @@ def _preset_specs() -> tuple[ModelSpec, ...]:
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
         # A tiny GPT for the CPU testbed (gloo ranks): 2 layers, 8 heads in 4 query groups (exercises GQA).
-        ModelSpec(name="gpt-tiny", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                  ffn_hidden_size=256, vocab_size=256, kv_channels=8, swiglu=False, seq_length=256),
+        ModelSpec(
+            name="gpt-tiny",
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=8,
+            num_query_groups=4,
+            ffn_hidden_size=256,
+            vocab_size=256,
+            kv_channels=8,
+            swiglu=False,
+            seq_length=256,
+        ),
     )
 
 
@@ -142,16 +189,22 @@ MODEL_PRESETS: Mapping[str, ModelSpec] = _Presets()
 _FIELDS = tuple(f.name for f in fields(ModelSpec))
 
 
-def get_model(name: str | None = None, *, config_path: str | os.PathLike | None = None,
-              overrides: Mapping[str, Any] = MappingProxyType({})) -> ModelSpec:
+def get_model(
+    name: str | None = None,
+    *,
+    config_path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] = MappingProxyType({}),
+) -> ModelSpec:
     """A preset by ``name`` or a YAML spec at ``config_path`` (exactly one), then ``overrides``.
 
     ``overrides`` uses the same field names (the CLI passes ``{"seq_length": N}`` for
     ``--seq-length``); ``None`` values are ignored so the CLI can pass unset flags through.
     """
     if (name is None) == (config_path is None):
-        raise HexiSeqError("give a model preset name (--model NAME) or a model YAML (--model-config M.yaml), "
-                           f"not {'both' if name else 'neither'}; presets: {', '.join(MODEL_PRESETS)}")
+        raise HexiSeqError(
+            "give a model preset name (--model NAME) or a model YAML (--model-config M.yaml), "
+            f"not {'both' if name else 'neither'}; presets: {', '.join(MODEL_PRESETS)}"
+        )
     if name is not None:
         spec = _preset(name).to_dict()
         where = f"model {short(name)}"
@@ -162,7 +215,9 @@ def get_model(name: str | None = None, *, config_path: str | os.PathLike | None 
     extra = {k: v for k, v in overrides.items() if v is not None}
     unknown = sorted(short(k) for k in extra if k not in _FIELDS)
     if unknown:
-        raise HexiSeqError(f"{where} overrides: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}")
+        raise HexiSeqError(
+            f"{where} overrides: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}"
+        )
     return _build(spec | extra, where)
 
 
@@ -173,8 +228,10 @@ def model_from_dict(data: Any, *, source: str = "model spec") -> ModelSpec:
 
 def _preset(name: str) -> ModelSpec:
     if name not in MODEL_PRESETS:
-        raise HexiSeqError(f"unknown model preset {short(name)}; known: {', '.join(MODEL_PRESETS)} "
-                           "(or describe it in a YAML and pass --model-config)")
+        raise HexiSeqError(
+            f"unknown model preset {short(name)}; known: {', '.join(MODEL_PRESETS)} "
+            "(or describe it in a YAML and pass --model-config)"
+        )
     return MODEL_PRESETS[name]
 
 
@@ -195,8 +252,10 @@ def _spec_from_yaml(data: Any, where: str) -> dict[str, Any]:
     heads, hidden = spec["num_attention_heads"], spec["hidden_size"]
     if "kv_channels" not in spec:
         if hidden % heads:
-            raise HexiSeqError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
-                               "set kv_channels explicitly")
+            raise HexiSeqError(
+                f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                "set kv_channels explicitly"
+            )
         spec["kv_channels"] = hidden // heads
     spec.setdefault("num_query_groups", heads)
     spec.setdefault("swiglu", False)

@@ -11,6 +11,7 @@ Example (per rank; see scripts/slurm/)::
         --context-parallel-size 4 --cp-comm-type hexiseq --calculate-per-token-loss \\
         --hexiseq-layout layout.json --seq-length 131072 ... (usual Megatron flags)
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,14 +28,19 @@ def main() -> int:
     except ModuleNotFoundError as e:
         if e.name not in ("pretrain_gpt", "gpt_builders", "model_provider", "megatron.training"):
             raise
-        print(f"error: cannot import Megatron-LM's pretrain_gpt ({e}); put a Megatron-LM checkout "
-              "(tag core_v0.16.1) on PYTHONPATH", file=sys.stderr)
+        print(
+            f"error: cannot import Megatron-LM's pretrain_gpt ({e}); put a Megatron-LM checkout "
+            "(tag core_v0.16.1) on PYTHONPATH",
+            file=sys.stderr,
+        )
         return 2
     # here, not at the top: it loads torch and megatron.core (6.5 s CPU on the development machine),
     # which Megatron's start-up timestamps count from _PROGRAM_START_TIME, as its own script does
     from megatron_hexiseq.megatron.plugin import run_pretrain
 
-    stock._PROGRAM_START_TIME = min(getattr(stock, "_PROGRAM_START_TIME", _PROGRAM_START_TIME), _PROGRAM_START_TIME)
+    stock._PROGRAM_START_TIME = min(
+        getattr(stock, "_PROGRAM_START_TIME", _PROGRAM_START_TIME), _PROGRAM_START_TIME
+    )
     return run_user_command(lambda: run_pretrain(stock), interrupts=False)
 
 

@@ -16,6 +16,7 @@ The memory checks that need the cost model's byte formulas (does a mode fit at a
 one-line "does not fit" message) are in ``megatron_hexiseq.planner.feasibility``: this module
 sits below ``costmodel`` (which takes ``TrainOptions``), so it cannot use its formulas.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,20 +29,54 @@ from megatron_hexiseq.model import ModelSpec
 MEMORY_MODES = ("distributed_optimizer", "fsdp")
 MEMORY_MODE_CHOICES = ("auto", *MEMORY_MODES)
 # (memory_mode, recompute) in the order --memory-mode auto tries them
-AUTO_MODES = (("distributed_optimizer", False), ("fsdp", False), ("distributed_optimizer", True), ("fsdp", True))
+AUTO_MODES = (
+    ("distributed_optimizer", False),
+    ("fsdp", False),
+    ("distributed_optimizer", True),
+    ("fsdp", True),
+)
 MEMORY_FLAGS = {
     "distributed_optimizer": ["--use-distributed-optimizer"],
     # Megatron-FSDP's required set (megatron/core/distributed/fsdp README, "Required Configurations")
-    "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-             "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
+    "fsdp": [
+        "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+        "--no-gradient-accumulation-fusion",
+        "--use-distributed-optimizer",
+        "--ckpt-format",
+        "fsdp_dtensor",
+    ],
 }
-RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-CHECKPOINT_FORMAT = {"distributed_optimizer": "torch_dist with the distributed optimizer",
-                     "fsdp": "fsdp_dtensor with Megatron-FSDP"}
+RECOMPUTE_FLAGS = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
+CHECKPOINT_FORMAT = {
+    "distributed_optimizer": "torch_dist with the distributed optimizer",
+    "fsdp": "fsdp_dtensor with Megatron-FSDP",
+}
 # the fields of a layout's meta.options and their JSON types (TrainOptions' fields + what plan adds)
-OPTION_FIELDS = ("micro_batch_size", "recompute", "memory_mode", "data_parallel_size", "capacity_fraction")
-_RECORD_TYPES = {"micro_batch_size": int, "recompute": bool, "memory_mode": str, "data_parallel_size": int,
-                 "capacity_fraction": float, "memory_modes_tried": list, "megatron_flags": list}
+OPTION_FIELDS = (
+    "micro_batch_size",
+    "recompute",
+    "memory_mode",
+    "data_parallel_size",
+    "capacity_fraction",
+)
+_RECORD_TYPES = {
+    "micro_batch_size": int,
+    "recompute": bool,
+    "memory_mode": str,
+    "data_parallel_size": int,
+    "capacity_fraction": float,
+    "memory_modes_tried": list,
+    "megatron_flags": list,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,17 +103,20 @@ class TrainOptions:
         for name in ("micro_batch_size", "data_parallel_size"):
             check_positive_int(name, getattr(self, name))
         if self.memory_mode not in MEMORY_MODES:
-            raise HexiSeqError(f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}")
+            raise HexiSeqError(
+                f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}"
+            )
         if not isinstance(self.recompute, bool):
             raise HexiSeqError(f"recompute must be true or false, got {self.recompute!r}")
         if not 0 < self.capacity_fraction <= 1:
-            raise HexiSeqError(f"capacity_fraction must be in (0, 1], got {self.capacity_fraction!r}")
+            raise HexiSeqError(
+                f"capacity_fraction must be in (0, 1], got {self.capacity_fraction!r}"
+            )
 
     @classmethod
     def for_model(cls, model: ModelSpec, **kwargs: Any) -> "TrainOptions":
         """Options whose micro-batch size comes from the model spec unless given."""
         return cls(**({"micro_batch_size": model.micro_batch_size} | kwargs))
-
 
 
 def megatron_flags(options: TrainOptions) -> list[str]:
@@ -95,17 +133,25 @@ def modes_to_try(memory_mode: str, recompute: bool) -> tuple[tuple[str, bool], .
     """(memory_mode, recompute) pairs of ``AUTO_MODES`` that ``--memory-mode`` and ``--recompute``
     allow, in order: ``auto`` every mode, otherwise that mode; ``--recompute`` only recompute."""
     if memory_mode not in MEMORY_MODE_CHOICES:
-        raise HexiSeqError(f"--memory-mode must be one of {', '.join(MEMORY_MODE_CHOICES)}, got {short(memory_mode)}")
-    return tuple((m, r) for m, r in AUTO_MODES if memory_mode in ("auto", m) and (r or not recompute))
+        raise HexiSeqError(
+            f"--memory-mode must be one of {', '.join(MEMORY_MODE_CHOICES)}, got {short(memory_mode)}"
+        )
+    return tuple(
+        (m, r) for m, r in AUTO_MODES if memory_mode in ("auto", m) and (r or not recompute)
+    )
 
 
 def options_record(options: TrainOptions, tried: Sequence[TrainOptions]) -> dict[str, Any]:
     """A layout's ``meta.options``: the options it was planned with, the modes tried, the flags."""
-    return {"micro_batch_size": options.micro_batch_size, "recompute": options.recompute,
-            "memory_mode": options.memory_mode, "data_parallel_size": options.data_parallel_size,
-            "capacity_fraction": options.capacity_fraction,
-            "memory_modes_tried": [mode_label(o) for o in tried],
-            "megatron_flags": megatron_flags(options)}
+    return {
+        "micro_batch_size": options.micro_batch_size,
+        "recompute": options.recompute,
+        "memory_mode": options.memory_mode,
+        "data_parallel_size": options.data_parallel_size,
+        "capacity_fraction": options.capacity_fraction,
+        "memory_modes_tried": [mode_label(o) for o in tried],
+        "megatron_flags": megatron_flags(options),
+    }
 
 
 def check_options_record(opts: Any, where: str) -> dict[str, Any]:
@@ -115,16 +161,26 @@ def check_options_record(opts: Any, where: str) -> dict[str, Any]:
     if opts is None:
         return {}
     if not isinstance(opts, Mapping):
-        raise HexiSeqError(f"{where}: meta.options must be a mapping, got {short(opts)}; re-plan the layout")
+        raise HexiSeqError(
+            f"{where}: meta.options must be a mapping, got {short(opts)}; re-plan the layout"
+        )
     for key, value in opts.items():
         want = _RECORD_TYPES.get(key)
-        ok = want is None or (isinstance(value, want) and not (want is int and isinstance(value, bool)))
+        ok = want is None or (
+            isinstance(value, want) and not (want is int and isinstance(value, bool))
+        )
         if want is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
         if not ok:
             assert want is not None
-            raise HexiSeqError(f"{where}: meta.options.{key} must be {want.__name__}, got {short(value)}; "
-                               "re-plan the layout or fix the value")
+            raise HexiSeqError(
+                f"{where}: meta.options.{key} must be {want.__name__}, got {short(value)}; "
+                "re-plan the layout or fix the value"
+            )
     try:
         options_from_record(opts)
     except HexiSeqError as e:

@@ -12,6 +12,7 @@ CLI (used by the sbatch script; errors are one line, exit 2)::
     python -m megatron_hexiseq.slurm hostnames 'gpu[01-02],a0'        -> one host per line
     python -m megatron_hexiseq.slurm cluster --cluster C.yaml --hosts 'gpu[01-02]' -o C2.yaml
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,9 @@ def expand_hostlist(text: str) -> list[str]:
         if len(hosts) > MAX_HOSTS:
             raise HexiSeqError(f"host list {_short(text)} names more than {MAX_HOSTS} hosts")
     if not hosts:
-        raise HexiSeqError("the host list is empty; give host names like 'gpu01,gpu02' or 'gpu[01-02]'")
+        raise HexiSeqError(
+            "the host list is empty; give host names like 'gpu01,gpu02' or 'gpu[01-02]'"
+        )
     return hosts
 
 
@@ -68,12 +71,14 @@ def _expand_one(item: str, text: str) -> list[str]:
         if "[" in item or "]" in item:
             raise HexiSeqError(f"host list {_short(text)}: cannot read {_short(item)}")
         return [item]
-    head, body, tail = item[:m.start()], m.group(1), item[m.end():]
+    head, body, tail = item[: m.start()], m.group(1), item[m.end() :]
     out: list[str] = []
     for part in body.split(","):
         r = _RANGE.match(part.strip())
         if r is None:
-            raise HexiSeqError(f"host list {_short(text)}: {_short(part)} is not a number or a range like 01-04")
+            raise HexiSeqError(
+                f"host list {_short(text)}: {_short(part)} is not a number or a range like 01-04"
+            )
         lo, hi = r.group(1), r.group(2) or r.group(1)
         if int(hi) < int(lo) or int(hi) - int(lo) > MAX_HOSTS:
             raise HexiSeqError(f"host list {_short(text)}: bad range {lo}-{hi}")
@@ -84,13 +89,18 @@ def _expand_one(item: str, text: str) -> list[str]:
 def rename_hosts(cluster: Any, hosts: Sequence[str]):
     """``cluster`` with node ``i`` (file order) renamed ``hosts[i]``; devices follow their node."""
     if len(hosts) != len(cluster.nodes):
-        raise HexiSeqError(f"{len(hosts)} host name(s) for {len(cluster.nodes)} node(s) of cluster "
-                           f"{cluster.name!r}: give one host per node, in the cluster file's node order")
+        raise HexiSeqError(
+            f"{len(hosts)} host name(s) for {len(cluster.nodes)} node(s) of cluster "
+            f"{cluster.name!r}: give one host per node, in the cluster file's node order"
+        )
     if len(set(hosts)) != len(hosts):
         raise HexiSeqError("the host names must be unique")
     names = {n.name: h for n, h in zip(cluster.nodes, hosts)}
-    return replace(cluster, nodes=tuple(replace(n, name=names[n.name]) for n in cluster.nodes),
-                   devices=tuple(replace(d, node=names[d.node]) for d in cluster.devices))
+    return replace(
+        cluster,
+        nodes=tuple(replace(n, name=names[n.name]) for n in cluster.nodes),
+        devices=tuple(replace(d, node=names[d.node]) for d in cluster.devices),
+    )
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -101,11 +111,15 @@ def _short(text: str, limit: int = 60) -> str:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.slurm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_hexiseq.slurm", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p0 = sub.add_parser("hostnames", help="print the hosts of a SLURM host list, one per line")
     p0.add_argument("hostlist")
-    p1 = sub.add_parser("cluster", help="write a cluster spec whose nodes are named after the given hosts")
+    p1 = sub.add_parser(
+        "cluster", help="write a cluster spec whose nodes are named after the given hosts"
+    )
     p1.add_argument("--cluster", required=True)
     p1.add_argument("--hosts", required=True)
     p1.add_argument("-o", "--output", required=True)

@@ -13,6 +13,7 @@ form the ``repr`` of a value (a YAML alias bomb or a 500-digit integer stays a s
 ``jsonschema`` is imported on first use: it costs about 0.1 s CPU, as much as all of
 ``megatron-hexiseq --help`` (~0.1 s CPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ def _int(checker: Any, x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _keyword(name: str, failed: Callable[[Any, Any, Any, Any], bool]) -> Callable[..., Iterator[Any]]:
+def _keyword(
+    name: str, failed: Callable[[Any, Any, Any, Any], bool]
+) -> Callable[..., Iterator[Any]]:
     """A keyword check whose error carries no message: the message is written by :func:`check`."""
     from jsonschema.exceptions import ValidationError
 
@@ -70,17 +73,28 @@ def _validator(name: str) -> Any:
     checker = base.TYPE_CHECKER.redefine_many({"integer": _int, "number": _finite_number})
     number = lambda v, x: v.is_type(x, "number")  # noqa: E731
     keywords = {
-        "type": _keyword("type", lambda v, t, x, s: not any(v.is_type(x, k) for k in ([t] if isinstance(t, str) else t))),
+        "type": _keyword(
+            "type",
+            lambda v, t, x, s: not any(v.is_type(x, k) for k in ([t] if isinstance(t, str) else t)),
+        ),
         "minimum": _keyword("minimum", lambda v, m, x, s: number(v, x) and x < m),
         "maximum": _keyword("maximum", lambda v, m, x, s: number(v, x) and x > m),
-        "minLength": _keyword("minLength", lambda v, m, x, s: v.is_type(x, "string") and len(x) < m),
+        "minLength": _keyword(
+            "minLength", lambda v, m, x, s: v.is_type(x, "string") and len(x) < m
+        ),
         "minItems": _keyword("minItems", lambda v, m, x, s: v.is_type(x, "array") and len(x) < m),
-        "enum": _keyword("enum", lambda v, e, x, s: not any(type(x) is type(y) and x == y for y in e)),
-        "required": _keyword("required", lambda v, r, x, s: v.is_type(x, "object") and any(k not in x for k in r)),
+        "enum": _keyword(
+            "enum", lambda v, e, x, s: not any(type(x) is type(y) and x == y for y in e)
+        ),
+        "required": _keyword(
+            "required", lambda v, r, x, s: v.is_type(x, "object") and any(k not in x for k in r)
+        ),
         "additionalProperties": _additional,
     }
     cls = jsonschema.validators.extend(base, validators=keywords, type_checker=checker)
-    schema = json.loads(resources.files("megatron_hexiseq").joinpath(f"schema/{name}.schema.json").read_text())
+    schema = json.loads(
+        resources.files("megatron_hexiseq").joinpath(f"schema/{name}.schema.json").read_text()
+    )
     return cls(schema)
 
 
@@ -100,9 +114,15 @@ def check(data: Any, name: str, where: Where) -> None:
     if err.validator == "additionalProperties":
         allowed = sorted(schema.get("properties", {}))
         unknown = sorted(short(k) for k in x if k not in allowed)
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-        raise HexiSeqError(f"{here}: unknown {schema.get('x-keys', 'key(s)')} {shown}; allowed: {', '.join(allowed)}")
-    raise HexiSeqError(f"{here} must be {schema.get('x-expected', 'valid')}, got {short(x)}{_range_note(schema, x)}")
+        shown = ", ".join(unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        raise HexiSeqError(
+            f"{here}: unknown {schema.get('x-keys', 'key(s)')} {shown}; allowed: {', '.join(allowed)}"
+        )
+    raise HexiSeqError(
+        f"{here} must be {schema.get('x-expected', 'valid')}, got {short(x)}{_range_note(schema, x)}"
+    )
 
 
 def _range_note(schema: Any, x: Any) -> str:

@@ -19,6 +19,7 @@ them:
 If every live rank is blocked, that is a deadlock: every rank gets ``SimError`` naming what each one
 waits for. ``run`` returns each rank's result or raises the first error.
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,8 +54,8 @@ class _Msg:
     tensor: torch.Tensor
     tag: int
     is_send: bool
-    key: tuple[int, int, int]      # (communicator, src, dst)
-    index: int                     # position among the messages of that key and direction
+    key: tuple[int, int, int]  # (communicator, src, dst)
+    index: int  # position among the messages of that key and direction
     done: bool = False
 
 
@@ -62,10 +63,10 @@ class _Msg:
 class _Op:
     rank: int
     group: SimGroup
-    kind: str                      # "batch" or a collective name
+    kind: str  # "batch" or a collective name
     msgs: list[_Msg] = field(default_factory=list)
-    payload: Any = None            # collectives: (output, input, splits...)
-    seq: int = 0                   # collectives: k-th collective of this rank on this group
+    payload: Any = None  # collectives: (output, input, splits...)
+    seq: int = 0  # collectives: k-th collective of this rank on this group
     done: bool = False
 
     def describe(self) -> str:
@@ -75,12 +76,20 @@ class _Op:
 
 
 class P2POp:
-    def __init__(self, op: Callable, tensor: torch.Tensor, peer: int, group: SimGroup | None = None,
-                 tag: int = 0) -> None:
+    def __init__(
+        self,
+        op: Callable,
+        tensor: torch.Tensor,
+        peer: int,
+        group: SimGroup | None = None,
+        tag: int = 0,
+    ) -> None:
         self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
 
 
-def isend(*args: Any, **kwargs: Any) -> None:  # markers, as torch.distributed.isend / irecv in P2POp
+def isend(
+    *args: Any, **kwargs: Any
+) -> None:  # markers, as torch.distributed.isend / irecv in P2POp
     raise AssertionError("use batch_isend_irecv")
 
 
@@ -138,8 +147,10 @@ class NcclSim:
                 self.groups.append(SimGroup(k, tuple(sorted(ranks))))
             g = self.groups[k]
             if g.ranks != tuple(sorted(ranks)):
-                self._fail(f"rank {self.local.rank}: new_group call {k} has ranks {sorted(ranks)}, another rank "
-                           f"created {list(g.ranks)} (new_group calls out of order)")
+                self._fail(
+                    f"rank {self.local.rank}: new_group call {k} has ranks {sorted(ranks)}, another rank "
+                    f"created {list(g.ranks)} (new_group calls out of order)"
+                )
             return g
 
     def batch_isend_irecv(self, ops: list[P2POp]) -> list[_Work]:
@@ -161,11 +172,21 @@ class NcclSim:
             self._progress()
         return [_Work(self, op)]
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                          input_split_sizes: list[int], group: SimGroup | None = None) -> None:
-        self._collective("all_to_all", group, (output, input, list(output_split_sizes), list(input_split_sizes)))
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        group: SimGroup | None = None,
+    ) -> None:
+        self._collective(
+            "all_to_all", group, (output, input, list(output_split_sizes), list(input_split_sizes))
+        )
 
-    def all_reduce(self, tensor: torch.Tensor, group: SimGroup | None = None, **kwargs: Any) -> None:
+    def all_reduce(
+        self, tensor: torch.Tensor, group: SimGroup | None = None, **kwargs: Any
+    ) -> None:
         self._collective("all_reduce", group, (tensor,))
 
     # ---- running ranks -----------------------------------------------------------------------
@@ -254,13 +275,17 @@ class NcclSim:
                 continue
             send, recv = (msg, theirs) if msg.is_send else (theirs, msg)
             if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
-                self._fail(f"P2P mismatch on {op.group}: rank {send.op.rank} sends {tuple(send.tensor.shape)} "
-                           f"{send.tensor.dtype} (tag {send.tag}) where rank {recv.op.rank} receives "
-                           f"{tuple(recv.tensor.shape)} {recv.tensor.dtype} (tag {recv.tag})")
+                self._fail(
+                    f"P2P mismatch on {op.group}: rank {send.op.rank} sends {tuple(send.tensor.shape)} "
+                    f"{send.tensor.dtype} (tag {send.tag}) where rank {recv.op.rank} receives "
+                    f"{tuple(recv.tensor.shape)} {recv.tensor.dtype} (tag {recv.tag})"
+                )
                 return False
             if send.tag != recv.tag:
-                self._fail(f"P2P order mismatch on {op.group}: rank {recv.op.rank} receives message tag "
-                           f"{send.tag} from rank {send.op.rank} where it expects tag {recv.tag}")
+                self._fail(
+                    f"P2P order mismatch on {op.group}: rank {recv.op.rank} receives message tag "
+                    f"{send.tag} from rank {send.op.rank} where it expects tag {recv.tag}"
+                )
                 return False
             recv.tensor.copy_(send.tensor)
             send.done = recv.done = changed = True
@@ -276,8 +301,10 @@ class NcclSim:
             if head is None or not self._active(head) or head.kind == "batch":
                 return False
             if head.kind != op.kind or head.seq != op.seq:
-                self._fail(f"collective mismatch on {op.group}: rank {op.rank} runs {op.describe()}, rank {r} "
-                           f"runs {head.describe()}")
+                self._fail(
+                    f"collective mismatch on {op.group}: rank {op.rank} runs {op.describe()}, rank {r} "
+                    f"runs {head.describe()}"
+                )
                 return False
             members.append(head)
         if op.kind == "all_reduce":
@@ -291,11 +318,13 @@ class NcclSim:
                 for j, mj in enumerate(members):
                     _, inp, _, in_splits = mj.payload
                     if in_splits[i] != out_splits[j]:
-                        self._fail(f"all_to_all split mismatch on {op.group}: rank {mj.rank} sends "
-                                   f"{in_splits[i]} to rank {mi.rank}, which expects {out_splits[j]}")
+                        self._fail(
+                            f"all_to_all split mismatch on {op.group}: rank {mj.rank} sends "
+                            f"{in_splits[i]} to rank {mi.rank}, which expects {out_splits[j]}"
+                        )
                         return False
                     start = sum(in_splits[:i])
-                    pieces.append(inp[start:start + in_splits[i]])
+                    pieces.append(inp[start : start + in_splits[i]])
                 out.copy_(torch.cat(pieces) if pieces else out)
         for m in members:
             m.done = True
@@ -318,10 +347,17 @@ class NcclSim:
             self._progress()
             if any(o.done for o in self.blocked.values()):
                 return  # a blocked rank can go on: it wakes on notify
-            waits = "; ".join(f"rank {r} waits for {o.describe()}"
-                              + ("" if o.group.ready else f" (members {sorted(set(o.group.ranks) - o.group.first_posted)} "
-                                 "never joined its first operation)")
-                              for r, o in sorted(self.blocked.items()) if not o.done)
+            waits = "; ".join(
+                f"rank {r} waits for {o.describe()}"
+                + (
+                    ""
+                    if o.group.ready
+                    else f" (members {sorted(set(o.group.ranks) - o.group.first_posted)} "
+                    "never joined its first operation)"
+                )
+                for r, o in sorted(self.blocked.items())
+                if not o.done
+            )
             self._fail(f"deadlock: {waits}")
 
     def _fail(self, message: str) -> None:

@@ -6,6 +6,7 @@ the reference kernel in float64 on the same rounded inputs, with the normwise bo
 ``kernel_check`` (derived from the dtype's unit roundoff); ``auto`` must pass its start-up check;
 and a received block's peak memory must grow linearly with the key count (no [S, T] tensor).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,21 +14,36 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_hexiseq.attention.kernel_check import (BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, LSE_ROUNDINGS,
-                                                     check_kernel, normwise_bound, normwise_error)
+from megatron_hexiseq.attention.kernel_check import (
+    BACKWARD_ROUNDINGS,
+    FORWARD_ROUNDINGS,
+    LSE_ROUNDINGS,
+    check_kernel,
+    normwise_bound,
+    normwise_error,
+)
 from megatron_hexiseq.attention.kernels import Kernel, block_backward, block_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CASES = [(Kernel.FLASH, torch.bfloat16), (Kernel.FLASH, torch.float16), (Kernel.EFFICIENT, torch.bfloat16),
-         (Kernel.EFFICIENT, torch.float16), (Kernel.EFFICIENT, torch.float32)]
+CASES = [
+    (Kernel.FLASH, torch.bfloat16),
+    (Kernel.FLASH, torch.float16),
+    (Kernel.EFFICIENT, torch.bfloat16),
+    (Kernel.EFFICIENT, torch.float16),
+    (Kernel.EFFICIENT, torch.float32),
+]
 if importlib.util.find_spec("flash_attn") is not None:
     CASES += [(Kernel.FLASH_ATTN, torch.bfloat16)]
 
 
 def _run(kernel, q, k, v, dout, causal, dtype):
-    kw = dict(causal=causal, kv_of_head_H=torch.tensor([0, 0, 1, 1], device=q.device), scale=q.shape[-1] ** -0.5,
-              kernel=kernel)
+    kw = dict(
+        causal=causal,
+        kv_of_head_H=torch.tensor([0, 0, 1, 1], device=q.device),
+        scale=q.shape[-1] ** -0.5,
+        kernel=kernel,
+    )
     out, lse = block_forward(q, k, v, **kw)
     final = out if kernel is Kernel.REFERENCE else out.to(dtype)
     return (out, lse, *block_backward(dout, q, k, v, final, lse, **kw))
@@ -36,7 +52,9 @@ def _run(kernel, q, k, v, dout, causal, dtype):
 @pytest.mark.parametrize("kernel,dtype", CASES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cuda_kernels_match_float64_reference(kernel: Kernel, dtype: torch.dtype, causal: bool, head_dim: int) -> None:
+def test_cuda_kernels_match_float64_reference(
+    kernel: Kernel, dtype: torch.dtype, causal: bool, head_dim: int
+) -> None:
     gen = torch.Generator().manual_seed(0)
     S, T, B = 200, (200 if causal else 333), 2
     q = torch.randn(S, B, 4, head_dim, generator=gen).to(dtype).cuda()
@@ -44,10 +62,19 @@ def test_cuda_kernels_match_float64_reference(kernel: Kernel, dtype: torch.dtype
     dout = torch.randn(S, B, 4, head_dim, generator=gen).to(dtype).cuda()
     got = _run(kernel, q, k, v, dout, causal, dtype)
     want = _run(Kernel.REFERENCE, *(x.double() for x in (q, k, v, dout)), causal, torch.float64)
-    for name, g, w, r in zip(("out", "lse", "dq", "dk", "dv"), got, want,
-                             (FORWARD_ROUNDINGS, LSE_ROUNDINGS, *(BACKWARD_ROUNDINGS,) * 3)):
-        err, bound = normwise_error(g, w), normwise_bound(dtype, roundings=r, reduction=T, device=q.device)
-        assert err <= bound, f"{kernel.value} {dtype} {name}: normwise error {err:.3g} > {bound:.3g}"
+    for name, g, w, r in zip(
+        ("out", "lse", "dq", "dk", "dv"),
+        got,
+        want,
+        (FORWARD_ROUNDINGS, LSE_ROUNDINGS, *(BACKWARD_ROUNDINGS,) * 3),
+    ):
+        err, bound = (
+            normwise_error(g, w),
+            normwise_bound(dtype, roundings=r, reduction=T, device=q.device),
+        )
+        assert err <= bound, (
+            f"{kernel.value} {dtype} {name}: normwise error {err:.3g} > {bound:.3g}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -58,13 +85,14 @@ def test_auto_passes_its_start_up_check(dtype: torch.dtype) -> None:
 
 def test_received_block_memory_is_linear_in_keys() -> None:
     """Peak extra memory of one full block fwd+bwd at T and 4T keys: ratio ~4 (S*T would be 16)."""
+
     def peak(T: int) -> int:
         q = torch.randn(1024, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(T, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        kw = dict(causal=False, kv_of_head_H=None, scale=128 ** -0.5, kernel=Kernel.FLASH)
+        kw = dict(causal=False, kv_of_head_H=None, scale=128**-0.5, kernel=Kernel.FLASH)
         out, lse = block_forward(q, k, v, **kw)
         block_backward(torch.ones_like(q), q, k, v, out, lse, **kw)
         torch.cuda.synchronize()

@@ -9,6 +9,7 @@ Processes for worlds 2, 3, 4, 8 (20 seeded random layouts, the named cases of th
 zig-zag split, two domains on 6 ranks); the named cases of worlds 5 and 6 run in threads under NCCL's
 rules (tests/nccl_sim.py), where the broad random test lives too (test_nccl_rules.py).
 """
+
 from __future__ import annotations
 
 import random
@@ -18,7 +19,12 @@ import pytest
 import torch
 
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func, reference_attention
-from megatron_hexiseq.attention.kernel_check import BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound, normwise_error
+from megatron_hexiseq.attention.kernel_check import (
+    BACKWARD_ROUNDINGS,
+    FORWARD_ROUNDINGS,
+    normwise_bound,
+    normwise_error,
+)
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
 from megatron_hexiseq.testbed.spawn import run_ranks
@@ -46,7 +52,13 @@ def _full_inputs(case: Case):
     """Seeded full-sequence q, k, v, dout (float64; already rounded to bf16/fp16 for those cases)."""
     lay = case.layout
     gen = torch.Generator().manual_seed(case.seed)
-    S, B, D, H, G = lay.seq_length, case.batch, case.head_dim, lay.num_attention_heads, lay.num_query_groups
+    S, B, D, H, G = (
+        lay.seq_length,
+        case.batch,
+        case.head_dim,
+        lay.num_attention_heads,
+        lay.num_query_groups,
+    )
     q = torch.randn(S, B, H, D, generator=gen, dtype=torch.float64)
     k = torch.randn(S, B, G, D, generator=gen, dtype=torch.float64)
     v = torch.randn(S, B, G, D, generator=gen, dtype=torch.float64)
@@ -69,18 +81,34 @@ def _run_case(case: Case, groups, pos: torch.Tensor, select=None) -> None:
     ref = _reference(q, k, v, dout)
     select = select or (lambda x: x[pos])
     ql, kl, vl = (select(x).to(case.dtype).requires_grad_() for x in (q, k, v))
-    out = hexiseq_attn_func(ql, kl, vl, groups=groups, kernel=case.kernel, comm_chunks=case.comm_chunks,
-                            fp32_grad_wire=case.fp32_grad_wire)
+    out = hexiseq_attn_func(
+        ql,
+        kl,
+        vl,
+        groups=groups,
+        kernel=case.kernel,
+        comm_chunks=case.comm_chunks,
+        fp32_grad_wire=case.fp32_grad_wire,
+    )
     out.backward(select(dout).to(case.dtype))
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref):
         if case.dtype in LOW_PRECISION:
-            bound = normwise_bound(case.dtype, roundings=FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS,
-                                   reduction=case.layout.seq_length)
+            bound = normwise_bound(
+                case.dtype,
+                roundings=FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS,
+                reduction=case.layout.seq_length,
+            )
             err = normwise_error(got, select(want))
-            assert err <= bound, f"{case.name} rank {groups.rank} {name}: normwise error {err:.3g} > {bound:.3g}"
+            assert err <= bound, (
+                f"{case.name} rank {groups.rank} {name}: normwise error {err:.3g} > {bound:.3g}"
+            )
             continue
-        torch.testing.assert_close(got.double(), select(want), **TOL[case.dtype],
-                                   msg=lambda m, n=name: f"{case.name} rank {groups.rank} {n}: {m}")
+        torch.testing.assert_close(
+            got.double(),
+            select(want),
+            **TOL[case.dtype],
+            msg=lambda m, n=name: f"{case.name} rank {groups.rank} {n}: {m}",
+        )
 
 
 def _worker(rank: int, world: int, cases: list[Case]) -> int:
@@ -95,36 +123,106 @@ def _named_cases(world: int) -> list[Case]:
     out = []
     if world == 4:
         # groups [3, 1]; rank 1 holds no tokens, rank 2 no heads; H=8/G=2 with a split GQA group
-        lay = make_layout(seq_length=23, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
-                          segments=[[(0, 3), (17, 23)], [], [(3, 5), (9, 11)], [(5, 9), (11, 17)]],
-                          heads=[[0, 1, 2], [3, 4, 5, 6, 7], [], list(range(8))])
+        lay = make_layout(
+            seq_length=23,
+            num_attention_heads=8,
+            num_query_groups=2,
+            group_sizes=[3, 1],
+            segments=[[(0, 3), (17, 23)], [], [(3, 5), (9, 11)], [(5, 9), (11, 17)]],
+            heads=[[0, 1, 2], [3, 4, 5, 6, 7], [], list(range(8))],
+        )
         out.append(Case("groups31_zero_token_zero_head", lay))
-        out.append(Case("groups31_sdpa_fp32", lay, dtype=torch.float32, kernel="cpu-flash", comm_chunks=2))
-        out.append(Case("groups31_bf16", lay, dtype=torch.bfloat16, kernel="auto", comm_chunks=2, head_dim=8))
-        out.append(Case("groups31_bf16_fp32_wire", lay, dtype=torch.bfloat16, comm_chunks=2, head_dim=8,
-                        kernel="auto", fp32_grad_wire=True))
+        out.append(
+            Case("groups31_sdpa_fp32", lay, dtype=torch.float32, kernel="cpu-flash", comm_chunks=2)
+        )
+        out.append(
+            Case(
+                "groups31_bf16", lay, dtype=torch.bfloat16, kernel="auto", comm_chunks=2, head_dim=8
+            )
+        )
+        out.append(
+            Case(
+                "groups31_bf16_fp32_wire",
+                lay,
+                dtype=torch.bfloat16,
+                comm_chunks=2,
+                head_dim=8,
+                kernel="auto",
+                fp32_grad_wire=True,
+            )
+        )
     if world == 5:
         # groups [2, 2, 1]; H=6/G=3, non-contiguous heads; a 0-token rank in the middle group
-        lay = make_layout(seq_length=31, num_attention_heads=6, num_query_groups=3, group_sizes=[2, 2, 1],
-                          segments=[[(0, 4), (27, 31)], [(4, 9)], [(9, 12), (20, 27)], [], [(12, 20)]],
-                          heads=[[0, 3, 5], [1, 2, 4], [0, 1, 2, 3], [4, 5], list(range(6))])
+        lay = make_layout(
+            seq_length=31,
+            num_attention_heads=6,
+            num_query_groups=3,
+            group_sizes=[2, 2, 1],
+            segments=[[(0, 4), (27, 31)], [(4, 9)], [(9, 12), (20, 27)], [], [(12, 20)]],
+            heads=[[0, 3, 5], [1, 2, 4], [0, 1, 2, 3], [4, 5], list(range(6))],
+        )
         out.append(Case("groups221_gqa63", lay, batch=3))
     if world == 6:
         # groups [3, 2, 1]; H=6/G=3; one group ends before the others start (hidden blocks)
-        lay = make_layout(seq_length=29, num_attention_heads=6, num_query_groups=3, group_sizes=[3, 2, 1],
-                          segments=[[(20, 22)], [(22, 29)], [(18, 20)], [(0, 5)], [(5, 9)], [(9, 18)]],
-                          heads=[[0], [1, 2, 3], [4, 5], [0, 1, 2, 5], [3, 4], list(range(6))])
+        lay = make_layout(
+            seq_length=29,
+            num_attention_heads=6,
+            num_query_groups=3,
+            group_sizes=[3, 2, 1],
+            segments=[[(20, 22)], [(22, 29)], [(18, 20)], [(0, 5)], [(5, 9)], [(9, 18)]],
+            heads=[[0], [1, 2, 3], [4, 5], [0, 1, 2, 5], [3, 4], list(range(6))],
+        )
         out.append(Case("groups321_gqa63", lay, comm_chunks=2))
     if world == 8:
         # groups [4, 2, 2]; H=12/G=4 uneven heads; MQA variant
-        segs = [[(0, 2)], [(2, 5), (40, 44)], [(5, 9)], [(9, 10)], [(10, 20)], [(20, 25), (33, 40)], [(25, 33)], [(44, 50)]]
-        heads = [[0, 1, 2, 3, 4], [5, 6], [7, 8, 9], [10, 11], list(range(7)), list(range(7, 12)),
-                 [0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]]
-        out.append(Case("groups422_gqa124", make_layout(seq_length=50, num_attention_heads=12, num_query_groups=4,
-                                                        group_sizes=[4, 2, 2], segments=segs, heads=heads)))
-        out.append(Case("groups422_mqa", make_layout(seq_length=50, num_attention_heads=12, num_query_groups=1,
-                                                     group_sizes=[4, 2, 2], segments=segs, heads=heads),
-                        dtype=torch.float32, comm_chunks=3))
+        segs = [
+            [(0, 2)],
+            [(2, 5), (40, 44)],
+            [(5, 9)],
+            [(9, 10)],
+            [(10, 20)],
+            [(20, 25), (33, 40)],
+            [(25, 33)],
+            [(44, 50)],
+        ]
+        heads = [
+            [0, 1, 2, 3, 4],
+            [5, 6],
+            [7, 8, 9],
+            [10, 11],
+            list(range(7)),
+            list(range(7, 12)),
+            [0, 2, 4, 6, 8, 10],
+            [1, 3, 5, 7, 9, 11],
+        ]
+        out.append(
+            Case(
+                "groups422_gqa124",
+                make_layout(
+                    seq_length=50,
+                    num_attention_heads=12,
+                    num_query_groups=4,
+                    group_sizes=[4, 2, 2],
+                    segments=segs,
+                    heads=heads,
+                ),
+            )
+        )
+        out.append(
+            Case(
+                "groups422_mqa",
+                make_layout(
+                    seq_length=50,
+                    num_attention_heads=12,
+                    num_query_groups=1,
+                    group_sizes=[4, 2, 2],
+                    segments=segs,
+                    heads=heads,
+                ),
+                dtype=torch.float32,
+                comm_chunks=3,
+            )
+        )
     return out
 
 
@@ -142,8 +240,18 @@ def _random_cases(world: int) -> list[Case]:
         lay = random_layout(rng, world)
         dtype = torch.float32 if i % 3 == 2 else torch.bfloat16 if i % 5 == 3 else torch.float64
         kernel = "auto" if i % 4 == 1 or dtype == torch.bfloat16 else "reference"
-        cases.append(Case(f"random{world}_{i}", lay, dtype=dtype, kernel=kernel, comm_chunks=1 + i % 3,
-                          batch=1 + i % 2, head_dim=2 + 2 * (i % 3), seed=i))
+        cases.append(
+            Case(
+                f"random{world}_{i}",
+                lay,
+                dtype=dtype,
+                kernel=kernel,
+                comm_chunks=1 + i % 3,
+                batch=1 + i % 2,
+                head_dim=2 + 2 * (i % 3),
+                seed=i,
+            )
+        )
     return cases
 
 
@@ -187,10 +295,20 @@ def _even_layouts(S: int, cp: int, H: int, G: int) -> list[tuple[str, Layout]]:
     out = []
     for name, gsize in (("ring", 1), ("ulysses", cp), ("usp", 2)):
         counts = split_evenly(H, gsize)
-        per_group = [list(range(sum(counts[:i]), sum(counts[:i + 1]))) for i in range(gsize)]
-        out.append((name, make_layout(seq_length=S, num_attention_heads=H, num_query_groups=G,
-                                      group_sizes=[gsize] * (cp // gsize), segments=segs,
-                                      heads=per_group * (cp // gsize))))
+        per_group = [list(range(sum(counts[:i]), sum(counts[: i + 1]))) for i in range(gsize)]
+        out.append(
+            (
+                name,
+                make_layout(
+                    seq_length=S,
+                    num_attention_heads=H,
+                    num_query_groups=G,
+                    group_sizes=[gsize] * (cp // gsize),
+                    segments=segs,
+                    heads=per_group * (cp // gsize),
+                ),
+            )
+        )
     return out
 
 
@@ -206,10 +324,17 @@ def _megatron_worker(rank: int, world: int, S: int) -> int:
         assert mine.tolist() == lay.ranks[rank].positions(), (name, mine.tolist())
 
         def megatron_split(x):  # [S, B, ...] -> this rank's Megatron shard [s, B, ...]
-            return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)}, cp_group=groups.cp_group)["x"].transpose(0, 1)
+            return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)}, cp_group=groups.cp_group)[
+                "x"
+            ].transpose(0, 1)
 
         for kernel in ("reference", "auto"):
-            _run_case(Case(f"megatron_{name}_{kernel}", lay, kernel=kernel), groups, None, select=megatron_split)
+            _run_case(
+                Case(f"megatron_{name}_{kernel}", lay, kernel=kernel),
+                groups,
+                None,
+                select=megatron_split,
+            )
             done += 1
     return done
 
@@ -229,6 +354,12 @@ def _domains_worker(rank: int, world: int, lay: Layout) -> int:
 
 
 def test_two_domains_run_independent_copies() -> None:
-    lay = make_layout(seq_length=17, num_attention_heads=4, num_query_groups=2, group_sizes=[2, 1],
-                      segments=[[(0, 3), (12, 17)], [(3, 6)], [(6, 12)]], heads=[[0, 1, 3], [2], [0, 1, 2, 3]])
+    lay = make_layout(
+        seq_length=17,
+        num_attention_heads=4,
+        num_query_groups=2,
+        group_sizes=[2, 1],
+        segments=[[(0, 3), (12, 17)], [(3, 6)], [(6, 12)]],
+        heads=[[0, 1, 3], [2], [0, 1, 2, 3]],
+    )
     assert run_ranks(_domains_worker, 6, lay) == [0, 1, 2, 0, 1, 2]

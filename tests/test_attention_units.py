@@ -8,6 +8,7 @@ table in three plain Python subprocesses with different hash seeds (the only pro
 Tolerances: float64 1e-10 (a few hundred roundings of 1.1e-16), float32 1e-5 relative to a float64
 oracle (reductions of <= 40 terms, u = 6e-8).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,10 +18,25 @@ import pytest
 import torch
 
 from megatron_hexiseq.attention.kernel_check import check_kernel, normwise_bound, normwise_error
-from megatron_hexiseq.attention.kernels import (Kernel, block_backward, block_forward, merge_into, parse_kernel,
-                                                resolve_kernel)
-from megatron_hexiseq.attention.peers import (block_calls, build_schedule, build_transfers, group_pieces, group_runs,
-                                              runs_num_tokens, runs_positions, split_runs, trim_runs)
+from megatron_hexiseq.attention.kernels import (
+    Kernel,
+    block_backward,
+    block_forward,
+    merge_into,
+    parse_kernel,
+    resolve_kernel,
+)
+from megatron_hexiseq.attention.peers import (
+    block_calls,
+    build_schedule,
+    build_transfers,
+    group_pieces,
+    group_runs,
+    runs_num_tokens,
+    runs_positions,
+    split_runs,
+    trim_runs,
+)
 from megatron_hexiseq.attention.reference import reference_attention
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.errors import HexiSeqError
@@ -43,14 +59,19 @@ def _plain_block(q, k, v, kv_of_head, scale, causal):
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_kernels_match_plain_autograd(kernel: Kernel, dtype: torch.dtype, causal: bool) -> None:
+def test_block_kernels_match_plain_autograd(
+    kernel: Kernel, dtype: torch.dtype, causal: bool
+) -> None:
     """One block, GQA (6 query heads on 2 K/V heads): forward and the recompute backward (with the
     block's own out/lse as the final ones) equal autograd of plain attention."""
     gen = torch.Generator().manual_seed(0)
     S, B, H, G, D = 7, 2, 6, 2, 4
     T = S if causal else 9
     q = torch.randn(S, B, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(T, B, G, D, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    k, v = (
+        torch.randn(T, B, G, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
     dout = torch.randn(S, B, H, D, generator=gen, dtype=torch.float64)
     kv_of_head = torch.tensor([0, 0, 0, 1, 1, 1])
     want_out, want_lse = _plain_block(q, k, v, kv_of_head, 0.3, causal)
@@ -75,7 +96,10 @@ def test_mask_free_calls_merged_equal_full_attention(kernel: Kernel) -> None:
     gen = torch.Generator().manual_seed(1)
     S, B, H, G, D = 10, 2, 4, 2, 3
     scale = 1 / math.sqrt(D)
-    q, k, v = (torch.randn(S, B, n, D, generator=gen, dtype=torch.float64, requires_grad=True) for n in (H, G, G))
+    q, k, v = (
+        torch.randn(S, B, n, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        for n in (H, G, G)
+    )
     dout = torch.randn(S, B, H * D, generator=gen, dtype=torch.float64)
     mine, other = [2, 3, 7, 8, 9], [0, 1, 4, 5, 6]
     ref = reference_attention(q, k, v, softmax_scale=scale)
@@ -91,12 +115,16 @@ def test_mask_free_calls_merged_equal_full_attention(kernel: Kernel) -> None:
     for lo, hi, n in calls:
         o, l_ = block_forward(qm[lo:hi], kb[:n], vb[:n], causal=False, **kw)
         out[lo:hi], lse[lo:hi] = merge_into(out[lo:hi], lse[lo:hi], o, l_)
-    torch.testing.assert_close(out.reshape(len(mine), B, H * D), ref.detach()[mine], **TOL[torch.float64])
+    torch.testing.assert_close(
+        out.reshape(len(mine), B, H * D), ref.detach()[mine], **TOL[torch.float64]
+    )
     do = dout[mine].view(len(mine), B, H, D)
     dq, dkm, dvm = block_backward(do, qm, km, vm, out, lse, causal=True, **kw)
     dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
     for lo, hi, n in calls:
-        gq, gk, gv = block_backward(do[lo:hi], qm[lo:hi], kb[:n], vb[:n], out[lo:hi], lse[lo:hi], causal=False, **kw)
+        gq, gk, gv = block_backward(
+            do[lo:hi], qm[lo:hi], kb[:n], vb[:n], out[lo:hi], lse[lo:hi], causal=False, **kw
+        )
         dq[lo:hi] += gq
         dkb[:n] += gk
         dvb[:n] += gv
@@ -114,7 +142,10 @@ def test_kernel_dispatch_by_device_and_dtype() -> None:
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         assert resolve_kernel("auto", device=cpu, dtype=dtype, head_dim=64) is Kernel.CPU_FLASH
     assert parse_kernel("sdpa") is Kernel.AUTO  # the former name
-    assert resolve_kernel("reference", device=cpu, dtype=torch.bfloat16, head_dim=7) is Kernel.REFERENCE
+    assert (
+        resolve_kernel("reference", device=cpu, dtype=torch.bfloat16, head_dim=7)
+        is Kernel.REFERENCE
+    )
     for name in ("flash", "efficient", "flash-attn"):
         with pytest.raises(HexiSeqError, match=f"'{name}' runs on CUDA tensors"):
             resolve_kernel(name, device=cpu, dtype=torch.bfloat16, head_dim=64)
@@ -124,7 +155,10 @@ def test_kernel_dispatch_by_device_and_dtype() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_start_up_check_proves_cpu_kernel(dtype: torch.dtype) -> None:
-    assert check_kernel("auto", device=torch.device("cpu"), dtype=dtype, head_dim=16) is Kernel.CPU_FLASH
+    assert (
+        check_kernel("auto", device=torch.device("cpu"), dtype=dtype, head_dim=16)
+        is Kernel.CPU_FLASH
+    )
 
 
 def test_start_up_check_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,13 +171,19 @@ def test_start_up_check_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> No
         raise RuntimeError("no kernel image is available for execution on the device\nmore text")
 
     monkeypatch.setitem(kernels._FORWARD, Kernel.CPU_FLASH, broken)
-    with pytest.raises(HexiSeqError, match=r"'cpu-flash' on cpu float32, head dim 16 failed its start-up check: "
-                                           r"out of a causal block is off by") as err:
+    with pytest.raises(
+        HexiSeqError,
+        match=r"'cpu-flash' on cpu float32, head dim 16 failed its start-up check: "
+        r"out of a causal block is off by",
+    ) as err:
         check_kernel("auto", device=torch.device("cpu"), dtype=torch.float32, head_dim=16)
     assert "\n" not in str(err.value)
     monkeypatch.setitem(kernels._FORWARD, Kernel.CPU_FLASH, crashing)
-    with pytest.raises(HexiSeqError, match=r"\(RuntimeError: no kernel image is available for execution on the "
-                                           r"device\); choose another") as err:
+    with pytest.raises(
+        HexiSeqError,
+        match=r"\(RuntimeError: no kernel image is available for execution on the "
+        r"device\); choose another",
+    ) as err:
         check_kernel("cpu-flash", device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=16)
     assert "\n" not in str(err.value)
 
@@ -151,7 +191,9 @@ def test_start_up_check_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> No
 def test_normwise_bounds_follow_the_dtype() -> None:
     u_bf16 = torch.finfo(torch.bfloat16).eps / 2
     assert normwise_bound(torch.bfloat16, roundings=3, reduction=0) == 6 * u_bf16
-    assert normwise_bound(torch.float32, roundings=3, reduction=10) == pytest.approx(2 * 13 * 2 ** -24)
+    assert normwise_bound(torch.float32, roundings=3, reduction=10) == pytest.approx(
+        2 * 13 * 2**-24
+    )
     assert normwise_error(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])) == 1.0
 
 
@@ -161,8 +203,15 @@ def test_reference_attention_matches_torch_causal_sdpa() -> None:
     k = torch.randn(10, 2, 3, 4, generator=gen, dtype=torch.float64)
     v = torch.randn(10, 2, 3, 4, generator=gen, dtype=torch.float64)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(reference_attention(q, k, v), want.permute(2, 0, 1, 3).reshape(10, 2, 24))
+        q.permute(1, 2, 0, 3),
+        k.permute(1, 2, 0, 3),
+        v.permute(1, 2, 0, 3),
+        is_causal=True,
+        enable_gqa=True,
+    )
+    torch.testing.assert_close(
+        reference_attention(q, k, v), want.permute(2, 0, 1, 3).reshape(10, 2, 24)
+    )
 
 
 # ---- peer tables ------------------------------------------------------------------------------
@@ -191,7 +240,9 @@ def test_transfers_cover_needed_heads_and_only_visible_tokens(chunks: int) -> No
                     continue
                 src_group = lay.ranks[x.src].group
                 assert src_group != r.group
-                assert [lay.kv_heads(x.src)[i] for i in x.src_heads] == [kv_r[i] for i in x.dst_heads]
+                assert [lay.kv_heads(x.src)[i] for i in x.src_heads] == [
+                    kv_r[i] for i in x.dst_heads
+                ]
                 for i in x.dst_heads:
                     got.setdefault((src_group, kv_r[i]), []).extend(runs_positions(x.runs))
             max_q = max(e for s, e in lay.group_segments(g.id)) - 1
@@ -204,7 +255,9 @@ def test_transfers_cover_needed_heads_and_only_visible_tokens(chunks: int) -> No
                     assert got.get((other.id, k), []) == visible
             assert sum(len(v) for v in got.values()) == sum(
                 len([p for p in runs_positions(group_runs(lay, o.id)) if p <= max_q]) * len(kv_r)
-                for o in lay.groups if o.id != g.id)
+                for o in lay.groups
+                if o.id != g.id
+            )
 
 
 _TABLES = """
@@ -226,19 +279,39 @@ def test_every_process_builds_the_same_transfer_table() -> None:
     import subprocess
     import sys
 
-    out = [subprocess.run([sys.executable, "-c", _TABLES], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "12345")]
+    out = [
+        subprocess.run(
+            [sys.executable, "-c", _TABLES],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("0", "1", "12345")
+    ]
     assert out[0].count("\n") == 20 and out[0] == out[1] == out[2]
 
 
 def test_holders_are_balanced_and_zero_head_ranks_idle() -> None:
     # group 0 (ranks 0,1) both hold K/V head 0 (MQA); group 1 (ranks 2,3) both need it
-    lay = make_layout(seq_length=8, num_attention_heads=4, num_query_groups=1, group_sizes=[2, 2],
-                      segments=[[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]], heads=[[0, 1], [2, 3], [0, 1, 2, 3], []])
+    lay = make_layout(
+        seq_length=8,
+        num_attention_heads=4,
+        num_query_groups=1,
+        group_sizes=[2, 2],
+        segments=[[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]],
+        heads=[[0, 1], [2, 3], [0, 1, 2, 3], []],
+    )
     transfers, _ = build_transfers(lay)
     assert {(x.src, x.dst) for x in transfers} == {(0, 2)}  # rank 3 has no heads: receives nothing
-    lay2 = make_layout(seq_length=8, num_attention_heads=4, num_query_groups=1, group_sizes=[2, 2],
-                       segments=[[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]], heads=[[0, 1], [2, 3], [0, 1], [2, 3]])
+    lay2 = make_layout(
+        seq_length=8,
+        num_attention_heads=4,
+        num_query_groups=1,
+        group_sizes=[2, 2],
+        segments=[[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]],
+        heads=[[0, 1], [2, 3], [0, 1], [2, 3]],
+    )
     transfers, _ = build_transfers(lay2)
     assert {(x.src, x.dst) for x in transfers} == {(0, 2), (1, 3)}  # one holder each: balanced
     sched = build_schedule(lay, 3)
@@ -247,8 +320,14 @@ def test_holders_are_balanced_and_zero_head_ranks_idle() -> None:
 
 def test_schedule_marks_full_blocks() -> None:
     # group 1 [6, 12) sees group 0's tokens [0, 6) fully; group 0 sees nothing of group 1
-    lay = make_layout(seq_length=12, num_attention_heads=2, num_query_groups=2, group_sizes=[1, 1],
-                      segments=[[(0, 6)], [(6, 12)]], heads=[[0, 1], [0, 1]])
+    lay = make_layout(
+        seq_length=12,
+        num_attention_heads=2,
+        num_query_groups=2,
+        group_sizes=[1, 1],
+        segments=[[(0, 6)], [(6, 12)]],
+        heads=[[0, 1], [0, 1]],
+    )
     s0, s1 = build_schedule(lay, 0, 2), build_schedule(lay, 1, 2)
     assert all(not st.computes for st in s0.steps) and len(s0.steps) == 2  # rank 0 only sends
     assert [st.calls for st in s1.steps] == [((0, 6, 3),), ((0, 6, 3),)]  # every row sees every key
@@ -257,14 +336,29 @@ def test_schedule_marks_full_blocks() -> None:
 
 def test_zigzag_ring_calls_split_like_megatron() -> None:
     """Even 2-rank zig-zag ring: rank 0's early chunk sees nothing of rank 1, its late chunk all."""
-    lay = make_layout(seq_length=8, num_attention_heads=2, num_query_groups=1, group_sizes=[1, 1],
-                      segments=[[(0, 2), (6, 8)], [(2, 6)]], heads=[[0, 1], [0, 1]])
+    lay = make_layout(
+        seq_length=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        group_sizes=[1, 1],
+        segments=[[(0, 2), (6, 8)], [(2, 6)]],
+        heads=[[0, 1], [0, 1]],
+    )
     (st0,), (st1,) = build_schedule(lay, 0).steps, build_schedule(lay, 1).steps
     assert st0.calls == ((2, 4, 4),) and runs_positions(st0.k_runs) == [2, 3, 4, 5]
-    assert st1.calls == ((0, 4, 2),) and runs_positions(st1.k_runs) == [0, 1]  # [6, 8) is hidden: not sent
+    assert st1.calls == ((0, 4, 2),) and runs_positions(st1.k_runs) == [
+        0,
+        1,
+    ]  # [6, 8) is hidden: not sent
     # rows at positions 0 / 4 / 7 against keys {1, 2, 3, 5, 6}: none, a prefix of 3, all 5
-    lay2 = make_layout(seq_length=8, num_attention_heads=1, num_query_groups=1, group_sizes=[1, 1],
-                       segments=[[(0, 1), (4, 5), (7, 8)], [(1, 4), (5, 7)]], heads=[[0], [0]])
+    lay2 = make_layout(
+        seq_length=8,
+        num_attention_heads=1,
+        num_query_groups=1,
+        group_sizes=[1, 1],
+        segments=[[(0, 1), (4, 5), (7, 8)], [(1, 4), (5, 7)]],
+        heads=[[0], [0]],
+    )
     assert build_schedule(lay2, 0).steps[0].calls == ((1, 2, 3), (2, 3, 5))
 
 
@@ -292,8 +386,14 @@ def test_calls_are_the_visible_prefix_of_every_row(chunks: int) -> None:
 
 
 def test_group_sequence_is_in_position_order() -> None:
-    lay = make_layout(seq_length=10, num_attention_heads=2, num_query_groups=1, group_sizes=[2, 1],
-                      segments=[[(0, 2), (5, 7)], [(2, 4)], [(4, 5), (7, 10)]], heads=[[0], [1], [0, 1]])
+    lay = make_layout(
+        seq_length=10,
+        num_attention_heads=2,
+        num_query_groups=1,
+        group_sizes=[2, 1],
+        segments=[[(0, 2), (5, 7)], [(2, 4)], [(4, 5), (7, 10)]],
+        heads=[[0], [1], [0, 1]],
+    )
     assert group_pieces(lay, 0) == ((0, 0, 2, 0), (1, 0, 2, 2), (0, 2, 4, 4))
     assert group_runs(lay, 0) == ((0, 4, 0), (4, 6, 5))  # [0,2) and [2,4) touch: one run
     assert runs_positions(group_runs(lay, 1)) == [4, 7, 8, 9]

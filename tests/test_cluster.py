@@ -3,6 +3,7 @@
 Layer (a): no processes — parsing, device numbering, link bandwidths, round trip, every invalid-spec
 message.
 """
+
 import math
 import re
 from pathlib import Path
@@ -31,7 +32,10 @@ def test_catalog_passes_the_user_rules_and_halves_the_quoted_nvlink():
     """Every catalog entry, written out as a user's ``gpus:`` entry, passes the same schema (ranges,
     efficiency in (0, 1]); and its NVLink figure is half the bidirectional number its source quotes
     (the catalog's one-direction convention), so editing one without the other fails here."""
-    nodes = [{"name": f"n{i}", "gpu": name, "count": 1, "network_GBps": 10} for i, name in enumerate(GPU_CATALOG)]
+    nodes = [
+        {"name": f"n{i}", "gpu": name, "count": 1, "network_GBps": 10}
+        for i, name in enumerate(GPU_CATALOG)
+    ]
     every = cluster_from_dict({"name": "catalog", "nodes": nodes})
     assert cluster_from_dict(cluster_to_dict(every)) == every
     halved = 0
@@ -50,7 +54,12 @@ def test_devices_numbered_node_by_node_and_links():
     c = cluster_from_dict(_spec())
     assert c.world_size == 5
     assert [(d.index, d.node, d.local_index) for d in c.devices] == [
-        (0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "b", 1), (4, "b", 2)]
+        (0, "a", 0),
+        (1, "a", 1),
+        (2, "b", 0),
+        (3, "b", 1),
+        (4, "b", 2),
+    ]
     d0, d2 = c.devices[0], c.devices[2]
     assert d0.flops_per_s == pytest.approx(989.4e12 * 0.5)
     assert d2.flops_per_s == pytest.approx(200e12 * 0.5)  # custom type: default efficiency
@@ -100,25 +109,52 @@ def _bad(mutate):
     return spec
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda s: s["nodes"][0].update(gpu="H900"), r"unknown GPU 'H900'; known: .*A100-SXM-80GB.*MY-GPU"),
-    (lambda s: s["nodes"][0].pop("count"), r"nodes\[0\] is missing 'count'"),
-    (lambda s: s["nodes"][0].pop("network_GBps"), r"nodes\[0\] is missing 'network_GBps'"),
-    (lambda s: s["nodes"][0].update(cuont=2), r"nodes\[0\]: unknown key\(s\) 'cuont'"),
-    (lambda s: s.update(nodse=[]), r"top level: unknown key\(s\) 'nodse'"),
-    (lambda s: s["gpus"]["MY-GPU"].update(tflops=1), r"gpus.MY-GPU: unknown key\(s\) 'tflops'"),
-    (lambda s: s["gpus"]["MY-GPU"].pop("memory_gib"), r"gpus.MY-GPU is not in the catalog, so it needs memory_gib"),
-    (lambda s: s["gpus"]["MY-GPU"].update(bf16_tflops=0), r"gpus.MY-GPU.bf16_tflops must be a positive number, got 0"),
-    (lambda s: s["gpus"]["MY-GPU"].update(efficiency=1.5), r"efficiency must be in \(0, 1\]"),
-    (lambda s: s["nodes"][0].update(count=0), r"node 'a': count must be a positive integer, got 0"),
-    (lambda s: s["nodes"][0].update(count=2.5), r"count must be a positive integer, got 2.5"),
-    (lambda s: s["nodes"][0].update(network_GBps=-1), r"node 'a': network_GBps must be a positive number, got -1"),
-    (lambda s: s["nodes"][0].update(nvlink_GBps=0), r"nvlink_GBps must be a positive number, got 0"),
-    (lambda s: s["nodes"][0].update(memory_gib="lots"), r"memory_gib must be a positive number, got 'lots'"),
-    (lambda s: s["nodes"][1].update(name="a"), r"node name 'a' appears twice"),
-    (lambda s: s.update(nodes=[]), r"'nodes' must be a non-empty list"),
-    (lambda s: s.update(gpus=[1]), r"'gpus' must be a mapping of GPU type names to their numbers, got \[1\]"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda s: s["nodes"][0].update(gpu="H900"),
+            r"unknown GPU 'H900'; known: .*A100-SXM-80GB.*MY-GPU",
+        ),
+        (lambda s: s["nodes"][0].pop("count"), r"nodes\[0\] is missing 'count'"),
+        (lambda s: s["nodes"][0].pop("network_GBps"), r"nodes\[0\] is missing 'network_GBps'"),
+        (lambda s: s["nodes"][0].update(cuont=2), r"nodes\[0\]: unknown key\(s\) 'cuont'"),
+        (lambda s: s.update(nodse=[]), r"top level: unknown key\(s\) 'nodse'"),
+        (lambda s: s["gpus"]["MY-GPU"].update(tflops=1), r"gpus.MY-GPU: unknown key\(s\) 'tflops'"),
+        (
+            lambda s: s["gpus"]["MY-GPU"].pop("memory_gib"),
+            r"gpus.MY-GPU is not in the catalog, so it needs memory_gib",
+        ),
+        (
+            lambda s: s["gpus"]["MY-GPU"].update(bf16_tflops=0),
+            r"gpus.MY-GPU.bf16_tflops must be a positive number, got 0",
+        ),
+        (lambda s: s["gpus"]["MY-GPU"].update(efficiency=1.5), r"efficiency must be in \(0, 1\]"),
+        (
+            lambda s: s["nodes"][0].update(count=0),
+            r"node 'a': count must be a positive integer, got 0",
+        ),
+        (lambda s: s["nodes"][0].update(count=2.5), r"count must be a positive integer, got 2.5"),
+        (
+            lambda s: s["nodes"][0].update(network_GBps=-1),
+            r"node 'a': network_GBps must be a positive number, got -1",
+        ),
+        (
+            lambda s: s["nodes"][0].update(nvlink_GBps=0),
+            r"nvlink_GBps must be a positive number, got 0",
+        ),
+        (
+            lambda s: s["nodes"][0].update(memory_gib="lots"),
+            r"memory_gib must be a positive number, got 'lots'",
+        ),
+        (lambda s: s["nodes"][1].update(name="a"), r"node name 'a' appears twice"),
+        (lambda s: s.update(nodes=[]), r"'nodes' must be a non-empty list"),
+        (
+            lambda s: s.update(gpus=[1]),
+            r"'gpus' must be a mapping of GPU type names to their numbers, got \[1\]",
+        ),
+    ],
+)
 def test_invalid_specs_have_one_line_messages(mutate, message):
     with pytest.raises(HexiSeqError, match=message) as e:
         cluster_from_dict(_bad(mutate), source="cluster spec x.yaml")
@@ -137,6 +173,8 @@ def test_load_cluster_file_errors(tmp_path):
     with pytest.raises(HexiSeqError, match=r"empty.yaml: expected a mapping .* got nothing"):
         load_cluster(empty)
     typo = tmp_path / "typo.yaml"
-    typo.write_text("name: x\nnodes:\n  - {name: a, gpu: H100-SXM-80GB, count: 1, network_GBps: 1, nvlnk_GBps: 3}\n")
+    typo.write_text(
+        "name: x\nnodes:\n  - {name: a, gpu: H100-SXM-80GB, count: 1, network_GBps: 1, nvlnk_GBps: 3}\n"
+    )
     with pytest.raises(HexiSeqError, match=r"typo.yaml: nodes\[0\]: unknown key\(s\) 'nvlnk_GBps'"):
         load_cluster(typo)

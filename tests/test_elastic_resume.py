@@ -17,6 +17,7 @@ Layer (a) is tests/test_elastic.py; no layer (c) (docs/elastic.md).
 
 Three spawns (3, 4, 3 ranks): each direction needs a save before a load at the other size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,16 @@ def _save_megatron_style(folder: str, args: argparse.Namespace) -> str:
         os.makedirs(step)
     dist.barrier()
     with checkpoint_shim():
-        dist_checkpointing.save({"args": args, "iteration": 5, "w": ShardedTensor.from_rank_offsets(
-            "w", torch.ones(4), replica_id=dist.get_rank())}, step)
+        dist_checkpointing.save(
+            {
+                "args": args,
+                "iteration": 5,
+                "w": ShardedTensor.from_rank_offsets(
+                    "w", torch.ones(4), replica_id=dist.get_rank()
+                ),
+            },
+            step,
+        )
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(folder, TRACKER), "w") as f:
@@ -99,10 +108,26 @@ def _save_megatron_style(folder: str, args: argparse.Namespace) -> str:
 
 
 def _megatron_args(**kw) -> argparse.Namespace:
-    base = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8, group_query_attention=True,
-                num_query_groups=2, kv_channels=8, padded_vocab_size=128, seq_length=48, world_size=3,
-                context_parallel_size=3, data_parallel_size=1, ckpt_format="torch_dist", use_distributed_optimizer=True,
-                overlap_grad_reduce=True, ddp_bucket_size=None, save=None, load=None)
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=8,
+        padded_vocab_size=128,
+        seq_length=48,
+        world_size=3,
+        context_parallel_size=3,
+        data_parallel_size=1,
+        ckpt_format="torch_dist",
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        ddp_bucket_size=None,
+        save=None,
+        load=None,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -111,8 +136,18 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("elastic")
     (d / "cluster.yaml").write_text(CLUSTER)
     (d / "model.yaml").write_text(MODEL)
-    plan = ["plan", "--cluster", str(d / "cluster.yaml"), "--model-config", str(d / "model.yaml"), "--time-limit", "2",
-            "--reproducible", "--format", "json"]
+    plan = [
+        "plan",
+        "--cluster",
+        str(d / "cluster.yaml"),
+        "--model-config",
+        str(d / "model.yaml"),
+        "--time-limit",
+        "2",
+        "--reproducible",
+        "--format",
+        "json",
+    ]
     assert main([*plan, "-o", str(d / "l4.json")]) == 0
     assert main([*plan, "--exclude", "cpu1:0", "-o", str(d / "l3.json")]) == 0
     l4, l3 = Layout.load(d / "l4.json"), Layout.load(d / "l3.json")
@@ -121,36 +156,86 @@ def runs(tmp_path_factory):
     for folder in (d43, d34, meg):
         os.makedirs(folder)
     cfg = dict(steps=STEPS, return_params=True)
-    seq64 = make_layout(seq_length=64, num_attention_heads=8, num_query_groups=2, group_sizes=[1, 1, 1],
-                        segments=[[(0, 20)], [(20, 40)], [(40, 64)]], heads=[list(range(8))] * 3)
-    s3, meg_step = run_ranks(_jobs, 3, [
-        ("train", TrainConfig(layout=l3, **{**cfg, "steps": SAVE_AT}, save_dir=d34, save_at_step=SAVE_AT)),
-        ("megatron", meg, _megatron_args())], timeout_s=600)[0]
-    a4, s4, r4 = run_ranks(_jobs, 4, [
-        ("train", TrainConfig(layout=l4, **cfg)),
-        ("train", TrainConfig(layout=l4, **{**cfg, "steps": SAVE_AT}, save_dir=d43, save_at_step=SAVE_AT)),
-        ("train", TrainConfig(layout=l4, **cfg, load_dir=d34))], timeout_s=600)[0]
-    per_rank = run_ranks(_jobs, 3, [
-        ("train", TrainConfig(layout=l3, **cfg, load_dir=d43)),
-        ("refused", TrainConfig(layout=l3, **cfg, load_dir=d43, model=replace(TINY_GPT, num_layers=2))),
-        ("refused", TrainConfig(layout=seq64, **cfg, load_dir=d43)),
-        ("refused", TrainConfig(layout=l3, **cfg, load_dir=d43, data_seed=7))], timeout_s=600)
-    return {"uninterrupted": a4, "4->3": (s4, per_rank[0][0]), "3->4": (s3, r4),
-            "refusals": [results[1:] for results in per_rank], "megatron": (meg, meg_step), "cfg": TrainConfig(
-                layout=l4, **cfg)}
+    seq64 = make_layout(
+        seq_length=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[1, 1, 1],
+        segments=[[(0, 20)], [(20, 40)], [(40, 64)]],
+        heads=[list(range(8))] * 3,
+    )
+    s3, meg_step = run_ranks(
+        _jobs,
+        3,
+        [
+            (
+                "train",
+                TrainConfig(
+                    layout=l3, **{**cfg, "steps": SAVE_AT}, save_dir=d34, save_at_step=SAVE_AT
+                ),
+            ),
+            ("megatron", meg, _megatron_args()),
+        ],
+        timeout_s=600,
+    )[0]
+    a4, s4, r4 = run_ranks(
+        _jobs,
+        4,
+        [
+            ("train", TrainConfig(layout=l4, **cfg)),
+            (
+                "train",
+                TrainConfig(
+                    layout=l4, **{**cfg, "steps": SAVE_AT}, save_dir=d43, save_at_step=SAVE_AT
+                ),
+            ),
+            ("train", TrainConfig(layout=l4, **cfg, load_dir=d34)),
+        ],
+        timeout_s=600,
+    )[0]
+    per_rank = run_ranks(
+        _jobs,
+        3,
+        [
+            ("train", TrainConfig(layout=l3, **cfg, load_dir=d43)),
+            (
+                "refused",
+                TrainConfig(layout=l3, **cfg, load_dir=d43, model=replace(TINY_GPT, num_layers=2)),
+            ),
+            ("refused", TrainConfig(layout=seq64, **cfg, load_dir=d43)),
+            ("refused", TrainConfig(layout=l3, **cfg, load_dir=d43, data_seed=7)),
+        ],
+        timeout_s=600,
+    )
+    return {
+        "uninterrupted": a4,
+        "4->3": (s4, per_rank[0][0]),
+        "3->4": (s3, r4),
+        "refusals": [results[1:] for results in per_rank],
+        "megatron": (meg, meg_step),
+        "cfg": TrainConfig(layout=l4, **cfg),
+    }
 
 
 @pytest.mark.parametrize("direction", ["4->3", "3->4"])
 def test_resume_on_another_world_matches_the_uninterrupted_run(runs, direction):
     saved, resumed = runs[direction]
     full = runs["uninterrupted"]
-    assert len(saved.losses) == SAVE_AT and resumed.start_step == SAVE_AT and len(resumed.losses) == STEPS - SAVE_AT
+    assert (
+        len(saved.losses) == SAVE_AT
+        and resumed.start_step == SAVE_AT
+        and len(resumed.losses) == STEPS - SAVE_AT
+    )
     # (1) the checkpoint restores exactly what was saved, on the other world size
     assert resumed.resumed["params"].keys() == saved.params.keys() and len(saved.params) >= 4 * 4
     for name, want in saved.params.items():
         assert torch.equal(resumed.resumed["params"][name], want), name
     for name, state in saved.opt_state.items():
-        assert state.keys() == resumed.resumed["opt_state"][name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert (
+            state.keys()
+            == resumed.resumed["opt_state"][name].keys()
+            == {"step", "exp_avg", "exp_avg_sq"}
+        )
         for key, want in state.items():
             assert torch.equal(resumed.resumed["opt_state"][name][key], want), (name, key)
     # (2) steps 4-6 continue the uninterrupted 4-rank run. The two runs add the same terms in different
@@ -158,7 +243,9 @@ def test_resume_on_another_world_matches_the_uninterrupted_run(runs, direction):
     # two summation orders over the N = 48 tokens and L + 1 = 5 reductions (tests/test_megatron_gpt.py):
     # 2.9e-5 relative. Losses are sums of positive terms: relative to themselves.
     tol = reordering_tolerance(runs["cfg"])
-    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[SAVE_AT:]), rtol=tol, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(full.losses[SAVE_AT:]), rtol=tol, atol=0
+    )
     # Parameters: as in tests/test_megatron_gpt.py, AdamW's m / (sqrt(v) + eps) amplifies summation-order noise
     # of near-zero gradients, so each parameter's difference is compared with its update over steps 4-6
     # (norm-wise 1e-3 of it; measured 1.7e-5) and elementwise with 5% of one step (lr).
@@ -176,14 +263,23 @@ def test_resume_on_another_world_matches_the_uninterrupted_run(runs, direction):
         got = resumed.opt_state[name]
         assert float(got["step"]) == float(want["step"]) == STEPS
         for key, t in (("exp_avg", tol), ("exp_avg_sq", 2 * tol)):
-            assert float(torch.linalg.vector_norm(got[key] - want[key])) <= t * float(torch.linalg.vector_norm(want[key]))
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=t * float(want[key].abs().max()),
-                                       msg=lambda m: f"{key} of {name}: {m}")
+            assert float(torch.linalg.vector_norm(got[key] - want[key])) <= t * float(
+                torch.linalg.vector_norm(want[key])
+            )
+            torch.testing.assert_close(
+                got[key],
+                want[key],
+                rtol=0,
+                atol=t * float(want[key].abs().max()),
+                msg=lambda m: f"{key} of {name}: {m}",
+            )
 
 
 def test_incompatible_checkpoints_are_refused_on_every_rank_before_training(runs):
     by_rank = runs["refusals"]
-    assert all(msgs == by_rank[0] for msgs in by_rank)  # every rank raises the same line (rank 0 read it)
+    assert all(
+        msgs == by_rank[0] for msgs in by_rank
+    )  # every rank raises the same line (rank 0 read it)
     model, seq, data = by_rank[0]
     assert "holds a model with num_layers 4 but this run builds 2" in model
     assert "was trained with --seq-length 48 but this run's layout is for 64" in seq
@@ -196,12 +292,21 @@ def test_megatron_checkpoint_checked_at_start_up(runs):
     state holds Megatron-style arguments (3 ranks, CP 3, distributed optimizer, default buckets)."""
     folder, step = runs["megatron"]
     assert step == os.path.join(folder, "iter_0000005")
-    check_before_training(_megatron_args(load=folder, world_size=2, context_parallel_size=2))  # 3 -> 2 GPUs: ok
-    check_before_training(_megatron_args(load=folder + "-empty"))  # nothing saved yet: a fresh start
-    for kw, match in ((dict(seq_length=96), "trained with --seq-length 48"),
-                      (dict(num_layers=4), "num_layers 2 but this run builds 4"),
-                      (dict(use_megatron_fsdp=True, ckpt_format="fsdp_dtensor"), "re-plan with --memory-mode distributed_optimizer"),
-                      (dict(ddp_bucket_size=1000), "pass --ddp-bucket-size 40000000"),
-                      (dict(ckpt_format="torch"), "legacy format")):
+    check_before_training(
+        _megatron_args(load=folder, world_size=2, context_parallel_size=2)
+    )  # 3 -> 2 GPUs: ok
+    check_before_training(
+        _megatron_args(load=folder + "-empty")
+    )  # nothing saved yet: a fresh start
+    for kw, match in (
+        (dict(seq_length=96), "trained with --seq-length 48"),
+        (dict(num_layers=4), "num_layers 2 but this run builds 4"),
+        (
+            dict(use_megatron_fsdp=True, ckpt_format="fsdp_dtensor"),
+            "re-plan with --memory-mode distributed_optimizer",
+        ),
+        (dict(ddp_bucket_size=1000), "pass --ddp-bucket-size 40000000"),
+        (dict(ckpt_format="torch"), "legacy format"),
+    ):
         with pytest.raises(HexiSeqError, match=match):
             check_before_training(_megatron_args(load=folder, **kw))

@@ -7,6 +7,7 @@ of every group instead, random layout 8 (a 0-head first rank) misses every recei
 normwise error is ~0.7 against a bound of ~0.02. Bounds come from bf16's unit roundoff and the
 sequence length (attention.kernel_check), not from this machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,8 @@ from megatron_hexiseq.attention.kernels import Kernel  # noqa: E402
 
 
 def test_kernel_part_passes_on_cpu_with_zero_head_ranks():
-    result = gpu_check.check_kernels(torch.device("cpu"), [Kernel.CPU_FLASH], layouts=12, quick=True)
+    result = gpu_check.check_kernels(
+        torch.device("cpu"), [Kernel.CPU_FLASH], layouts=12, quick=True
+    )
     assert result["cases"] >= 12
     assert result["pass"], result

@@ -8,6 +8,7 @@ that fails the test if called. (b) real processes -- ``run_ranks`` with a hung r
 wrong world size, and SIGINT/SIGTERM to ``tune``, ``profile --testbed`` and the demo in
 subprocesses: exit 130, one line, every rank process gone, nothing left in the temp folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,9 +44,14 @@ vocab_size: 128
 seq_length: 4096
 """
 # 9 levels of 9 aliases: 9**9 = 387 million leaves if anything expanded it (a 488-byte file)
-ALIAS_BOMB = "[" + ", ".join(
-    [f"&a [{', '.join(['1'] * 9)}]"]
-    + [f"&{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]" for i in range(8)]) + "]"
+ALIAS_BOMB = (
+    "["
+    + ", ".join(
+        [f"&a [{', '.join(['1'] * 9)}]"]
+        + [f"&{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]" for i in range(8)]
+    )
+    + "]"
+)
 
 
 @pytest.fixture()
@@ -67,12 +73,23 @@ def _error(capsys, argv, match, *, code=2):
 
 
 def _plan(d, *extra, cluster=None, model=None, out=None):
-    return ["plan", "--cluster", str(cluster or d / "c.yaml"), "--model-config", str(model or d / "m.yaml"),
-            "--time-limit", "1", "-o", str(d / "out.json" if out is None else out), *extra]
+    return [
+        "plan",
+        "--cluster",
+        str(cluster or d / "c.yaml"),
+        "--model-config",
+        str(model or d / "m.yaml"),
+        "--time-limit",
+        "1",
+        "-o",
+        str(d / "out.json" if out is None else out),
+        *extra,
+    ]
 
 
 def _stop_long_work(monkeypatch) -> None:
     """From here on the planner, the rank launcher and the demo's training fail the test if reached."""
+
     def reached(*a, **k):
         raise AssertionError("the long work started before the inputs were checked")
 
@@ -93,54 +110,147 @@ def no_long_work(monkeypatch):
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"megatron-hexiseq {__version__}"
+    assert (
+        e.value.code == 0 and capsys.readouterr().out.strip() == f"megatron-hexiseq {__version__}"
+    )
 
 
 # ---- numbers that never end, overflow or are not numbers ---------------------------------------
-@pytest.mark.parametrize("argv, match", [
-    (["tune", "--min-bucket", "0"], "--min-bucket must be a positive"),
-    (["tune", "--min-bucket", "-5"], "--min-bucket must be a positive"),
-    (["tune", "--max-params", "0"], "--max-params must be in"),
-    (["tune", "--warmup-steps", "-1"], "--warmup-steps must be in"),
-    (["tune", "--seq-length", "0"], "--seq-length must be in"),
-    (["tune", "--max-params", "99999999999"], "--max-params must be in"),
-    (["tune", "--world-size", "1"], "--world-size must be in"),
-    (["tune", "--tolerance", "nan"], "--tolerance must be in"),
-    (["profile", "--testbed", "1+1", "--seconds", "nan", "-o", "{d}/c2.yaml"], "--seconds must be a positive"),
-    (["profile", "--testbed", "1+1", "--seconds", "inf", "-o", "{d}/c2.yaml"], "--seconds must be a positive"),
-    (["profile", "--testbed", "1+1", "--memory-gib", "nan", "-o", "{d}/c2.yaml"], "--memory-gib must be"),
-    (["plan", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--seq-length", "8192", "--time-limit", "nan",
-      "-o", "{d}/o.json"], "--time-limit must be positive"),
-    (["plan", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--seq-length", "8192", "--time-limit", "inf",
-      "-o", "{d}/o.json"], "--time-limit must be positive"),
-    (["plan", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--seq-length", "9" * 40, "-o", "{d}/o.json"],
-     "seq_length must be a positive integer"),
-    (["plan", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--seq-length", "8192", "--data-parallel-size",
-      "9" * 30, "-o", "{d}/o.json"], "--data-parallel-size must be a positive"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["tune", "--min-bucket", "0"], "--min-bucket must be a positive"),
+        (["tune", "--min-bucket", "-5"], "--min-bucket must be a positive"),
+        (["tune", "--max-params", "0"], "--max-params must be in"),
+        (["tune", "--warmup-steps", "-1"], "--warmup-steps must be in"),
+        (["tune", "--seq-length", "0"], "--seq-length must be in"),
+        (["tune", "--max-params", "99999999999"], "--max-params must be in"),
+        (["tune", "--world-size", "1"], "--world-size must be in"),
+        (["tune", "--tolerance", "nan"], "--tolerance must be in"),
+        (
+            ["profile", "--testbed", "1+1", "--seconds", "nan", "-o", "{d}/c2.yaml"],
+            "--seconds must be a positive",
+        ),
+        (
+            ["profile", "--testbed", "1+1", "--seconds", "inf", "-o", "{d}/c2.yaml"],
+            "--seconds must be a positive",
+        ),
+        (
+            ["profile", "--testbed", "1+1", "--memory-gib", "nan", "-o", "{d}/c2.yaml"],
+            "--memory-gib must be",
+        ),
+        (
+            [
+                "plan",
+                "--cluster",
+                "{d}/c.yaml",
+                "--model",
+                "gpt-3b",
+                "--seq-length",
+                "8192",
+                "--time-limit",
+                "nan",
+                "-o",
+                "{d}/o.json",
+            ],
+            "--time-limit must be positive",
+        ),
+        (
+            [
+                "plan",
+                "--cluster",
+                "{d}/c.yaml",
+                "--model",
+                "gpt-3b",
+                "--seq-length",
+                "8192",
+                "--time-limit",
+                "inf",
+                "-o",
+                "{d}/o.json",
+            ],
+            "--time-limit must be positive",
+        ),
+        (
+            [
+                "plan",
+                "--cluster",
+                "{d}/c.yaml",
+                "--model",
+                "gpt-3b",
+                "--seq-length",
+                "9" * 40,
+                "-o",
+                "{d}/o.json",
+            ],
+            "seq_length must be a positive integer",
+        ),
+        (
+            [
+                "plan",
+                "--cluster",
+                "{d}/c.yaml",
+                "--model",
+                "gpt-3b",
+                "--seq-length",
+                "8192",
+                "--data-parallel-size",
+                "9" * 30,
+                "-o",
+                "{d}/o.json",
+            ],
+            "--data-parallel-size must be a positive",
+        ),
+    ],
+)
 def test_bad_numbers_stop_before_any_work(d, capsys, no_long_work, argv, match):
     _error(capsys, [a.replace("{d}", str(d)) for a in argv], match)
     assert sorted(p.name for p in d.iterdir()) == ["c.yaml", "m.yaml"]
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda s: s.replace("count: 2, network_GBps: 25}", "count: 2, network_GBps: 1.0e+400}", 1), "got inf"),
-    (lambda s: s.replace("count: 2, network_GBps: 25}", "count: 2, network_GBps: 1.0e-300}", 1), "allowed: 1e-09"),
-    (lambda s: s.replace("count: 2,", "count: " + "9" * 500 + ",", 1), "an integer of"),
-    (lambda s: s.replace("count: 2,", "count: " + "9" * 30 + ",", 1), "count must be a positive integer"),
-    (lambda s: s + "gpus:\n  H100-SXM-80GB: {bf16_tflops: " + "9" * 400 + "}\n", "bf16_tflops must be"),
-    (lambda s: s + "gpus:\n  H100-SXM-80GB: {memory_gib: .nan}\n", "memory_gib must be"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda s: s.replace(
+                "count: 2, network_GBps: 25}", "count: 2, network_GBps: 1.0e+400}", 1
+            ),
+            "got inf",
+        ),
+        (
+            lambda s: s.replace(
+                "count: 2, network_GBps: 25}", "count: 2, network_GBps: 1.0e-300}", 1
+            ),
+            "allowed: 1e-09",
+        ),
+        (lambda s: s.replace("count: 2,", "count: " + "9" * 500 + ",", 1), "an integer of"),
+        (
+            lambda s: s.replace("count: 2,", "count: " + "9" * 30 + ",", 1),
+            "count must be a positive integer",
+        ),
+        (
+            lambda s: s + "gpus:\n  H100-SXM-80GB: {bf16_tflops: " + "9" * 400 + "}\n",
+            "bf16_tflops must be",
+        ),
+        (lambda s: s + "gpus:\n  H100-SXM-80GB: {memory_gib: .nan}\n", "memory_gib must be"),
+    ],
+)
 def test_cluster_numbers_out_of_range(d, capsys, edit, match):
     (d / "c.yaml").write_text(edit(CLUSTER))
     _error(capsys, _plan(d), match)
     assert not (d / "out.json").exists()
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("hidden_size", "9" * 5000, "not valid YAML"), ("hidden_size", "9" * 300, "hidden_size must be"),
-    ("num_layers", "99999999999", "at most 2147483647"), ("seq_length", "-3", "seq_length must be"),
-    ("vocab_size", "1.5", "vocab_size must be")])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("hidden_size", "9" * 5000, "not valid YAML"),
+        ("hidden_size", "9" * 300, "hidden_size must be"),
+        ("num_layers", "99999999999", "at most 2147483647"),
+        ("seq_length", "-3", "seq_length must be"),
+        ("vocab_size", "1.5", "vocab_size must be"),
+    ],
+)
 def test_model_sizes_out_of_range(d, capsys, field, value, match):
     (d / "m.yaml").write_text(MODEL.replace(f"{field}: ", f"{field}: {value} #", 1))
     _error(capsys, _plan(d), match)
@@ -158,12 +268,20 @@ def test_yaml_alias_bomb_gives_a_short_error(d, capsys, which):
     assert "..." in line
 
 
-@pytest.mark.parametrize("which, text, match", [
-    ("c.yaml", CLUSTER + "name: again\n", "'name' appears twice"),
-    ("c.yaml", CLUSTER.replace("count: 2, network_GBps: 25}", "count: 2, count: 4, network_GBps: 25}", 1),
-     "'count' appears twice"),
-    ("m.yaml", MODEL + "num_layers: 4\n", "'num_layers' appears twice"),
-])
+@pytest.mark.parametrize(
+    "which, text, match",
+    [
+        ("c.yaml", CLUSTER + "name: again\n", "'name' appears twice"),
+        (
+            "c.yaml",
+            CLUSTER.replace(
+                "count: 2, network_GBps: 25}", "count: 2, count: 4, network_GBps: 25}", 1
+            ),
+            "'count' appears twice",
+        ),
+        ("m.yaml", MODEL + "num_layers: 4\n", "'num_layers' appears twice"),
+    ],
+)
 def test_duplicate_yaml_keys_are_errors(d, capsys, which, text, match):
     (d / which).write_text(text)
     _error(capsys, _plan(d), match)
@@ -184,9 +302,12 @@ def test_non_utf8_in_every_reader(d, capsys):
         _error(capsys, _plan(d, out=d / "o2.json"), "is not UTF-8 text")
         (d / name).write_bytes(good)
     (d / "l.json").write_bytes(layout.read_bytes()[:-3] + b"\xff}\n")
-    for argv in (["show", str(d / "l.json")], ["validate", str(d / "l.json")],
-                 ["simulate", "--layout", str(d / "l.json"), "--baselines"],
-                 ["tune", "--from-result", str(d / "l.json")]):
+    for argv in (
+        ["show", str(d / "l.json")],
+        ["validate", str(d / "l.json")],
+        ["simulate", "--layout", str(d / "l.json"), "--baselines"],
+        ["tune", "--from-result", str(d / "l.json")],
+    ):
         _error(capsys, argv, "is not UTF-8 text")
 
 
@@ -202,15 +323,24 @@ def test_huge_or_deep_json(d, capsys, monkeypatch):
     _error(capsys, ["show", str(d / "big.json")], "an input may be")
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda m: m.update(options=[1, 2]), "meta.options must be a mapping"),
-    (lambda m: m["options"].update(memory_mode=5), "meta.options.memory_mode must be str"),
-    (lambda m: m["options"].update(memory_mode="zero3"), "memory_mode must be one of"),
-    (lambda m: m["options"].update(recompute="yes"), "meta.options.recompute must be bool"),
-    (lambda m: m["options"].update(capacity_fraction=float("nan")), "capacity_fraction must be float"),
-    (lambda m: m.update(cluster_spec={"nodes": "x" * 10_000}), "'nodes' must be a non-empty list"),
-    (lambda m: m.pop("cluster_spec"), "does not record its cluster spec"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.update(options=[1, 2]), "meta.options must be a mapping"),
+        (lambda m: m["options"].update(memory_mode=5), "meta.options.memory_mode must be str"),
+        (lambda m: m["options"].update(memory_mode="zero3"), "memory_mode must be one of"),
+        (lambda m: m["options"].update(recompute="yes"), "meta.options.recompute must be bool"),
+        (
+            lambda m: m["options"].update(capacity_fraction=float("nan")),
+            "capacity_fraction must be float",
+        ),
+        (
+            lambda m: m.update(cluster_spec={"nodes": "x" * 10_000}),
+            "'nodes' must be a non-empty list",
+        ),
+        (lambda m: m.pop("cluster_spec"), "does not record its cluster spec"),
+    ],
+)
 def test_hand_edited_layout_meta(d, capsys, edit, match):
     layout = json.loads(_layout(d, capsys).read_text())
     edit(layout["meta"])
@@ -218,23 +348,35 @@ def test_hand_edited_layout_meta(d, capsys, edit, match):
     _error(capsys, ["simulate", "--layout", str(d / "edited.json"), "--baselines"], match)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda r: r["config"].update(bucket_size="abc"), "malformed"),
-    (lambda r: r["config"].update(bucket_size=-5), "bucket_size must be a positive"),
-    (lambda r: r["config"].update(comm_chunks="many"), "malformed"),
-    (lambda r: r.update(trials=[{"levels": [0], "y_us": "fast"}]), "malformed"),
-    (lambda r: r.pop("config"), "not an overlap tuning result"),
-    (lambda r: r.update(format_version=[[1]] * 10_000), "format_version"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda r: r["config"].update(bucket_size="abc"), "malformed"),
+        (lambda r: r["config"].update(bucket_size=-5), "bucket_size must be a positive"),
+        (lambda r: r["config"].update(comm_chunks="many"), "malformed"),
+        (lambda r: r.update(trials=[{"levels": [0], "y_us": "fast"}]), "malformed"),
+        (lambda r: r.pop("config"), "not an overlap tuning result"),
+        (lambda r: r.update(format_version=[[1]] * 10_000), "format_version"),
+    ],
+)
 def test_tune_from_result_bad_values(d, capsys, edit, match):
-    result = {"format_version": 1, "config": {"overlap_grad_reduce": True, "bucket_size": 1000, "comm_chunks": 1},
-              "levels": [1], "ladders": [], "trials": []}
+    result = {
+        "format_version": 1,
+        "config": {"overlap_grad_reduce": True, "bucket_size": 1000, "comm_chunks": 1},
+        "levels": [1],
+        "ladders": [],
+        "trials": [],
+    }
     from megatron_hexiseq.overlap.results import FORMAT_VERSION
 
     result["format_version"] = FORMAT_VERSION
     edit(result)
     (d / "r.json").write_text(json.dumps(result))
-    _error(capsys, ["tune", "--from-result", str(d / "r.json"), "--nccl-yaml", str(d / "n.yaml")], match)
+    _error(
+        capsys,
+        ["tune", "--from-result", str(d / "r.json"), "--nccl-yaml", str(d / "n.yaml")],
+        match,
+    )
     assert not (d / "n.yaml").exists()
 
 
@@ -243,12 +385,30 @@ def test_output_equal_to_an_input_is_refused(d, capsys, no_long_work):
     before = {p.name: p.read_bytes() for p in d.iterdir()}
     _error(capsys, _plan(d, out=d / "c.yaml"), "is also an input")
     _error(capsys, _plan(d, out=d / "m.yaml"), "is also an input")
-    _error(capsys, ["profile", "--testbed", "1+1", "-o", str(d / "x.yaml"), "--raw", str(d / "x.yaml")],
-           "are the same file")
-    _error(capsys, ["profile", "--testbed", "1+1", "--model-config", str(d / "m.yaml"), "-o", str(d / "m.yaml")],
-           "is also an input")
+    _error(
+        capsys,
+        ["profile", "--testbed", "1+1", "-o", str(d / "x.yaml"), "--raw", str(d / "x.yaml")],
+        "are the same file",
+    )
+    _error(
+        capsys,
+        [
+            "profile",
+            "--testbed",
+            "1+1",
+            "--model-config",
+            str(d / "m.yaml"),
+            "-o",
+            str(d / "m.yaml"),
+        ],
+        "is also an input",
+    )
     (d / "r.json").write_text("{}")
-    _error(capsys, ["tune", "--from-result", str(d / "r.json"), "--out", str(d / "r.json")], "is also an input")
+    _error(
+        capsys,
+        ["tune", "--from-result", str(d / "r.json"), "--out", str(d / "r.json")],
+        "is also an input",
+    )
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.name != "r.json"} == before
 
 
@@ -259,7 +419,9 @@ def test_device_directory_empty_and_unwritable_outputs(d, capsys, no_long_work):
     _error(capsys, _plan(d, out=d), "is a directory")
     _error(capsys, _plan(d, out=""), "is empty")
     _error(capsys, _plan(d, out=d / "missing" / "o.json"), "does not exist; create it first")
-    _error(capsys, _plan(d, out="/proc/o.json"), "cannot write -o /proc/o.json")  # unwritable even for root
+    _error(
+        capsys, _plan(d, out="/proc/o.json"), "cannot write -o /proc/o.json"
+    )  # unwritable even for root
     if os.geteuid() != 0:  # root writes into a read-only folder anyway
         ro = d / "ro"
         ro.mkdir()
@@ -271,16 +433,44 @@ def test_symlinked_output_is_refused(d, capsys, no_long_work):
     target = d / "precious.png"
     target.write_bytes(b"keep me")
     (d / "link.png").symlink_to(target)
-    _error(capsys, ["simulate", "--cluster", str(d / "c.yaml"), "--model", "gpt-3b", "--seq-length", "8192",
-                    "--baselines", "--plot", str(d / "link.png")], "is a symbolic link")
+    _error(
+        capsys,
+        [
+            "simulate",
+            "--cluster",
+            str(d / "c.yaml"),
+            "--model",
+            "gpt-3b",
+            "--seq-length",
+            "8192",
+            "--baselines",
+            "--plot",
+            str(d / "link.png"),
+        ],
+        "is a symbolic link",
+    )
     (d / "link.json").symlink_to(target)
     _error(capsys, _plan(d, out=d / "link.json"), "is a symbolic link")
     assert target.read_bytes() == b"keep me"
 
 
 def test_plot_with_unsupported_extension_fails_first(d, capsys, no_long_work):
-    _error(capsys, ["simulate", "--cluster", str(d / "c.yaml"), "--model", "gpt-3b", "--seq-length", "8192",
-                    "--baselines", "--plot", str(d / "sim.xyz")], "cannot write a figure as .xyz")
+    _error(
+        capsys,
+        [
+            "simulate",
+            "--cluster",
+            str(d / "c.yaml"),
+            "--model",
+            "gpt-3b",
+            "--seq-length",
+            "8192",
+            "--baselines",
+            "--plot",
+            str(d / "sim.xyz"),
+        ],
+        "cannot write a figure as .xyz",
+    )
 
 
 def test_demo_checks_every_output_before_training(d, capsys, monkeypatch):
@@ -288,13 +478,27 @@ def test_demo_checks_every_output_before_training(d, capsys, monkeypatch):
 
     layout = _layout(d, capsys)
     _stop_long_work(monkeypatch)
-    base = ["--cluster", str(d / "c.yaml"), "--layout", str(layout), "--model-config", str(d / "m.yaml"),
-            "--testbed", "1+1", "--steps", "2", "--warmup", "1"]
+    base = [
+        "--cluster",
+        str(d / "c.yaml"),
+        "--layout",
+        str(layout),
+        "--model-config",
+        str(d / "m.yaml"),
+        "--testbed",
+        "1+1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
     png = str(d / "demo.png")
-    for extra, match in ((["-o", str(d / "demo.json"), "--plot", str(d / "demo.bad")], "cannot write a figure"),
-                         (["-o", str(d / "no" / "demo.json"), "--plot", png], "does not exist"),
-                         (["-o", str(layout), "--plot", png], "is also an input"),
-                         (["-o", png, "--plot", png], "are the same file")):
+    for extra, match in (
+        (["-o", str(d / "demo.json"), "--plot", str(d / "demo.bad")], "cannot write a figure"),
+        (["-o", str(d / "no" / "demo.json"), "--plot", png], "does not exist"),
+        (["-o", str(layout), "--plot", png], "is also an input"),
+        (["-o", png, "--plot", png], "are the same file"),
+    ):
         assert demo.main(base + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and match in err[0], err
@@ -336,7 +540,11 @@ def _world_of_two(rank: int, world: int) -> int:
 
 
 def _leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith(("hexiseq-ranks-", "pytorch-errorfile")))
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.startswith(("hexiseq-ranks-", "pytorch-errorfile"))
+    )
 
 
 def test_run_ranks_deadline_names_the_stuck_rank(tmp_path, monkeypatch):
@@ -345,7 +553,9 @@ def test_run_ranks_deadline_names_the_stuck_rank(tmp_path, monkeypatch):
     from megatron_hexiseq.testbed.spawn import RanksFailed, run_ranks
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(RanksFailed, match=r"rank\(s\) \[0, 1\] of 2 did not finish within 10 s") as e:
+    with pytest.raises(
+        RanksFailed, match=r"rank\(s\) \[0, 1\] of 2 did not finish within 10 s"
+    ) as e:
         run_ranks(_sleep_rank, 2, timeout_s=10)
     assert "in _sleep_rank" in str(e.value) and "line" in str(e.value)  # where rank 1 was
     with pytest.raises(HexiSeqError, match="this function needs 2 ranks, got 3"):
@@ -374,13 +584,24 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _interrupt(argv: list[str], world: int, how: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp_path),
+        "PYTHONWARNINGS": "ignore",
+    }
     # a shell starts background jobs with SIGINT ignored, and exec keeps that: give the command
     # the default a person's terminal gives it
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         ranks: list[int] = []
         for _ in range(1200):  # wait (up to 2 minutes on a loaded machine) until every rank runs
@@ -388,7 +609,10 @@ def _interrupt(argv: list[str], world: int, how: str, tmp_path: Path) -> None:
             if len(ranks) == world or proc.poll() is not None:
                 break
             time.sleep(0.1)
-        assert len(ranks) == world, (proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
+        assert len(ranks) == world, (
+            proc.poll(),
+            proc.stderr.read() if proc.poll() is not None else "",
+        )
         time.sleep(1.0)  # the ranks are inside their work now
         if how == "terminal":  # Ctrl-C: SIGINT to the terminal's foreground process group
             os.killpg(proc.pid, signal.SIGINT)
@@ -408,21 +632,87 @@ def _interrupt(argv: list[str], world: int, how: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", ["tune-terminal", "profile-sigterm", "demo-sigint"])
 def test_interrupts_exit_130_and_kill_every_rank(tmp_path, capsys, case):
     if case == "tune-terminal":
-        argv, world, how = ["-m", "megatron_hexiseq.cli", "tune", "--model", "gpt-tiny", "--world-size", "2", "--measure-steps", "500",
-                            "--out", str(tmp_path / "t.json")], 2, "terminal"
+        argv, world, how = (
+            [
+                "-m",
+                "megatron_hexiseq.cli",
+                "tune",
+                "--model",
+                "gpt-tiny",
+                "--world-size",
+                "2",
+                "--measure-steps",
+                "500",
+                "--out",
+                str(tmp_path / "t.json"),
+            ],
+            2,
+            "terminal",
+        )
     elif case == "profile-sigterm":
-        argv, world, how = ["-m", "megatron_hexiseq.cli", "profile", "--testbed", "1+1", "--seconds", "30",
-                            "-o", str(tmp_path / "c.yaml")], 2, "sigterm"
+        argv, world, how = (
+            [
+                "-m",
+                "megatron_hexiseq.cli",
+                "profile",
+                "--testbed",
+                "1+1",
+                "--seconds",
+                "30",
+                "-o",
+                str(tmp_path / "c.yaml"),
+            ],
+            2,
+            "sigterm",
+        )
     else:
-        (tmp_path / "c.yaml").write_text("name: tb\nnodes:\n  - {name: c0, gpu: CPU, count: 1, network_GBps: 1}\n"
-                                         "  - {name: c1, gpu: CPU, count: 1, network_GBps: 1}\n")
+        (tmp_path / "c.yaml").write_text(
+            "name: tb\nnodes:\n  - {name: c0, gpu: CPU, count: 1, network_GBps: 1}\n"
+            "  - {name: c1, gpu: CPU, count: 1, network_GBps: 1}\n"
+        )
         (tmp_path / "m.yaml").write_text(MODEL.replace("seq_length: 4096", "seq_length: 256"))
-        assert main(["plan", "--cluster", str(tmp_path / "c.yaml"), "--model-config", str(tmp_path / "m.yaml"),
-                     "--time-limit", "1", "-o", str(tmp_path / "l.json"), "--format", "json"]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--cluster",
+                    str(tmp_path / "c.yaml"),
+                    "--model-config",
+                    str(tmp_path / "m.yaml"),
+                    "--time-limit",
+                    "1",
+                    "-o",
+                    str(tmp_path / "l.json"),
+                    "--format",
+                    "json",
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
-        argv, world, how = ["-m", "megatron_hexiseq.testbed.demo", "--cluster", str(tmp_path / "c.yaml"),
-                            "--layout", str(tmp_path / "l.json"), "--model-config", str(tmp_path / "m.yaml"),
-                            "--testbed", "1+1", "--steps", "5000", "-o", str(tmp_path / "demo.json"),
-                            "--plot", str(tmp_path / "demo.png")], 2, "sigint"
+        argv, world, how = (
+            [
+                "-m",
+                "megatron_hexiseq.testbed.demo",
+                "--cluster",
+                str(tmp_path / "c.yaml"),
+                "--layout",
+                str(tmp_path / "l.json"),
+                "--model-config",
+                str(tmp_path / "m.yaml"),
+                "--testbed",
+                "1+1",
+                "--steps",
+                "5000",
+                "-o",
+                str(tmp_path / "demo.json"),
+                "--plot",
+                str(tmp_path / "demo.png"),
+            ],
+            2,
+            "sigint",
+        )
     _interrupt(argv, world, how, tmp_path)
-    assert not [p for p in tmp_path.iterdir() if p.suffix in (".png",) or p.name in ("t.json", "demo.json")]
+    assert not [
+        p for p in tmp_path.iterdir() if p.suffix in (".png",) or p.name in ("t.json", "demo.json")
+    ]

@@ -10,6 +10,7 @@ must exist in this tree. (b) and (c): none.
 Library = every module outside ``megatron_hexiseq.testbed``, ``megatron_hexiseq.commands``,
 ``cli``, ``__main__`` and ``pretrain_gpt`` (the entry points).
 """
+
 from __future__ import annotations
 
 import ast
@@ -46,8 +47,14 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 
 
 def _renamed(name: str) -> str:
-    return next((new + name[len(old):] for old, new in RENAMED.items()
-                 if old not in MODULES and (name == old or name.startswith(old + "."))), name)
+    return next(
+        (
+            new + name[len(old) :]
+            for old, new in RENAMED.items()
+            if old not in MODULES and (name == old or name.startswith(old + "."))
+        ),
+        name,
+    )
 
 
 def _own_imports(module: str) -> list[tuple[str, list[str]]]:
@@ -135,7 +142,9 @@ def _cycle_path(graph: dict[str, set[str]], comp: list[str]) -> list[str]:
                     path = [v]
                     while path[-1] != start:
                         path.append(parent[path[-1]])
-                    return [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, v, start]
+                    return (
+                        [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, v, start]
+                    )
                 if w not in parent:
                     parent[w] = v
                     nxt.append(w)
@@ -159,7 +168,8 @@ def test_graph_finds_real_edges() -> None:
     """The parser sees both module-top and function-level imports of known modules."""
     assert f"{PACKAGE}.errors" in GRAPH[f"{PACKAGE}.layout"]
     assert f"{PACKAGE}.layout" in GRAPH[f"{PACKAGE}.cli"] | {
-        t for m in GRAPH if m.startswith(f"{PACKAGE}.commands") for t in GRAPH[m]}
+        t for m in GRAPH if m.startswith(f"{PACKAGE}.commands") for t in GRAPH[m]
+    }
 
 
 def test_cycle_finder_on_a_known_graph() -> None:
@@ -170,7 +180,9 @@ def test_cycle_finder_on_a_known_graph() -> None:
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_every_own_import_exists(module: str) -> None:
-    assert not missing_imports(module), f"{module} imports modules that do not exist: {missing_imports(module)}"
+    assert not missing_imports(module), (
+        f"{module} imports modules that do not exist: {missing_imports(module)}"
+    )
 
 
 def test_no_import_cycles() -> None:
@@ -181,10 +193,18 @@ def test_no_import_cycles() -> None:
 LIBRARY = sorted(m for m in MODULES if is_library(m) and m not in PENDING)
 
 
-@pytest.mark.parametrize("module", LIBRARY + [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=why))
-                                              for m, why in sorted(PENDING.items())])
+@pytest.mark.parametrize(
+    "module",
+    LIBRARY
+    + [
+        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=why))
+        for m, why in sorted(PENDING.items())
+    ],
+)
 def test_library_does_not_import_testbed_or_commands(module: str) -> None:
     """A PENDING module that stops importing upward (or leaves the library) XPASSes: a strict failure
     that says to empty PENDING."""
     bad = upward_imports(module) if module in MODULES else []
-    assert not bad, f"library module {module} imports {', '.join(bad)} (testbed/commands depend on the library)"
+    assert not bad, (
+        f"library module {module} imports {', '.join(bad)} (testbed/commands depend on the library)"
+    )

@@ -12,6 +12,7 @@
    (u = bf16 unit roundoff), normwise per gradient. A wrong block or a bf16 angle gives errors of
    order 1e-1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,14 @@ import torch.distributed as dist
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
 
-LAYOUT = make_layout(seq_length=64, num_attention_heads=8, num_query_groups=2, group_sizes=[2, 1],
-                     segments=[[(0, 8), (50, 64)], [(8, 20)], [(20, 50)]],
-                     heads=[[0, 1, 2, 5], [3, 4, 6, 7], list(range(8))])
+LAYOUT = make_layout(
+    seq_length=64,
+    num_attention_heads=8,
+    num_query_groups=2,
+    group_sizes=[2, 1],
+    segments=[[(0, 8), (50, 64)], [(8, 20)], [(20, 50)]],
+    heads=[[0, 1, 2, 5], [3, 4, 6, 7], list(range(8))],
+)
 U_BF16 = torch.finfo(torch.bfloat16).eps / 2
 
 
@@ -49,7 +55,11 @@ def _step(model, batch):
     loss_sum, num_tokens = per_token_loss(out.float(), batch["loss_mask"])
     loss_sum.backward()
     inner = model.module if hasattr(model, "module") else model
-    return loss_sum.detach(), num_tokens.float(), {n: p.grad.float().clone() for n, p in inner.named_parameters()}
+    return (
+        loss_sum.detach(),
+        num_tokens.float(),
+        {n: p.grad.float().clone() for n, p in inner.named_parameters()},
+    )
 
 
 def _rope_beyond_65536() -> None:
@@ -59,8 +69,14 @@ def _rope_beyond_65536() -> None:
     from megatron_hexiseq.megatron.config import cpu_device_shim
     from megatron_hexiseq.testbed.train import build_gpt
 
-    long = make_layout(seq_length=131072, num_attention_heads=8, num_query_groups=2, group_sizes=[1],
-                       segments=[[(0, 131072)]], heads=[list(range(8))])
+    long = make_layout(
+        seq_length=131072,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[1],
+        segments=[[(0, 131072)]],
+        heads=[list(range(8))],
+    )
     cfg = _cfg(long)
     positions = list(range(65530, 65542)) + list(range(120000, 120008))
     with cpu_device_shim():
@@ -70,10 +86,16 @@ def _rope_beyond_65536() -> None:
         install_rope(model, positions)
         wrapped = _bf16(model)
     got = wrapped.module.rotary_pos_emb()
-    assert got.dtype == torch.float32 and torch.equal(got, want), "layout RoPE angles changed under bf16"
+    assert got.dtype == torch.float32 and torch.equal(got, want), (
+        "layout RoPE angles changed under bf16"
+    )
     q = torch.randn(len(positions), 1, 8, 8).bfloat16()
-    torch.testing.assert_close(apply_rotary_pos_emb(q, got, config=model.config),
-                               apply_rotary_pos_emb(q, want, config=model.config), rtol=0, atol=0)
+    torch.testing.assert_close(
+        apply_rotary_pos_emb(q, got, config=model.config),
+        apply_rotary_pos_emb(q, want, config=model.config),
+        rtol=0,
+        atol=0,
+    )
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -98,14 +120,27 @@ def _worker(rank: int, world: int) -> dict:
             mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
     try:
-        run = RunShape(world_size=world, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                       context_parallel_size=world, seq_length=LAYOUT.seq_length, num_attention_heads=8,
-                       num_query_groups=2, params_dtype="bfloat16", head_dim=8)
+        run = RunShape(
+            world_size=world,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=world,
+            seq_length=LAYOUT.seq_length,
+            num_attention_heads=8,
+            num_query_groups=2,
+            params_dtype="bfloat16",
+            head_dim=8,
+        )
         runtime = build_runtime(LAYOUT, run, cp_group=mpu.get_context_parallel_group())
         model = _bf16(build_gpt(cfg, runtime=runtime))
-        loss, tokens, grads = _step(model, slice_batch(batch, segments=runtime.segments,
-                                                       seq_length=LAYOUT.seq_length))
-        for t in (loss, tokens, *grads.values()):  # parameters are replicated over CP: sum the shards
+        loss, tokens, grads = _step(
+            model, slice_batch(batch, segments=runtime.segments, seq_length=LAYOUT.seq_length)
+        )
+        for t in (
+            loss,
+            tokens,
+            *grads.values(),
+        ):  # parameters are replicated over CP: sum the shards
             dist.all_reduce(t)
         return {"hexiseq": (loss, tokens, grads)}
     finally:
@@ -118,11 +153,17 @@ def test_bf16_gpt_matches_float32_as_well_as_stock_bf16() -> None:
     (l32, n32, g32), (l16, n16, g16), (lh, nh, gh) = ref["fp32"], ref["bf16"], hexiseq
     assert float(n32) == float(nh) == float(n16)
     loss32, loss16, lossh = float(l32 / n32), float(l16 / n16), float(lh / nh)
-    assert abs(lossh - loss32) <= 2 * abs(loss16 - loss32) + 2 * U_BF16 * abs(loss32), (loss32, loss16, lossh)
+    assert abs(lossh - loss32) <= 2 * abs(loss16 - loss32) + 2 * U_BF16 * abs(loss32), (
+        loss32,
+        loss16,
+        lossh,
+    )
     assert g32.keys() == gh.keys() and len(g32) >= 8
     for name, want in g32.items():
         want = want / n32  # gradients of the per-token mean
         norm = float(torch.linalg.vector_norm(want))
         err_stock = float(torch.linalg.vector_norm(g16[name] / n16 - want)) / norm
         err_hexiseq = float(torch.linalg.vector_norm(gh[name] / nh - want)) / norm
-        assert err_hexiseq <= 2 * err_stock + 2 * U_BF16, f"{name}: hexiseq {err_hexiseq:.3g}, stock {err_stock:.3g}"
+        assert err_hexiseq <= 2 * err_stock + 2 * U_BF16, (
+            f"{name}: hexiseq {err_hexiseq:.3g}, stock {err_stock:.3g}"
+        )

@@ -8,28 +8,46 @@ Per-token loss and every parameter gradient of step 0 must equal the single-proc
 same weights over the unsharded batch (fp32, to a tolerance derived below); then 3 AdamW steps keep
 matching. Both parallel runs share one 4-process spawn, both references one 1-process spawn.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.testbed.train import (TrainConfig, reference_rank_many, train_rank_many)
+from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many, train_rank_many
 from megatron_hexiseq.testbed.spawn import run_ranks
 
 
 HETERO = make_layout(  # groups [3, 1]; rank 3 alone holds every head and the most tokens
-    seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
+    seq_length=48,
+    num_attention_heads=8,
+    num_query_groups=2,
+    group_sizes=[3, 1],
     segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
-    heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))])
+    heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))],
+)
 UNEVEN2 = make_layout(  # one A2A group of 2 ranks, 28 vs 20 tokens, 5 vs 3 heads
-    seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[2],
-    segments=[[(0, 12), (32, 48)], [(12, 32)]], heads=[[0, 1, 2, 3, 4], [5, 6, 7]])
+    seq_length=48,
+    num_attention_heads=8,
+    num_query_groups=2,
+    group_sizes=[2],
+    segments=[[(0, 12), (32, 48)], [(12, 32)]],
+    heads=[[0, 1, 2, 3, 4], [5, 6, 7]],
+)
 
 CASES = [
     TrainConfig(layout=HETERO, steps=3, kernel="reference", return_grads=True, return_params=True),
-    TrainConfig(layout=UNEVEN2, data_parallel=2, micro_batch_size=2, steps=3, kernel="auto",
-                comm_chunks=2, return_grads=True, return_params=True),
+    TrainConfig(
+        layout=UNEVEN2,
+        data_parallel=2,
+        micro_batch_size=2,
+        steps=3,
+        kernel="auto",
+        comm_chunks=2,
+        return_grads=True,
+        return_params=True,
+    ),
 ]
 
 
@@ -73,15 +91,24 @@ def test_gpt_matches_single_process(runs, case):
     tol = reordering_tolerance(CASES[case])
     # the per-token loss of every step, as every rank reports it (a sum of positive terms: relative)
     for res in per_rank:
-        torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=tol, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(res.losses), torch.tensor(ref.losses), rtol=tol, atol=0
+        )
     # every parameter gradient of step 0 (after DDP reduce + division by the global token count)
     got = per_rank[0].grads
     assert got.keys() == ref.grads.keys() and len(got) >= 4 * 4
     for name, want in ref.grads.items():
         assert want.abs().max() > 0, name
-        assert float(torch.linalg.vector_norm(got[name] - want)) <= tol * float(torch.linalg.vector_norm(want))
-        torch.testing.assert_close(got[name], want, rtol=tol, atol=tol * float(want.abs().max()),
-                                   msg=lambda m: f"gradient of {name}: {m}")
+        assert float(torch.linalg.vector_norm(got[name] - want)) <= tol * float(
+            torch.linalg.vector_norm(want)
+        )
+        torch.testing.assert_close(
+            got[name],
+            want,
+            rtol=tol,
+            atol=tol * float(want.abs().max()),
+            msg=lambda m: f"gradient of {name}: {m}",
+        )
     # parameters after 3 AdamW steps. Adam normalises each element's step (m / (sqrt(v) + 1e-8)), so
     # for gradients near 1e-8 fp32 summation-order noise (gradients agree to ~7e-7 norm-wise) moves
     # that element's step: compare each parameter's total update norm-wise (1e-3 relative; measured
@@ -91,5 +118,6 @@ def test_gpt_matches_single_process(runs, case):
         update = float(torch.linalg.vector_norm(want - init))
         assert update > 0, name
         assert float(torch.linalg.vector_norm(got_p - want)) <= 1e-3 * update, name
-        torch.testing.assert_close(got_p, want, rtol=0, atol=0.05 * CASES[case].lr,
-                                   msg=lambda m: f"parameter {name}: {m}")
+        torch.testing.assert_close(
+            got_p, want, rtol=0, atol=0.05 * CASES[case].lr, msg=lambda m: f"parameter {name}: {m}"
+        )

@@ -13,6 +13,7 @@ slices by the layout, and the start-up checks reject a wrong run with their mess
 ``--hexiseq-*`` flags. (CUDA-only corners of Megatron-LM are stubbed in the test:
 ``get_device_arch_version``.)
 """
+
 from __future__ import annotations
 
 import os
@@ -27,21 +28,31 @@ from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM")
-pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>"
+)
 
 # one A2A group of 2 ranks: uneven tokens (24 vs 24 in 2 + 1 segments) and heads (3 vs 5)
-LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[2],
-                     segments=[[(0, 6), (30, 48)], [(6, 30)]], heads=[[0, 1, 2], [3, 4, 5, 6, 7]])
-ARGV = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --group-query-attention "
-        "--num-query-groups 2 --ffn-hidden-size 96 --swiglu --normalization RMSNorm "
-        "--position-embedding-type rope --seq-length 48 --max-position-embeddings 48 "
-        "--micro-batch-size 1 --global-batch-size 1 --lr 1e-3 --train-iters 1 --transformer-impl local "
-        "--context-parallel-size 2 --cp-comm-type hexiseq --calculate-per-token-loss "
-        "--hexiseq-kernel reference --use-cpu-initialization --no-gradient-accumulation-fusion "
-        "--attention-dropout 0 --hidden-dropout 0 --disable-bias-linear "
-        "--no-create-attention-mask-in-dataloader --mock-data --tokenizer-type NullTokenizer "
-        "--vocab-size 128 --no-rope-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
-        "--no-persist-layer-norm").split()
+LAYOUT = make_layout(
+    seq_length=48,
+    num_attention_heads=8,
+    num_query_groups=2,
+    group_sizes=[2],
+    segments=[[(0, 6), (30, 48)], [(6, 30)]],
+    heads=[[0, 1, 2], [3, 4, 5, 6, 7]],
+)
+ARGV = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 8 --group-query-attention "
+    "--num-query-groups 2 --ffn-hidden-size 96 --swiglu --normalization RMSNorm "
+    "--position-embedding-type rope --seq-length 48 --max-position-embeddings 48 "
+    "--micro-batch-size 1 --global-batch-size 1 --lr 1e-3 --train-iters 1 --transformer-impl local "
+    "--context-parallel-size 2 --cp-comm-type hexiseq --calculate-per-token-loss "
+    "--hexiseq-kernel reference --use-cpu-initialization --no-gradient-accumulation-fusion "
+    "--attention-dropout 0 --hidden-dropout 0 --disable-bias-linear "
+    "--no-create-attention-mask-in-dataloader --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 128 --no-rope-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
+    "--no-persist-layer-norm"
+).split()
 
 
 def _parse(argv: list[str], rank: int, world: int):
@@ -73,8 +84,10 @@ def _worker(rank: int, world: int, layout_path: str) -> dict:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     out: dict = {"errors": []}
     # start-up checks reject wrong runs (each before any collective, identically on every rank)
-    for change, drop in ((["--seq-length", "96", "--max-position-embeddings", "96"], []),
-                         ([], ["--calculate-per-token-loss"])):
+    for change, drop in (
+        (["--seq-length", "96", "--max-position-embeddings", "96"], []),
+        ([], ["--calculate-per-token-loss"]),
+    ):
         argv = [a for a in ARGV if a not in drop] + ["--hexiseq-layout", layout_path] + change
         args = _parse(argv, rank, world)
         try:
@@ -83,24 +96,36 @@ def _worker(rank: int, world: int, layout_path: str) -> dict:
             out["errors"].append(str(e))
     args = _parse(ARGV + ["--hexiseq-layout", layout_path], rank, world)
     set_args(args)
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=args.context_parallel_size)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=1, context_parallel_size=args.context_parallel_size
+    )
     provider = plugin.model_provider(stock.model_provider, stock.gpt_builder, stock)
-    model = provider(pre_process=True, post_process=True, config=None,
-                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    model = provider(
+        pre_process=True,
+        post_process=True,
+        config=None,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
     out["hexiseq_layers"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
     out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)
-    out["tokens"] = stock.get_batch_on_this_cp_rank({"tokens": torch.arange(48).view(1, 48)})["tokens"][0].tolist()
+    out["tokens"] = stock.get_batch_on_this_cp_rank({"tokens": torch.arange(48).view(1, 48)})[
+        "tokens"
+    ][0].tolist()
     mpu.destroy_model_parallel()
     return out
 
 
 def _worker_on_megatron_lm(rank: int, world: int, checkout: str, layout_path: str) -> dict:
-    sys.path.insert(0, checkout)  # this fresh process imports Megatron-LM's megatron/, not the wheel's
+    sys.path.insert(
+        0, checkout
+    )  # this fresh process imports Megatron-LM's megatron/, not the wheel's
     return _worker(rank, world, layout_path)
 
 
 def test_real_megatron_lm_args_model_provider_and_batch(tmp_path):
-    assert (Path(MEGATRON_LM) / "pretrain_gpt.py").is_file(), f"MEGATRON_LM={MEGATRON_LM} has no pretrain_gpt.py"
+    assert (Path(MEGATRON_LM) / "pretrain_gpt.py").is_file(), (
+        f"MEGATRON_LM={MEGATRON_LM} has no pretrain_gpt.py"
+    )
     path = tmp_path / "layout.json"
     LAYOUT.save(path)
     results = run_ranks(_worker_on_megatron_lm, 2, MEGATRON_LM, str(path), timeout_s=600)
@@ -119,11 +144,17 @@ def test_help_lists_hexiseq_flags(tmp_path):
     """
     root = Path(__file__).resolve().parents[1]
     shutil.copy(Path(MEGATRON_LM) / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
-    patched = subprocess.run([str(root / "scripts" / "apply_megatron_patch.sh"), str(tmp_path)],
-                             capture_output=True, text=True)
+    patched = subprocess.run(
+        [str(root / "scripts" / "apply_megatron_patch.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert patched.returncode == 0, patched.stderr
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), MEGATRON_LM, os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), MEGATRON_LM, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONWARNINGS": "ignore",
+    }
     # both entry points in one fresh interpreter (importing Megatron-LM costs seconds), as `python X --help` runs them
     code = """if True:
         import contextlib, io, json, runpy, sys
@@ -141,12 +172,20 @@ def test_help_lists_hexiseq_flags(tmp_path):
             out[name] = [code, buf.getvalue()]
         print(json.dumps(out))
     """
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "pretrain_gpt.py")], capture_output=True,
-                         text=True, env=env, cwd=tmp_path, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "pretrain_gpt.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     import json
 
     for name, (code, out) in json.loads(res.stdout.strip().splitlines()[-1]).items():
         assert code == 0, f"{name}: exit {code}"
-        assert "--hexiseq-layout PATH" in out and "--hexiseq-kernel" in out, f"{name}: {out[-2000:]}"
+        assert "--hexiseq-layout PATH" in out and "--hexiseq-kernel" in out, (
+            f"{name}: {out[-2000:]}"
+        )
         assert "--context-parallel-size" in out  # Megatron's own flags are still there

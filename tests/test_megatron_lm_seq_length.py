@@ -7,6 +7,7 @@ accept them and leave ``args.seq_length`` at the requested length, while the sam
 HexiSeq still fail Megatron's check (so the test would notice if Megatron dropped it). Needs
 ``MEGATRON_LM`` (``scripts/test.sh`` unpacks the snapshot in ``../shared/megatron-lm``).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,16 @@ import sys
 import pytest
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM")
-pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>"
+)
 
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
-        "--ffn-hidden-size 96 --position-embedding-type rope --micro-batch-size 1 --global-batch-size 1 "
-        "--lr 1e-3 --train-iters 1 --transformer-impl local --calculate-per-token-loss --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 128").split()
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 96 --position-embedding-type rope --micro-batch-size 1 --global-batch-size 1 "
+    "--lr 1e-3 --train-iters 1 --transformer-impl local --calculate-per-token-loss --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128"
+).split()
 
 
 def _validate(argv: list[str], world: int):
@@ -46,15 +51,38 @@ def _validate(argv: list[str], world: int):
 
 @pytest.mark.parametrize("seq,cp", [(44, 4), (131072, 12), (131072, 24)])
 def test_validate_args_accepts_any_hexiseq_length(seq: int, cp: int) -> None:
-    flags = ["--seq-length", str(seq), "--max-position-embeddings", str(seq), "--context-parallel-size", str(cp)]
-    args = _validate(flags + ["--cp-comm-type", "hexiseq", "--hexiseq-layout", "layout.json"], world=cp)
-    assert args.seq_length == seq and args.encoder_seq_length == seq and args.context_parallel_size == cp
+    flags = [
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--context-parallel-size",
+        str(cp),
+    ]
+    args = _validate(
+        flags + ["--cp-comm-type", "hexiseq", "--hexiseq-layout", "layout.json"], world=cp
+    )
+    assert (
+        args.seq_length == seq
+        and args.encoder_seq_length == seq
+        and args.context_parallel_size == cp
+    )
     with pytest.raises(AssertionError, match="multiple of 2 \\* context-parallel-size"):
         _validate(flags + ["--cp-comm-type", "p2p"], world=cp)  # stock Megatron still checks
 
 
 def test_other_seq_length_checks_still_apply() -> None:
-    flags = ["--seq-length", "44", "--max-position-embeddings", "40", "--context-parallel-size", "4",
-             "--cp-comm-type", "hexiseq", "--hexiseq-layout", "layout.json"]
+    flags = [
+        "--seq-length",
+        "44",
+        "--max-position-embeddings",
+        "40",
+        "--context-parallel-size",
+        "4",
+        "--cp-comm-type",
+        "hexiseq",
+        "--hexiseq-layout",
+        "layout.json",
+    ]
     with pytest.raises(AssertionError, match="max_position_embeddings"):
         _validate(flags, world=4)

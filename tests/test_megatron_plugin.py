@@ -3,6 +3,7 @@ without TE/Apex) and layer (b) (the model provider on 4 gloo ranks with stand-in
 ``model_provider``/``gpt_builders``; its model's per-token loss equals the single-process model's).
 The same path against a real Megatron-LM checkout: tests/test_megatron_lm.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,27 +21,40 @@ from megatron_hexiseq.megatron.config import transformer_config
 from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many
 from megatron_hexiseq.testbed.spawn import run_ranks
 
-LAYOUT = make_layout(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
-                     segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
-                     heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))])
+LAYOUT = make_layout(
+    seq_length=48,
+    num_attention_heads=8,
+    num_query_groups=2,
+    group_sizes=[3, 1],
+    segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
+    heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))],
+)
 CFG = TrainConfig(layout=LAYOUT, steps=1)
 
 
 # ---- layer (a) -------------------------------------------------------------------------------
 def test_package_imports_without_te_or_apex():
-    code = ("import sys\n"
-            "for m in ('transformer_engine', 'apex', 'flash_attn'): sys.modules[m] = None\n"
-            "import megatron_hexiseq.megatron.plugin, megatron_hexiseq.megatron.spec, "
-            "megatron_hexiseq.testbed.train, megatron_hexiseq.megatron.launch, megatron_hexiseq.pretrain_gpt\n"
-            "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
-            "print('ok')\n")
-    res = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys\n"
+        "for m in ('transformer_engine', 'apex', 'flash_attn'): sys.modules[m] = None\n"
+        "import megatron_hexiseq.megatron.plugin, megatron_hexiseq.megatron.spec, "
+        "megatron_hexiseq.testbed.train, megatron_hexiseq.megatron.launch, megatron_hexiseq.pretrain_gpt\n"
+        "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 def test_post_parse_hook_configures_overlap_once(monkeypatch):
     calls = []
-    monkeypatch.setattr(plugin.megatron_hooks, "configure_from_args", lambda args: calls.append(args.hexiseq_overlap_config))
+    monkeypatch.setattr(
+        plugin.megatron_hooks,
+        "configure_from_args",
+        lambda args: calls.append(args.hexiseq_overlap_config),
+    )
     parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
     args = parser.parse_args(["--hexiseq-overlap-config", "tune.json"])
     assert calls == ["tune.json"] and args.hexiseq_overlap_configured
@@ -52,7 +66,12 @@ def test_cp_comm_type_hexiseq_needs_a_layout():
     args = argparse.Namespace(cp_comm_type=["hexiseq"], hexiseq_overlap_configured=True)
     with pytest.raises(HexiSeqError, match="--cp-comm-type hexiseq needs --hexiseq-layout"):
         plugin.setup(args, None)
-    assert plugin.setup(argparse.Namespace(cp_comm_type=["p2p"], hexiseq_overlap_configured=True), None) is None
+    assert (
+        plugin.setup(
+            argparse.Namespace(cp_comm_type=["p2p"], hexiseq_overlap_configured=True), None
+        )
+        is None
+    )
 
 
 def test_forward_step_wrapper_hands_online_tuning_to_the_tuning_step():
@@ -66,20 +85,30 @@ def test_forward_step_wrapper_hands_online_tuning_to_the_tuning_step():
         c.comm_chunks = 3
         model.add_module(f"core{i}", c)
     seen = []
-    plain = plugin.forward_step(lambda it, m: seen.append([c.comm_chunks for c in cores]) or "out",
-                                get_args=lambda: argparse.Namespace(hexiseq_overlap_tune=False))
+    plain = plugin.forward_step(
+        lambda it, m: seen.append([c.comm_chunks for c in cores]) or "out",
+        get_args=lambda: argparse.Namespace(hexiseq_overlap_tune=False),
+    )
     assert plain(None, model) == "out" and plain._inner is plain.forward_step
     args = argparse.Namespace(hexiseq_overlap_tune=True, hexiseq_layout="layout.json", save=None)
-    tuned = plugin.forward_step(lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x",
-                                get_args=lambda: args, num_microbatches=lambda: 2)
+    tuned = plugin.forward_step(
+        lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x",
+        get_args=lambda: args,
+        num_microbatches=lambda: 2,
+    )
     assert tuned(None, [model]) == "x"
     assert isinstance(tuned._inner, OnlineTuningStep) and tuned._inner.num_microbatches == 2
-    assert seen == [[3, 3, 3], [1, 1, 1]]  # the tuner's first configuration reached every core attention
+    assert seen == [
+        [3, 3, 3],
+        [1, 1, 1],
+    ]  # the tuner's first configuration reached every core attention
     assert plugin.set_comm_chunks(model, 1) == 0 and plugin.set_comm_chunks([model], 2) == 3
 
 
 # ---- layer (b) -------------------------------------------------------------------------------
-def _get_transformer_layer_spec(use_te, config):  # stands in for gpt_builders._get_transformer_layer_spec
+def _get_transformer_layer_spec(
+    use_te, config
+):  # stands in for gpt_builders._get_transformer_layer_spec
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     assert not use_te
@@ -90,9 +119,12 @@ def _stock_gpt_builder(*args, **kwargs):  # the stock builder: must not be calle
     raise AssertionError("stock gpt_builder called although --hexiseq-layout is set")
 
 
-def _stock_model_provider(builder, pre_process=True, post_process=True, vp_stage=None, config=None,
-                          pg_collection=None):  # Megatron-LM's model_provider(model_builder, ...)
-    return builder(_ARGS[0], pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection)
+def _stock_model_provider(
+    builder, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+):  # Megatron-LM's model_provider(model_builder, ...)
+    return builder(
+        _ARGS[0], pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection
+    )
 
 
 _ARGS: list = []
@@ -101,13 +133,33 @@ _ARGS: list = []
 def _megatron_args(layout_path: str, **changes) -> argparse.Namespace:
     parser = plugin.extra_args_provider(None)(argparse.ArgumentParser())
     args = parser.parse_args(["--hexiseq-layout", layout_path, "--hexiseq-kernel", "reference"])
-    vars(args).update(dict(
-        world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
-        seq_length=48, num_attention_heads=8, num_query_groups=2, group_query_attention=True,
-        cp_comm_type=["hexiseq"], calculate_per_token_loss=True, create_attention_mask_in_dataloader=False,
-        use_legacy_models=False, spec=None, transformer_impl="local", num_experts=None, padded_vocab_size=128,
-        max_position_embeddings=48, fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False))
+    vars(args).update(
+        dict(
+            world_size=4,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=4,
+            seq_length=48,
+            num_attention_heads=8,
+            num_query_groups=2,
+            group_query_attention=True,
+            cp_comm_type=["hexiseq"],
+            calculate_per_token_loss=True,
+            create_attention_mask_in_dataloader=False,
+            use_legacy_models=False,
+            spec=None,
+            transformer_impl="local",
+            num_experts=None,
+            padded_vocab_size=128,
+            max_position_embeddings=48,
+            fp16_lm_cross_entropy=False,
+            untie_embeddings_and_output_weights=True,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=10000,
+            use_rope_scaling=False,
+        )
+    )
     vars(args).update(changes)
     return args
 
@@ -130,11 +182,16 @@ def _plugin_worker(rank: int, world: int, layout_path: str) -> dict:
         out["error"] = str(e)
     _ARGS[:] = [_megatron_args(layout_path)]
     pretrain_module = types.ModuleType("pretrain_gpt_standin")
-    provider = plugin.model_provider(_stock_model_provider, _stock_gpt_builder, pretrain_module,
-                                     get_args=lambda: _ARGS[0])
+    provider = plugin.model_provider(
+        _stock_model_provider, _stock_gpt_builder, pretrain_module, get_args=lambda: _ARGS[0]
+    )
     torch.manual_seed(CFG.seed)  # the reference's weights
-    model = provider(pre_process=True, post_process=True, config=transformer_config(CFG.model, context_parallel_size=4),
-                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    model = provider(
+        pre_process=True,
+        post_process=True,
+        config=transformer_config(CFG.model, context_parallel_size=4),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
     out["cores"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
     out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)
     batch = pretrain_module.get_batch_on_this_cp_rank(make_batch(CFG, 0, 0))

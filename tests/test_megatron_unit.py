@@ -4,6 +4,7 @@ Flags (the pinned set), start-up checks (each mismatch has its message), batch s
 Megatron's own ``get_batch_on_this_cp_rank``, layout RoPE against Megatron's ``RotaryEmbedding``,
 per-token loss, and the spec swap (local, MoE block, and TE spec when TE is installed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,30 +20,47 @@ from megatron_hexiseq.layout import make_layout, zigzag_segments
 from megatron_hexiseq.megatron.args import HexiSeqArgs, add_hexiseq_args, flag_names
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer, slice_batch
 from megatron_hexiseq.megatron.loss import per_token_loss
-from megatron_hexiseq.megatron.runtime import (RunShape, check_devices, check_run,
-                                                      gpu_name_matches)
+from megatron_hexiseq.megatron.runtime import RunShape, check_devices, check_run, gpu_name_matches
 
 
 def _layout(**kw):
-    base = dict(seq_length=48, num_attention_heads=8, num_query_groups=2, group_sizes=[3, 1],
-                segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
-                heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))])
+    base = dict(
+        seq_length=48,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[3, 1],
+        segments=[[(0, 6), (40, 44)], [(6, 16)], [(16, 22), (44, 48)], [(22, 40)]],
+        heads=[[0, 1, 2], [3, 4, 5, 6], [7], list(range(8))],
+    )
     base.update(kw)
     return make_layout(**base)
 
 
 def _run(**kw) -> RunShape:
-    base = dict(world_size=8, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=4, seq_length=48, num_attention_heads=8, num_query_groups=2)
+    base = dict(
+        world_size=8,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=4,
+        seq_length=48,
+        num_attention_heads=8,
+        num_query_groups=2,
+    )
     base.update(kw)
     return RunShape(**base)
 
 
 # ---- flags ---------------------------------------------------------------------------------
 def test_flag_set_is_pinned():
-    assert flag_names() == ("--hexiseq-layout", "--hexiseq-kernel", "--hexiseq-fp32-grad-wire",
-                            "--hexiseq-comm-chunks", "--hexiseq-allow-mismatch", "--hexiseq-overlap-tune",
-                            "--hexiseq-overlap-config")
+    assert flag_names() == (
+        "--hexiseq-layout",
+        "--hexiseq-kernel",
+        "--hexiseq-fp32-grad-wire",
+        "--hexiseq-comm-chunks",
+        "--hexiseq-allow-mismatch",
+        "--hexiseq-overlap-tune",
+        "--hexiseq-overlap-config",
+    )
 
 
 def test_flags_parse_round_trip_and_chain():
@@ -54,8 +72,19 @@ def test_flags_parse_round_trip_and_chain():
         return parser
 
     parser = add_hexiseq_args(argparse.ArgumentParser(), chain=other)
-    args = parser.parse_args(["--hexiseq-layout", "l.json", "--hexiseq-kernel", "reference",
-                              "--hexiseq-comm-chunks", "4", "--hexiseq-overlap-tune", "--other-flag", "3"])
+    args = parser.parse_args(
+        [
+            "--hexiseq-layout",
+            "l.json",
+            "--hexiseq-kernel",
+            "reference",
+            "--hexiseq-comm-chunks",
+            "4",
+            "--hexiseq-overlap-tune",
+            "--other-flag",
+            "3",
+        ]
+    )
     hs = HexiSeqArgs.from_namespace(args)
     assert chained and args.other_flag == 3
     assert hs == HexiSeqArgs(layout="l.json", kernel="reference", comm_chunks=4, overlap_tune=True)
@@ -69,10 +98,18 @@ def test_flags_parse_round_trip_and_chain():
 
 
 def test_run_shape_from_megatron_args():
-    args = SimpleNamespace(world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                           context_parallel_size=4, seq_length=48, num_attention_heads=8,
-                           num_query_groups=2, group_query_attention=False, cp_comm_type=["hexiseq"],
-                           calculate_per_token_loss=True)
+    args = SimpleNamespace(
+        world_size=4,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=4,
+        seq_length=48,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_query_attention=False,
+        cp_comm_type=["hexiseq"],
+        calculate_per_token_loss=True,
+    )
     run = RunShape.from_megatron_args(args)
     assert run.num_query_groups == 8 and run.cp_comm_type == "hexiseq"  # GQA off -> groups = heads
     args.group_query_attention, args.cp_comm_type = True, ["p2p", "hexiseq"]
@@ -81,17 +118,23 @@ def test_run_shape_from_megatron_args():
 
 
 # ---- start-up checks -----------------------------------------------------------------------
-@pytest.mark.parametrize("change, message", [
-    (dict(cp_comm_type="p2p"), "needs --cp-comm-type hexiseq"),
-    (dict(context_parallel_size=2), "has 4 ranks but --context-parallel-size is 2"),
-    (dict(world_size=6), "world size 6 is not a multiple of TP x PP x CP"),
-    (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 1"),
-    (dict(seq_length=64), "planned for seq_length 48 but --seq-length is 64"),
-    (dict(num_attention_heads=16), "planned for 8 attention heads but the model has --num-attention-heads 16"),
-    (dict(num_query_groups=4), "planned for 2 query groups but the model has 4"),
-    (dict(calculate_per_token_loss=False), "add --calculate-per-token-loss"),
-    (dict(multi_latent_attention=True), "multi-latent-attention"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(cp_comm_type="p2p"), "needs --cp-comm-type hexiseq"),
+        (dict(context_parallel_size=2), "has 4 ranks but --context-parallel-size is 2"),
+        (dict(world_size=6), "world size 6 is not a multiple of TP x PP x CP"),
+        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 1"),
+        (dict(seq_length=64), "planned for seq_length 48 but --seq-length is 64"),
+        (
+            dict(num_attention_heads=16),
+            "planned for 8 attention heads but the model has --num-attention-heads 16",
+        ),
+        (dict(num_query_groups=4), "planned for 2 query groups but the model has 4"),
+        (dict(calculate_per_token_loss=False), "add --calculate-per-token-loss"),
+        (dict(multi_latent_attention=True), "multi-latent-attention"),
+    ],
+)
 def test_check_run_messages(change, message):
     check_run(_layout(), _run())  # the matching run passes
     with pytest.raises(HexiSeqError, match=message.replace("(", r"\(").replace("+", r"\+")):
@@ -114,8 +157,11 @@ def test_device_checks():
     assert check_devices(lay, domains, good * 2) == []
     assert check_devices(lay, domains, [None] * 8) == []  # no GPU: nothing to check
     swapped = good * 1 + good[:2] + good[3:] + good[2:3]  # replica 1: ranks 6 and 7 swapped
-    with pytest.raises(HexiSeqError, match=r"global rank 6 \(layout rank 2\) runs on 'NVIDIA A100-SXM4-80GB' "
-                                           r"but the layout planned 'H100'.*--hexiseq-allow-mismatch"):
+    with pytest.raises(
+        HexiSeqError,
+        match=r"global rank 6 \(layout rank 2\) runs on 'NVIDIA A100-SXM4-80GB' "
+        r"but the layout planned 'H100'.*--hexiseq-allow-mismatch",
+    ):
         check_devices(lay, domains, swapped)
     assert len(check_devices(lay, domains, swapped, allow_mismatch=True)) == 2
 
@@ -125,13 +171,19 @@ def test_slice_batch_matches_megatron_zigzag(monkeypatch):
     import megatron.core.utils as mcore_utils
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    monkeypatch.setattr(mcore_utils, "get_pg_size", lambda g: g.size())  # a fake CP group, no processes
+    monkeypatch.setattr(
+        mcore_utils, "get_pg_size", lambda g: g.size()
+    )  # a fake CP group, no processes
     monkeypatch.setattr(mcore_utils, "get_pg_rank", lambda g: g.rank())
 
     S, cp, b = 32, 4, 2
-    full = {"tokens": torch.arange(b * S).view(b, S), "labels": torch.arange(b * S).view(b, S) + 1000,
-            "loss_mask": torch.rand(b, S), "position_ids": torch.arange(S).expand(b, S),
-            "attention_mask": torch.rand(b, 1, S, S) > 0.5}
+    full = {
+        "tokens": torch.arange(b * S).view(b, S),
+        "labels": torch.arange(b * S).view(b, S) + 1000,
+        "loss_mask": torch.rand(b, S),
+        "position_ids": torch.arange(S).expand(b, S),
+        "attention_mask": torch.rand(b, 1, S, S) > 0.5,
+    }
     for r, segs in enumerate(zigzag_segments(S, cp)):
         group = SimpleNamespace(size=lambda: cp, rank=lambda r=r: r)
         want = get_batch_on_this_cp_rank(dict(full), cp_group=group)
@@ -144,8 +196,10 @@ def test_slice_batch_matches_megatron_zigzag(monkeypatch):
 def test_slice_batch_uneven_and_errors():
     lay = _layout()
     tokens = torch.arange(48).view(1, 48)
-    parts = [slice_batch({"tokens": tokens, "attention_mask": None}, segments=r.segments, seq_length=48)
-             for r in lay.ranks]
+    parts = [
+        slice_batch({"tokens": tokens, "attention_mask": None}, segments=r.segments, seq_length=48)
+        for r in lay.ranks
+    ]
     assert [p["tokens"].tolist()[0] for p in parts] == [r.positions() for r in lay.ranks]
     assert all(p["attention_mask"] is None for p in parts)
     with pytest.raises(HexiSeqError, match="batch 'tokens' has shape \\(1, 40\\)"):
@@ -161,9 +215,14 @@ def test_layout_rope_matches_megatron(interleaved, factor):
     from megatron_hexiseq.megatron.config import cpu_device_shim
 
     lay = _layout()
-    stock = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved,
-                            seq_len_interpolation_factor=factor, use_cpu_initialization=True,
-                            cp_group=SimpleNamespace(size=lambda: 1))
+    stock = RotaryEmbedding(
+        kv_channels=16,
+        rotary_percent=1.0,
+        rotary_interleaved=interleaved,
+        seq_len_interpolation_factor=factor,
+        use_cpu_initialization=True,
+        cp_group=SimpleNamespace(size=lambda: 1),
+    )
     with cpu_device_shim():
         full = stock.get_emb(48)  # [S, 1, 1, 16]
     for r in lay.ranks:
@@ -193,12 +252,16 @@ def _runtime():
     from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 
     lay = _layout()
-    return HexiSeqRuntime(layout=lay, groups=SimpleNamespace(rank=0, layout=lay), kernel=Kernel.REFERENCE)
+    return HexiSeqRuntime(
+        layout=lay, groups=SimpleNamespace(rank=0, layout=lay), kernel=Kernel.REFERENCE
+    )
 
 
 def test_spec_swap_local_and_moe():
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
-                                                          get_gpt_layer_local_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
@@ -209,7 +272,9 @@ def test_spec_swap_local_and_moe():
     rt = _runtime()
     local = get_gpt_layer_local_spec()
     swapped = hexiseq_spec(local, rt)
-    assert count_core_attention(swapped) == 1 and count_core_attention(local, DotProductAttention) == 1
+    assert (
+        count_core_attention(swapped) == 1 and count_core_attention(local, DotProductAttention) == 1
+    )
     core = swapped.submodules.self_attention.submodules.core_attention
     assert core.module is HexiSeqCoreAttention and core.params["runtime"] is rt
     assert swapped.submodules.mlp == local.submodules.mlp  # everything else untouched
@@ -224,8 +289,10 @@ def test_spec_swap_local_and_moe():
         hexiseq_spec(torch.nn.Identity, rt)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                    reason="Transformer Engine not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None,
+    reason="Transformer Engine not installed",
+)
 def test_spec_swap_te_keeps_te_linears():  # layer (c) when TE is present
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -234,8 +301,10 @@ def test_spec_swap_te_keeps_te_linears():  # layer (c) when TE is present
     te = get_gpt_layer_with_transformer_engine_spec()
     swapped = hexiseq_spec(te, _runtime())
     assert count_core_attention(swapped) == 1
-    assert swapped.submodules.self_attention.submodules.linear_qkv is \
-        te.submodules.self_attention.submodules.linear_qkv
+    assert (
+        swapped.submodules.self_attention.submodules.linear_qkv
+        is te.submodules.self_attention.submodules.linear_qkv
+    )
 
 
 def test_core_attention_rejects_unsupported():
@@ -246,8 +315,13 @@ def test_core_attention_rejects_unsupported():
     from megatron_hexiseq.testbed.train import TINY_GPT
 
     config, rt = transformer_config(TINY_GPT), _runtime()
-    kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-              runtime=rt)
+    kw = dict(
+        config=config,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        runtime=rt,
+    )
     HexiSeqCoreAttention(**kw)
     with pytest.raises(HexiSeqError, match="causal"):
         HexiSeqCoreAttention(**{**kw, "attn_mask_type": AttnMaskType.padding})

@@ -18,6 +18,7 @@ The simulator's own tests show that it fails on what it must catch: two ranks po
 pair of messages in different orders, a wait cycle, a group whose member never joins its first
 batch, and the runtime with its group warm-up removed.
 """
+
 from __future__ import annotations
 
 import random
@@ -28,7 +29,12 @@ import torch
 import megatron_hexiseq.attention.comm as comm
 import megatron_hexiseq.attention.groups as groups_mod
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func, reference_attention
-from megatron_hexiseq.attention.kernel_check import BACKWARD_ROUNDINGS, FORWARD_ROUNDINGS, normwise_bound, normwise_error
+from megatron_hexiseq.attention.kernel_check import (
+    BACKWARD_ROUNDINGS,
+    FORWARD_ROUNDINGS,
+    normwise_bound,
+    normwise_error,
+)
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout
 from nccl_sim import NcclSim, SimError
@@ -52,12 +58,25 @@ def _simulated(monkeypatch: pytest.MonkeyPatch, world: int) -> NcclSim:
     return sim
 
 
-def _run_layout(monkeypatch: pytest.MonkeyPatch, lay: Layout, chunks: int, seed: int, kernel: str,
-                dtype: torch.dtype = torch.float64, batch: int = 1, head_dim: int = 4) -> NcclSim:
+def _run_layout(
+    monkeypatch: pytest.MonkeyPatch,
+    lay: Layout,
+    chunks: int,
+    seed: int,
+    kernel: str,
+    dtype: torch.dtype = torch.float64,
+    batch: int = 1,
+    head_dim: int = 4,
+) -> NcclSim:
     gen = torch.Generator().manual_seed(seed)
     S, B, D, H, G = lay.seq_length, batch, head_dim, lay.num_attention_heads, lay.num_query_groups
-    q, k, v = (torch.randn(S, B, n, D, generator=gen, dtype=torch.float64).to(dtype).double().requires_grad_()
-               for n in (H, G, G))
+    q, k, v = (
+        torch.randn(S, B, n, D, generator=gen, dtype=torch.float64)
+        .to(dtype)
+        .double()
+        .requires_grad_()
+        for n in (H, G, G)
+    )
     dout = torch.randn(S, B, H * D, generator=gen, dtype=torch.float64).to(dtype).double()
     ref = reference_attention(q, k, v)
     ref.backward(dout)
@@ -75,11 +94,18 @@ def _run_layout(monkeypatch: pytest.MonkeyPatch, lay: Layout, chunks: int, seed:
         for name, g, want in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
             want = want.detach()[pos]
             if dtype in TOL:
-                torch.testing.assert_close(g.double(), want, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}")
+                torch.testing.assert_close(
+                    g.double(), want, **TOL[dtype], msg=lambda m, n=name: f"{n}: {m}"
+                )
             else:
-                bound = normwise_bound(dtype, roundings=FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS,
-                                       reduction=S)
-                assert normwise_error(g, want) <= bound, f"{name}: normwise error {normwise_error(g, want):.3g}"
+                bound = normwise_bound(
+                    dtype,
+                    roundings=FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS,
+                    reduction=S,
+                )
+                assert normwise_error(g, want) <= bound, (
+                    f"{name}: normwise error {normwise_error(g, want):.3g}"
+                )
     return sim
 
 
@@ -91,7 +117,9 @@ def _variant(i: int) -> dict:
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4])
-def test_runtime_follows_nccl_rules_on_random_layouts(monkeypatch: pytest.MonkeyPatch, chunks: int) -> None:
+def test_runtime_follows_nccl_rules_on_random_layouts(
+    monkeypatch: pytest.MonkeyPatch, chunks: int
+) -> None:
     rng = random.Random(2026)
     messages = 0
     for i in range(LAYOUTS):
@@ -99,8 +127,10 @@ def test_runtime_follows_nccl_rules_on_random_layouts(monkeypatch: pytest.Monkey
         try:
             sim = _run_layout(monkeypatch, lay, chunks, seed=i, **_variant(i))
         except (SimError, AssertionError) as e:
-            raise AssertionError(f"layout {i} (world {lay.world_size}, groups "
-                                 f"{[len(g.ranks) for g in lay.groups]}), comm_chunks {chunks}: {e}") from None
+            raise AssertionError(
+                f"layout {i} (world {lay.world_size}, groups "
+                f"{[len(g.ranks) for g in lay.groups]}), comm_chunks {chunks}: {e}"
+            ) from None
         messages += sim.messages
     assert messages > LAYOUTS  # the layouts do exchange K/V
 
@@ -108,8 +138,14 @@ def test_runtime_follows_nccl_rules_on_random_layouts(monkeypatch: pytest.Monkey
 def test_zero_head_rank_needs_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 holds no heads, so it posts no sub-ring batch; without the warm-up collective the CP
     communicator is never created and the other ranks' first batch waits forever."""
-    lay = make_layout(seq_length=12, num_attention_heads=2, num_query_groups=1, group_sizes=[2, 1],
-                      segments=[[(0, 3)], [(3, 6)], [(6, 12)]], heads=[[0, 1], [], [0, 1]])
+    lay = make_layout(
+        seq_length=12,
+        num_attention_heads=2,
+        num_query_groups=1,
+        group_sizes=[2, 1],
+        segments=[[(0, 3)], [(3, 6)], [(6, 12)]],
+        heads=[[0, 1], [], [0, 1]],
+    )
     _run_layout(monkeypatch, lay, 1, seed=0, kernel="reference")  # with the warm-up: fine
     monkeypatch.setattr(groups_mod, "warm_up", lambda group, device: None)
     with pytest.raises(SimError, match=r"deadlock: .*never joined its first operation"):
@@ -156,7 +192,10 @@ def test_sim_detects_a_member_missing_from_the_first_batch() -> None:
     def fn(r: int) -> None:
         g = sim.new_group([0, 1, 2])
         if r < 2:
-            ops = [sim.P2POp(sim.isend, torch.ones(1), 1 - r, g, 0), sim.P2POp(sim.irecv, torch.zeros(1), 1 - r, g, 0)]
+            ops = [
+                sim.P2POp(sim.isend, torch.ones(1), 1 - r, g, 0),
+                sim.P2POp(sim.irecv, torch.zeros(1), 1 - r, g, 0),
+            ]
             for w in sim.batch_isend_irecv(ops):
                 w.wait()
 

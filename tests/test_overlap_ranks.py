@@ -3,6 +3,7 @@ trial of the search (offline and online) even when their measurements differ; th
 Megatron DDP gradients match an unsharded single-process reference for every DDP knob setting, on
 a user model scaled for CPU (its parameter count is the spec's exact count); the offline tuner runs
 end to end on the bench with injected, rank-dependent timings, so its decisions are exact."""
+
 import torch
 import torch.distributed as dist
 
@@ -36,7 +37,9 @@ def table_trial(rank, level):
     """What ``table_measure`` reports at ``level``, as the search's ``Trial``."""
     y = 100.0 + 2.0 * level
     e = EXPOSED[level] + (30.0 if rank == 1 and level == 3 else 0.0)
-    return Measurement(y_us=y, exposed_us=e, z_us=y + e + 10.0, num_buckets=0).trial(TINY.hidden_tol)
+    return Measurement(y_us=y, exposed_us=e, z_us=y + e + 10.0, num_buckets=0).trial(
+        TINY.hidden_tol
+    )
 
 
 def table_measure(bench, config):
@@ -62,8 +65,15 @@ def _worker(rank, world_size):
     # 2. online tuner: rank-dependent step times, same applied configurations everywhere
     space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2, 4, 8)),))
     applied = []
-    tuner = OnlineTuner(space, lambda c: applied.append(c.comm_chunks), settle_steps=0, steps_per_trial=2,
-                        gallop=False, group="world", monitor=DriftMonitor(MonitorConfig(window=2)))
+    tuner = OnlineTuner(
+        space,
+        lambda c: applied.append(c.comm_chunks),
+        settle_steps=0,
+        steps_per_trial=2,
+        gallop=False,
+        group="world",
+        monitor=DriftMonitor(MonitorConfig(window=2)),
+    )
     for _ in range(12):
         c = applied[-1]
         e = {1: 0.04, 2: 0.02, 4: 0.01 + 0.02 * rank, 8: 0.03}[c]  # rank 1 finds 4 chunks slow
@@ -84,12 +94,17 @@ def _worker(rank, world_size):
             ref[n] = ref.get(n, 0) + p.grad / world_size
     target_n = TINY_MODEL.target.num_parameters
     out["grads_ok"], out["buckets"] = {}, {}
-    for cfg in (OverlapConfig(), OverlapConfig(overlap_grad_reduce=True, bucket_size=target_n // 8)):
+    for cfg in (
+        OverlapConfig(),
+        OverlapConfig(overlap_grad_reduce=True, bucket_size=target_n // 8),
+    ):
         grads, out["buckets"][cfg.label()] = bench.reduced_grads(cfg)
         # fp32; each reduced gradient is a sum of 2 terms in another order than the reference:
         # a few ulps (rtol 1e-5 ~ 80 fp32 eps) plus atol for gradients near 0
         for n in ref:
-            torch.testing.assert_close(grads[n], ref[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{cfg.label()} {n}: {m}")
+            torch.testing.assert_close(
+                grads[n], ref[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{cfg.label()} {n}: {m}"
+            )
         out["grads_ok"][cfg.label()] = True
         out["measured_buckets_" + cfg.label()] = bench.measure(cfg, steps=1).num_buckets
     # 4. offline tuner end to end on the bench, timings injected
@@ -117,15 +132,29 @@ def test_two_ranks_agree_and_bench_matches_reference():
     tuned = r0["tuned"]
     assert tuned == r1["tuned"]
     space = bench_space(TUNE)
-    alone = priority_search(space.num_levels, lambda l: _max_trial(table_trial(0, l[0]), table_trial(1, l[0])),
-                            gallop=True, tolerance=0.05)
+    alone = priority_search(
+        space.num_levels,
+        lambda l: _max_trial(table_trial(0, l[0]), table_trial(1, l[0])),
+        gallop=True,
+        tolerance=0.05,
+    )
     assert tuned.trials == alone.history and tuned.levels == alone.levels
     # by hand (x = y + exposed, z = x + 10, y = 100 + 2 * level; the max over ranks):
     # (0) x 160 start; (1) x 147 accept, gallop step 2; (3) x 156 (rank 1) is 6% worse than 147:
     # reject-slower, step 1; (2) x 134 accept, step 2; (4) x 126 accept, step 4 clipped to the top;
     # (7) x 164 reject, step 1; (5) x 127 within 5% of 126: accept, step 2; (7) reject again
     # (the galloping search re-tries a level it measured); (6) x 152 reject: done. Best z: (4).
-    assert [s.levels for s in tuned.trials] == [(0,), (1,), (3,), (2,), (4,), (7,), (5,), (7,), (6,)]
+    assert [s.levels for s in tuned.trials] == [
+        (0,),
+        (1,),
+        (3,),
+        (2,),
+        (4,),
+        (7,),
+        (5,),
+        (7,),
+        (6,),
+    ]
     assert tuned.levels == (4,) and tuned.config == space.config_at((4,))
     assert tuned.config.bucket_size == TINY_MODEL.target.num_parameters // 16  # target parameters
     assert tuned.setup["bench_num_params"] == TINY_MODEL.bench.num_parameters
@@ -133,4 +162,6 @@ def test_two_ranks_agree_and_bench_matches_reference():
 
 
 def _max_trial(a, b):
-    return Trial(y_us=max(a.y_us, b.y_us), x_us=tuple(map(max, a.x_us, b.x_us)), z_us=max(a.z_us, b.z_us))
+    return Trial(
+        y_us=max(a.y_us, b.y_us), x_us=tuple(map(max, a.x_us, b.x_us)), z_us=max(a.z_us, b.z_us)
+    )

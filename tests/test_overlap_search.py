@@ -3,12 +3,19 @@
 The search runs against synthetic cost functions whose optimum is known by hand (and checked by
 brute force over the grid); the exact sequence of trials is asserted.
 """
+
 import itertools
 import math
 
 import pytest
 
-from megatron_hexiseq.overlap.search import Trial, h_metric, priority_search, search_steps, trial_from_exposed
+from megatron_hexiseq.overlap.search import (
+    Trial,
+    h_metric,
+    priority_search,
+    search_steps,
+    trial_from_exposed,
+)
 from megatron_hexiseq.testbed.overlap_bench import fit_cpu_ddp, fit_linear
 
 
@@ -31,14 +38,22 @@ def test_exact_trial_sequence_two_communications():
     x_tables = ([80, 60, 50, 55], [60, 40, 35])
     measure, calls = lagom_cost(y_fn, x_tables)
     result = priority_search((4, 3), measure)
-    assert calls == [(0, 0),   # start, H = [0.01, 0.01]
-                     (1, 0),   # tie -> comm 0: x0 80 -> 60, H0 = 5/20 = 0.25
-                     (1, 1),   # comm 1 (0.01): x1 60 -> 40, H1 = 2/20 = 0.1
-                     (1, 2),   # comm 1 (0.1): x1 40 -> 35, H1 = 2/5 = 0.4
-                     (2, 2),   # comm 0 (0.25): x0 60 -> 50, H0 = 5/10 = 0.5
-                     (3, 2)]   # comm 1 at its top -> done without a trial; comm 0: 50 -> 55 slower
-    assert [s.decision for s in result.history] == ["start", "accept", "accept", "accept", "accept",
-                                                     "reject-slower"]
+    assert calls == [
+        (0, 0),  # start, H = [0.01, 0.01]
+        (1, 0),  # tie -> comm 0: x0 80 -> 60, H0 = 5/20 = 0.25
+        (1, 1),  # comm 1 (0.01): x1 60 -> 40, H1 = 2/20 = 0.1
+        (1, 2),  # comm 1 (0.1): x1 40 -> 35, H1 = 2/5 = 0.4
+        (2, 2),  # comm 0 (0.25): x0 60 -> 50, H0 = 5/10 = 0.5
+        (3, 2),
+    ]  # comm 1 at its top -> done without a trial; comm 0: 50 -> 55 slower
+    assert [s.decision for s in result.history] == [
+        "start",
+        "accept",
+        "accept",
+        "accept",
+        "accept",
+        "reject-slower",
+    ]
     assert [s.communication for s in result.history] == [None, 0, 1, 1, 0, 0]
     assert result.levels == (2, 2) and result.trial.z_us == 85 and result.num_trials == 6
     grid = {l: measure(l).z_us for l in itertools.product(range(4), range(3))}
@@ -65,7 +80,10 @@ def test_rejects_move_that_does_not_shorten_the_step():
         return [Trial(50, (100,), 150), Trial(90, (80,), 170)][levels[0]]
 
     result = priority_search((2,), measure)
-    assert [s.decision for s in result.history] == ["start", "reject-no-gain"] and result.levels == (0,)
+    assert [s.decision for s in result.history] == [
+        "start",
+        "reject-no-gain",
+    ] and result.levels == (0,)
 
 
 def test_gallop_exact_sequence():
@@ -85,7 +103,10 @@ def test_gallop_clipped_at_the_top_does_not_repeat_a_trial():
 
 def test_noise_tolerance_walks_through_a_bump_and_keeps_the_best_measured():
     measure, calls = lagom_cost(lambda l: 10.0, ([100, 101, 80, 70, 90],))
-    assert priority_search((5,), measure).levels == (0,) and calls == [(0,), (1,)]  # Lagom as written
+    assert priority_search((5,), measure).levels == (0,) and calls == [
+        (0,),
+        (1,),
+    ]  # Lagom as written
     measure, calls = lagom_cost(lambda l: 10.0, ([100, 101, 80, 70, 90],))
     result = priority_search((5,), measure, tolerance=0.05)  # 101 is within 5% of 100: go on
     assert calls == [(0,), (1,), (2,), (3,), (4,)] and result.levels == (3,)
@@ -111,11 +132,12 @@ def test_trial_from_exposed():
 
 # ----------------------------------------------------------------------------- H metric, CPU fit
 
+
 def test_h_metric():
     before, after = Trial(100.0, (80.0, 5.0), 180.0), Trial(110.0, (60.0, 5.0), 170.0)
-    assert h_metric(before, after, 0) == 0.5             # 10 us more computation for 20 us saved
-    assert h_metric(before, after, 1) == math.inf        # x_1 did not drop
-    assert h_metric(after, before, 0) == math.inf        # x_0 grew
+    assert h_metric(before, after, 0) == 0.5  # 10 us more computation for 20 us saved
+    assert h_metric(before, after, 1) == math.inf  # x_1 did not drop
+    assert h_metric(after, before, 0) == math.inf  # x_0 grew
 
 
 def test_cpu_fit_recovers_known_coefficients():

@@ -8,6 +8,7 @@ idempotent and refuses a different file. With ``MEGATRON_LM`` set to a core_v0.1
 (``scripts/test.sh`` unpacks the snapshot in ``../shared/megatron-lm/`` and sets it), the patch
 applies to the real file; tests/test_megatron_lm.py runs the patched script's ``--help``.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,9 @@ def _hunks() -> list[list[str]]:
 
 def test_patch_touches_only_pretrain_gpt_and_adds_the_hooks():
     text = PATCH.read_text()
-    assert re.findall(r"^diff --git a/(\S+) b/(\S+)$", text, re.M) == [("pretrain_gpt.py", "pretrain_gpt.py")]
+    assert re.findall(r"^diff --git a/(\S+) b/(\S+)$", text, re.M) == [
+        ("pretrain_gpt.py", "pretrain_gpt.py")
+    ]
     assert "index 8eff08d" in text  # the core_v0.16.1 blob of pretrain_gpt.py
     added = [l[1:].strip() for h in _hunks() for l in h if l.startswith("+")]
     removed = [l[1:].strip() for h in _hunks() for l in h if l.startswith("-")]
@@ -49,8 +52,11 @@ def test_patch_touches_only_pretrain_gpt_and_adds_the_hooks():
         "hexiseq.forward_step(forward_step),",
         "extra_args_provider=hexiseq.extra_args_provider(add_modelopt_args if has_nvidia_modelopt else None),",
     ]
-    assert removed == ["partial(model_provider, gpt_builder),", "forward_step,",
-                       "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"]
+    assert removed == [
+        "partial(model_provider, gpt_builder),",
+        "forward_step,",
+        "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,",
+    ]
 
 
 def _synthetic_original(tmp: Path) -> Path:
@@ -68,7 +74,9 @@ def _synthetic_original(tmp: Path) -> Path:
 
 @needs_git
 def test_patch_parses_and_apply_script_is_idempotent(tmp_path):
-    stat = subprocess.run(["git", "apply", "--stat", str(PATCH)], capture_output=True, text=True, check=True)
+    stat = subprocess.run(
+        ["git", "apply", "--stat", str(PATCH)], capture_output=True, text=True, check=True
+    )
     assert "pretrain_gpt.py" in stat.stdout and "1 file changed" in stat.stdout
     original = _synthetic_original(tmp_path).read_text()
     first = subprocess.run([str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
@@ -92,21 +100,39 @@ def test_apply_script_refuses_bad_targets(tmp_path):
     assert missing.returncode == 2 and "usage" in missing.stderr
     (tmp_path / "pretrain_gpt.py").write_text("print('some other version')\n")
     other = subprocess.run([str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
-    assert other.returncode == 2 and "does not apply" in other.stderr and "core_v0.16.1" in other.stderr
+    assert (
+        other.returncode == 2
+        and "does not apply" in other.stderr
+        and "core_v0.16.1" in other.stderr
+    )
 
 
 @needs_git
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM"), reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
+@pytest.mark.skipif(
+    not os.environ.get("MEGATRON_LM"), reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>"
+)
 def test_patch_applies_to_real_megatron_lm(tmp_path):
     # a copy outside any git repository: inside one (a snapshot unpacked into this project) git apply
     # would skip the file and pass vacuously
     shutil.copy(Path(os.environ["MEGATRON_LM"]) / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
-    forward = subprocess.run(["git", "apply", "--check", "-v", str(PATCH)], cwd=tmp_path, capture_output=True,
-                             text=True, env=env)
-    backward = subprocess.run(["git", "apply", "--reverse", "--check", "-v", str(PATCH)], cwd=tmp_path,
-                              capture_output=True, text=True, env=env)
-    assert forward.returncode == 0 or backward.returncode == 0, forward.stderr  # clean or already patched
+    forward = subprocess.run(
+        ["git", "apply", "--check", "-v", str(PATCH)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    backward = subprocess.run(
+        ["git", "apply", "--reverse", "--check", "-v", str(PATCH)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert forward.returncode == 0 or backward.returncode == 0, (
+        forward.stderr
+    )  # clean or already patched
     assert "Skipped" not in forward.stderr + backward.stderr
     applied = subprocess.run([str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr

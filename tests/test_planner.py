@@ -2,6 +2,7 @@
 the plan against fresh estimates of every baseline and heuristic on random mixed clusters (and a
 crippled planner that this check catches), determinism, infeasibility explanations. CP-SAT runs
 under deterministic limits only (``max_deterministic_time``)."""
+
 from __future__ import annotations
 
 import random
@@ -32,13 +33,29 @@ BIG = 10**15
 
 def _coef(a, b, c=None, e=None, heads=2, units=4):
     n = len(a)
-    return GroupCoef(a=tuple(a), b=tuple(b), c=tuple(c or [0] * n), e=tuple(e or [0] * n),
-                     free=(BIG,) * n, mt=(1,) * n, mh=(0,) * n, heads=heads, num_units=units)
+    return GroupCoef(
+        a=tuple(a),
+        b=tuple(b),
+        c=tuple(c or [0] * n),
+        e=tuple(e or [0] * n),
+        free=(BIG,) * n,
+        mt=(1,) * n,
+        mh=(0,) * n,
+        heads=heads,
+        num_units=units,
+    )
 
 
 def _cluster(*nodes, net=25):
-    return cluster_from_dict({"name": "t", "nodes": [
-        {"name": f"n{i}", "gpu": g, "count": k, "network_GBps": net} for i, (g, k) in enumerate(nodes)]})
+    return cluster_from_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {"name": f"n{i}", "gpu": g, "count": k, "network_GBps": net}
+                for i, (g, k) in enumerate(nodes)
+            ],
+        }
+    )
 
 
 # ---- arrangement ---------------------------------------------------------------------------------
@@ -51,8 +68,16 @@ def test_mirrored_chunks_give_proportional_causal_pairs():
 
 
 def test_build_layout_pieces_and_heads():
-    lay = build_layout(seq_length=16, num_attention_heads=4, num_query_groups=2, groups=[[0, 1], [2]],
-                       rank_tokens=[3, 9, 4], rank_heads=[1, 3, 4], hosts=["a", "a", "b"], gpus=["X", "X", "Y"])
+    lay = build_layout(
+        seq_length=16,
+        num_attention_heads=4,
+        num_query_groups=2,
+        groups=[[0, 1], [2]],
+        rank_tokens=[3, 9, 4],
+        rank_heads=[1, 3, 4],
+        hosts=["a", "a", "b"],
+        gpus=["X", "X", "Y"],
+    )
     assert [r.segments for r in lay.ranks] == [((0, 3),), ((3, 6), (10, 16)), ((6, 10),)]
     assert [r.heads for r in lay.ranks] == [(0,), (1, 2, 3), (0, 1, 2, 3)]
 
@@ -60,8 +85,11 @@ def test_build_layout_pieces_and_heads():
 # ---- stage III / II on hand-solved instances -------------------------------------------------------
 def _phase_brute(a, beta, T, H):
     """Brute-force phase objective of a 2-member group: max linear + max attention (t >= 1)."""
-    return min(max(t0 * a[0], (T - t0) * a[1]) + max(h0 * beta[0], (H - h0) * beta[1])
-               for t0 in range(1, T) for h0 in range(H + 1))
+    return min(
+        max(t0 * a[0], (T - t0) * a[1]) + max(h0 * beta[0], (H - h0) * beta[1])
+        for t0 in range(1, T)
+        for h0 in range(H + 1)
+    )
 
 
 def test_stage3_hand_solved_optimum():
@@ -85,9 +113,21 @@ def test_stage3_floors_use_the_other_groups_slack():
 
 
 def test_stage3_memory_constraint_binds():
-    g = GroupCoef(a=(1, 1), b=(0, 0), c=(0, 0), e=(0, 0), free=(2, 100), mt=(1, 1), mh=(0, 0), heads=2, num_units=8)
+    g = GroupCoef(
+        a=(1, 1),
+        b=(0, 0),
+        c=(0, 0),
+        e=(0, 0),
+        free=(2, 100),
+        mt=(1, 1),
+        mh=(0, 0),
+        heads=2,
+        num_units=8,
+    )
     sol = refine_group(g, 8)
-    assert sol.tokens == (2, 6) and sol.time_ns == 6  # rank 0 holds at most 2 units (attention phase 0)
+    assert (
+        sol.tokens == (2, 6) and sol.time_ns == 6
+    )  # rank 0 holds at most 2 units (attention phase 0)
 
 
 def test_stage2_compute_proportional_split():
@@ -104,7 +144,7 @@ def test_partitions():
 
 def test_granularity():
     assert granularity(131072, 16) == 128
-    assert granularity(1000, 4) == 2     # 1000/(256) = 3 -> largest power of two <= 3 dividing 1000
+    assert granularity(1000, 4) == 2  # 1000/(256) = 3 -> largest power of two <= 3 dividing 1000
     assert granularity(999, 4) == 1
 
 
@@ -114,7 +154,9 @@ def test_baselines_shapes():
     m = get_model("gpt-3b")  # 32 heads
     bl = {b.label: b for b in baseline_layouts(cl, m, 1024)}
     ring = bl["ring(hp=1,cp=8)"].layout
-    assert [r.positions() for r in ring.ranks] == [[p for s, e in z for p in range(s, e)] for z in zigzag_segments(1024, 8)]
+    assert [r.positions() for r in ring.ranks] == [
+        [p for s, e in z for p in range(s, e)] for z in zigzag_segments(1024, 8)
+    ]
     assert all(len(r.heads) == 32 for r in ring.ranks)
     uly = bl["ulysses(hp=8,cp=1)"].layout
     assert len(uly.groups) == 1 and {len(r.heads) for r in uly.ranks} == {4}
@@ -122,16 +164,28 @@ def test_baselines_shapes():
     usp = bl["usp(hp=2,cp=4)"].layout  # group 0 owns zig-zag chunks 0 and 7 of 8, one per member
     assert (usp.ranks[0].segments, usp.ranks[1].segments) == (((0, 128),), ((896, 1024),))
     # Megatron's a2a+p2p is the usp row: its flags are named there
-    assert bl["usp(hp=2,cp=4)"].config["megatron"] == "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4"
+    assert (
+        bl["usp(hp=2,cp=4)"].config["megatron"]
+        == "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4"
+    )
     assert not any(b.config["spans_nodes"] for b in bl.values() if b.name == "usp")
 
 
 def test_usp_spans_nodes_for_every_hp_dividing_heads_and_world():
-    cl = _cluster(*[("H100-SXM-80GB", 2)] * 4, ("A100-SXM-80GB", 2), ("A100-SXM-80GB", 2), ("L40S-48GB", 2),
-                  ("L40S-48GB", 2))  # 16 GPUs in nodes of 2
+    cl = _cluster(
+        *[("H100-SXM-80GB", 2)] * 4,
+        ("A100-SXM-80GB", 2),
+        ("A100-SXM-80GB", 2),
+        ("L40S-48GB", 2),
+        ("L40S-48GB", 2),
+    )  # 16 GPUs in nodes of 2
     m = get_model("gpt-3b", overrides={"seq_length": 4096})  # 32 heads, 32 query groups
     bl = {b.label: b for b in baseline_layouts(cl, m, 4096)}
-    assert {lab for lab in bl if lab.startswith("usp")} == {"usp(hp=2,cp=8)", "usp(hp=4,cp=4)", "usp(hp=8,cp=2)"}
+    assert {lab for lab in bl if lab.startswith("usp")} == {
+        "usp(hp=2,cp=8)",
+        "usp(hp=4,cp=4)",
+        "usp(hp=8,cp=2)",
+    }
     usp4 = bl["usp(hp=4,cp=4)"]
     assert usp4.config["spans_nodes"] and not bl["usp(hp=2,cp=8)"].config["spans_nodes"]
     # the groups spanning nodes pack nodes of one type (canonical order: fastest first)
@@ -145,11 +199,25 @@ def test_baselines_do_not_depend_on_the_node_order():
     opts = TrainOptions(memory_mode="fsdp")
 
     def times(order):
-        cl = cluster_from_dict({"name": "t", "nodes": [
-            {"name": f"n{i}", "gpu": nodes[i][0], "count": nodes[i][1], "network_GBps": 12.5 if i == 2 else 25}
-            for i in order]})
-        return {b.label: estimate(b.layout, cl, m, opts).iteration_time_s
-                for b in baseline_layouts(cl, m, 16384) if b.layout is not None}
+        cl = cluster_from_dict(
+            {
+                "name": "t",
+                "nodes": [
+                    {
+                        "name": f"n{i}",
+                        "gpu": nodes[i][0],
+                        "count": nodes[i][1],
+                        "network_GBps": 12.5 if i == 2 else 25,
+                    }
+                    for i in order
+                ],
+            }
+        )
+        return {
+            b.label: estimate(b.layout, cl, m, opts).iteration_time_s
+            for b in baseline_layouts(cl, m, 16384)
+            if b.layout is not None
+        }
 
     first = times([0, 1, 2, 3])
     for order in ([3, 2, 1, 0], [2, 0, 3, 1]):
@@ -182,15 +250,27 @@ def _assert_fastest_of_every_fixed_layout(lay, cl, m, opts):
     is faster. Built on the canonical cluster, as ``plan`` builds them; times are invariant to the
     relabelling back to the file's order."""
     fresh = estimate(lay, cl, m, opts).iteration_time_s
-    assert lay.predicted["iteration_time_s"] == pytest.approx(fresh, rel=1e-8)  # predicted: 9 significant digits
+    assert lay.predicted["iteration_time_s"] == pytest.approx(
+        fresh, rel=1e-8
+    )  # predicted: 9 significant digits
     canon, _ = canonical_cluster(cl)
     seq = lay.seq_length
-    fixed = [b for b in baseline_layouts(canon, m, seq) + heuristic_layouts(canon, m, seq) if b.layout is not None]
-    times = {b.label: e.iteration_time_s for b in fixed
-             for e in [estimate(b.layout, canon, m, opts)] if e.feasible}
+    fixed = [
+        b
+        for b in baseline_layouts(canon, m, seq) + heuristic_layouts(canon, m, seq)
+        if b.layout is not None
+    ]
+    times = {
+        b.label: e.iteration_time_s
+        for b in fixed
+        for e in [estimate(b.layout, canon, m, opts)]
+        if e.feasible
+    }
     assert times, "some baseline fits: the check compares against something"
     fastest = min(times, key=times.get)
-    assert fresh <= times[fastest] * (1 + 1e-12), f"{fastest} ({times[fastest]}) is faster than the plan ({fresh})"
+    assert fresh <= times[fastest] * (1 + 1e-12), (
+        f"{fastest} ({times[fastest]}) is faster than the plan ({fresh})"
+    )
 
 
 @pytest.mark.parametrize("i", range(3))
@@ -241,7 +321,9 @@ def test_exact_is_never_worse_than_hierarchical_on_the_surrogate():
     for g in [((0, 1), (2, 3)), ((0,), (1,), (2, 3)), ((0, 1), (2,), (3,))]:
         coefs, split = score_grouping(sur, g)
         sols = [refine_group(c, u, *floors(split)) for c, u in zip(coefs, split.units)]
-        hier = max(x.lin_ns for x in sols) + max(x.att_ns for x in sols)  # the domain's phase objective
+        hier = max(x.lin_ns for x in sols) + max(
+            x.att_ns for x in sols
+        )  # the domain's phase objective
         assert z <= hier
     assert sum(t) == sur.num_units and min(t) >= 1
 
@@ -249,8 +331,10 @@ def test_exact_is_never_worse_than_hierarchical_on_the_surrogate():
 def test_determinism_byte_identical():
     cl = _cluster(("H100-SXM-80GB", 4), ("A800-80GB", 4))
     m = get_model("llama3-8b", overrides={"seq_length": 65536})
-    runs = [plan(cl, m, 65536, TrainOptions(memory_mode="fsdp"), reproducible=True).to_json()
-            for _ in range(2)]
+    runs = [
+        plan(cl, m, 65536, TrainOptions(memory_mode="fsdp"), reproducible=True).to_json()
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -267,7 +351,10 @@ def test_infeasible_names_gpu_type_and_shortfall():
 def test_infeasible_before_any_tokens_suggests_more_gpus():
     cl = _cluster(("H100-SXM-80GB", 8))
     m = get_model("llama3-70b", overrides={"seq_length": 8192})
-    with pytest.raises(HexiSeqError, match=r"H100-SXM-80GB needs .* before any tokens .* short by .*; try more GPUs$"):
+    with pytest.raises(
+        HexiSeqError,
+        match=r"H100-SXM-80GB needs .* before any tokens .* short by .*; try more GPUs$",
+    ):
         plan(cl, m, 8192, TrainOptions(), modes=AUTO_MODES)
 
 
@@ -278,13 +365,26 @@ def test_memory_mode_auto_escalates_and_maps_flags():
     o = lay.meta["options"]
     assert (o["memory_mode"], o["recompute"]) != ("distributed_optimizer", False)
     assert o["memory_modes_tried"][0] == "distributed_optimizer"
-    assert "--use-distributed-optimizer" in o["megatron_flags"] or "--use-megatron-fsdp" in o["megatron_flags"]
-    assert estimate(lay, cl, m, TrainOptions(memory_mode=o["memory_mode"], recompute=o["recompute"])).feasible
+    assert (
+        "--use-distributed-optimizer" in o["megatron_flags"]
+        or "--use-megatron-fsdp" in o["megatron_flags"]
+    )
+    assert estimate(
+        lay, cl, m, TrainOptions(memory_mode=o["memory_mode"], recompute=o["recompute"])
+    ).feasible
 
 
 # ---- every rank owns >= 1 token unit (Megatron cannot run an empty sequence shard) ------------------
-TINY_GQA = {"name": "gpt-tiny-gqa", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
-            "num_query_groups": 2, "ffn_hidden_size": 512, "vocab_size": 512, "seq_length": 1024}
+TINY_GQA = {
+    "name": "gpt-tiny-gqa",
+    "num_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 8,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 512,
+    "vocab_size": 512,
+    "seq_length": 1024,
+}
 
 
 def test_stage3_gives_a_heads_only_member_its_one_unit():
@@ -309,9 +409,15 @@ def test_stage2_gives_each_group_a_unit_per_member():
 
 
 def test_reproduction_tiny_gqa_small_cluster_every_rank_has_tokens():
-    cl = cluster_from_dict({"name": "small", "nodes": [
-        {"name": "a", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
-        {"name": "b", "gpu": "A100-SXM-80GB", "count": 4, "network_GBps": 25}]})
+    cl = cluster_from_dict(
+        {
+            "name": "small",
+            "nodes": [
+                {"name": "a", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
+                {"name": "b", "gpu": "A100-SXM-80GB", "count": 4, "network_GBps": 25},
+            ],
+        }
+    )
     m = model_from_dict(TINY_GQA)
     lay = plan(cl, m, 1024, TrainOptions())
     assert min(r.num_tokens for r in lay.ranks) >= 1, [r.num_tokens for r in lay.ranks]
@@ -332,8 +438,12 @@ def _mixed_problems(n, seed=11):
         nodes = [(rng.choice(types), rng.choice([1, 2, 4])) for _ in range(2)]
         cl = _cluster(*nodes, net=rng.choice([12.5, 25, 50]))
         seq = rng.choice([256, 1000, 2048, 4096])
-        m = rng.choice([model_from_dict({**TINY_GQA, "seq_length": seq}),
-                        get_model("gpt-3b", overrides={"seq_length": seq})])
+        m = rng.choice(
+            [
+                model_from_dict({**TINY_GQA, "seq_length": seq}),
+                get_model("gpt-3b", overrides={"seq_length": seq}),
+            ]
+        )
         out.append((cl, m, seq))
     return out
 
@@ -367,7 +477,9 @@ def test_stage2_minimises_the_phase_objective():
     g1, g2 = _coef(a=[1], b=[1], heads=1, units=12), _coef(a=[2], b=[4], heads=1, units=12)
     split = split_sequence([g1, g2], 12)
     assert split.units == (10, 2) and split.z_rounded_ns == pytest.approx(20, rel=1e-6)
-    assert split.lin_ns == pytest.approx(10, rel=1e-6) and split.att_ns == pytest.approx(10, rel=1e-6)
+    assert split.lin_ns == pytest.approx(10, rel=1e-6) and split.att_ns == pytest.approx(
+        10, rel=1e-6
+    )
 
 
 # ---- speed paths: same answers as the plain definitions ---------------------------------------------
@@ -381,9 +493,12 @@ def test_best_lin_branch_and_bound_finds_the_minimum_of_l_plus_a_and_proves_a_bo
     def f(L):
         calls.append(L)
         return L + max(40.0, 100.0 - 3.0 * L) if L >= 5 else float("inf")
+
     L, bound = best_lin(f, 0.0, 64.0, lambda L: L >= 5)
     assert f(L) == pytest.approx(60.0, rel=LIN_TOL) and L == pytest.approx(20.0, rel=10 * LIN_TOL)
-    assert 60.0 * (1 - LIN_TOL) - 1e-9 <= bound <= 60.0  # a lower bound, proven within the tolerance
+    assert (
+        60.0 * (1 - LIN_TOL) - 1e-9 <= bound <= 60.0
+    )  # a lower bound, proven within the tolerance
     # flat A: the first feasible L is proven optimal with its two end evaluations
     flat_calls = []
     L, bound = best_lin(lambda L: flat_calls.append(L) or L + 50.0, 10.0, 30.0, lambda L: True)
@@ -394,27 +509,66 @@ def _compositions(total, parts, low):
     """Every tuple of ``parts`` integers >= low summing to ``total``."""
     if parts == 1:
         return [(total,)] if total >= low else []
-    return [(x,) + rest for x in range(low, total - low * (parts - 1) + 1)
-            for rest in _compositions(total - x, parts - 1, low)]
+    return [
+        (x,) + rest
+        for x in range(low, total - low * (parts - 1) + 1)
+        for rest in _compositions(total - x, parts - 1, low)
+    ]
 
 
 def test_units_range_matches_the_plain_definition():
     from megatron_hexiseq.planner.stage2_split import group_time, units_range
 
     rng = random.Random(3)
-    mixed = GroupCoef(a=(3, 3, 5), b=(7, 7, 2), c=(4, 4, 9), e=(1, 1, 1), free=(900, 900, 600), mt=(5, 5, 4),
-                      mh=(1, 1, 1), heads=6, num_units=60, s=(2, 2, 3))
-    same = GroupCoef(a=(3,) * 4, b=(7,) * 4, c=(40,) * 4, e=(1,) * 4, free=(10**6,) * 4, mt=(5,) * 4,
-                     mh=(1,) * 4, heads=6, num_units=60, s=(2,) * 4)
-    band = GroupCoef(a=(3,) * 4, b=(7,) * 4, c=(40,) * 4, e=(1,) * 4, free=(10**6,) * 4, mt=(5,) * 4,
-                     mh=(1,) * 4, heads=6, num_units=60, s=(2,) * 4, start=12, band=True)
+    mixed = GroupCoef(
+        a=(3, 3, 5),
+        b=(7, 7, 2),
+        c=(4, 4, 9),
+        e=(1, 1, 1),
+        free=(900, 900, 600),
+        mt=(5, 5, 4),
+        mh=(1, 1, 1),
+        heads=6,
+        num_units=60,
+        s=(2, 2, 3),
+    )
+    same = GroupCoef(
+        a=(3,) * 4,
+        b=(7,) * 4,
+        c=(40,) * 4,
+        e=(1,) * 4,
+        free=(10**6,) * 4,
+        mt=(5,) * 4,
+        mh=(1,) * 4,
+        heads=6,
+        num_units=60,
+        s=(2,) * 4,
+    )
+    band = GroupCoef(
+        a=(3,) * 4,
+        b=(7,) * 4,
+        c=(40,) * 4,
+        e=(1,) * 4,
+        free=(10**6,) * 4,
+        mt=(5,) * 4,
+        mh=(1,) * 4,
+        heads=6,
+        num_units=60,
+        s=(2,) * 4,
+        start=12,
+        band=True,
+    )
     for g in (mixed, same, band):
         for z in sorted(rng.uniform(50, 6000) for _ in range(40)):
             plain = [T for T in range(g.min_units(), 61) if group_time(g, T) <= z]
             got = units_range(g, z)
             assert (got is None) == (not plain), (g.band, z, got, plain)
-            if plain:  # an interval: below it the K/V does not hide, above it the attention overflows
-                assert got == (plain[0], plain[-1]) and plain == list(range(plain[0], plain[-1] + 1))
+            if (
+                plain
+            ):  # an interval: below it the K/V does not hide, above it the attention overflows
+                assert got == (plain[0], plain[-1]) and plain == list(
+                    range(plain[0], plain[-1] + 1)
+                )
     # identical members: A = max(s T/n + H beta(T)/n, s + ceil(H/n) beta(T)): the continuous even split
     # (the smallest bound max_heads finds) and the member holding ceil(6/4) = 2 whole heads and one
     # unit; both bound Stage III's integer optimum from below (checked against CP-SAT's)
@@ -422,11 +576,18 @@ def test_units_range_matches_the_plain_definition():
         z = group_time(same, T)
         cont = (2 * T + 6 * same.beta(0, T)) / 4
         assert z == pytest.approx(max(cont, 2 + 2 * same.beta(0, T)))
-        assert max_heads(same, T, cont * (1 + 1e-9))[0] >= 6 - 1e-9 > max_heads(same, T, cont * (1 - 1e-6))[0]
+        assert (
+            max_heads(same, T, cont * (1 + 1e-9))[0]
+            >= 6 - 1e-9
+            > max_heads(same, T, cont * (1 - 1e-6))[0]
+        )
         if T <= 20:  # brute force over every integer split (memory is not binding here)
             beta = same.beta(0, T)
-            best = min(max(ti * 2 + hi * beta for ti, hi in zip(tt, hh))
-                       for tt in _compositions(T, 4, 1) for hh in _compositions(6, 4, 0))
+            best = min(
+                max(ti * 2 + hi * beta for ti, hi in zip(tt, hh))
+                for tt in _compositions(T, 4, 1)
+                for hh in _compositions(6, 4, 0)
+            )
             assert z <= best + 1e-6
 
 
@@ -437,8 +598,12 @@ def test_split_of_ring_bound_groups_matches_the_hand_optimum():
     # faster: slow T = (400 - 20) / 20 = 19, attention (400 - 19) 100 = 38100, linear 19 * 2 = 38.
     # (The old rounding trimmed the slowest group one unit at a time: 39314.)
     N = 400
-    fast = GroupCoef(a=(1,), b=(1,), c=(50,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N)
-    slow = GroupCoef(a=(2,), b=(3,), c=(100,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N)
+    fast = GroupCoef(
+        a=(1,), b=(1,), c=(50,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N
+    )
+    slow = GroupCoef(
+        a=(2,), b=(3,), c=(100,), e=(0,), free=(10**9,), mt=(1,), mh=(0,), heads=1, num_units=N
+    )
     split = split_sequence([fast] * 20 + [slow] * 20, N)
     assert split.units == (1,) * 20 + (19,) * 20
     assert split.z_rounded_ns == pytest.approx(38138, rel=1e-6)
@@ -459,13 +624,24 @@ def test_greedy_hint_moves_tokens_off_members_a_rounded_head_overflows():
     from megatron_hexiseq.planner.stage3_refine import _fits, _make_room
 
     # member 1 has memory for 10 units with no head, 4 with one head (T * mh = 6 bytes per head)
-    g = GroupCoef(a=(1, 1), b=(1, 1), c=(0, 0), e=(0, 0), free=(100, 10), mt=(1, 1), mh=(1, 1),
-                  heads=2, num_units=6)
+    g = GroupCoef(
+        a=(1, 1),
+        b=(1, 1),
+        c=(0, 0),
+        e=(0, 0),
+        free=(100, 10),
+        mt=(1, 1),
+        mh=(1, 1),
+        heads=2,
+        num_units=6,
+    )
     t, h = [1, 5], [1, 1]
     assert not _fits(g, 6, t, h)  # member 1: 5 + 6 > 10
     fixed = _make_room(g, 6, t, h)
     assert fixed == [2, 4] and _fits(g, 6, fixed, h)
-    assert _make_room(g, 6, [1, 5], [0, 2]) is None  # two heads (12 bytes) leave no room for one unit
+    assert (
+        _make_room(g, 6, [1, 5], [0, 2]) is None
+    )  # two heads (12 bytes) leave no room for one unit
 
 
 def test_single_cross_node_group_only_when_every_rank_can_hold_a_head():
@@ -476,17 +652,23 @@ def test_single_cross_node_group_only_when_every_rank_can_hold_a_head():
         cl = _cluster(("H100-SXM-80GB", nodes), ("A100-SXM-80GB", nodes))
         sur = build_surrogate(cl, m, TrainOptions(), 4096)
         found = candidate_groupings(cl, sur, top_k=50)
-        assert any(len(s.grouping) == 1 for s in found) == offered, (nodes, [len(s.grouping) for s in found])
+        assert any(len(s.grouping) == 1 for s in found) == offered, (
+            nodes,
+            [len(s.grouping) for s in found],
+        )
 
 
 # ---- plan() arguments ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    ({"method": "bogus"}, "hierarchical, node, exact"),
-    ({"time_limit_s": float("nan")}, "positive number of seconds"),
-    ({"time_limit_s": float("inf")}, "positive number of seconds"),
-    ({"time_limit_s": 0}, "positive number of seconds"),
-    ({"time_limit_s": -1.0}, "positive number of seconds"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"method": "bogus"}, "hierarchical, node, exact"),
+        ({"time_limit_s": float("nan")}, "positive number of seconds"),
+        ({"time_limit_s": float("inf")}, "positive number of seconds"),
+        ({"time_limit_s": 0}, "positive number of seconds"),
+        ({"time_limit_s": -1.0}, "positive number of seconds"),
+    ],
+)
 def test_plan_rejects_bad_method_and_time_limit(kwargs, match):
     cl = _cluster(("H100-SXM-80GB", 2))
     m = model_from_dict(TINY_GQA)
@@ -500,7 +682,9 @@ def test_plan_reports_progress_messages():
     m = model_from_dict(TINY_GQA)
     seen: list[str] = []
     plan(cl, m, 1024, TrainOptions(), progress=seen.append)
-    assert any(s.startswith("baselines:") for s in seen) and any(s.startswith("stage I:") for s in seen)
+    assert any(s.startswith("baselines:") for s in seen) and any(
+        s.startswith("stage I:") for s in seen
+    )
     assert any(s.startswith("memory mode ") for s in seen) and seen[-1].startswith("chosen: ")
 
 
@@ -510,11 +694,14 @@ def test_time_limit_caps_the_search_after_round_0_and_says_so():
     m = model_from_dict({**TINY_GQA, "seq_length": 4096})
     capped = plan(cl, m, 4096, TrainOptions(), time_limit_s=1e-9)
     full = plan(cl, m, 4096, TrainOptions())
-    assert capped.planner["time_limit_reached"] is True and full.planner["time_limit_reached"] is False
+    assert (
+        capped.planner["time_limit_reached"] is True and full.planner["time_limit_reached"] is False
+    )
     assert capped.planner["candidates_evaluated"] < full.planner["candidates_evaluated"]
     assert {c["name"] for c in capped.baselines} == {c["name"] for c in full.baselines}
     assert estimate(capped, cl, m, TrainOptions()).iteration_time_s == pytest.approx(
-        capped.predicted["iteration_time_s"])
+        capped.predicted["iteration_time_s"]
+    )
 
 
 def test_cli_time_limit_default_is_plans():

@@ -2,6 +2,7 @@
 terms by a group's place in the sequence, checked by hand and against the runtime's own transfer
 list), the arranged Stage II against brute force, the honest bound, independence of the node order,
 the heuristics' layouts, and the final choice among every candidate."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,14 +24,32 @@ from megatron_hexiseq.planner.stage2_split import group_time, split_sequence
 from megatron_hexiseq.run_config import TrainOptions
 
 BIG = 10**15
-TINY_GQA = {"name": "gpt-tiny-gqa", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
-            "num_query_groups": 2, "ffn_hidden_size": 512, "vocab_size": 512, "seq_length": 1024}
+TINY_GQA = {
+    "name": "gpt-tiny-gqa",
+    "num_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 8,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 512,
+    "vocab_size": 512,
+    "seq_length": 1024,
+}
 
 
 def _coef(a, b, c, heads=1, units=40, **pos):
     n = len(a)
-    return GroupCoef(a=tuple(a), b=tuple(b), c=tuple(c), e=(0,) * n, free=(BIG,) * n, mt=(1,) * n, mh=(0,) * n,
-                     heads=heads, num_units=units, **pos)
+    return GroupCoef(
+        a=tuple(a),
+        b=tuple(b),
+        c=tuple(c),
+        e=(0,) * n,
+        free=(BIG,) * n,
+        mt=(1,) * n,
+        mh=(0,) * n,
+        heads=heads,
+        num_units=units,
+        **pos,
+    )
 
 
 # ---- the position-aware terms ------------------------------------------------------------------------
@@ -54,14 +73,29 @@ def test_surrogate_visible_tokens_match_the_runtimes_transfers():
     # visible(T) is exact for the bands and the block's outermost group, an upper bound for the inner one.
     groups = [[0], [1], [2], [3]]
     tokens = [8, 16, 20, 20]
-    lay = build_layout(seq_length=64, num_attention_heads=1, num_query_groups=1, groups=groups,
-                       rank_tokens=tokens, rank_heads=[1] * 4, hosts=["h"] * 4, gpus=["X"] * 4,
-                       blocks=[[0], [1], [2, 3]])
-    assert [r.segments for r in lay.ranks] == [((0, 8),), ((8, 24),), ((24, 34), (54, 64)), ((34, 54),)]
+    lay = build_layout(
+        seq_length=64,
+        num_attention_heads=1,
+        num_query_groups=1,
+        groups=groups,
+        rank_tokens=tokens,
+        rank_heads=[1] * 4,
+        hosts=["h"] * 4,
+        gpus=["X"] * 4,
+        blocks=[[0], [1], [2, 3]],
+    )
+    assert [r.segments for r in lay.ranks] == [
+        ((0, 8),),
+        ((8, 24),),
+        ((24, 34), (54, 64)),
+        ((34, 54),),
+    ]
     received = [0] * 4
     for t in build_transfers(lay)[0]:
         received[t.dst] += t.num_tokens
-    coefs = positioned([_coef([1], [1], [1], units=64)] * 4, Arrangement(prefix=((0,), (1,)), final=(2, 3)), tokens)
+    coefs = positioned(
+        [_coef([1], [1], [1], units=64)] * 4, Arrangement(prefix=((0,), (1,)), final=(2, 3)), tokens
+    )
     visible = [c.visible(T) for c, T in zip(coefs, tokens)]
     assert received == [0, 8, 44, 34]
     assert visible[:3] == received[:3] and visible[3] == 44 >= received[3]
@@ -91,7 +125,10 @@ def test_arranged_split_reaches_the_brute_force_optimum_and_bounds_it():
     rng = random.Random(5)
     for _ in range(6):
         N = rng.choice((12, 18, 24))
-        coefs = [_coef([rng.randint(1, 9)], [rng.randint(5, 60)], [rng.randint(0, 40)], units=N) for _ in range(3)]
+        coefs = [
+            _coef([rng.randint(1, 9)], [rng.randint(5, 60)], [rng.randint(0, 40)], units=N)
+            for _ in range(3)
+        ]
         arr = Arrangement(prefix=((0,),), final=(1, 2), name="prefix")
         got = split_arranged(coefs, arr, N)
         brute = _brute_arranged(coefs, arr, N)
@@ -111,21 +148,45 @@ def test_mirrored_bound_keeps_every_group_and_bounds_every_integer_split():
     slow = _coef([2], [20], [90], units=N)  # K/V bound: (N - T) 90 per head
     groups = fast + [slow]
     split = split_sequence(groups, N)
-    own_best = min(group_time(slow, T) for T in range(1, N - 1))  # its fastest possible attention phase
+    own_best = min(
+        group_time(slow, T) for T in range(1, N - 1)
+    )  # its fastest possible attention phase
     assert split.bound_ns >= own_best  # the slow group is in the relaxation
-    brute = min(max(u * c.a[0] for c, u in zip(groups, units)) + max(group_time(c, u) for c, u in zip(groups, units))
-                for units in itertools.product(range(1, N), repeat=3) if sum(units) == N)
+    brute = min(
+        max(u * c.a[0] for c, u in zip(groups, units))
+        + max(group_time(c, u) for c, u in zip(groups, units))
+        for units in itertools.product(range(1, N), repeat=3)
+        if sum(units) == N
+    )
     assert split.bound_ns <= brute * (1 + 1e-9) and split.z_rounded_ns <= brute * 1.005
 
 
 # ---- order independence ------------------------------------------------------------------------------------
-NODES = [("H100-SXM-80GB", 4, 25), ("A100-SXM-80GB", 4, 25), ("L40S-48GB", 4, 12.5), ("A800-80GB", 4, 25),
-         ("H100-SXM-80GB", 4, 25), ("L40S-48GB", 4, 12.5)]
+NODES = [
+    ("H100-SXM-80GB", 4, 25),
+    ("A100-SXM-80GB", 4, 25),
+    ("L40S-48GB", 4, 12.5),
+    ("A800-80GB", 4, 25),
+    ("H100-SXM-80GB", 4, 25),
+    ("L40S-48GB", 4, 12.5),
+]
 
 
 def _shuffled(order):
-    return cluster_from_dict({"name": "t", "nodes": [
-        {"name": f"n{i}", "gpu": NODES[i][0], "count": NODES[i][1], "network_GBps": NODES[i][2]} for i in order]})
+    return cluster_from_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {
+                    "name": f"n{i}",
+                    "gpu": NODES[i][0],
+                    "count": NODES[i][1],
+                    "network_GBps": NODES[i][2],
+                }
+                for i in order
+            ],
+        }
+    )
 
 
 def test_plan_does_not_depend_on_the_node_order():
@@ -136,16 +197,26 @@ def test_plan_does_not_depend_on_the_node_order():
         cl = _shuffled(order)
         other = plan(cl, m, 65536, opts)
         assert other.planner["winner"]["name"] == first.planner["winner"]["name"]
-        assert other.predicted["iteration_time_s"] == pytest.approx(first.predicted["iteration_time_s"], rel=1e-9)
-        for a, b in zip(first.baselines + tuple(first.planner["heuristics"]),
-                        other.baselines + tuple(other.planner["heuristics"])):
+        assert other.predicted["iteration_time_s"] == pytest.approx(
+            first.predicted["iteration_time_s"], rel=1e-9
+        )
+        for a, b in zip(
+            first.baselines + tuple(first.planner["heuristics"]),
+            other.baselines + tuple(other.planner["heuristics"]),
+        ):
             assert (a["name"], a["config"].get("hp")) == (b["name"], b["config"].get("hp"))
-            assert (a["iteration_time_s"] or 0) == pytest.approx(b["iteration_time_s"] or 0, rel=1e-9)
+            assert (a["iteration_time_s"] or 0) == pytest.approx(
+                b["iteration_time_s"] or 0, rel=1e-9
+            )
         # the emitted layout runs every node's ranks on that node: the same groups of nodes
         groups = {frozenset(cl.devices[r].node for r in g.ranks) for g in other.groups}
-        assert groups == {frozenset(_shuffled(range(6)).devices[r].node for r in g.ranks) for g in first.groups}
+        assert groups == {
+            frozenset(_shuffled(range(6)).devices[r].node for r in g.ranks) for g in first.groups
+        }
         # what the layout records is a fresh estimate of itself on the file's cluster
-        assert estimate(other, cl, m, opts).iteration_time_s == pytest.approx(other.predicted["iteration_time_s"])
+        assert estimate(other, cl, m, opts).iteration_time_s == pytest.approx(
+            other.predicted["iteration_time_s"]
+        )
 
 
 # ---- heuristics ----------------------------------------------------------------------------------------------
@@ -153,23 +224,35 @@ def test_heuristics_are_valid_layouts_with_the_documented_shapes():
     cl = _shuffled([2, 0, 5, 1, 3, 4])
     m = get_model("gpt-7b", overrides={"seq_length": 24000})
     hs = {h.label: h for h in heuristic_layouts(cl, m, 24000)}
-    assert {"proportional(hp=4)", "proportional(hp=8)"} <= set(hs)  # hp divides 24 GPUs and 32 heads
+    assert {"proportional(hp=4)", "proportional(hp=8)"} <= set(
+        hs
+    )  # hp divides 24 GPUs and 32 heads
     flops = [d.flops_per_s for d in cl.devices]
     for h in hs.values():
         lay = h.layout
-        assert lay is not None and lay.world_size == 24 and min(r.num_tokens for r in lay.ranks) >= 1
+        assert (
+            lay is not None and lay.world_size == 24 and min(r.num_tokens for r in lay.ranks) >= 1
+        )
         assert sum(r.num_tokens for r in lay.ranks) == 24000
-        if h.name == "proportional":  # tokens per group proportional to its FLOP rate (within one token per rank)
+        if (
+            h.name == "proportional"
+        ):  # tokens per group proportional to its FLOP rate (within one token per rank)
             for g in lay.groups:
                 share = 24000 * sum(flops[r] for r in g.ranks) / sum(flops)
                 assert abs(lay.group_num_tokens(g.id) - share) <= len(g.ranks) + 1
-            if h.config["hp"] == 8:  # spanning consecutive canonical nodes: the two H100 and the two L40S
+            if (
+                h.config["hp"] == 8
+            ):  # spanning consecutive canonical nodes: the two H100 and the two L40S
                 types = [{cl.devices[r].gpu.name for r in g.ranks} for g in lay.groups]
                 assert {"H100-SXM-80GB"} in types and {"L40S-48GB"} in types
-    drop = hs["drop-slowest+usp(k=1,hp=4)"].layout  # A100 is the slowest type (312 TFLOP/s); hp | 20, 32
+    drop = hs[
+        "drop-slowest+usp(k=1,hp=4)"
+    ].layout  # A100 is the slowest type (312 TFLOP/s); hp | 20, 32
     a100 = [r for r in range(24) if cl.devices[r].gpu.name == "A100-SXM-80GB"]
     assert all(drop.ranks[r].num_tokens == 1 for r in a100)
-    assert sorted(p for r in a100 for p in drop.ranks[r].positions()) == list(range(4))  # at the start
+    assert sorted(p for r in a100 for p in drop.ranks[r].positions()) == list(
+        range(4)
+    )  # at the start
 
 
 # ---- the final choice ----------------------------------------------------------------------------------------
@@ -178,11 +261,16 @@ def test_winner_is_the_fastest_candidate_and_its_estimate_is_fresh():
     m = model_from_dict({**TINY_GQA, "seq_length": 8192})
     opts = TrainOptions()
     lay = plan(cl, m, 8192, opts)
-    times = [r["iteration_time_s"] for r in list(lay.baselines) + list(lay.planner["heuristics"])
-             if r["iteration_time_s"] is not None]
+    times = [
+        r["iteration_time_s"]
+        for r in list(lay.baselines) + list(lay.planner["heuristics"])
+        if r["iteration_time_s"] is not None
+    ]
     assert lay.predicted["iteration_time_s"] <= min(times) * (1 + 1e-9)
     assert lay.planner["winner"]["iteration_time_s"] == lay.predicted["iteration_time_s"]
-    assert estimate(lay, cl, m, opts).iteration_time_s == pytest.approx(lay.predicted["iteration_time_s"], rel=1e-12)
+    assert estimate(lay, cl, m, opts).iteration_time_s == pytest.approx(
+        lay.predicted["iteration_time_s"], rel=1e-12
+    )
 
 
 def test_kv_bound_cluster_gets_cross_node_groups_and_beats_every_symmetric_layout():
@@ -190,8 +278,12 @@ def test_kv_bound_cluster_gets_cross_node_groups_and_beats_every_symmetric_layou
     # on 128 GPUs. A node group gives each rank 4 heads of the whole sequence's K/V; groups spanning
     # nodes fewer. The planner's own best candidate must find them and beat the best symmetric layout
     # by 1.5x, and be no worse than the heuristics (within 1%: they are close here).
-    nodes = [{"name": f"h{i}", "gpu": "H100-SXM-80GB", "count": 8, "network_GBps": 25} for i in range(8)]
-    nodes += [{"name": f"l{i}", "gpu": "L40S-48GB", "count": 8, "network_GBps": 12.5} for i in range(8)]
+    nodes = [
+        {"name": f"h{i}", "gpu": "H100-SXM-80GB", "count": 8, "network_GBps": 25} for i in range(8)
+    ]
+    nodes += [
+        {"name": f"l{i}", "gpu": "L40S-48GB", "count": 8, "network_GBps": 12.5} for i in range(8)
+    ]
     cl = cluster_from_dict({"name": "kv-bound", "nodes": nodes})
     m = get_model("gpt-7b", overrides={"seq_length": 262144})
     lay = plan(cl, m, 262144, TrainOptions(memory_mode="fsdp"))

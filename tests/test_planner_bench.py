@@ -4,6 +4,7 @@
 They check that each script runs and writes what it says, not the numbers: that a plan is never
 slower than a baseline is ``plan``'s own rule (tests/test_planner.py checks it against fresh
 estimates, with a crippled planner that the check catches), and measured times are left alone."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,9 @@ def test_planner_scale_smoke(tmp_path):
     assert planner_scale.main(["--sizes", "16", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "planner_scale.json").read_text())
     row = data["rows"][0]
-    assert row["gpus"] == 16 and all(isinstance(row[k], float) for k in ("total_s", "cpu_s", "peak_rss_mib"))
+    assert row["gpus"] == 16 and all(
+        isinstance(row[k], float) for k in ("total_s", "cpu_s", "peak_rss_mib")
+    )
     assert "| 16 |" in (tmp_path / "planner_scale.md").read_text()
 
 
@@ -52,5 +55,9 @@ def test_planner_suite_smoke(tmp_path):
     data = json.loads((tmp_path / "planner_suite.json").read_text())
     assert len(data["rows"]) == 2 and len(planner_suite.cases()) >= 21
     for row in data["rows"]:
-        assert row["winner"] and isinstance(row["cpu_s"], float) and isinstance(row["over_heuristics"], dict)
+        assert (
+            row["winner"]
+            and isinstance(row["cpu_s"], float)
+            and isinstance(row["over_heuristics"], dict)
+        )
     assert "| 0 |" in (tmp_path / "planner_suite.md").read_text()

@@ -6,6 +6,7 @@ per-bound evaluation) is compared with ``==`` (not a tolerance: the planner's de
 floats, so the fast paths must reproduce them bit for bit) against a plain reference written here from
 the formulas, on random inputs. Layers (b) and (c): none (pure functions, no ranks, no GPU).
 """
+
 import math
 import random
 
@@ -15,16 +16,31 @@ from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.planner.baselines import baseline_layouts
 from megatron_hexiseq.planner.coef import INF, GroupCoef
-from megatron_hexiseq.planner.stage2_split import (_general_range, _identical_range, _identical_time,
-                                                   closed_range)
+from megatron_hexiseq.planner.stage2_split import (
+    _general_range,
+    _identical_range,
+    _identical_time,
+    closed_range,
+)
 
 TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB")
 
 
 def _cluster(rng: random.Random, nodes: int = 4):
-    return cluster_from_dict({"name": "t", "nodes": [
-        {"name": f"n{i}", "gpu": rng.choice(TYPES), "count": 4, "network_GBps": rng.choice((12.5, 25.0, 50.0))}
-        for i in range(nodes)]})
+    return cluster_from_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {
+                    "name": f"n{i}",
+                    "gpu": rng.choice(TYPES),
+                    "count": 4,
+                    "network_GBps": rng.choice((12.5, 25.0, 50.0)),
+                }
+                for i in range(nodes)
+            ],
+        }
+    )
 
 
 def test_a2a_layer_matches_list_formula() -> None:
@@ -41,7 +57,11 @@ def test_a2a_layer_matches_list_formula() -> None:
         q = [[unit * ti * hj for hj in hq] for ti in tok]
         kv = [[unit * ti * hj for hj in hkv] for ti in tok]
         out = [[unit * tj * hi for tj in tok] for hi in hq]
-        want = (alltoall_time_s(q, ranks, cl) + 2 * alltoall_time_s(kv, ranks, cl) + alltoall_time_s(out, ranks, cl))
+        want = (
+            alltoall_time_s(q, ranks, cl)
+            + 2 * alltoall_time_s(kv, ranks, cl)
+            + alltoall_time_s(out, ranks, cl)
+        )
         assert _a2a_layer_s(cl, model, ranks, b, tok, hq, hkv) == want
 
 
@@ -53,7 +73,9 @@ def test_kv_exchange_with_given_kv_heads_is_the_same() -> None:
         if base.layout is None:
             continue
         lay = base.layout
-        given = kv_exchange_forward(lay, cl, model, 1, kv_heads=[lay.kv_heads(r) for r in range(lay.world_size)])
+        given = kv_exchange_forward(
+            lay, cl, model, 1, kv_heads=[lay.kv_heads(r) for r in range(lay.world_size)]
+        )
         assert given == kv_exchange_forward(lay, cl, model, 1)
 
 
@@ -65,8 +87,11 @@ def _closed_range_ref(n, H, z, s, e, c, quad, lin_att, kv_slope, kv_const):
         qa, qb = heads * quad, alpha + heads * (lin_att + e)
         if budget < 0:
             return None
-        root = ((-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa) if qa > 0
-                else (budget / qb if qb > 0 else INF))
+        root = (
+            (-qb + math.sqrt(qb * qb + 4 * qa * budget)) / (2 * qa)
+            if qa > 0
+            else (budget / qb if qb > 0 else INF)
+        )
         hi = min(hi, root)
         m, k0 = alpha + heads * (kv_slope + e), heads * kv_const
         if m > 0:
@@ -83,10 +108,14 @@ def _identical_range_ref(g, z, lin, settle):
     n, H, N = g.size, g.heads, g.num_units
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     if g.band:
-        real = _closed_range_ref(n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
+        real = _closed_range_ref(
+            n, H, z, s, e, c, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c
+        )
     else:
         num, den = g.att_scale(0)
-        real = _closed_range_ref(n, H, z, s, e, c, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
+        real = _closed_range_ref(
+            n, H, z, s, e, c, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c
+        )
     if real is None:
         return None
     lo, hi = real
@@ -132,10 +161,18 @@ def test_closed_range_matches_reference() -> None:
     rng = random.Random(11)
     for _ in range(3000):
         n, H = rng.randint(1, 16), rng.randint(1, 64)
-        args = (n, H, rng.uniform(-1e3, 1e9), rng.randint(0, 10**5), rng.randint(0, 10**4), rng.randint(0, 10**5),
-                rng.choice((0.0, rng.uniform(0, 50))), rng.uniform(0, 1e4), rng.choice((0.0, -rng.randint(1, 10**5),
-                                                                                         rng.randint(1, 10**5))),
-                rng.randint(0, 10**8))
+        args = (
+            n,
+            H,
+            rng.uniform(-1e3, 1e9),
+            rng.randint(0, 10**5),
+            rng.randint(0, 10**4),
+            rng.randint(0, 10**5),
+            rng.choice((0.0, rng.uniform(0, 50))),
+            rng.uniform(0, 1e4),
+            rng.choice((0.0, -rng.randint(1, 10**5), rng.randint(1, 10**5))),
+            rng.randint(0, 10**8),
+        )
         assert closed_range(*args) == _closed_range_ref(*args)
 
 
@@ -145,11 +182,25 @@ def test_identical_range_matches_reference() -> None:
         n, N = rng.choice((1, 2, 4, 8)), rng.randint(64, 4096)
         row = lambda lo, hi: (rng.randint(lo, hi),) * n  # noqa: E731
         start = rng.randint(0, N // 2)
-        g = GroupCoef(a=row(10**5, 10**8), b=row(10**3, 10**7), c=row(0, 10**6), e=row(0, 10**5),
-                      free=row(10**9, 10**11), mt=row(10**5, 10**8), mh=row(0, 10**5), heads=rng.choice((8, 32, 40)),
-                      num_units=N, s=row(0, 10**5), start=start, end=rng.choice((0, rng.randint(start + n, N))),
-                      band=rng.random() < 0.3, kv_extra=rng.randint(0, N // 4))
+        g = GroupCoef(
+            a=row(10**5, 10**8),
+            b=row(10**3, 10**7),
+            c=row(0, 10**6),
+            e=row(0, 10**5),
+            free=row(10**9, 10**11),
+            mt=row(10**5, 10**8),
+            mh=row(0, 10**5),
+            heads=rng.choice((8, 32, 40)),
+            num_units=N,
+            s=row(0, 10**5),
+            start=start,
+            end=rng.choice((0, rng.randint(start + n, N))),
+            band=rng.random() < 0.3,
+            kv_extra=rng.randint(0, N // 4),
+        )
         for _ in range(20):
             z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
             for settle in (True, False):
-                assert _identical_range(g, z, lin, settle) == _identical_range_ref(g, z, lin, settle)
+                assert _identical_range(g, z, lin, settle) == _identical_range_ref(
+                    g, z, lin, settle
+                )

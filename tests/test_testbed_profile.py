@@ -4,6 +4,7 @@ Layers: (a) no processes — shape parsing and pinning logic; (b) gloo ranks —
 2-rank testbed writes a cluster spec that the cluster loader accepts and `plan` can read, and
 the library's `run_profile` takes the CPU calibration only as an argument. (c): none.
 """
+
 import os
 
 import pytest
@@ -37,12 +38,36 @@ def test_cpu_sets_pin_ranks_core_by_core():
 
 def test_spec_from_measurements_groups_nodes_and_bandwidths():
     ranks = [
-        {"rank": 0, "node": "a", "device": "CPU", "matmul_flops": 100e9, "attention_flops": 30e9,
-         "memory_gib": 4.0, "alltoall_Bps": 1e9, "pair_Bps": {"0-1": 2e9, "0-2": 4e9}},
-        {"rank": 1, "node": "b", "device": "CPU", "matmul_flops": 40e9, "attention_flops": 10e9,
-         "memory_gib": 4.0, "alltoall_Bps": 1e9, "pair_Bps": {"1-2": 6e9}},
-        {"rank": 2, "node": "b", "device": "CPU", "matmul_flops": 60e9, "attention_flops": 20e9,
-         "memory_gib": 3.0, "alltoall_Bps": 1e9, "pair_Bps": {}},
+        {
+            "rank": 0,
+            "node": "a",
+            "device": "CPU",
+            "matmul_flops": 100e9,
+            "attention_flops": 30e9,
+            "memory_gib": 4.0,
+            "alltoall_Bps": 1e9,
+            "pair_Bps": {"0-1": 2e9, "0-2": 4e9},
+        },
+        {
+            "rank": 1,
+            "node": "b",
+            "device": "CPU",
+            "matmul_flops": 40e9,
+            "attention_flops": 10e9,
+            "memory_gib": 4.0,
+            "alltoall_Bps": 1e9,
+            "pair_Bps": {"1-2": 6e9},
+        },
+        {
+            "rank": 2,
+            "node": "b",
+            "device": "CPU",
+            "matmul_flops": 60e9,
+            "attention_flops": 20e9,
+            "memory_gib": 3.0,
+            "alltoall_Bps": 1e9,
+            "pair_Bps": {},
+        },
     ]
     spec = cluster_spec_from_measurements(ranks)
     assert [n["name"] for n in spec["nodes"]] == ["a", "b"]
@@ -60,16 +85,35 @@ def test_profile_two_rank_testbed_writes_valid_spec(tmp_path, capsys):
     from megatron_hexiseq.cluster import load_cluster
 
     out = tmp_path / "cluster.yaml"
-    assert main(["profile", "--testbed", "1+1", "--seconds", "0.05", "--memory-gib", "2",
-                 "-o", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--testbed",
+                "1+1",
+                "--seconds",
+                "0.05",
+                "--memory-gib",
+                "2",
+                "-o",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     cluster = load_cluster(out)
     assert cluster.world_size == 2
     assert all(d.memory_gib == 2.0 for d in cluster.devices)
     raw = yaml.safe_load((tmp_path / "cluster.raw.json").read_text())
     shape = TestbedShape.parse("1+1")
     assert raw["testbed"] == {"shape": "1+1", "cpu_sets": cpu_sets(shape)}
-    assert [r["node"] for r in raw["ranks"]] == node_names(shape)  # each rank measured on its own core
-    want = cluster_spec_from_measurements(raw["ranks"])  # the written spec is the raw numbers, assembled
+    assert [r["node"] for r in raw["ranks"]] == node_names(
+        shape
+    )  # each rank measured on its own core
+    want = cluster_spec_from_measurements(
+        raw["ranks"]
+    )  # the written spec is the raw numbers, assembled
     assert yaml.safe_load(out.read_text()) == {**want, "name": "cpu-testbed-1+1"}
 
 
@@ -108,17 +152,32 @@ def test_run_profile_uses_the_calibration_it_is_given():
     """The calibration's numbers reach the spec unchanged; without one no testbed measurement runs
     (no step overhead, no fixed costs: the model's layer and SDPA are timed instead)."""
     model = get_model("gpt-tiny", overrides={"seq_length": 3000})
-    opts = ProfileOptions(seconds_per_test=0.01, repeats=1, message_bytes=1 << 12, memory_gib=1.0, model=model)
-    fake = CpuCalibration(model_step=_step, attention_flops=_attention, can_time_fixed_costs=_always,
-                          fixed_costs=_marker, fit_latencies=_fit)
-    (spec, raw), = run_ranks(_profile, 1, opts, fake)
-    gpu, = spec["gpus"].values()
-    assert gpu["bf16_tflops"] == 3.0 and gpu["attention_tflops"] == 2.048  # 3000 tokens capped at 2048
+    opts = ProfileOptions(
+        seconds_per_test=0.01, repeats=1, message_bytes=1 << 12, memory_gib=1.0, model=model
+    )
+    fake = CpuCalibration(
+        model_step=_step,
+        attention_flops=_attention,
+        can_time_fixed_costs=_always,
+        fixed_costs=_marker,
+        fit_latencies=_fit,
+    )
+    ((spec, raw),) = run_ranks(_profile, 1, opts, fake)
+    (gpu,) = spec["gpus"].values()
+    assert (
+        gpu["bf16_tflops"] == 3.0 and gpu["attention_tflops"] == 2.048
+    )  # 3000 tokens capped at 2048
     assert gpu["step_overhead_ms"] == 250.0 and gpu["collective_latency_us"] == 42.0
-    assert raw["latency_fit"] == {"seen": 42.0} and raw["ranks"][0]["model_step"] == [{"tokens": 3000}]
-    (plain, raw_plain), = run_ranks(_profile, 1, opts, None)
-    gpu, = plain["gpus"].values()
-    assert "step_overhead_ms" not in gpu and "collective_latency_us" not in gpu and "latency_fit" not in raw_plain
+    assert raw["latency_fit"] == {"seen": 42.0} and raw["ranks"][0]["model_step"] == [
+        {"tokens": 3000}
+    ]
+    ((plain, raw_plain),) = run_ranks(_profile, 1, opts, None)
+    (gpu,) = plain["gpus"].values()
+    assert (
+        "step_overhead_ms" not in gpu
+        and "collective_latency_us" not in gpu
+        and "latency_fit" not in raw_plain
+    )
     assert "model_step" not in raw_plain["ranks"][0]
 
 

@@ -16,6 +16,7 @@ Legend: flat tensors are 1-D ``[N]`` (element counts in the split tables).
 
 No ``synchronize()`` anywhere; buffers come from ``x.new_empty``; dtypes follow the inputs.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -37,11 +38,22 @@ class CommStats:
     ``blocks`` counts (q-block, kv-block) pairs computed in forward, ``"local"`` or ``"remote"``.
     """
 
-    sent: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-    received: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    sent: dict[str, dict[int, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int))
+    )
+    received: dict[str, dict[int, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int))
+    )
     blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, kind: str, *, sent_to: int | None = None, received_from: int | None = None, nbytes: int) -> None:
+    def add(
+        self,
+        kind: str,
+        *,
+        sent_to: int | None = None,
+        received_from: int | None = None,
+        nbytes: int,
+    ) -> None:
         if sent_to is not None:
             self.sent[kind][sent_to] += nbytes
         if received_from is not None:
@@ -59,12 +71,18 @@ def _nbytes(numel: int, x: Tensor) -> int:
 
 
 # ---- ragged all-to-all ------------------------------------------------------------------------
-def _all_to_all_flat(x_N: Tensor, group: ProcessGroup, send_splits: Sequence[int],
-                     recv_splits: Sequence[int]) -> Tensor:
+def _all_to_all_flat(
+    x_N: Tensor, group: ProcessGroup, send_splits: Sequence[int], recv_splits: Sequence[int]
+) -> Tensor:
     """[sum(send_splits)] -> [sum(recv_splits)]: chunk i goes to group rank i."""
     out_N = x_N.new_empty(sum(recv_splits))
-    dist.all_to_all_single(out_N, x_N.contiguous(), output_split_sizes=list(recv_splits),
-                           input_split_sizes=list(send_splits), group=group)
+    dist.all_to_all_single(
+        out_N,
+        x_N.contiguous(),
+        output_split_sizes=list(recv_splits),
+        input_split_sizes=list(send_splits),
+        group=group,
+    )
     return out_N
 
 
@@ -72,19 +90,36 @@ class _UnevenAllToAll(torch.autograd.Function):
     """forward [sum(send)] -> [sum(recv)]; backward [sum(recv)] -> [sum(send)] (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x_N: Tensor, group: ProcessGroup, send_splits: tuple[int, ...],
-                recv_splits: tuple[int, ...]) -> Tensor:
+    def forward(
+        ctx,
+        x_N: Tensor,
+        group: ProcessGroup,
+        send_splits: tuple[int, ...],
+        recv_splits: tuple[int, ...],
+    ) -> Tensor:
         ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
         return _all_to_all_flat(x_N, group, send_splits, recv_splits)
 
     @staticmethod
     def backward(ctx, grad_N: Tensor):
-        return _all_to_all_flat(grad_N, ctx.group, ctx.recv_splits, ctx.send_splits), None, None, None
+        return (
+            _all_to_all_flat(grad_N, ctx.group, ctx.recv_splits, ctx.send_splits),
+            None,
+            None,
+            None,
+        )
 
 
-def uneven_all_to_all(x_N: Tensor, *, group: ProcessGroup | None, send_splits: Sequence[int],
-                      recv_splits: Sequence[int], stats: CommStats | None = None,
-                      peers: Sequence[int] | None = None, kind: str = "a2a") -> Tensor:
+def uneven_all_to_all(
+    x_N: Tensor,
+    *,
+    group: ProcessGroup | None,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    stats: CommStats | None = None,
+    peers: Sequence[int] | None = None,
+    kind: str = "a2a",
+) -> Tensor:
     """Ragged all-to-all of a flat tensor: ``x_N[chunk i]`` goes to group rank i.
 
     Shapes: forward ``[sum(send_splits)] -> [sum(recv_splits)]``; backward the reverse. ``group``
@@ -92,7 +127,9 @@ def uneven_all_to_all(x_N: Tensor, *, group: ProcessGroup | None, send_splits: S
     group rank i for ``stats`` (this rank's own chunk is not counted as traffic).
     """
     if x_N.dim() != 1 or x_N.numel() != sum(send_splits):
-        raise ValueError(f"uneven_all_to_all wants a flat tensor of {sum(send_splits)} elements, got {tuple(x_N.shape)}")
+        raise ValueError(
+            f"uneven_all_to_all wants a flat tensor of {sum(send_splits)} elements, got {tuple(x_N.shape)}"
+        )
     if group is None or dist.get_world_size(group) == 1:
         assert tuple(send_splits) == tuple(recv_splits), (send_splits, recv_splits)
         return x_N
@@ -107,8 +144,13 @@ def uneven_all_to_all(x_N: Tensor, *, group: ProcessGroup | None, send_splits: S
 
 
 # ---- batched point-to-point -------------------------------------------------------------------
-def post_p2p(sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]], *,
-             group: ProcessGroup, tag: int) -> list:
+def post_p2p(
+    sends: Sequence[tuple[int, Tensor]],
+    recvs: Sequence[tuple[int, Tensor]],
+    *,
+    group: ProcessGroup,
+    tag: int,
+) -> list:
     """Post one ``batch_isend_irecv`` batch; ``(global_peer, tensor)`` pairs. Returns works to wait on.
 
     Every transfer of one step between one (source, destination) pair is a single message, and the

@@ -17,6 +17,7 @@ Global ranks of a domain must be ascending in layout-rank order, so that the gro
 ``HexiSeqGroups.index(ix, device)`` returns index tensors built once per layout and device, so the
 hot path never copies index lists from host to device after the first call.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -44,11 +45,11 @@ class HexiSeqGroups:
     """
 
     layout: Layout
-    rank: int                                # this process's layout rank (its CP rank)
-    cp_group: ProcessGroup                   # the ranks of this domain; group rank == layout rank
-    cp_global_ranks: tuple[int, ...]         # global rank of layout rank i in this domain
-    a2a_group: ProcessGroup | None           # this rank's A2A group (None when it has 1 rank)
-    a2a_global_ranks: tuple[int, ...]        # global ranks of my A2A group, in layout-rank order
+    rank: int  # this process's layout rank (its CP rank)
+    cp_group: ProcessGroup  # the ranks of this domain; group rank == layout rank
+    cp_global_ranks: tuple[int, ...]  # global rank of layout rank i in this domain
+    a2a_group: ProcessGroup | None  # this rank's A2A group (None when it has 1 rank)
+    a2a_global_ranks: tuple[int, ...]  # global ranks of my A2A group, in layout-rank order
     _schedules: dict = field(default_factory=dict, compare=False, repr=False)
     _indices: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -68,10 +69,15 @@ class HexiSeqGroups:
         return self._indices[key]
 
 
-def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | None = None,
-                         cp_groups: Sequence[ProcessGroup] | None = None, device: torch.device | None = None,
-                         timeout: timedelta | None = None,
-                         pg_options: Callable[[str], Any] | None = None) -> HexiSeqGroups:
+def build_hexiseq_groups(
+    layout: Layout,
+    *,
+    domains: Sequence[Sequence[int]] | None = None,
+    cp_groups: Sequence[ProcessGroup] | None = None,
+    device: torch.device | None = None,
+    timeout: timedelta | None = None,
+    pg_options: Callable[[str], Any] | None = None,
+) -> HexiSeqGroups:
     """Collective over the default group; see the module docstring. ``device``: where the warm-up
     collective's tensor lives (the backend's device: CUDA for NCCL; default CPU)."""
     world, me = dist.get_world_size(), dist.get_rank()
@@ -80,10 +86,14 @@ def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | N
     domains = [tuple(int(x) for x in d) for d in domains]
     for i, d in enumerate(domains):
         if len(d) != layout.world_size:
-            raise HexiSeqError(f"domain {i} has {len(d)} ranks but the layout has {layout.world_size}; "
-                               f"use a layout planned for context-parallel size {len(d)}")
+            raise HexiSeqError(
+                f"domain {i} has {len(d)} ranks but the layout has {layout.world_size}; "
+                f"use a layout planned for context-parallel size {len(d)}"
+            )
         if list(d) != sorted(d) or len(set(d)) != len(d):
-            raise HexiSeqError(f"domain {i} must list distinct global ranks in ascending order, got {list(d)}")
+            raise HexiSeqError(
+                f"domain {i} must list distinct global ranks in ascending order, got {list(d)}"
+            )
     if cp_groups is not None and len(cp_groups) != len(domains):
         raise HexiSeqError(f"got {len(cp_groups)} cp_groups for {len(domains)} domains")
     mine = [i for i, d in enumerate(domains) if me in d]
@@ -115,13 +125,23 @@ def build_hexiseq_groups(layout: Layout, *, domains: Sequence[Sequence[int]] | N
                     a2a_group = pg
     assert cp_group is not None
     if dist.get_rank(cp_group) != rank:
-        raise HexiSeqError(f"global rank {me} is rank {dist.get_rank(cp_group)} of its CP group but layout "
-                           f"rank {rank} of its domain; pass domains in CP-rank order")
+        raise HexiSeqError(
+            f"global rank {me} is rank {dist.get_rank(cp_group)} of its CP group but layout "
+            f"rank {rank} of its domain; pass domains in CP-rank order"
+        )
     warm = device if device is not None else torch.device("cpu")
-    for group in (cp_group, a2a_group):  # every member, the same order everywhere: CP first, then A2A
+    for group in (
+        cp_group,
+        a2a_group,
+    ):  # every member, the same order everywhere: CP first, then A2A
         if group is not None:
             warm_up(group, warm)
     my_group = layout.group_of(rank)
-    return HexiSeqGroups(layout=layout, rank=rank, cp_group=cp_group, cp_global_ranks=tuple(domains[dom]),
-                         a2a_group=a2a_group,
-                         a2a_global_ranks=tuple(domains[dom][r] for r in my_group.ranks))
+    return HexiSeqGroups(
+        layout=layout,
+        rank=rank,
+        cp_group=cp_group,
+        cp_global_ranks=tuple(domains[dom]),
+        a2a_group=a2a_group,
+        a2a_global_ranks=tuple(domains[dom][r] for r in my_group.ranks),
+    )

@@ -21,6 +21,7 @@ The bounds add a factor 2 of headroom over these counts. Measured on CPU (cpu-fl
 128): bf16 out 2e-3 (bound 2.3e-2), gradients 3e-3 (bound 6.3e-2); a wrong block (a missing or extra
 key) gives errors of order 1e-2 and more.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,7 @@ LSE_ROUNDINGS = 1
 BACKWARD_ROUNDINGS = 8
 
 
-TF32_UNIT_ROUNDOFF = 2.0 ** -11  # 10 explicit mantissa bits
+TF32_UNIT_ROUNDOFF = 2.0**-11  # 10 explicit mantissa bits
 
 
 def unit_roundoff(dtype: torch.dtype, device: torch.device | None = None) -> float:
@@ -45,7 +46,9 @@ def unit_roundoff(dtype: torch.dtype, device: torch.device | None = None) -> flo
     return torch.finfo(dtype).eps / 2
 
 
-def normwise_bound(dtype: torch.dtype, *, roundings: int, reduction: int, device: torch.device | None = None) -> float:
+def normwise_bound(
+    dtype: torch.dtype, *, roundings: int, reduction: int, device: torch.device | None = None
+) -> float:
     """Normwise relative error bound of an attention result in ``dtype`` (see module docstring)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32  # accumulation is never TF32
     return 2 * (roundings * unit_roundoff(dtype, device) + reduction * unit_roundoff(acc))
@@ -59,48 +62,102 @@ def normwise_error(got: Tensor, want: Tensor) -> float:
     return diff / norm if norm else diff
 
 
-def _inputs(dtype: torch.dtype, device: torch.device, head_dim: int, S: int, T: int) -> list[Tensor]:
+def _inputs(
+    dtype: torch.dtype, device: torch.device, head_dim: int, S: int, T: int
+) -> list[Tensor]:
     gen = torch.Generator().manual_seed(0)
-    shapes = [(S, 1, 2, head_dim), (T, 1, 1, head_dim), (T, 1, 1, head_dim), (S, 1, 2, head_dim)]  # q, k, v, dout
+    shapes = [
+        (S, 1, 2, head_dim),
+        (T, 1, 1, head_dim),
+        (T, 1, 1, head_dim),
+        (S, 1, 2, head_dim),
+    ]  # q, k, v, dout
     return [torch.randn(*s, generator=gen).to(dtype).to(device) for s in shapes]
 
 
-def _run(kernel: Kernel, q, k, v, dout, *, causal: bool, kv_of_head: Tensor, scale: float,
-         dtype: torch.dtype) -> tuple[Tensor, ...]:
-    out, lse = block_forward(q, k, v, causal=causal, kv_of_head_H=kv_of_head, scale=scale, kernel=kernel)
+def _run(
+    kernel: Kernel,
+    q,
+    k,
+    v,
+    dout,
+    *,
+    causal: bool,
+    kv_of_head: Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor, ...]:
+    out, lse = block_forward(
+        q, k, v, causal=causal, kv_of_head_H=kv_of_head, scale=scale, kernel=kernel
+    )
     final = out.to(dtype) if kernel is not Kernel.REFERENCE else out
-    grads = block_backward(dout, q, k, v, final, lse, causal=causal, kv_of_head_H=kv_of_head, scale=scale,
-                           kernel=kernel)
+    grads = block_backward(
+        dout,
+        q,
+        k,
+        v,
+        final,
+        lse,
+        causal=causal,
+        kv_of_head_H=kv_of_head,
+        scale=scale,
+        kernel=kernel,
+    )
     return (out, lse, *grads)
 
 
-def check_kernel(kernel: str | Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> Kernel:
+def check_kernel(
+    kernel: str | Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> Kernel:
     """Resolve ``kernel`` for this device/dtype and prove it on two tiny blocks; returns the concrete
     kernel or raises one ``HexiSeqError`` line."""
     concrete = resolve_kernel(kernel, device=device, dtype=dtype, head_dim=head_dim)
     where = f"attention kernel '{concrete.value}' on {device} {str(dtype).replace('torch.', '')}, head dim {head_dim}"
     hint = "choose another --hexiseq-kernel (efficient, reference) or check the GPU software stack"
     S, T = 16, 40
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     try:
         q, k, v, dout = _inputs(dtype, device, head_dim, S, T)
         kv_of_head = torch.zeros(2, dtype=torch.long, device=device)
         for causal, keys in ((True, S), (False, T)):
-            got = _run(concrete, q, k[:keys], v[:keys], dout, causal=causal, kv_of_head=kv_of_head, scale=scale,
-                       dtype=dtype)
-            want = _run(Kernel.REFERENCE, *(x.double() for x in (q, k[:keys], v[:keys], dout)), causal=causal,
-                        kv_of_head=kv_of_head, scale=scale, dtype=torch.float64)
-            for name, g, w, roundings in zip(("out", "lse", "dq", "dk", "dv"), got, want,
-                                             (FORWARD_ROUNDINGS, LSE_ROUNDINGS, *(BACKWARD_ROUNDINGS,) * 3)):
+            got = _run(
+                concrete,
+                q,
+                k[:keys],
+                v[:keys],
+                dout,
+                causal=causal,
+                kv_of_head=kv_of_head,
+                scale=scale,
+                dtype=dtype,
+            )
+            want = _run(
+                Kernel.REFERENCE,
+                *(x.double() for x in (q, k[:keys], v[:keys], dout)),
+                causal=causal,
+                kv_of_head=kv_of_head,
+                scale=scale,
+                dtype=torch.float64,
+            )
+            for name, g, w, roundings in zip(
+                ("out", "lse", "dq", "dk", "dv"),
+                got,
+                want,
+                (FORWARD_ROUNDINGS, LSE_ROUNDINGS, *(BACKWARD_ROUNDINGS,) * 3),
+            ):
                 bound = normwise_bound(dtype, roundings=roundings, reduction=keys, device=device)
                 err = normwise_error(g, w)
                 if not torch.isfinite(g).all() or err > bound:
-                    raise HexiSeqError(f"{where} failed its start-up check: {name} of a "
-                                       f"{'causal' if causal else 'full'} block is off by {err:.3g} "
-                                       f"(bound {bound:.3g}); {hint}")
+                    raise HexiSeqError(
+                        f"{where} failed its start-up check: {name} of a "
+                        f"{'causal' if causal else 'full'} block is off by {err:.3g} "
+                        f"(bound {bound:.3g}); {hint}"
+                    )
     except HexiSeqError:
         raise
     except Exception as e:  # any kernel failure becomes one line  # noqa: BLE001
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise HexiSeqError(f"{where} failed its start-up check ({type(e).__name__}: {first}); {hint}") from None
+        raise HexiSeqError(
+            f"{where} failed its start-up check ({type(e).__name__}: {first}); {hint}"
+        ) from None
     return concrete

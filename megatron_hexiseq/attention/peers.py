@@ -28,6 +28,7 @@ near-equal length (an empty piece is dropped); each piece is one *step*: one bat
 before the previous step's block is computed, and one (q, kv) block computed. Step index =
 ``(t - 1) * c + j``. ``c = 1`` means one message per (holder, receiver) per round.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -164,13 +165,13 @@ class RankSchedule:
     """Everything rank ``rank`` needs to run attention for one layout and ``comm_chunks``."""
 
     rank: int
-    group_ranks: tuple[int, ...]     # layout ranks of my A2A group, ascending
-    heads: tuple[int, ...]           # my query heads H_r (global indices)
-    kv_heads: tuple[int, ...]        # my K/V heads K_r (global query-group indices)
-    kv_of_head: tuple[int, ...]      # for each of my query heads, index into kv_heads
-    q_runs: tuple[Run, ...]          # my group sequence (= my queries and my own K/V after A2A)
-    steps: tuple[RankStep, ...]      # only steps where I send or receive, in global step order
-    num_steps: int                   # global number of steps (tags of backward dK/dV offset by it)
+    group_ranks: tuple[int, ...]  # layout ranks of my A2A group, ascending
+    heads: tuple[int, ...]  # my query heads H_r (global indices)
+    kv_heads: tuple[int, ...]  # my K/V heads K_r (global query-group indices)
+    kv_of_head: tuple[int, ...]  # for each of my query heads, index into kv_heads
+    q_runs: tuple[Run, ...]  # my group sequence (= my queries and my own K/V after A2A)
+    steps: tuple[RankStep, ...]  # only steps where I send or receive, in global step order
+    num_steps: int  # global number of steps (tags of backward dK/dV offset by it)
 
     def step_at(self, step: int) -> RankStep | None:
         """My part in global step ``step``, or None when I neither send nor receive in it."""
@@ -181,7 +182,9 @@ class RankSchedule:
         return {s.step: s for s in self.steps}
 
 
-def kv_of_head(layout: Layout, heads: tuple[int, ...], kv_heads: tuple[int, ...]) -> tuple[int, ...]:
+def kv_of_head(
+    layout: Layout, heads: tuple[int, ...], kv_heads: tuple[int, ...]
+) -> tuple[int, ...]:
     hpg = layout.heads_per_query_group
     return tuple(kv_heads.index(h // hpg) for h in heads)
 
@@ -213,9 +216,16 @@ def build_transfers(layout: Layout, comm_chunks: int = 1) -> tuple[tuple[KVTrans
             for c, piece in enumerate(split_runs(runs, comm_chunks)):
                 step = (t - 1) * comm_chunks + c
                 for (j, r), ks in sorted(chosen.items(), key=lambda x: (x[0][1], x[0][0])):
-                    transfers.append(KVTransfer(step=step, src=j, dst=r,
-                                                src_heads=tuple(kv[j].index(k) for k in ks),
-                                                dst_heads=tuple(kv[r].index(k) for k in ks), runs=piece))
+                    transfers.append(
+                        KVTransfer(
+                            step=step,
+                            src=j,
+                            dst=r,
+                            src_heads=tuple(kv[j].index(k) for k in ks),
+                            dst_heads=tuple(kv[r].index(k) for k in ks),
+                            runs=piece,
+                        )
+                    )
     transfers.sort(key=lambda x: (x.step, x.dst, x.src))
     return tuple(transfers), (n - 1) * comm_chunks
 
@@ -253,6 +263,13 @@ def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSched
         calls = block_calls(q_runs, recvs[0].runs) if recvs else ()
         steps.append(RankStep(step=step, sends=tuple(sends), recvs=tuple(recvs), calls=calls))
     kv_heads = layout.kv_heads(rank)
-    return RankSchedule(rank=rank, group_ranks=group.ranks, heads=plan.heads, kv_heads=kv_heads,
-                        kv_of_head=kv_of_head(layout, plan.heads, kv_heads), q_runs=q_runs,
-                        steps=tuple(steps), num_steps=num_steps)
+    return RankSchedule(
+        rank=rank,
+        group_ranks=group.ranks,
+        heads=plan.heads,
+        kv_heads=kv_heads,
+        kv_of_head=kv_of_head(layout, plan.heads, kv_heads),
+        q_runs=q_runs,
+        steps=tuple(steps),
+        num_steps=num_steps,
+    )

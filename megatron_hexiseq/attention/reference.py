@@ -2,6 +2,7 @@
 
 Legend: S = full sequence, B = micro-batch, H = query heads, G = K/V heads, D = head dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,9 @@ import torch
 from torch import Tensor
 
 
-def reference_attention(q_full: Tensor, k_full: Tensor, v_full: Tensor, softmax_scale: float | None = None) -> Tensor:
+def reference_attention(
+    q_full: Tensor, k_full: Tensor, v_full: Tensor, softmax_scale: float | None = None
+) -> Tensor:
     """``q [S, B, H, D]``, ``k, v [S, B, G, D]`` -> ``[S, B, H * D]``: causal softmax attention.
 
     Plain autograd ops (matmul, mask, softmax) in the input dtype; query head h reads K/V head

@@ -9,6 +9,7 @@ queries see j's first chunk (full block); if j > i my second chunk sees all of j
 Backward: the K/V go round again, and a dK/dV accumulator travels with them (each rank adds its
 contribution for the K/V it holds); after W hops it is back at its owner.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,9 @@ def _blocks(i: int, j: int, c: int) -> tuple[slice, slice]:
     return (slice(None), slice(0, c)) if j < i else (slice(c, 2 * c), slice(None))
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: float,
-                 kernel: Kernel) -> tuple[Tensor, Tensor]:
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: float, kernel: Kernel
+) -> tuple[Tensor, Tensor]:
     """Forward of this rank's two chunks: ``out [2c, B, H, D]``, ``lse [2c, B, H]`` (accumulation dtype)."""
     W, i, nxt, prv = _ring_peers(group)
     c = q.shape[0] // 2
@@ -53,16 +55,36 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: fl
     for t in range(1, W):
         wait_all(works)
         kv2_cur, kv2_next = kv2_next, torch.empty_like(kv2_next)
-        works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1) if t + 1 < W else []
+        works = (
+            post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1)
+            if t + 1 < W
+            else []
+        )
         rows, cols = _blocks(i, (i - t) % W, c)
-        blk_out, blk_lse = block_forward(q[rows], kv2_cur[0][cols], kv2_cur[1][cols], causal=False, kv_of_head_H=gqa_H, scale=scale,
-                                    kernel=kernel)
+        blk_out, blk_lse = block_forward(
+            q[rows],
+            kv2_cur[0][cols],
+            kv2_cur[1][cols],
+            causal=False,
+            kv_of_head_H=gqa_H,
+            scale=scale,
+            kernel=kernel,
+        )
         out[rows], lse[rows] = merge_into(out[rows], lse[rows], blk_out, blk_lse)
     return out, lse
 
 
-def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  group: ProcessGroup, scale: float, kernel: Kernel) -> tuple[Tensor, Tensor, Tensor]:
+def ring_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group: ProcessGroup,
+    scale: float,
+    kernel: Kernel,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of this rank's two chunks: ``dq [2c, B, H, D]``, ``dk, dv [2c, B, G, D]``."""
     W, i, nxt, prv = _ring_peers(group)
     c = q.shape[0] // 2
@@ -70,18 +92,33 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     kv2_cur = torch.stack([k, v])
     kv2_next = torch.empty_like(kv2_cur)
     kv_works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=1) if W > 1 else []
-    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=True, kv_of_head_H=gqa_H, scale=scale, kernel=kernel)
-    dkv2 = torch.stack([dk, dv])          # the accumulator for the K/V I hold now (my own)
+    dq, dk, dv = block_backward(
+        dout, q, k, v, out, lse, causal=True, kv_of_head_H=gqa_H, scale=scale, kernel=kernel
+    )
+    dkv2 = torch.stack([dk, dv])  # the accumulator for the K/V I hold now (my own)
     dkv2_next = torch.empty_like(dkv2)
     for t in range(1, W):
         d_works = post_p2p([(nxt, dkv2)], [(prv, dkv2_next)], group=group, tag=W + t)
         wait_all(kv_works)
         kv2_cur, kv2_next = kv2_next, torch.empty_like(kv2_next)
-        kv_works = post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1) if t + 1 < W else []
+        kv_works = (
+            post_p2p([(nxt, kv2_cur)], [(prv, kv2_next)], group=group, tag=t + 1)
+            if t + 1 < W
+            else []
+        )
         rows, cols = _blocks(i, (i - t) % W, c)
-        gq, gk, gv = block_backward(dout[rows], q[rows], kv2_cur[0][cols], kv2_cur[1][cols], out[rows], lse[rows],
-                                    causal=False, kv_of_head_H=gqa_H, scale=scale,
-                                    kernel=kernel)
+        gq, gk, gv = block_backward(
+            dout[rows],
+            q[rows],
+            kv2_cur[0][cols],
+            kv2_cur[1][cols],
+            out[rows],
+            lse[rows],
+            causal=False,
+            kv_of_head_H=gqa_H,
+            scale=scale,
+            kernel=kernel,
+        )
         dq[rows] += gq
         wait_all(d_works)
         dkv2, dkv2_next = dkv2_next, torch.empty_like(dkv2_next)
@@ -116,8 +153,15 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: ProcessGroup, softmax_scale: float | None = None,
-                   kernel: str | Kernel = Kernel.AUTO) -> Tensor:
+def ring_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: ProcessGroup,
+    softmax_scale: float | None = None,
+    kernel: str | Kernel = Kernel.AUTO,
+) -> Tensor:
     """Even zig-zag ring: ``q [2c, B, H, D]``, ``k, v [2c, B, G, D]`` -> ``[2c, B, H * D]``."""
     scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
     concrete = resolve_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[3])

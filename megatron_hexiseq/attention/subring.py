@@ -43,6 +43,7 @@ it receives, in float32, to the gradient of its own group-sequence K/V::
         post dkv(t); wait dkv(t-1) and add it
     wait dkv(N-1) and add it
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,7 +81,9 @@ class _Ctx:
         return self.groups.index(ix, like.device)
 
 
-def select_heads(x: Tensor, dim: int, heads: tuple[int, ...], total: int, groups: HexiSeqGroups) -> Tensor:
+def select_heads(
+    x: Tensor, dim: int, heads: tuple[int, ...], total: int, groups: HexiSeqGroups
+) -> Tensor:
     """The given heads of ``x`` along ``dim``: a view when they are all or contiguous, else a gather
     with an index tensor cached by ``groups``."""
     if heads == tuple(range(total)):
@@ -90,19 +93,23 @@ def select_heads(x: Tensor, dim: int, heads: tuple[int, ...], total: int, groups
     return x.index_select(dim, groups.index(heads, x.device))
 
 
-def _gather_kv2(c: _Ctx, k_SBGD: Tensor, v_SBGD: Tensor, runs: tuple[Run, ...], heads: tuple[int, ...]) -> Tensor:
+def _gather_kv2(
+    c: _Ctx, k_SBGD: Tensor, v_SBGD: Tensor, runs: tuple[Run, ...], heads: tuple[int, ...]
+) -> Tensor:
     """[S, B, G, D] x2 -> one send buffer [2, T, B, h, D]: the tokens of ``runs``, K/V heads ``heads``."""
     _, B, G, D = k_SBGD.shape
     buf = k_SBGD.new_empty(2, runs_num_tokens(runs), B, len(heads), D)
     off = 0
     for s, e, _ in runs:
         for i, x_SBGD in enumerate((k_SBGD, v_SBGD)):
-            buf[i, off:off + e - s] = select_heads(x_SBGD[s:e], 2, heads, G, c.groups)
+            buf[i, off : off + e - s] = select_heads(x_SBGD[s:e], 2, heads, G, c.groups)
         off += e - s
     return buf
 
 
-def _count(c: _Ctx, kind: str, sends: list, recvs: list, send_peers: list[int], recv_peers: list[int]) -> None:
+def _count(
+    c: _Ctx, kind: str, sends: list, recvs: list, send_peers: list[int], recv_peers: list[int]
+) -> None:
     if c.stats is None:
         return
     for peer, (_, t) in zip(send_peers, sends):
@@ -111,14 +118,21 @@ def _count(c: _Ctx, kind: str, sends: list, recvs: list, send_peers: list[int], 
         c.stats.add(kind, received_from=peer, nbytes=t.numel() * t.element_size())
 
 
-def _post_kv(c: _Ctx, step: RankStep | None, k_SBGD: Tensor, v_SBGD: Tensor, kind: str) -> Posted | None:
+def _post_kv(
+    c: _Ctx, step: RankStep | None, k_SBGD: Tensor, v_SBGD: Tensor, kind: str
+) -> Posted | None:
     """Post my part of event kv(step) (None when I have none)."""
     if step is None:
         return None
     B, D = k_SBGD.shape[1], k_SBGD.shape[3]
-    sends = [(c.groups.global_rank(x.dst), _gather_kv2(c, k_SBGD, v_SBGD, x.runs, x.src_heads)) for x in step.sends]
-    recvs = [(c.groups.global_rank(x.src), k_SBGD.new_empty(2, x.num_tokens, B, len(x.dst_heads), D))
-             for x in step.recvs]
+    sends = [
+        (c.groups.global_rank(x.dst), _gather_kv2(c, k_SBGD, v_SBGD, x.runs, x.src_heads))
+        for x in step.sends
+    ]
+    recvs = [
+        (c.groups.global_rank(x.src), k_SBGD.new_empty(2, x.num_tokens, B, len(x.dst_heads), D))
+        for x in step.recvs
+    ]
     _count(c, kind, sends, recvs, [x.dst for x in step.sends], [x.src for x in step.recvs])
     works = post_p2p(sends, recvs, group=c.groups.cp_group, tag=step.step)
     return works, [t for _, t in sends], [t for _, t in recvs]
@@ -135,36 +149,72 @@ def _assemble_kv2(c: _Ctx, step: RankStep, bufs: list[Tensor], num_kv: int) -> T
     return kv2_TBGD
 
 
-def _block_forward(c: _Ctx, step: RankStep, q_SBHD: Tensor, kv2_TBGD: Tensor, out_SBHD: Tensor,
-                   lse_SBH: Tensor) -> None:
+def _block_forward(
+    c: _Ctx, step: RankStep, q_SBHD: Tensor, kv2_TBGD: Tensor, out_SBHD: Tensor, lse_SBH: Tensor
+) -> None:
     """Merge one received block into (out, lse) in place: one unmasked call per visible prefix."""
     for lo, hi, keys in step.calls:
-        blk_out, blk_lse = block_forward(q_SBHD[lo:hi], kv2_TBGD[0, :keys], kv2_TBGD[1, :keys], causal=False,
-                                         kv_of_head_H=c.kv_of_head_H, scale=c.scale, kernel=c.kernel)
-        out_SBHD[lo:hi], lse_SBH[lo:hi] = merge_into(out_SBHD[lo:hi], lse_SBH[lo:hi], blk_out, blk_lse)
+        blk_out, blk_lse = block_forward(
+            q_SBHD[lo:hi],
+            kv2_TBGD[0, :keys],
+            kv2_TBGD[1, :keys],
+            causal=False,
+            kv_of_head_H=c.kv_of_head_H,
+            scale=c.scale,
+            kernel=c.kernel,
+        )
+        out_SBHD[lo:hi], lse_SBH[lo:hi] = merge_into(
+            out_SBHD[lo:hi], lse_SBH[lo:hi], blk_out, blk_lse
+        )
 
 
-def _block_backward(c: _Ctx, step: RankStep, dout_SBHD: Tensor, q_SBHD: Tensor, kv2_TBGD: Tensor,
-                    out_SBHD: Tensor, lse_SBH: Tensor, dq_SBHD: Tensor) -> Tensor:
+def _block_backward(
+    c: _Ctx,
+    step: RankStep,
+    dout_SBHD: Tensor,
+    q_SBHD: Tensor,
+    kv2_TBGD: Tensor,
+    out_SBHD: Tensor,
+    lse_SBH: Tensor,
+    dq_SBHD: Tensor,
+) -> Tensor:
     """Backward of one received block: adds into dq in place, returns dK/dV ``[2, T, B, G, D]`` (acc)."""
     dkv2_TBGD = kv2_TBGD.new_zeros(kv2_TBGD.shape, dtype=dq_SBHD.dtype)
     for lo, hi, keys in step.calls:
-        dq, dk, dv = block_backward(dout_SBHD[lo:hi], q_SBHD[lo:hi], kv2_TBGD[0, :keys], kv2_TBGD[1, :keys],
-                                    out_SBHD[lo:hi], lse_SBH[lo:hi], causal=False, kv_of_head_H=c.kv_of_head_H,
-                                    scale=c.scale, kernel=c.kernel)
+        dq, dk, dv = block_backward(
+            dout_SBHD[lo:hi],
+            q_SBHD[lo:hi],
+            kv2_TBGD[0, :keys],
+            kv2_TBGD[1, :keys],
+            out_SBHD[lo:hi],
+            lse_SBH[lo:hi],
+            causal=False,
+            kv_of_head_H=c.kv_of_head_H,
+            scale=c.scale,
+            kernel=c.kernel,
+        )
         dq_SBHD[lo:hi] += dq
         dkv2_TBGD[0, :keys] += dk
         dkv2_TBGD[1, :keys] += dv
     return dkv2_TBGD
 
 
-def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> tuple[Tensor, Tensor]:
+def subring_forward(
+    c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor
+) -> tuple[Tensor, Tensor]:
     """Returns ``out [S, B, H, D]`` and ``lse [S, B, H]`` in the accumulation dtype."""
     acc = acc_dtype(q_SBHD.dtype)
     N = c.sched.num_steps
     kv_next = _post_kv(c, c.sched.step_at(0), k_SBGD, v_SBGD, "kv")
-    out_SBHD, lse_SBH = block_forward(q_SBHD, k_SBGD, v_SBGD, causal=True, kv_of_head_H=c.kv_of_head_H,
-                                      scale=c.scale, kernel=c.kernel)
+    out_SBHD, lse_SBH = block_forward(
+        q_SBHD,
+        k_SBGD,
+        v_SBGD,
+        causal=True,
+        kv_of_head_H=c.kv_of_head_H,
+        scale=c.scale,
+        kernel=c.kernel,
+    )
     out_SBHD, lse_SBH = out_SBHD.to(acc), lse_SBH.to(acc)
     if c.stats is not None:
         c.stats.blocks["local"] += 1
@@ -175,24 +225,42 @@ def subring_forward(c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor) -> 
         kv_next = _post_kv(c, c.sched.step_at(t + 1), k_SBGD, v_SBGD, "kv") if t + 1 < N else None
         if step is not None and step.computes:
             assert kv_cur is not None  # a computing step received its K/V in the previous event
-            _block_forward(c, step, q_SBHD, _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2]), out_SBHD, lse_SBH)
+            _block_forward(
+                c,
+                step,
+                q_SBHD,
+                _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2]),
+                out_SBHD,
+                lse_SBH,
+            )
             if c.stats is not None:
                 c.stats.blocks["remote"] += 1
     return out_SBHD, lse_SBH
 
 
-def _post_dkv(c: _Ctx, step: RankStep, dkv2_TBGD: Tensor | None, wire: torch.dtype,
-              like: Tensor) -> Posted:
+def _post_dkv(
+    c: _Ctx, step: RankStep, dkv2_TBGD: Tensor | None, wire: torch.dtype, like: Tensor
+) -> Posted:
     """Post my part of event dkv(step): return the block's dK/dV to the holders that sent it, receive
     dK/dV for the K/V I sent. ``like``: [2, S, B, G, D] (device, B, D)."""
     B, D = like.shape[2], like.shape[4]
     sends = []
     if dkv2_TBGD is not None:
         G = dkv2_TBGD.shape[3]
-        sends = [(c.groups.global_rank(x.src),
-                  select_heads(dkv2_TBGD, 3, x.dst_heads, G, c.groups).to(wire).contiguous()) for x in step.recvs]
-    recvs = [(c.groups.global_rank(x.dst), like.new_empty(2, x.num_tokens, B, len(x.src_heads), D, dtype=wire))
-             for x in step.sends]
+        sends = [
+            (
+                c.groups.global_rank(x.src),
+                select_heads(dkv2_TBGD, 3, x.dst_heads, G, c.groups).to(wire).contiguous(),
+            )
+            for x in step.recvs
+        ]
+    recvs = [
+        (
+            c.groups.global_rank(x.dst),
+            like.new_empty(2, x.num_tokens, B, len(x.src_heads), D, dtype=wire),
+        )
+        for x in step.sends
+    ]
     _count(c, "dkv", sends, recvs, [x.src for x in step.recvs], [x.dst for x in step.sends])
     works = post_p2p(sends, recvs, group=c.groups.cp_group, tag=c.sched.num_steps + step.step)
     return works, [t for _, t in sends], [t for _, t in recvs]
@@ -206,9 +274,11 @@ def _add_dkv(c: _Ctx, dkv2_SBGD: Tensor, step: RankStep, bufs: list[Tensor]) -> 
         off = 0
         for s, e, _ in x.runs:
             if every_head:
-                dkv2_SBGD[:, s:e] += buf[:, off:off + e - s]
+                dkv2_SBGD[:, s:e] += buf[:, off : off + e - s]
             else:
-                dkv2_SBGD[:, s:e].index_add_(3, c.index(x.src_heads, buf), buf[:, off:off + e - s])
+                dkv2_SBGD[:, s:e].index_add_(
+                    3, c.index(x.src_heads, buf), buf[:, off : off + e - s]
+                )
             off += e - s
 
 
@@ -218,15 +288,32 @@ def _finish_dkv(c: _Ctx, dkv2_SBGD: Tensor, pending: tuple[RankStep, Posted] | N
         _add_dkv(c, dkv2_SBGD, pending[0], pending[1][2])
 
 
-def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor,
-                     out_SBHD: Tensor, lse_SBH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def subring_backward(
+    c: _Ctx,
+    dout_SBHD: Tensor,
+    q_SBHD: Tensor,
+    k_SBGD: Tensor,
+    v_SBGD: Tensor,
+    out_SBHD: Tensor,
+    lse_SBH: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Returns dq ``[S, B, H, D]``, dk, dv ``[S, B, G, D]`` in the accumulation dtype. ``out_SBHD`` is
     the final output as the fused kernels take it (input dtype; the reference takes any dtype)."""
     wire = torch.float32 if c.fp32_grad_wire else k_SBGD.dtype
     N = c.sched.num_steps
     kv_next = _post_kv(c, c.sched.step_at(0), k_SBGD, v_SBGD, "kv_bwd")
-    dq_SBHD, dk_SBGD, dv_SBGD = block_backward(dout_SBHD, q_SBHD, k_SBGD, v_SBGD, out_SBHD, lse_SBH, causal=True,
-                                               kv_of_head_H=c.kv_of_head_H, scale=c.scale, kernel=c.kernel)
+    dq_SBHD, dk_SBGD, dv_SBGD = block_backward(
+        dout_SBHD,
+        q_SBHD,
+        k_SBGD,
+        v_SBGD,
+        out_SBHD,
+        lse_SBH,
+        causal=True,
+        kv_of_head_H=c.kv_of_head_H,
+        scale=c.scale,
+        kernel=c.kernel,
+    )
     if not c.sched.steps:  # a single group: nothing to exchange
         return dq_SBHD, dk_SBGD, dv_SBGD
     dkv2_SBGD = torch.stack([dk_SBGD, dv_SBGD])
@@ -235,14 +322,18 @@ def subring_backward(c: _Ctx, dout_SBHD: Tensor, q_SBHD: Tensor, k_SBGD: Tensor,
         step, kv_cur = c.sched.step_at(t), kv_next
         if kv_cur is not None:
             wait_all(kv_cur[0])
-        kv_next = _post_kv(c, c.sched.step_at(t + 1), k_SBGD, v_SBGD, "kv_bwd") if t + 1 < N else None
+        kv_next = (
+            _post_kv(c, c.sched.step_at(t + 1), k_SBGD, v_SBGD, "kv_bwd") if t + 1 < N else None
+        )
         if step is None:
             continue
         dkv2_TBGD = None
         if step.computes:
             assert kv_cur is not None  # a computing step received its K/V in the previous event
             kv2_TBGD = _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2])
-            dkv2_TBGD = _block_backward(c, step, dout_SBHD, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH, dq_SBHD)
+            dkv2_TBGD = _block_backward(
+                c, step, dout_SBHD, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH, dq_SBHD
+            )
         posted = _post_dkv(c, step, dkv2_TBGD, wire, dkv2_SBGD)
         _finish_dkv(c, dkv2_SBGD, pending)
         pending = (step, posted)
@@ -259,7 +350,9 @@ class _SubRingAttention(torch.autograd.Function):
         out = out_SBHD.to(q_SBHD.dtype)
         # the fused backward kernels take the final output in the input dtype, the reference the exact one
         ctx.c = c
-        ctx.save_for_backward(q_SBHD, k_SBGD, v_SBGD, out_SBHD if c.kernel is Kernel.REFERENCE else out, lse_SBH)
+        ctx.save_for_backward(
+            q_SBHD, k_SBGD, v_SBGD, out_SBHD if c.kernel is Kernel.REFERENCE else out, lse_SBH
+        )
         return out
 
     @staticmethod
@@ -269,9 +362,18 @@ class _SubRingAttention(torch.autograd.Function):
         return dq.to(q_SBHD.dtype), dk.to(k_SBGD.dtype), dv.to(v_SBGD.dtype), None
 
 
-def subring_attn_func(q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor, *, groups: HexiSeqGroups, scale: float,
-                      kernel: Kernel, comm_chunks: int = 1, stats: CommStats | None = None,
-                      fp32_grad_wire: bool = False) -> Tensor:
+def subring_attn_func(
+    q_SBHD: Tensor,
+    k_SBGD: Tensor,
+    v_SBGD: Tensor,
+    *,
+    groups: HexiSeqGroups,
+    scale: float,
+    kernel: Kernel,
+    comm_chunks: int = 1,
+    stats: CommStats | None = None,
+    fp32_grad_wire: bool = False,
+) -> Tensor:
     """Exact causal attention of my group sequence (all groups' K/V taken into account).
 
     ``q [S, B, H, D]``, ``k, v [S, B, G, D]`` for my group sequence, my query heads and my K/V heads
@@ -283,8 +385,16 @@ def subring_attn_func(q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor, *, groups:
     if not sched.heads:
         return q_SBHD * 0  # [S, B, 0, D], keeps the autograd graph
     assert q_SBHD.shape[0] == runs_num_tokens(sched.q_runs), (q_SBHD.shape, sched.q_runs)
-    identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(sched.kv_heads) == len(sched.heads)
-    c = _Ctx(sched=sched, groups=groups, scale=scale, kernel=kernel, stats=stats,
-             kv_of_head_H=None if identity else groups.index(sched.kv_of_head, q_SBHD.device),
-             fp32_grad_wire=fp32_grad_wire)
+    identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(sched.kv_heads) == len(
+        sched.heads
+    )
+    c = _Ctx(
+        sched=sched,
+        groups=groups,
+        scale=scale,
+        kernel=kernel,
+        stats=stats,
+        kv_of_head_H=None if identity else groups.index(sched.kv_of_head, q_SBHD.device),
+        fp32_grad_wire=fp32_grad_wire,
+    )
     return _SubRingAttention.apply(q_SBHD, k_SBGD, v_SBGD, c)

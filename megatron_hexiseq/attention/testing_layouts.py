@@ -4,6 +4,7 @@
 non-contiguous, possibly zero tokens for a rank) and query heads (uneven, non-divisible, possibly
 zero for a rank), and returns a validated ``Layout``.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,9 +20,15 @@ def _random_sizes(rng: random.Random, total: int, parts: int) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [total])]
 
 
-def random_layout(rng: random.Random, world_size: int, *, seq_length: int | None = None,
-                  group_sizes: list[int] | None = None, heads: tuple[int, int] | None = None,
-                  max_pieces: int = 3) -> Layout:
+def random_layout(
+    rng: random.Random,
+    world_size: int,
+    *,
+    seq_length: int | None = None,
+    group_sizes: list[int] | None = None,
+    heads: tuple[int, int] | None = None,
+    max_pieces: int = 3,
+) -> Layout:
     """A random valid layout of ``world_size`` ranks (retries until the validator accepts it)."""
     for _ in range(1000):
         lay = _try(rng, world_size, seq_length, group_sizes, heads, max_pieces)
@@ -59,10 +66,16 @@ def _try(rng, world, seq_length, group_sizes, heads, max_pieces) -> Layout | Non
         counts = _random_sizes(rng, H, size)
         start = 0
         for c in counts:
-            head_lists.append(sorted(perm[start:start + c]))
+            head_lists.append(sorted(perm[start : start + c]))
             start += c
     try:
-        return make_layout(seq_length=S, num_attention_heads=H, num_query_groups=G, group_sizes=group_sizes,
-                           segments=segs, heads=head_lists)
+        return make_layout(
+            seq_length=S,
+            num_attention_heads=H,
+            num_query_groups=G,
+            group_sizes=group_sizes,
+            segments=segs,
+            heads=head_lists,
+        )
     except ValueError:
         return None

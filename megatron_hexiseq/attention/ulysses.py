@@ -11,6 +11,7 @@ W = group size, H / G = all query / K/V heads (both divisible by W), D = head di
 
 Autograd: the collectives are ``uneven_all_to_all`` (even splits), attention is torch's own op.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,14 +39,22 @@ def _heads_to_seq(x_SBhD: Tensor, group: ProcessGroup, W: int) -> Tensor:
     return y.view(W, S // W, B, h, D).permute(1, 2, 0, 3, 4).reshape(S // W, B, W * h * D)
 
 
-def ulysses_attn_func(q: Tensor, k: Tensor, v: Tensor, *, group: ProcessGroup,
-                      softmax_scale: float | None = None) -> Tensor:
+def ulysses_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, *, group: ProcessGroup, softmax_scale: float | None = None
+) -> Tensor:
     """Even Ulysses: ``q [s, B, H, D]``, ``k, v [s, B, G, D]`` (contiguous chunk) -> ``[s, B, H * D]``."""
     W = dist.get_world_size(group)
     if q.shape[2] % W or k.shape[2] % W:
-        raise ValueError(f"Ulysses needs heads divisible by the group size {W}: H={q.shape[2]}, G={k.shape[2]}")
+        raise ValueError(
+            f"Ulysses needs heads divisible by the group size {W}: H={q.shape[2]}, G={k.shape[2]}"
+        )
     q_S, k_S, v_S = (_seq_to_heads(x, group, W) for x in (q, k, v))
     out_BhSD = torch.nn.functional.scaled_dot_product_attention(
-        q_S.permute(1, 2, 0, 3), k_S.permute(1, 2, 0, 3), v_S.permute(1, 2, 0, 3), is_causal=True,
-        scale=softmax_scale, enable_gqa=True)
+        q_S.permute(1, 2, 0, 3),
+        k_S.permute(1, 2, 0, 3),
+        v_S.permute(1, 2, 0, 3),
+        is_causal=True,
+        scale=softmax_scale,
+        enable_gqa=True,
+    )
     return _heads_to_seq(out_BhSD.permute(2, 0, 1, 3), group, W)

@@ -1,5 +1,6 @@
 """Progress where a person waits: a ``rich`` spinner with the elapsed time, on stderr, only when
 stderr is a terminal (tests, pipes, CI logs and ``--format json`` output stay clean)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,12 @@ def waiting(message: str, *, enabled: bool = True) -> Iterator[Callable[[str], N
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
         task = bar.add_task(message, total=None)
         yield lambda msg: bar.update(task, description=f"{message}: {msg}")

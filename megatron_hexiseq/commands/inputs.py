@@ -1,4 +1,5 @@
 """Shared CLI inputs of ``plan`` and ``simulate``: cluster, model, sequence length, training options."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,12 @@ from megatron_hexiseq.elastic import Survivors, exclude, parse_exclusions
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec, get_model, model_from_dict
-from megatron_hexiseq.run_config import MEMORY_MODE_CHOICES, TrainOptions, check_options_record, modes_to_try
+from megatron_hexiseq.run_config import (
+    MEMORY_MODE_CHOICES,
+    TrainOptions,
+    check_options_record,
+    modes_to_try,
+)
 from megatron_hexiseq.slurm import expand_hostlist, rename_hosts
 
 MAX_COUNT = 2**31 - 1
@@ -30,42 +36,80 @@ class Problem:
     survivors: Survivors | None = None  # --exclude: the devices left and where they are
 
 
-def add_problem_args(p: argparse.ArgumentParser, *, seq_required: bool = True, spec_required: bool = True) -> None:
+def add_problem_args(
+    p: argparse.ArgumentParser, *, seq_required: bool = True, spec_required: bool = True
+) -> None:
     """Cluster, model, sequence length and training options (``plan`` and ``simulate``).
     ``spec_required=False``: cluster and model may come from a layout (``problem_from_layout``)."""
     from_layout = "" if spec_required else " (default: the one the --layout was planned for)"
-    p.add_argument("--cluster", required=spec_required, metavar="C.yaml", help="cluster spec YAML (docs/specs.md)"
-                                                                            + from_layout)
-    p.add_argument("--hosts", metavar="H", default=None,
-                   help="host names for the cluster's nodes, in file order (comma/space separated, or a SLURM "
-                        "host list such as gpu[01-04]); the layout's ranks then name these hosts, as "
-                        "scripts/slurm/hexiseq.sbatch LAYOUT=... requires")
+    p.add_argument(
+        "--cluster",
+        required=spec_required,
+        metavar="C.yaml",
+        help="cluster spec YAML (docs/specs.md)" + from_layout,
+    )
+    p.add_argument(
+        "--hosts",
+        metavar="H",
+        default=None,
+        help="host names for the cluster's nodes, in file order (comma/space separated, or a SLURM "
+        "host list such as gpu[01-04]); the layout's ranks then name these hosts, as "
+        "scripts/slurm/hexiseq.sbatch LAYOUT=... requires",
+    )
     m = p.add_mutually_exclusive_group(required=spec_required)
-    m.add_argument("--model", metavar="NAME", help="model preset (gpt-3b, gpt-7b, gpt-13b, llama2-7b, llama3-8b, "
-                                                   "llama3-70b, ...)" + from_layout)
-    m.add_argument("--model-config", metavar="M.yaml", help="model spec YAML with Megatron's field names")
-    seq_help = ("tokens per sequence" + (" (default: the --model-config file's seq_length; required with --model)"
-                                         if seq_required else " (default: the layouts')"))
+    m.add_argument(
+        "--model",
+        metavar="NAME",
+        help="model preset (gpt-3b, gpt-7b, gpt-13b, llama2-7b, llama3-8b, "
+        "llama3-70b, ...)" + from_layout,
+    )
+    m.add_argument(
+        "--model-config", metavar="M.yaml", help="model spec YAML with Megatron's field names"
+    )
+    seq_help = "tokens per sequence" + (
+        " (default: the --model-config file's seq_length; required with --model)"
+        if seq_required
+        else " (default: the layouts')"
+    )
     p.add_argument("--seq-length", type=int, default=None, metavar="N", help=seq_help)
-    p.add_argument("--micro-batch-size", type=int, default=None, metavar="B",
-                   help="sequences per iteration (default: the model's)")
-    p.add_argument("--recompute", action="store_true",
-                   help="plan with full activation recompute only (default: without it; --memory-mode auto "
-                        "then tries recompute only when nothing fits without)")
-    p.add_argument("--memory-mode", choices=MEMORY_MODE_CHOICES, default="auto",
-                   help="parameter/optimizer sharding; auto (default) tries distributed_optimizer, then fsdp, "
-                        "then each with recompute, until one fits")
-    p.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
-                   help="data-parallel replicas (default 1): D copies of this cluster, each running the layout on "
-                        "its own sequences; tokens/s are those of all D copies, the cluster file describes one")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        metavar="B",
+        help="sequences per iteration (default: the model's)",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="plan with full activation recompute only (default: without it; --memory-mode auto "
+        "then tries recompute only when nothing fits without)",
+    )
+    p.add_argument(
+        "--memory-mode",
+        choices=MEMORY_MODE_CHOICES,
+        default="auto",
+        help="parameter/optimizer sharding; auto (default) tries distributed_optimizer, then fsdp, "
+        "then each with recompute, until one fits",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="D",
+        help="data-parallel replicas (default 1): D copies of this cluster, each running the layout on "
+        "its own sequences; tokens/s are those of all D copies, the cluster file describes one",
+    )
 
 
 def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Problem:
     """Cluster, model and options from parsed args; every bad input is a one-line HexiSeqError."""
     seq = seq_length if seq_length is not None else args.seq_length
     if seq is None and not args.model_config:
-        raise HexiSeqError(f"give --seq-length N for preset {args.model!r} (or a --model-config YAML, whose "
-                           "seq_length is the default; or a --layout to take it from)")
+        raise HexiSeqError(
+            f"give --seq-length N for preset {args.model!r} (or a --model-config YAML, whose "
+            "seq_length is the default; or a --layout to take it from)"
+        )
     if seq is not None:
         check_positive_int("--seq-length", seq)
     _check_counts(args)
@@ -85,43 +129,66 @@ def _with_hosts(args: argparse.Namespace, cluster: Cluster) -> Cluster:
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--data-parallel-size", args.data_parallel_size)):
+    for flag, value in (
+        ("--micro-batch-size", args.micro_batch_size),
+        ("--data-parallel-size", args.data_parallel_size),
+    ):
         if value is not None:
             check_positive_int(flag, value, at_most=MAX_COUNT)
 
 
 def _problem(args: argparse.Namespace, cluster: Cluster, model: ModelSpec) -> Problem:
     modes = modes_to_try(args.memory_mode, bool(args.recompute))
-    options = TrainOptions.for_model(model, recompute=bool(args.recompute), memory_mode=modes[0][0],
-                                     data_parallel_size=args.data_parallel_size,
-                                     **({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else {}))
-    return Problem(cluster=cluster, model=model, seq_length=model.seq_length, options=options, modes=modes)
+    options = TrainOptions.for_model(
+        model,
+        recompute=bool(args.recompute),
+        memory_mode=modes[0][0],
+        data_parallel_size=args.data_parallel_size,
+        **({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else {}),
+    )
+    return Problem(
+        cluster=cluster, model=model, seq_length=model.seq_length, options=options, modes=modes
+    )
 
 
-def problem_from_layout(args: argparse.Namespace, layouts: Sequence[tuple[str, Layout]],
-                        seq_length: int | None) -> Problem:
+def problem_from_layout(
+    args: argparse.Namespace, layouts: Sequence[tuple[str, Layout]], seq_length: int | None
+) -> Problem:
     """The problem ``plan`` solved for the first layout: its recorded cluster and model specs
     (``meta.cluster_spec`` / ``meta.model_spec``), ``--model``/``--model-config`` and ``--hosts``
     still override."""
     if not layouts:
-        raise HexiSeqError("give --cluster C.yaml and --model NAME (or a --layout planned by 'megatron-hexiseq plan')")
+        raise HexiSeqError(
+            "give --cluster C.yaml and --model NAME (or a --layout planned by 'megatron-hexiseq plan')"
+        )
     path, layout = layouts[0]
     meta = layout.meta if isinstance(layout.meta, Mapping) else {}
     if CLUSTER_SPEC_KEY not in meta:
-        raise HexiSeqError(f"layout {path} does not record its cluster spec (planned by an older version or "
-                           "edited); give --cluster C.yaml")
+        raise HexiSeqError(
+            f"layout {path} does not record its cluster spec (planned by an older version or "
+            "edited); give --cluster C.yaml"
+        )
     _check_counts(args)
-    cluster = _with_hosts(args, cluster_from_dict(meta[CLUSTER_SPEC_KEY], source=f"layout {path}: meta.{CLUSTER_SPEC_KEY}"))
+    cluster = _with_hosts(
+        args,
+        cluster_from_dict(meta[CLUSTER_SPEC_KEY], source=f"layout {path}: meta.{CLUSTER_SPEC_KEY}"),
+    )
     seq = seq_length if seq_length is not None else layout.seq_length
     if args.model or args.model_config:
         model = get_model(args.model, config_path=args.model_config, overrides={"seq_length": seq})
     elif MODEL_SPEC_KEY in meta:
         spec = meta[MODEL_SPEC_KEY]
         if not isinstance(spec, Mapping):
-            raise HexiSeqError(f"layout {path}: meta.{MODEL_SPEC_KEY} must be a mapping of model fields, got {short(spec)}")
-        model = model_from_dict({**spec, "seq_length": seq}, source=f"layout {path}: meta.{MODEL_SPEC_KEY}")
+            raise HexiSeqError(
+                f"layout {path}: meta.{MODEL_SPEC_KEY} must be a mapping of model fields, got {short(spec)}"
+            )
+        model = model_from_dict(
+            {**spec, "seq_length": seq}, source=f"layout {path}: meta.{MODEL_SPEC_KEY}"
+        )
     else:
-        raise HexiSeqError(f"layout {path} does not record its model spec; give --model NAME or --model-config M.yaml")
+        raise HexiSeqError(
+            f"layout {path} does not record its model spec; give --model NAME or --model-config M.yaml"
+        )
     return _problem(args, cluster, model)
 
 

@@ -1,4 +1,5 @@
 """``megatron-hexiseq plan``: plan a layout for a cluster and model (hierarchical CP-SAT planner)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,12 @@ from dataclasses import replace
 from megatron_hexiseq.cluster import cluster_to_dict
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.commands._progress import waiting
-from megatron_hexiseq.commands.inputs import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, add_problem_args, load_problem
+from megatron_hexiseq.commands.inputs import (
+    CLUSTER_SPEC_KEY,
+    MODEL_SPEC_KEY,
+    add_problem_args,
+    load_problem,
+)
 from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import check_outputs
@@ -38,25 +44,54 @@ DEFAULT_TIME_LIMIT_S = 120.0  # planner.plan.DEFAULT_TIME_LIMIT_S (not imported:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="plan uneven context/head parallelism for a cluster and model",
-                       description=describe(__doc__), epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="plan uneven context/head parallelism for a cluster and model",
+        description=describe(__doc__),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_problem_args(p)
-    p.add_argument("--exclude", metavar="HOST[:LOCAL_RANK],...", default=None,
-                   help="plan without these devices: HOST drops a whole node, HOST:LOCAL_RANK one GPU (its index "
-                        "on that node); HOST names a node of the cluster (after --hosts). A node keeps its place "
-                        "with fewer GPUs; the layout records which GPU indices are left (meta.gpu_indices)")
-    p.add_argument("-o", "--output", required=True, metavar="layout.json", help="layout file to write (atomically)")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, metavar="S",
-                   help="stop searching after S seconds of wall-clock time (default %(default)g) and keep the best "
-                        "layout found so far; the baselines and the first planner round always run, and the "
-                        "layout's planner.time_limit_reached says whether the cap cut the search. CP-SAT solves "
-                        "have fixed deterministic limits, so a plan that ends within S is the same on any machine")
-    p.add_argument("--method", choices=METHODS, default="hierarchical",
-                   help="hierarchical (default): stages I-III; node: one group per node; exact: one CP-SAT "
-                        "model over all decisions (<= 16 GPUs)")
-    p.add_argument("--reproducible", action="store_true",
-                   help="write 0 for wall-clock fields so the same inputs give a byte-identical file")
-    p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
+    p.add_argument(
+        "--exclude",
+        metavar="HOST[:LOCAL_RANK],...",
+        default=None,
+        help="plan without these devices: HOST drops a whole node, HOST:LOCAL_RANK one GPU (its index "
+        "on that node); HOST names a node of the cluster (after --hosts). A node keeps its place "
+        "with fewer GPUs; the layout records which GPU indices are left (meta.gpu_indices)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="layout.json",
+        help="layout file to write (atomically)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT_S,
+        metavar="S",
+        help="stop searching after S seconds of wall-clock time (default %(default)g) and keep the best "
+        "layout found so far; the baselines and the first planner round always run, and the "
+        "layout's planner.time_limit_reached says whether the cap cut the search. CP-SAT solves "
+        "have fixed deterministic limits, so a plan that ends within S is the same on any machine",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="hierarchical",
+        help="hierarchical (default): stages I-III; node: one group per node; exact: one CP-SAT "
+        "model over all decisions (<= 16 GPUs)",
+    )
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="write 0 for wall-clock fields so the same inputs give a byte-identical file",
+    )
+    p.add_argument(
+        "--format", choices=("human", "json"), default="human", help="what to print (default human)"
+    )
     p.set_defaults(run=run)
 
 
@@ -67,19 +102,40 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.planner.report import print_layout
 
     if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
-        raise HexiSeqError(f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
-                           f"got {args.time_limit}")
+        raise HexiSeqError(
+            f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
+            f"got {args.time_limit}"
+        )
     check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config])
     prob = load_problem(args)
     if args.method == "exact" and prob.cluster.world_size > 16:
-        raise HexiSeqError(f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
-                           "use the default hierarchical planner")
-    with waiting(f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
-                 enabled=args.format != "json") as say:
-        layout = plan(prob.cluster, prob.model, prob.seq_length, prob.options, modes=prob.modes,
-                      time_limit_s=args.time_limit, method=args.method, reproducible=args.reproducible, progress=say)
-    layout = replace(layout, meta={**layout.meta, CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster),
-                                   MODEL_SPEC_KEY: prob.model.to_dict()})
+        raise HexiSeqError(
+            f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
+            "use the default hierarchical planner"
+        )
+    with waiting(
+        f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
+        enabled=args.format != "json",
+    ) as say:
+        layout = plan(
+            prob.cluster,
+            prob.model,
+            prob.seq_length,
+            prob.options,
+            modes=prob.modes,
+            time_limit_s=args.time_limit,
+            method=args.method,
+            reproducible=args.reproducible,
+            progress=say,
+        )
+    layout = replace(
+        layout,
+        meta={
+            **layout.meta,
+            CLUSTER_SPEC_KEY: cluster_to_dict(prob.cluster),
+            MODEL_SPEC_KEY: prob.model.to_dict(),
+        },
+    )
     if prob.survivors is not None:
         layout = record_exclusions(layout, prob.survivors)
     layout.save(args.output)
@@ -88,10 +144,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_layout(layout)
         if prob.survivors is not None:
-            print(f"excluded: {', '.join(map(str, prob.survivors.excluded))}; planned for the "
-                  f"{prob.cluster.world_size} GPUs left")
+            print(
+                f"excluded: {', '.join(map(str, prob.survivors.excluded))}; planned for the "
+                f"{prob.cluster.world_size} GPUs left"
+            )
         if prob.options.data_parallel_size > 1:
-            print(f"--data-parallel-size {prob.options.data_parallel_size}: tokens/s above are those of "
-                  f"{prob.options.data_parallel_size} copies of this cluster, each running the layout")
+            print(
+                f"--data-parallel-size {prob.options.data_parallel_size}: tokens/s above are those of "
+                f"{prob.options.data_parallel_size} copies of this cluster, each running the layout"
+            )
         print(f"wrote {args.output}")
     return 0

@@ -1,4 +1,5 @@
 """``megatron-hexiseq show``: print a layout (per-rank table, baselines, planner status)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,27 @@ EXAMPLES = """examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("show", help="print a layout", description=describe(__doc__), epilog=EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "show",
+        help="print a layout",
+        description=describe(__doc__),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("layout", help="layout JSON file")
-    p.add_argument("--previous", metavar="old.json", default=None,
-                   help="also print what changed against this earlier layout (ranks gone and added by host:gpu, "
-                        "world size, predicted iteration time and tokens/s, whether its checkpoints resume)")
-    p.add_argument("--format", choices=("human", "json"), default="human",
-                   help="what to print (default human; json with --previous: {layout, previous, changes})")
+    p.add_argument(
+        "--previous",
+        metavar="old.json",
+        default=None,
+        help="also print what changed against this earlier layout (ranks gone and added by host:gpu, "
+        "world size, predicted iteration time and tokens/s, whether its checkpoints resume)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("human", "json"),
+        default="human",
+        help="what to print (default human; json with --previous: {layout, previous, changes})",
+    )
     p.set_defaults(run=run)
 
 

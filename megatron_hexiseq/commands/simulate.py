@@ -1,4 +1,5 @@
 """``megatron-hexiseq simulate``: evaluate layouts and/or the baselines with the cost model."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,12 @@ from typing import Any, Sequence
 
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.commands._progress import waiting
-from megatron_hexiseq.commands.inputs import add_problem_args, layout_options, load_problem, problem_from_layout
+from megatron_hexiseq.commands.inputs import (
+    add_problem_args,
+    layout_options,
+    load_problem,
+    problem_from_layout,
+)
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import atomic_path, check_outputs
 from megatron_hexiseq.layout import Layout, check_matches
@@ -28,15 +34,38 @@ memory); --per-rank adds each one's per-rank table. With --memory-mode auto (def
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="evaluate layouts and baselines with the cost model", description=describe(__doc__),
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "simulate",
+        help="evaluate layouts and baselines with the cost model",
+        description=describe(__doc__),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_problem_args(p, seq_required=False, spec_required=False)
-    p.add_argument("--layout", action="append", default=[], metavar="L.json", help="layout to evaluate (repeatable)")
-    p.add_argument("--baselines", action="store_true", help="also evaluate every baseline (ring, ulysses, usp for every hp; usp is Megatron's a2a+p2p)")
-    p.add_argument("--plot", metavar="out.png", help="per-rank compute / exposed comm / idle and memory vs capacity "
-                                                      "(.png, .pdf, .svg, ...)")
-    p.add_argument("--per-rank", action="store_true", help="also print each layout's per-rank table")
-    p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
+    p.add_argument(
+        "--layout",
+        action="append",
+        default=[],
+        metavar="L.json",
+        help="layout to evaluate (repeatable)",
+    )
+    p.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also evaluate every baseline (ring, ulysses, usp for every hp; usp is Megatron's a2a+p2p)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="out.png",
+        help="per-rank compute / exposed comm / idle and memory vs capacity "
+        "(.png, .pdf, .svg, ...)",
+    )
+    p.add_argument(
+        "--per-rank", action="store_true", help="also print each layout's per-rank table"
+    )
+    p.add_argument(
+        "--format", choices=("human", "json"), default="human", help="what to print (default human)"
+    )
     p.set_defaults(run=run)
 
 
@@ -48,22 +77,36 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.layout and not args.baselines:
         raise HexiSeqError("nothing to simulate: give --layout L.json and/or --baselines")
-    check_outputs([("--plot", args.plot)], inputs=[args.cluster, args.model_config, *args.layout],
-                  figures=["--plot"])
+    check_outputs(
+        [("--plot", args.plot)],
+        inputs=[args.cluster, args.model_config, *args.layout],
+        figures=["--plot"],
+    )
     layouts = [(path, Layout.load(path)) for path in args.layout]
     seqs = {lay.seq_length for _, lay in layouts}
     if args.seq_length is None and len(seqs) > 1:
-        raise HexiSeqError(f"the layouts have different seq_length {sorted(seqs)}; give --seq-length")
+        raise HexiSeqError(
+            f"the layouts have different seq_length {sorted(seqs)}; give --seq-length"
+        )
     seq = args.seq_length if args.seq_length is not None else (seqs.pop() if seqs else None)
-    prob = load_problem(args, seq_length=seq) if args.cluster else problem_from_layout(args, layouts, seq)
+    prob = (
+        load_problem(args, seq_length=seq)
+        if args.cluster
+        else problem_from_layout(args, layouts, seq)
+    )
     for path, lay in layouts:
         check_matches(lay, prob.cluster, prob.model, source=f"layout {path}")
     options = prob.options
-    planned = [layout_options(lay, path) for path, lay in layouts if lay.meta.get("options") is not None]
+    planned = [
+        layout_options(lay, path) for path, lay in layouts if lay.meta.get("options") is not None
+    ]
     if args.memory_mode == "auto" and planned:
         # auto: evaluate under the memory mode the (first) layout was planned for
-        options = replace(options, memory_mode=planned[0].get("memory_mode", options.memory_mode),
-                          recompute=bool(planned[0].get("recompute", False)) or bool(args.recompute))
+        options = replace(
+            options,
+            memory_mode=planned[0].get("memory_mode", options.memory_mode),
+            recompute=bool(planned[0].get("recompute", False)) or bool(args.recompute),
+        )
     with waiting("simulating", enabled=args.format != "json"):
         rows = simulate(prob.cluster, prob.model, options, layouts, baselines=args.baselines)
     if args.format == "json":
@@ -74,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
             for r in rows:
                 if r.estimate is not None:
                     console.print(estimate_table(r.name, r.layout, r.estimate))
-        console.print(summary_table(rows, title=f"{prob.cluster.name}: {prob.cluster.world_size} GPUs, "
-                                                f"{prob.model.name}, seq_length {prob.seq_length:,}"))
+        console.print(
+            summary_table(
+                rows,
+                title=f"{prob.cluster.name}: {prob.cluster.world_size} GPUs, "
+                f"{prob.model.name}, seq_length {prob.seq_length:,}",
+            )
+        )
     if args.plot:
         with atomic_path(args.plot) as tmp:
             plot_estimates(tmp, [(r.name, r.estimate) for r in rows if r.estimate is not None])
@@ -91,10 +139,19 @@ def summary_table(rows: Sequence[Any], *, title: str) -> Any:
 
     from megatron_hexiseq.planner.report import _fmt_rate, _fmt_time
 
-    feasible = [r.estimate.iteration_time_s for r in rows if r.estimate is not None and r.estimate.feasible]
+    feasible = [
+        r.estimate.iteration_time_s for r in rows if r.estimate is not None and r.estimate.feasible
+    ]
     best = min(feasible) if feasible else None
     table = Table(title=title)
-    for col in ("layout", "iteration", "tokens/s", "best is faster by", "bottleneck rank", "tightest memory GiB"):
+    for col in (
+        "layout",
+        "iteration",
+        "tokens/s",
+        "best is faster by",
+        "bottleneck rank",
+        "tightest memory GiB",
+    ):
         table.add_column(col, justify="left" if col == "layout" else "right")
     gib = 2.0**30
     for r in rows:
@@ -104,7 +161,13 @@ def summary_table(rows: Sequence[Any], *, title: str) -> Any:
             continue
         tight = max(e.per_rank, key=lambda p: p.memory_bytes / p.capacity_bytes)
         speed = f"{e.iteration_time_s / best:.2f}x" if best and e.feasible else "OUT OF MEMORY"
-        table.add_row(r.name, _fmt_time(e.iteration_time_s), _fmt_rate(e.tokens_per_s), speed,
-                      str(e.bottleneck_rank), f"{tight.memory_bytes / gib:.1f} / {tight.capacity_bytes / gib:.1f} "
-                                              f"(rank {tight.rank})")
+        table.add_row(
+            r.name,
+            _fmt_time(e.iteration_time_s),
+            _fmt_rate(e.tokens_per_s),
+            speed,
+            str(e.bottleneck_rank),
+            f"{tight.memory_bytes / gib:.1f} / {tight.capacity_bytes / gib:.1f} "
+            f"(rank {tight.rank})",
+        )
     return table

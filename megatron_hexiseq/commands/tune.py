@@ -1,4 +1,5 @@
 """``megatron-hexiseq tune``: offline overlap tuning of your model on the CPU testbed (gloo ranks)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,13 @@ if TYPE_CHECKING:
     from megatron_hexiseq.testbed.overlap_bench import BenchModel
 
 # what the CPU testbed can run in minutes; larger is a typo (and would exhaust memory in every rank)
-LIMITS = {"world_size": 64, "seq_length": 1 << 20, "max_params": 256_000_000, "warmup_steps": 10_000,
-          "measure_steps": 10_000}
+LIMITS = {
+    "world_size": 64,
+    "seq_length": 1 << 20,
+    "max_params": 256_000_000,
+    "warmup_steps": 10_000,
+    "measure_steps": 10_000,
+}
 
 EXAMPLES = """examples:
   megatron-hexiseq tune --model gpt-7b --out overlap.json
@@ -31,29 +37,87 @@ sequence shortened to --seq-length); bucket sizes in the result are in YOUR mode
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("tune", help="tune communication/computation overlap knobs (Lagom search)",
-                              description=describe(__doc__), epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="NAME", help=f"model preset to tune for ({', '.join(MODEL_PRESETS)})")
-    p.add_argument("--model-config", metavar="M.yaml", help="model spec YAML with Megatron's field names")
-    p.add_argument("--out", metavar="PATH", help="write the result JSON here (for --hexiseq-overlap-config)")
-    p.add_argument("--from-result", metavar="PATH", help="do not tune: load this result (e.g. to write its NCCL YAML)")
-    p.add_argument("--nccl-yaml", metavar="PATH", help="write the NCCL communicator YAML of the result here")
-    p.add_argument("--world-size", type=int, default=2, metavar="N",
-                   help=f"gloo ranks = data-parallel replicas of the model (default 2, at most {LIMITS['world_size']})")
-    p.add_argument("--seq-length", type=int, default=32, metavar="S",
-                   help="tokens per sequence on the CPU ranks (default 32; at most the model's)")
-    p.add_argument("--max-params", type=int, default=24_000_000, metavar="P",
-                   help="parameters the CPU-scaled model may hold (default 24000000, ~384 MiB per rank)")
-    p.add_argument("--warmup-steps", type=int, default=2, metavar="K", help="untimed iterations per trial (default 2)")
-    p.add_argument("--measure-steps", type=int, default=6, metavar="K", help="timed iterations per trial (default 6)")
-    p.add_argument("--min-bucket", type=int, default=None, metavar="P",
-                   help="smallest DDP bucket tried, in parameters of your model (default: 1/128 of the model; "
-                        "the ladder halves the bucket down to it)")
-    p.add_argument("--no-gallop", action="store_true", help="advance one ladder level per trial (Lagom as written)")
-    p.add_argument("--tolerance", type=float, default=0.05,
-                   help="measurement noise: reject a move only when it is worse by this fraction (0 = Lagom as written)")
-    p.add_argument("--format", choices=("human", "json"), default="human", help="what to print (default human)")
+    p = subparsers.add_parser(
+        "tune",
+        help="tune communication/computation overlap knobs (Lagom search)",
+        description=describe(__doc__),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", metavar="NAME", help=f"model preset to tune for ({', '.join(MODEL_PRESETS)})"
+    )
+    p.add_argument(
+        "--model-config", metavar="M.yaml", help="model spec YAML with Megatron's field names"
+    )
+    p.add_argument(
+        "--out", metavar="PATH", help="write the result JSON here (for --hexiseq-overlap-config)"
+    )
+    p.add_argument(
+        "--from-result",
+        metavar="PATH",
+        help="do not tune: load this result (e.g. to write its NCCL YAML)",
+    )
+    p.add_argument(
+        "--nccl-yaml", metavar="PATH", help="write the NCCL communicator YAML of the result here"
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help=f"gloo ranks = data-parallel replicas of the model (default 2, at most {LIMITS['world_size']})",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=32,
+        metavar="S",
+        help="tokens per sequence on the CPU ranks (default 32; at most the model's)",
+    )
+    p.add_argument(
+        "--max-params",
+        type=int,
+        default=24_000_000,
+        metavar="P",
+        help="parameters the CPU-scaled model may hold (default 24000000, ~384 MiB per rank)",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=2,
+        metavar="K",
+        help="untimed iterations per trial (default 2)",
+    )
+    p.add_argument(
+        "--measure-steps",
+        type=int,
+        default=6,
+        metavar="K",
+        help="timed iterations per trial (default 6)",
+    )
+    p.add_argument(
+        "--min-bucket",
+        type=int,
+        default=None,
+        metavar="P",
+        help="smallest DDP bucket tried, in parameters of your model (default: 1/128 of the model; "
+        "the ladder halves the bucket down to it)",
+    )
+    p.add_argument(
+        "--no-gallop",
+        action="store_true",
+        help="advance one ladder level per trial (Lagom as written)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="measurement noise: reject a move only when it is worse by this fraction (0 = Lagom as written)",
+    )
+    p.add_argument(
+        "--format", choices=("human", "json"), default="human", help="what to print (default human)"
+    )
     p.set_defaults(run=run)
 
 
@@ -66,7 +130,9 @@ def _check(args: argparse.Namespace) -> None:
             why = " (data-parallel gradient reduce)" if name == "world_size" else ""
             raise HexiSeqError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {v}")
     if args.min_bucket is not None and args.min_bucket < 1:
-        raise HexiSeqError(f"--min-bucket must be a positive number of parameters, got {args.min_bucket}")
+        raise HexiSeqError(
+            f"--min-bucket must be a positive number of parameters, got {args.min_bucket}"
+        )
     if not (math.isfinite(args.tolerance) and 0 <= args.tolerance < 1):
         raise HexiSeqError(f"--tolerance must be in [0, 1), got {args.tolerance}")
 
@@ -80,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.testbed.overlap_bench import BenchConfig, BenchModel
     from megatron_hexiseq.testbed.overlap_tune import OfflineTuneSpec, tune_offline
 
-    check_outputs([("--out", args.out), ("--nccl-yaml", args.nccl_yaml)], inputs=[args.from_result, args.model_config])
+    check_outputs(
+        [("--out", args.out), ("--nccl-yaml", args.nccl_yaml)],
+        inputs=[args.from_result, args.model_config],
+    )
     if args.from_result:
         if args.model or args.model_config:
             raise HexiSeqError("--from-result loads a finished tuning: drop --model/--model-config")
@@ -88,11 +157,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         _check(args)
         model = get_model(args.model, config_path=args.model_config)
-        models = BenchModel.for_target(model, max_params=args.max_params, seq_length=args.seq_length)
-        spec = OfflineTuneSpec(bench=BenchConfig(model=models, warmup_steps=args.warmup_steps,
-                                                 measure_steps=args.measure_steps),
-                               world_size=args.world_size, min_bucket_params=args.min_bucket,
-                               gallop=not args.no_gallop, tolerance=args.tolerance)
+        models = BenchModel.for_target(
+            model, max_params=args.max_params, seq_length=args.seq_length
+        )
+        spec = OfflineTuneSpec(
+            bench=BenchConfig(
+                model=models, warmup_steps=args.warmup_steps, measure_steps=args.measure_steps
+            ),
+            world_size=args.world_size,
+            min_bucket_params=args.min_bucket,
+            gallop=not args.no_gallop,
+            tolerance=args.tolerance,
+        )
         if args.format != "json":
             print(_describe(models))
         with waiting(f"tuning on {args.world_size} gloo ranks", enabled=args.format != "json"):
@@ -107,16 +183,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"chosen: {result.config.label()}  ({result.num_trials} trials)")
     if result.default_z_us and result.tuned_z_us:
-        print(f"step time: default {result.default_z_us / 1e3:.1f} ms -> tuned {result.tuned_z_us / 1e3:.1f} ms "
-              f"({result.tuned_z_us / result.default_z_us:.3f}x; CPU timings are noisy)")
+        print(
+            f"step time: default {result.default_z_us / 1e3:.1f} ms -> tuned {result.tuned_z_us / 1e3:.1f} ms "
+            f"({result.tuned_z_us / result.default_z_us:.3f}x; CPU timings are noisy)"
+        )
     for s in result.trials:
-        print(f"  levels={list(s.levels)} y={s.trial.y_us / 1e3:.1f}ms X={s.trial.X_us / 1e3:.1f}ms "
-              f"z={s.trial.z_us / 1e3:.1f}ms {s.decision}")
+        print(
+            f"  levels={list(s.levels)} y={s.trial.y_us / 1e3:.1f}ms X={s.trial.X_us / 1e3:.1f}ms "
+            f"z={s.trial.z_us / 1e3:.1f}ms {s.decision}"
+        )
     if args.out:
         print(f"wrote {args.out}; train with --hexiseq-overlap-config {args.out}")
     if args.nccl_yaml:
-        print(f"wrote {args.nccl_yaml}" if wrote_yaml else
-              "no NCCL options in this result (CPU/gloo tuning): no YAML written")
+        print(
+            f"wrote {args.nccl_yaml}"
+            if wrote_yaml
+            else "no NCCL options in this result (CPU/gloo tuning): no YAML written"
+        )
     return 0
 
 
@@ -124,7 +207,9 @@ def _describe(models: BenchModel) -> str:
     t, b = models.target, models.bench
     if b.num_parameters == t.num_parameters:
         return f"model {t.name}: {t.num_parameters:,} parameters, trained as it is with {b.seq_length} tokens"
-    return (f"model {t.name} ({t.num_parameters:,} parameters) on the CPU ranks: {b.num_layers} layers, "
-            f"{b.num_attention_heads} heads, hidden {b.hidden_size} (was {t.hidden_size}), ffn {b.ffn_hidden_size}, "
-            f"vocab {b.vocab_size}, {b.seq_length} tokens: {b.num_parameters:,} parameters; bucket sizes are "
-            f"scaled by {models.param_ratio:.3g} on the ranks and reported in {t.name}'s parameters")
+    return (
+        f"model {t.name} ({t.num_parameters:,} parameters) on the CPU ranks: {b.num_layers} layers, "
+        f"{b.num_attention_heads} heads, hidden {b.hidden_size} (was {t.hidden_size}), ffn {b.ffn_hidden_size}, "
+        f"vocab {b.vocab_size}, {b.seq_length} tokens: {b.num_parameters:,} parameters; bucket sizes are "
+        f"scaled by {models.param_ratio:.3g} on the ranks and reported in {t.name}'s parameters"
+    )

@@ -1,4 +1,5 @@
 """``megatron-hexiseq validate``: check a layout file (and, with --cluster, that it fits the cluster)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,26 @@ EXAMPLES = """examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a layout file", description=describe(__doc__), epilog=EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "validate",
+        help="check a layout file",
+        description=describe(__doc__),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("layout", help="layout JSON file")
-    p.add_argument("--cluster", metavar="C.yaml", help="also check ranks, hosts and GPU types against this cluster")
-    p.add_argument("--previous", metavar="old.json", default=None,
-                   help="also print what changed against this earlier layout, and fail (exit 2) when training "
-                        "under this layout cannot resume a checkpoint written under it")
+    p.add_argument(
+        "--cluster",
+        metavar="C.yaml",
+        help="also check ranks, hosts and GPU types against this cluster",
+    )
+    p.add_argument(
+        "--previous",
+        metavar="old.json",
+        default=None,
+        help="also print what changed against this earlier layout, and fail (exit 2) when training "
+        "under this layout cannot resume a checkpoint written under it",
+    )
     p.set_defaults(run=run)
 
 
@@ -34,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if args.previous:
         diff = diff_layouts(Layout.load(args.previous), layout)
         if diff.resume_problems:
-            raise HexiSeqError(f"{args.layout} cannot resume checkpoints written under {args.previous}: "
-                               + "; ".join(diff.resume_problems))
+            raise HexiSeqError(
+                f"{args.layout} cannot resume checkpoints written under {args.previous}: "
+                + "; ".join(diff.resume_problems)
+            )
     where = ""
     if args.cluster:
         cluster = load_cluster(args.cluster)
@@ -43,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
         where = f", matches cluster {cluster.name!r}"
     sizes = sorted({len(g.ranks) for g in layout.groups})
     groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"
-    print(f"ok: {args.layout}: {layout.world_size} ranks in {groups} (sizes {sizes}), "
-          f"seq_length {layout.seq_length}, {layout.num_attention_heads} heads{where}")
+    print(
+        f"ok: {args.layout}: {layout.world_size} ranks in {groups} (sizes {sizes}), "
+        f"seq_length {layout.seq_length}, {layout.num_attention_heads} heads{where}"
+    )
     if diff is not None:
         print(f"changes against {args.previous}:")
         for line in diff.lines():

@@ -5,6 +5,7 @@ planner linearises, ``comm`` the link model (ragged all-to-all, overlapped round
 the cross-group K/V rounds, ``estimate`` the whole iteration. Derivations and sources:
 docs/cost_model.md.
 """
+
 from megatron_hexiseq.costmodel.comm import (
     alltoall_rank_times_s,
     alltoall_time_s,
@@ -29,12 +30,33 @@ from megatron_hexiseq.costmodel.formulas import (
     train_flops,
 )
 
-from megatron_hexiseq.run_config import TrainOptions  # what estimate() takes; defined with the memory modes
+from megatron_hexiseq.run_config import (
+    TrainOptions,
+)  # what estimate() takes; defined with the memory modes
+
 __all__ = [
-    "Estimate", "RankEstimate", "TrainOptions", "a2a_buffer_bytes_per_token",
-    "activation_bytes_per_token", "alltoall_rank_times_s", "alltoall_time_s", "attention_bytes_per_group_token",
-    "attention_flops_per_pair_head", "attention_s_per_pair_head", "causal_pairs", "estimate", "fan_units", "kv_block_bytes_per_token",
-    "kv_exchange_forward", "layer_activation_bytes_per_token", "linear_flops_per_token", "linear_s_per_token",
-    "memory_floor_fits", "output_bytes_per_token",
-    "pipelined_exposed_s", "port_times_s", "static_memory_bytes", "train_flops",
+    "Estimate",
+    "RankEstimate",
+    "TrainOptions",
+    "a2a_buffer_bytes_per_token",
+    "activation_bytes_per_token",
+    "alltoall_rank_times_s",
+    "alltoall_time_s",
+    "attention_bytes_per_group_token",
+    "attention_flops_per_pair_head",
+    "attention_s_per_pair_head",
+    "causal_pairs",
+    "estimate",
+    "fan_units",
+    "kv_block_bytes_per_token",
+    "kv_exchange_forward",
+    "layer_activation_bytes_per_token",
+    "linear_flops_per_token",
+    "linear_s_per_token",
+    "memory_floor_fits",
+    "output_bytes_per_token",
+    "pipelined_exposed_s",
+    "port_times_s",
+    "static_memory_bytes",
+    "train_flops",
 ]

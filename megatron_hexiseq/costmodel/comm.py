@@ -6,6 +6,7 @@ direction are serialised; each message moves at ``cluster.link_GBps(src, dst)`` 
 endpoint's port). The two ports and the two directions run at the same time. Latency is ignored
 (messages here are megabytes). GB/s = 1e9 bytes/s.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,14 +16,16 @@ import numpy as np
 from megatron_hexiseq.cluster import Cluster
 
 
-def port_times_s(messages: Sequence[tuple[int, int, int]], cluster: Cluster) -> tuple[dict[int, float], dict[int, float]]:
+def port_times_s(
+    messages: Sequence[tuple[int, int, int]], cluster: Cluster
+) -> tuple[dict[int, float], dict[int, float]]:
     """Send and receive busy time per device for ``messages`` ``(src, dst, bytes)`` sent together.
 
     A device's send time is the larger of its serialised NVLink sends and its serialised network
     sends; receive time likewise. Self-messages (src == dst) are local copies and cost nothing.
     Returns ``(send_s, recv_s)`` keyed by device index (only devices that appear).
     """
-    send: dict[int, list[float]] = {}   # device -> [nvlink_s, network_s]
+    send: dict[int, list[float]] = {}  # device -> [nvlink_s, network_s]
     recv: dict[int, list[float]] = {}
     for src, dst, nbytes in messages:
         if src == dst or nbytes == 0:
@@ -34,7 +37,9 @@ def port_times_s(messages: Sequence[tuple[int, int, int]], cluster: Cluster) -> 
     return {k: max(v) for k, v in send.items()}, {k: max(v) for k, v in recv.items()}
 
 
-def alltoall_rank_times_s(send_bytes: Sequence[Sequence[int]], ranks: Sequence[int], cluster: Cluster) -> list[float]:
+def alltoall_rank_times_s(
+    send_bytes: Sequence[Sequence[int]], ranks: Sequence[int], cluster: Cluster
+) -> list[float]:
     """Per-participant busy time of a ragged all-to-all: ``max(send_s, recv_s)`` of each device.
 
     ``send_bytes[i][j]``: bytes from device ``ranks[i]`` to device ``ranks[j]``. Same port model
@@ -51,7 +56,7 @@ def rank_times_from_links(nbytes: np.ndarray, same: np.ndarray, link_Bps: np.nda
     """Per-participant busy time of a ragged all-to-all of ``nbytes[i, j]`` (float64 bytes) given
     its members' ``group_links``."""
     seconds = nbytes / link_Bps
-    np.fill_diagonal(seconds, 0.0)   # a rank's share for itself is a local copy
+    np.fill_diagonal(seconds, 0.0)  # a rank's share for itself is a local copy
     send = np.maximum(np.where(same, seconds, 0).sum(1), np.where(same, 0, seconds).sum(1))
     recv = np.maximum(np.where(same, seconds, 0).sum(0), np.where(same, 0, seconds).sum(0))
     return np.maximum(send, recv)
@@ -74,7 +79,9 @@ class ClusterArrays:
         self.memo: dict[str, dict] = {}  # other per-cluster tables, by the name of what they hold
 
 
-_ARRAYS: dict[int, tuple[Cluster, ClusterArrays]] = {}  # id -> (the cluster, kept alive: ids stay unique)
+_ARRAYS: dict[
+    int, tuple[Cluster, ClusterArrays]
+] = {}  # id -> (the cluster, kept alive: ids stay unique)
 _ARRAYS_MAX = 8
 _LINKS_CACHED_MAX = 256  # larger groups' [n, n] matrices are rebuilt per call rather than kept
 
@@ -101,13 +108,20 @@ def group_links(cluster: Cluster, ranks: Sequence[int]) -> tuple[np.ndarray, np.
         idx = np.array(key)
         node, nv, net = arrays.node[idx], arrays.nv[idx], arrays.net[idx]
         same = node[:, None] == node[None, :]
-        got = same, np.where(same, np.minimum(nv[:, None], nv[None, :]), np.minimum(net[:, None], net[None, :]))
+        got = (
+            same,
+            np.where(
+                same, np.minimum(nv[:, None], nv[None, :]), np.minimum(net[:, None], net[None, :])
+            ),
+        )
         if len(key) <= _LINKS_CACHED_MAX:
             arrays.links[key] = got
     return got
 
 
-def alltoall_time_s(send_bytes: Sequence[Sequence[int]], ranks: Sequence[int], cluster: Cluster) -> float:
+def alltoall_time_s(
+    send_bytes: Sequence[Sequence[int]], ranks: Sequence[int], cluster: Cluster
+) -> float:
     """Time of a ragged all-to-all among cluster devices ``ranks``: the slowest participant.
 
     ``send_bytes[i][j]`` is sent from ``ranks[i]`` to ``ranks[j]``. Each device serialises its
@@ -135,7 +149,7 @@ def pipelined_exposed_s(compute_s: Sequence[float], comm_s: Sequence[float]) -> 
     if not compute_s:
         return 0.0
     comm_end, comp_end = 0.0, compute_s[0]
-    buffer_free = [0.0, 0.0]      # when each receive buffer can be overwritten
+    buffer_free = [0.0, 0.0]  # when each receive buffer can be overwritten
     for k in range(1, len(compute_s)):
         comm_end = max(comm_end, buffer_free[k % 2]) + comm_s[k]
         comp_end = max(comp_end, comm_end) + compute_s[k]

@@ -23,6 +23,7 @@ Per rank (all layers, one iteration = one micro-batch of ``b`` sequences, forwar
 Memory: static (params/grads/optimizer) + activations of own tokens + attention core of group tokens
 for the rank's heads + communication buffers. Formulas and sources: docs/cost_model.md.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -96,7 +97,8 @@ class Estimate:
         return [
             f"rank {r.rank} ({r.gpu}) needs {r.memory_bytes / GIB:.1f} GiB > {r.capacity_bytes / GIB:.1f} GiB "
             f"({self.capacity_fraction * 100:g}% of {r.device_memory_gib:g} GiB)"
-            for r in self.per_rank if not r.fits
+            for r in self.per_rank
+            if not r.fits
         ]
 
     def to_predicted(self) -> dict[str, Any]:
@@ -105,12 +107,20 @@ class Estimate:
             "iteration_time_s": _sig(self.iteration_time_s),
             "tokens_per_s": _sig(self.tokens_per_s),
             "feasible": self.feasible,
-            "per_rank": [{"rank": r.rank, "time_s": _sig(r.time_s), "memory_gib": round(r.memory_bytes / GIB, 4)}
-                         for r in self.per_rank],
+            "per_rank": [
+                {
+                    "rank": r.rank,
+                    "time_s": _sig(r.time_s),
+                    "memory_gib": round(r.memory_bytes / GIB, 4),
+                }
+                for r in self.per_rank
+            ],
         }
 
 
-def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()) -> Estimate:
+def estimate(
+    layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()
+) -> Estimate:
     """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``)."""
     check_matches(layout, cluster, model)
     b, L = options.micro_batch_size, model.num_layers
@@ -118,7 +128,9 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
     act_per_token = activation_bytes_per_token(model, options)
     hpg = layout.heads_per_query_group
-    kv_of = [tuple(sorted({h // hpg for h in r.heads})) for r in layout.ranks]  # layout.kv_heads of each rank
+    kv_of = [
+        tuple(sorted({h // hpg for h in r.heads})) for r in layout.ranks
+    ]  # layout.kv_heads of each rank
     exchange = kv_exchange_forward(layout, cluster, model, b, kv_heads=kv_of)
 
     tokens = [r.num_tokens for r in layout.ranks]
@@ -128,31 +140,51 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
     group_pairs: dict[int, int] = {}
     group_a2a_s: dict[int, float] = {}
     group_tokens_of: dict[int, int] = {}
-    a2a_memo: dict[tuple, float] = {}  # groups of one structure (devices, tokens, heads) cost the same
+    a2a_memo: dict[
+        tuple, float
+    ] = {}  # groups of one structure (devices, tokens, heads) cost the same
     for g in layout.groups:
         group_pairs[g.id] = causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)])
         tok = [tokens[r] for r in g.ranks]
         group_tokens_of[g.id] = sum(tok)
-        if g.ranks not in structures:  # (gpus, node pattern, bandwidths), slowest collective latency
-            structures[g.ranks] = ((tuple(cluster.devices[r].gpu.name for r in g.ranks), _node_pattern(cluster, g.ranks),
-                                    tuple((cluster.devices[r].nvlink_GBps, cluster.devices[r].network_GBps)
-                                          for r in g.ranks)),
-                                   max(cluster.devices[r].collective_latency_s for r in g.ranks))
+        if (
+            g.ranks not in structures
+        ):  # (gpus, node pattern, bandwidths), slowest collective latency
+            structures[g.ranks] = (
+                (
+                    tuple(cluster.devices[r].gpu.name for r in g.ranks),
+                    _node_pattern(cluster, g.ranks),
+                    tuple(
+                        (cluster.devices[r].nvlink_GBps, cluster.devices[r].network_GBps)
+                        for r in g.ranks
+                    ),
+                ),
+                max(cluster.devices[r].collective_latency_s for r in g.ranks),
+            )
         structure, latency_s = structures[g.ranks]
         hq, hkv = [head_count[r] for r in g.ranks], [kv_count[r] for r in g.ranks]
         key = (*structure, tuple(tok), tuple(hq), tuple(hkv))
         if key not in a2a_memo:
             a2a_memo[key] = _a2a_layer_s(cluster, model, g.ranks, b, tok, hq, hkv)
         group_a2a_s[g.id] = (passes_fwd + 1) * L * a2a_memo[key]
-        if len(g.ranks) > 1:  # fixed cost per collective: 4 per layer and pass, the slowest member's
+        if (
+            len(g.ranks) > 1
+        ):  # fixed cost per collective: 4 per layer and pass, the slowest member's
             group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * latency_s
 
     per_rank = []
-    rate: dict[object, tuple[float, float]] = {}  # per GPU type: (linear s per token, attention s per pair-head)
+    rate: dict[
+        object, tuple[float, float]
+    ] = {}  # per GPU type: (linear s per token, attention s per pair-head)
     att_mem: dict[tuple[int, int], int] = {}
     a2a_buf, kv_block = a2a_buffer_bytes_per_token(model), kv_block_bytes_per_token(model)
     devices = _device_constants(cluster)
-    comm_s, exposed_s_of, rounds_of, block_of = exchange.comm_s, exchange.exposed_s, exchange.rounds, exchange.max_block_tokens
+    comm_s, exposed_s_of, rounds_of, block_of = (
+        exchange.comm_s,
+        exchange.exposed_s,
+        exchange.rounds,
+        exchange.max_block_tokens,
+    )
     steps = (passes_fwd + 2) * L  # exchange steps per round with something to receive
     fraction = options.capacity_fraction
     for plan in layout.ranks:
@@ -161,7 +193,10 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
         heads, kv, t = head_count[r], kv_count[r], tokens[r]
         if gpu_of not in rate:  # per GPU type (the first device of an equal type stands for it)
             dev = cluster.devices[gpu_of]
-            rate[gpu_of] = (linear_s_per_token(model, dev, options), attention_s_per_pair_head(model, dev, options))
+            rate[gpu_of] = (
+                linear_s_per_token(model, dev, options),
+                attention_s_per_pair_head(model, dev, options),
+            )
         lin_rate, att_rate = rate[gpu_of]
         if (heads, kv) not in att_mem:
             att_mem[(heads, kv)] = attention_bytes_per_group_token(model, options, heads, kv)
@@ -176,30 +211,56 @@ def estimate(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainO
         mem_activations = b * t * act_per_token
         mem_attention = b * group_tokens_of[gid] * att_mem[(heads, kv)]
         mem_comm = b * t * a2a_buf + 4 * b * block_of[r] * kv * kv_block
-        per_rank.append(RankEstimate(
-            rank=r, gpu=gpu, node=node, tokens=t, heads=heads,
-            compute_s=compute_s, comm_s=a2a_s + kv_s, exposed_comm_s=exposed_s, time_s=compute_s + exposed_s,
-            memory_bytes=static + mem_activations + mem_attention + mem_comm,
-            capacity_bytes=int(fraction * memory_bytes), device_memory_gib=memory_gib,
-            breakdown={"linear_s": linear_s, "overhead_s": overhead_s, "attention_s": attention_s, "a2a_s": a2a_s,
-                       "kv_exchange_s": kv_s, "kv_exposed_s": kv_exposed_s, "kv_latency_s": kv_latency_s,
-                       "mem_static": static, "mem_activations": mem_activations, "mem_attention": mem_attention,
-                       "mem_comm": mem_comm},
-        ))
+        per_rank.append(
+            RankEstimate(
+                rank=r,
+                gpu=gpu,
+                node=node,
+                tokens=t,
+                heads=heads,
+                compute_s=compute_s,
+                comm_s=a2a_s + kv_s,
+                exposed_comm_s=exposed_s,
+                time_s=compute_s + exposed_s,
+                memory_bytes=static + mem_activations + mem_attention + mem_comm,
+                capacity_bytes=int(fraction * memory_bytes),
+                device_memory_gib=memory_gib,
+                breakdown={
+                    "linear_s": linear_s,
+                    "overhead_s": overhead_s,
+                    "attention_s": attention_s,
+                    "a2a_s": a2a_s,
+                    "kv_exchange_s": kv_s,
+                    "kv_exposed_s": kv_exposed_s,
+                    "kv_latency_s": kv_latency_s,
+                    "mem_static": static,
+                    "mem_activations": mem_activations,
+                    "mem_attention": mem_attention,
+                    "mem_comm": mem_comm,
+                },
+            )
+        )
     # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
     # the whole CP domain, the linear work between two attentions does not. So the iteration is the
     # slowest linear phase plus the slowest attention phase, not the slowest rank's sum: a rank
     # heavy in linear work and another heavy in attention do not hide each other's time.
-    iteration = (max(r.breakdown["linear_s"] for r in per_rank)
-                 + max(r.time_s - r.breakdown["linear_s"] for r in per_rank))
+    iteration = max(r.breakdown["linear_s"] for r in per_rank) + max(
+        r.time_s - r.breakdown["linear_s"] for r in per_rank
+    )
     batch_tokens = layout.seq_length * b * options.data_parallel_size
-    return Estimate(iteration_time_s=iteration, tokens_per_s=batch_tokens / iteration if iteration > 0 else 0.0,
-                    per_rank=tuple(per_rank), feasible=all(r.fits for r in per_rank),
-                    capacity_fraction=options.capacity_fraction, options=options)
+    return Estimate(
+        iteration_time_s=iteration,
+        tokens_per_s=batch_tokens / iteration if iteration > 0 else 0.0,
+        per_rank=tuple(per_rank),
+        feasible=all(r.fits for r in per_rank),
+        capacity_fraction=options.capacity_fraction,
+        options=options,
+    )
 
 
-def memory_floor_fits(layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()
-                      ) -> bool:
+def memory_floor_fits(
+    layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()
+) -> bool:
     """False when some rank cannot fit even without its communication buffers (static memory,
     its tokens' activations and the attention core of its group's tokens): a necessary condition of
     ``estimate(...).feasible``, without the K/V exchange simulation (callers skip a memory mode)."""
@@ -209,8 +270,15 @@ def memory_floor_fits(layout: Layout, cluster: Cluster, model: ModelSpec, option
     group_tokens = {g.id: layout.group_num_tokens(g.id) for g in layout.groups}
     for plan in layout.ranks:
         dev = cluster.devices[plan.rank]
-        need = (static + b * plan.num_tokens * act + b * group_tokens[plan.group]
-                * attention_bytes_per_group_token(model, options, len(plan.heads), len(layout.kv_heads(plan.rank))))
+        need = (
+            static
+            + b * plan.num_tokens * act
+            + b
+            * group_tokens[plan.group]
+            * attention_bytes_per_group_token(
+                model, options, len(plan.heads), len(layout.kv_heads(plan.rank))
+            )
+        )
         if need > int(options.capacity_fraction * dev.memory_bytes):
             return False
     return True
@@ -222,8 +290,18 @@ def _device_constants(cluster: Cluster) -> list[tuple[int, str, str, float, floa
     memo = cluster_arrays(cluster).memo
     if "devices" not in memo:
         first: dict[object, int] = {}
-        memo["devices"] = [(first.setdefault(d.gpu, i), d.gpu.name, d.node, d.step_overhead_s, d.p2p_latency_s,
-                            d.memory_bytes, d.memory_gib) for i, d in enumerate(cluster.devices)]
+        memo["devices"] = [
+            (
+                first.setdefault(d.gpu, i),
+                d.gpu.name,
+                d.node,
+                d.step_overhead_s,
+                d.p2p_latency_s,
+                d.memory_bytes,
+                d.memory_gib,
+            )
+            for i, d in enumerate(cluster.devices)
+        ]
     return memo["devices"]
 
 
@@ -233,8 +311,15 @@ def _node_pattern(cluster: Cluster, ranks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(seen.setdefault(cluster.devices[r].node, len(seen)) for r in ranks)
 
 
-def _a2a_layer_s(cluster: Cluster, model: ModelSpec, ranks: tuple[int, ...], b: int, tok: list[int], hq: list[int],
-                 hkv: list[int]) -> float:
+def _a2a_layer_s(
+    cluster: Cluster,
+    model: ModelSpec,
+    ranks: tuple[int, ...],
+    b: int,
+    tok: list[int],
+    hq: list[int],
+    hkv: list[int],
+) -> float:
     """One layer's forward head all-to-alls of a group: q, k, v in, attention output back.
 
     Bytes from member i to member j: q ``tokens_i * heads_j * d * 2``, k and v each
@@ -253,8 +338,11 @@ def _a2a_layer_s(cluster: Cluster, model: ModelSpec, ranks: tuple[int, ...], b: 
     def slowest(nbytes_nn: np.ndarray) -> float:
         return float(rank_times_from_links(nbytes_nn.astype(np.float64), same, link).max())
 
-    return (slowest(np.outer(t_n, hq_n)) + 2 * slowest(np.outer(t_n, hkv_n))
-            + slowest(np.outer(hq_n, t_n)))
+    return (
+        slowest(np.outer(t_n, hq_n))
+        + 2 * slowest(np.outer(t_n, hkv_n))
+        + slowest(np.outer(hq_n, t_n))
+    )
 
 
 def _sig(x: float) -> float:

@@ -12,6 +12,7 @@ vectorises). All links of one round between two single-node groups have one band
 receiver's round time is ``max(its own receive, the send of each of its senders)`` in kv-head
 blocks (a sender serves every receiver that picked it, one copy each).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,17 +27,17 @@ from megatron_hexiseq.costmodel.formulas import kv_block_bytes_per_token
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 
-_CHUNK_ELEMENTS = 1 << 20   # rounds are batched so one batch's arrays hold about this many elements
+_CHUNK_ELEMENTS = 1 << 20  # rounds are batched so one batch's arrays hold about this many elements
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExchangeForward:
     """One forward pass of the exchange over all layers, per layout rank (seconds / tokens)."""
 
-    comm_s: tuple[float, ...]          # sum of the rounds' transfer times
-    exposed_s: tuple[float, ...]       # transfer time not hidden behind attention compute
+    comm_s: tuple[float, ...]  # sum of the rounds' transfer times
+    exposed_s: tuple[float, ...]  # transfer time not hidden behind attention compute
     max_block_tokens: tuple[int, ...]  # largest visible block received (sizes the buffers)
-    rounds: tuple[int, ...] = ()       # rounds with something to receive, per layer (fixed-cost steps)
+    rounds: tuple[int, ...] = ()  # rounds with something to receive, per layer (fixed-cost steps)
 
 
 def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
@@ -50,7 +51,7 @@ def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) ->
     n1 = np.maximum(c - a, 0)
     # queries inside the key segment: x..y, x = a-ks+1, y = c-ks (the product is >= 0: halved by a shift)
     series = ((a + c + 1 - 2 * ks) * n1) >> 1
-    full = np.maximum(qe - np.maximum(qs, ke), 0) * (ke - ks)   # queries past it see all of it
+    full = np.maximum(qe - np.maximum(qs, ke), 0) * (ke - ks)  # queries past it see all of it
     return (series + full).sum(axis=(0, 1))
 
 
@@ -75,7 +76,9 @@ def _merged(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
     return out
 
 
-def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> list[int]:
+def fan_units(
+    sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]
+) -> list[int]:
     """Per receiver member: round time in kv-head blocks, ``max(own receive, its senders' sends)``.
 
     ``sender``/``receiver``: the kv heads of each member of the sending / receiving group (members
@@ -92,23 +95,35 @@ def fan_units(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ..
             load[j] += 1
             mine.add(j)
         picked.append(mine)
-    return [max([len(kvs)] + [load[j] for j in mine]) if kvs else 0 for kvs, mine in zip(receiver, picked)]
+    return [
+        max([len(kvs)] + [load[j] for j in mine]) if kvs else 0
+        for kvs, mine in zip(receiver, picked)
+    ]
 
 
 @lru_cache(maxsize=65536)
-def _fan_units_cached(sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+def _fan_units_cached(
+    sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]
+) -> tuple[int, ...]:
     return tuple(fan_units(sender, receiver))
 
 
-def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micro_batch_size: int, *,
-                        kv_heads: Sequence[tuple[int, ...]] | None = None) -> ExchangeForward:
+def kv_exchange_forward(
+    layout: Layout,
+    cluster: Cluster,
+    model: ModelSpec,
+    micro_batch_size: int,
+    *,
+    kv_heads: Sequence[tuple[int, ...]] | None = None,
+) -> ExchangeForward:
     """Simulate the forward exchange rounds of every rank at once (see module docstring).
     ``kv_heads[r]``: ``layout.kv_heads(r)`` when the caller has them."""
     W, groups = layout.world_size, layout.groups
     n = len(groups)
     if n == 1:
-        return ExchangeForward(comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W,
-                               rounds=(0,) * W)
+        return ExchangeForward(
+            comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W, rounds=(0,) * W
+        )
     # data: padded group segments (touching segments merged: the same positions, so the same causal
     # pairs and visible tokens, and a mirrored group of 8 ranks has 2 segments instead of 16), per-group
     # and per-rank arrays
@@ -117,15 +132,20 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     QS = np.zeros((n, width), dtype=np.int64)
     QE = np.zeros((n, width), dtype=np.int64)
     for i, s in enumerate(segs):
-        QS[i, :len(s)] = [a for a, _ in s]
-        QE[i, :len(s)] = [e for _, e in s]
+        QS[i, : len(s)] = [a for a, _ in s]
+        QE[i, : len(s)] = [e for _, e in s]
     q_end = QE.max(axis=1)
     arrays = cluster_arrays(cluster)
     node, nv, net, rate = arrays.node, arrays.nv, arrays.net, arrays.rate
-    members = np.array([r for g in groups for r in g.ranks])   # every group's ranks, group after group
+    members = np.array(
+        [r for g in groups for r in g.ranks]
+    )  # every group's ranks, group after group
     starts = np.cumsum([0] + [len(g.ranks) for g in groups[:-1]])
-    lowest, highest = np.minimum.reduceat(node[members], starts), np.maximum.reduceat(node[members], starts)
-    gnode = np.where(lowest == highest, lowest, -1)            # the group's node, -1 when it spans nodes
+    lowest, highest = (
+        np.minimum.reduceat(node[members], starts),
+        np.maximum.reduceat(node[members], starts),
+    )
+    gnode = np.where(lowest == highest, lowest, -1)  # the group's node, -1 when it spans nodes
     gnv = np.minimum.reduceat(nv[members], starts)
     gnet = np.minimum.reduceat(net[members], starts)
     gi_of, pos_of = [0] * W, [0] * W
@@ -145,23 +165,23 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
     fan = np.zeros((len(sigs), len(sigs), kmax))
     for a, sa in enumerate(sigs):
         for c, sc in enumerate(sigs):
-            fan[a, c, :len(sc)] = _fan_units_cached(sa, sc)
+            fan[a, c, : len(sc)] = _fan_units_cached(sa, sc)
     L, b = model.num_layers, micro_batch_size
-    flops_per_pair_head = 4 * model.kv_channels * L * b           # forward only, all layers
+    flops_per_pair_head = 4 * model.kv_channels * L * b  # forward only, all layers
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
     # round 0: own group's K/V, no transfer
     p0 = pairs_vec(QS, QE, QS, QE)
     comp_end = flops_per_pair_head * p0[gi] * heads / rate
     comp_sum, comm_end, comm_sum = comp_end.copy(), np.zeros(W), np.zeros(W)
-    free0, free1 = np.zeros(W), np.zeros(W)          # when each receive buffer can be overwritten
+    free0, free1 = np.zeros(W), np.zeros(W)  # when each receive buffer can be overwritten
     blocks, vmax = np.zeros(W, dtype=np.int64), np.zeros(W, dtype=np.int64)
     chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
     for t0 in range(1, n, chunk):
         # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
         src = (np.arange(n)[None, :] - np.arange(t0, min(n, t0 + chunk))[:, None]) % n
-        pairs_g = pairs_vec(QS[None], QE[None], QS[src], QE[src])            # [T, n]
-        vis = visible_vec(QS[src], QE[src], q_end[None])[:, gi]              # [T, W]
-        gp = src[:, gi]                                                      # [T, W] sending group
+        pairs_g = pairs_vec(QS[None], QE[None], QS[src], QE[src])  # [T, n]
+        vis = visible_vec(QS[src], QE[src], q_end[None])[:, gi]  # [T, W]
+        gp = src[:, gi]  # [T, W] sending group
         comp = flops_per_pair_head * pairs_g[:, gi] * (heads / rate)
         link = np.where(gnode[gp] == node, np.minimum(gnv[gp], nv), np.minimum(gnet[gp], net))
         comm = bytes_per_token_head * vis * fan[sig_id[gp], sig_id[gi], pos] / link
@@ -170,10 +190,12 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
         comp_sum += comp.sum(axis=0)
         comm_sum += comm.sum(axis=0)
         vmax = np.maximum(vmax, np.where(active, vis, 0).max(axis=0))
-        steps = blocks + np.cumsum(active, axis=0)   # [T, W] blocks received after each round
-        odd = steps % 2 == 1                          # the receive buffer of each round's block
+        steps = blocks + np.cumsum(active, axis=0)  # [T, W] blocks received after each round
+        odd = steps % 2 == 1  # the receive buffer of each round's block
         into0, into1 = active & ~odd, active & odd
-        for k in range(src.shape[0]):   # the double-buffered pipeline, one round at a time (in place)
+        for k in range(
+            src.shape[0]
+        ):  # the double-buffered pipeline, one round at a time (in place)
             on = active[k]
             new_comm_end = np.maximum(comm_end, np.where(odd[k], free1, free0))
             new_comm_end += comm[k]
@@ -185,6 +207,12 @@ def kv_exchange_forward(layout: Layout, cluster: Cluster, model: ModelSpec, micr
             np.copyto(free1, comp_end, where=into1[k])
         blocks = steps[-1]
     exposed = comp_end - comp_sum
-    exposed = np.where(exposed > 1e-9 * comp_sum, exposed, 0.0)   # float noise of a fully hidden pipeline
-    return ExchangeForward(comm_s=tuple(comm_sum.tolist()), exposed_s=tuple(exposed.tolist()),
-                           max_block_tokens=tuple(int(v) for v in vmax), rounds=tuple(int(v) for v in blocks))
+    exposed = np.where(
+        exposed > 1e-9 * comp_sum, exposed, 0.0
+    )  # float noise of a fully hidden pipeline
+    return ExchangeForward(
+        comm_s=tuple(comm_sum.tolist()),
+        exposed_s=tuple(exposed.tolist()),
+        max_block_tokens=tuple(int(v) for v in vmax),
+        rounds=tuple(int(v) for v in blocks),
+    )

@@ -4,6 +4,7 @@ Notation (``ModelSpec`` fields): h hidden_size, a num_attention_heads, g num_que
 d kv_channels, f ffn_hidden_size, V vocab_size, L num_layers, m = 2 with SwiGLU else 1,
 b micro_batch_size. BF16 activations: 2 bytes per element. docs/cost_model.md derives each one.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -53,7 +54,13 @@ def linear_flops_per_token(model: ModelSpec) -> int:
     :func:`train_flops`. For GPT (a*d = h, g = a, f = 4h) this is Narayanan's
     ``72*L*h^2*(1 + V/(12*h*L))`` per token without the attention term.
     """
-    h, a, g, d, f = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.kv_channels, model.ffn_hidden_size
+    h, a, g, d, f = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+        model.ffn_hidden_size,
+    )
     m = 2 if model.swiglu else 1
     layer_macs = h * (a + 2 * g) * d + a * d * h + h * f * m + f * h
     forward = 2 * (model.num_layers * layer_macs + h * model.vocab_size)
@@ -104,7 +111,12 @@ def layer_activation_bytes_per_token(model: ModelSpec) -> int:
     (q, k, v and the FlashAttention output) gives Korthikanti's 34h, whose 2h of dropout masks we
     drop (no dropout) and whose softmax-output role the kept FlashAttention output takes.
     """
-    h, a, d, f = model.hidden_size, model.num_attention_heads, model.kv_channels, model.ffn_hidden_size
+    h, a, d, f = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.kv_channels,
+        model.ffn_hidden_size,
+    )
     m = 2 if model.swiglu else 1
     return BF16_BYTES * (4 * h + a * d + f * m + f)
 
@@ -129,7 +141,9 @@ def activation_bytes_per_token(model: ModelSpec, options: TrainOptions) -> int:
     return stack + recomputed + output_bytes_per_token(model) + layer
 
 
-def attention_bytes_per_group_token(model: ModelSpec, options: TrainOptions, heads: int, kv_heads: int) -> int:
+def attention_bytes_per_group_token(
+    model: ModelSpec, options: TrainOptions, heads: int, kv_heads: int
+) -> int:
     """Attention-core bytes per token of the rank's A2A group (after the head all-to-all).
 
     Per layer: q and out (bf16) + LSE (fp32) per query head, k and v per kv head:
@@ -155,9 +169,17 @@ def kv_block_bytes_per_token(model: ModelSpec) -> int:
 # ---- per-device coefficients (what the planner linearises) -----------------------------------
 def linear_s_per_token(model: ModelSpec, device: Device, options: TrainOptions) -> float:
     """Seconds of linear-layer work per own token per iteration on ``device`` (x micro-batch)."""
-    return options.micro_batch_size * train_flops(linear_flops_per_token(model), options) / device.flops_per_s
+    return (
+        options.micro_batch_size
+        * train_flops(linear_flops_per_token(model), options)
+        / device.flops_per_s
+    )
 
 
 def attention_s_per_pair_head(model: ModelSpec, device: Device, options: TrainOptions) -> float:
     """Seconds of attention per visible (q, k) pair per query head per iteration on ``device``."""
-    return options.micro_batch_size * train_flops(attention_flops_per_pair_head(model), options) / device.attention_flops_per_s
+    return (
+        options.micro_batch_size
+        * train_flops(attention_flops_per_pair_head(model), options)
+        / device.attention_flops_per_s
+    )

@@ -9,6 +9,7 @@ The plugin also requires the stock Megatron flags ``--cp-comm-type hexiseq`` (Me
 ``--cp-comm-type`` without ``choices``; the value reaches the core attention as ``cp_comm_type``)
 and ``--calculate-per-token-loss`` (checked at start-up, see ``parallel_state.check_args``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,36 +37,54 @@ class HexiSeqArgs:
 
     layout: str | None = _flag(
         "Layout JSON (from 'megatron-hexiseq plan') that every context-parallel domain runs; "
-        "enables HexiSeq together with --cp-comm-type hexiseq.", metavar="PATH", default=None)
+        "enables HexiSeq together with --cp-comm-type hexiseq.",
+        metavar="PATH",
+        default=None,
+    )
     kernel: str = _flag(
         "Attention block kernel. auto (default): PyTorch's fused kernels chosen by device and dtype "
         "(CUDA bf16/fp16: flash; CUDA fp32 or head dims flash cannot take: efficient; CPU: cpu-flash); "
         "flash, efficient, cpu-flash: that kernel; flash-attn: the optional flash_attn package; "
         "reference: pure torch with [S, T] scores (the numerical oracle; short sequences only). "
         "Checked at start-up by one tiny forward+backward on the real device and dtype.",
-        choices=KERNELS, default="auto")
+        choices=KERNELS,
+        default="auto",
+    )
     fp32_grad_wire: bool = _flag(
         "Return the sub-ring's dK/dV to their holders in float32 instead of the input dtype "
-        "(twice the backward K/V traffic in bf16; see docs/attention.md).", default=False)
+        "(twice the backward K/V traffic in bf16; see docs/attention.md).",
+        default=False,
+    )
     comm_chunks: int = _flag(
         "How finely HexiSeq's head all-to-all / sub-ring K/V exchange is split and overlapped "
-        "with attention compute (an overlap-tuner knob; integer >= 1).", metavar="N", default=1)
+        "with attention compute (an overlap-tuner knob; integer >= 1).",
+        metavar="N",
+        default=1,
+    )
     allow_mismatch: bool = _flag(
         "Downgrade the start-up check of each rank's GPU name against the layout's 'gpu' to a "
         "warning (e.g. a layout planned for another GPU model). Structural mismatches (world "
-        "size, context-parallel size, sequence length, heads) always fail.", default=False)
+        "size, context-parallel size, sequence length, heads) always fail.",
+        default=False,
+    )
     overlap_tune: bool = _flag(
         "Tune communication/computation overlap knobs online in the first iterations "
-        "(megatron_hexiseq.overlap) and save the result.", default=False)
+        "(megatron_hexiseq.overlap) and save the result.",
+        default=False,
+    )
     overlap_config: str | None = _flag(
         "Apply a saved overlap-tuning result (JSON from 'megatron-hexiseq tune').",
-        metavar="PATH", default=None)
+        metavar="PATH",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if self.comm_chunks < 1:
             raise HexiSeqError(f"--hexiseq-comm-chunks must be >= 1, got {self.comm_chunks}")
         if self.overlap_tune and self.overlap_config:
-            raise HexiSeqError("use either --hexiseq-overlap-tune or --hexiseq-overlap-config, not both")
+            raise HexiSeqError(
+                "use either --hexiseq-overlap-tune or --hexiseq-overlap-config, not both"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -75,7 +94,9 @@ class HexiSeqArgs:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> HexiSeqArgs:
         """Read the flags back from Megatron's parsed ``args`` (missing ones take defaults)."""
-        values = {f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))}
+        values = {
+            f.name: getattr(args, dest(f.name)) for f in fields(cls) if hasattr(args, dest(f.name))
+        }
         return cls(**values)
 
 
@@ -94,18 +115,25 @@ def flag_names() -> tuple[str, ...]:
     return tuple(flag(f.name) for f in fields(HexiSeqArgs))
 
 
-def add_hexiseq_args(parser: argparse.ArgumentParser,
-                     chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
-                     ) -> argparse.ArgumentParser:
+def add_hexiseq_args(
+    parser: argparse.ArgumentParser,
+    chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider``: add the ``--hexiseq-*`` flags (then ``chain``'s, if any).
 
     ``chain`` lets ``pretrain_gpt.py`` keep its own provider (ModelOpt's ``add_modelopt_args``).
     """
-    group = parser.add_argument_group(title="hexiseq", description="Uneven context/head parallelism "
-                                      "for heterogeneous GPUs (megatron-hexiseq)")
+    group = parser.add_argument_group(
+        title="hexiseq",
+        description="Uneven context/head parallelism for heterogeneous GPUs (megatron-hexiseq)",
+    )
     for f in fields(HexiSeqArgs):
         meta = dict(f.metadata)
-        kwargs: dict[str, Any] = {"dest": dest(f.name), "default": f.default, "help": meta.pop("help")}
+        kwargs: dict[str, Any] = {
+            "dest": dest(f.name),
+            "default": f.default,
+            "help": meta.pop("help"),
+        }
         if f.type in ("bool", bool):
             kwargs["action"] = "store_true"
         else:

@@ -8,6 +8,7 @@ and RoPE expect.
 Shapes: ``tokens/labels/loss_mask/position_ids [b, S] -> [b, s_r]``;
 ``attention_mask [b, 1, S, S] -> [b, 1, s_r, S]`` (query rows only, as Megatron does).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -32,8 +33,9 @@ def slice_sequence(x: torch.Tensor, segments: Sequence[Segment], *, dim: int = 1
     return torch.cat(parts, dim=dim)
 
 
-def slice_batch(batch: Mapping[str, BatchValue], *, segments: Sequence[Segment],
-                seq_length: int) -> dict[str, BatchValue]:
+def slice_batch(
+    batch: Mapping[str, BatchValue], *, segments: Sequence[Segment], seq_length: int
+) -> dict[str, BatchValue]:
     """Slice every tensor of a Megatron batch dict to this rank's segments (None entries kept).
 
     Sequence dimension: 2 for ``attention_mask``, 1 for everything else (Megatron's convention).
@@ -45,8 +47,10 @@ def slice_batch(batch: Mapping[str, BatchValue], *, segments: Sequence[Segment],
             continue
         dim = 2 if key == "attention_mask" else 1
         if val.dim() <= dim or val.size(dim) != seq_length:
-            raise HexiSeqError(f"batch '{key}' has shape {tuple(val.shape)}; expected the full sequence "
-                               f"of {seq_length} tokens in dimension {dim} (is --seq-length the layout's?)")
+            raise HexiSeqError(
+                f"batch '{key}' has shape {tuple(val.shape)}; expected the full sequence "
+                f"of {seq_length} tokens in dimension {dim} (is --seq-length the layout's?)"
+            )
         out[key] = cast(BatchValue, slice_sequence(val, segments, dim=dim))
     return out
 
@@ -61,8 +65,9 @@ class LayoutBatchSlicer:
         self.segments = tuple((int(s), int(e)) for s, e in segments)
         self.seq_length = seq_length
 
-    def __call__(self, batch: Mapping[str, BatchValue],
-                 cp_group: dist.ProcessGroup | None = None) -> dict[str, BatchValue]:
+    def __call__(
+        self, batch: Mapping[str, BatchValue], cp_group: dist.ProcessGroup | None = None
+    ) -> dict[str, BatchValue]:
         return slice_batch(batch, segments=self.segments, seq_length=self.seq_length)
 
     def __repr__(self) -> str:

@@ -7,6 +7,7 @@ step calibration built on it, the overlap bench, the GPU acceptance check, the t
 Also here: :func:`cpu_device_shim`, the one stand-in for ``torch.cuda.current_device()`` that
 lets Megatron code which allocates on "the current CUDA device" run on a CPU-only torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_hexiseq.model import ModelSpec
 
 
-def transformer_config(model: ModelSpec, *, context_parallel_size: int = 1, params_dtype: torch.dtype = torch.float32,
-                       **overrides: Any) -> TransformerConfig:
+def transformer_config(
+    model: ModelSpec,
+    *,
+    context_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` of ``model``: its shapes, SwiGLU (gated SiLU) or GELU, its
     normalization and linear biases; no dropout, CPU initialisation, per-token loss, no fused
     kernels (none of them runs on CPU); ``cp_comm_type="hexiseq"`` when ``context_parallel_size > 1``.
@@ -29,16 +35,30 @@ def transformer_config(model: ModelSpec, *, context_parallel_size: int = 1, para
     ``overrides`` are further ``TransformerConfig`` fields (they win).
     """
     fields: dict[str, Any] = dict(
-        num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        kv_channels=model.kv_channels, ffn_hidden_size=model.ffn_hidden_size, gated_linear_unit=model.swiglu,
-        activation_func=F.silu if model.swiglu else F.gelu, normalization=model.normalization,
-        add_bias_linear=model.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, context_parallel_size=context_parallel_size,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        normalization=model.normalization,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        context_parallel_size=context_parallel_size,
         cp_comm_type="hexiseq" if context_parallel_size > 1 else None,
-        calculate_per_token_loss=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        calculate_per_token_loss=True,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
     )
     return TransformerConfig(**(fields | overrides))
 

@@ -10,6 +10,7 @@ Shapes (TP = 1): ``query [s_r, b, H, d]``, ``key/value [s_r, b, G, d]`` for this
 segment order with RoPE applied -> ``[s_r, b, H*d]``: exact causal attention of the full sequence
 restricted to this rank's tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,30 +48,47 @@ class HexiSeqCoreAttention(MegatronModule):
         super().__init__(config=config)
         layout = runtime.layout
         if attention_type != "self":
-            raise HexiSeqError(f"HexiSeq attention supports self-attention only, got '{attention_type}'")
+            raise HexiSeqError(
+                f"HexiSeq attention supports self-attention only, got '{attention_type}'"
+            )
         if attn_mask_type != AttnMaskType.causal:
-            raise HexiSeqError(f"HexiSeq attention is causal; layer {layer_number} asks for {attn_mask_type.name}")
+            raise HexiSeqError(
+                f"HexiSeq attention is causal; layer {layer_number} asks for {attn_mask_type.name}"
+            )
         if cp_comm_type not in (None, CP_COMM_TYPE):
-            raise HexiSeqError(f"layer {layer_number}: cp_comm_type is '{cp_comm_type}' but the HexiSeq "
-                               f"spec is in use; pass --cp-comm-type {CP_COMM_TYPE}")
+            raise HexiSeqError(
+                f"layer {layer_number}: cp_comm_type is '{cp_comm_type}' but the HexiSeq "
+                f"spec is in use; pass --cp-comm-type {CP_COMM_TYPE}"
+            )
         if config.tensor_model_parallel_size != 1:
             raise HexiSeqError("HexiSeq attention needs --tensor-model-parallel-size 1")
         if (config.num_attention_heads, config.num_query_groups or config.num_attention_heads) != (
-                layout.num_attention_heads, layout.num_query_groups):
-            raise HexiSeqError(f"model has {config.num_attention_heads} heads / {config.num_query_groups} "
-                               f"query groups, layout {layout.num_attention_heads} / {layout.num_query_groups}")
+            layout.num_attention_heads,
+            layout.num_query_groups,
+        ):
+            raise HexiSeqError(
+                f"model has {config.num_attention_heads} heads / {config.num_query_groups} "
+                f"query groups, layout {layout.num_attention_heads} / {layout.num_query_groups}"
+            )
         if config.window_size is not None or config.softmax_type != "vanilla":
-            raise HexiSeqError("HexiSeq attention supports neither sliding windows nor non-vanilla softmax")
+            raise HexiSeqError(
+                "HexiSeq attention supports neither sliding windows nor non-vanilla softmax"
+            )
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout and layer_number <= 1:
-            warnings.warn(f"hexiseq: attention dropout {dropout} has no effect (exact attention without "
-                          "dropout); set --attention-dropout 0 to silence this", stacklevel=2)
+            warnings.warn(
+                f"hexiseq: attention dropout {dropout} has no effect (exact attention without "
+                "dropout); set --attention-dropout 0 to silence this",
+                stacklevel=2,
+            )
         self.layer_number = max(1, layer_number)
         self.runtime = runtime
         # the overlap tuner's chunking knob; may change between iterations (plugin.set_comm_chunks)
         self.comm_chunks = runtime.comm_chunks
         head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        )
 
     def forward(
         self,
@@ -87,10 +105,21 @@ class HexiSeqCoreAttention(MegatronModule):
         ``attention_mask`` is ignored: the mask is causal over global positions by construction.
         """
         if packed_seq_params is not None or attention_bias is not None:
-            raise HexiSeqError("HexiSeq attention supports neither packed sequences nor attention bias")
+            raise HexiSeqError(
+                "HexiSeq attention supports neither packed sequences nor attention bias"
+            )
         if attn_mask_type not in (None, AttnMaskType.causal):
-            raise HexiSeqError(f"HexiSeq attention is causal, got attn_mask_type {attn_mask_type.name}")
+            raise HexiSeqError(
+                f"HexiSeq attention is causal, got attn_mask_type {attn_mask_type.name}"
+            )
         assert query.size(0) == self.runtime.num_tokens, (query.shape, self.runtime.num_tokens)
-        return hexiseq_attn_func(query, key, value, groups=self.runtime.groups,
-                                 softmax_scale=self.softmax_scale, kernel=self.runtime.kernel,
-                                 comm_chunks=self.comm_chunks, fp32_grad_wire=self.runtime.fp32_grad_wire)
+        return hexiseq_attn_func(
+            query,
+            key,
+            value,
+            groups=self.runtime.groups,
+            softmax_scale=self.softmax_scale,
+            kernel=self.runtime.kernel,
+            comm_chunks=self.comm_chunks,
+            fp32_grad_wire=self.runtime.fp32_grad_wire,
+        )

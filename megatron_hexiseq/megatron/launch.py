@@ -17,6 +17,7 @@ CLI (prints; errors are one line, exit 2)::
     python -m megatron_hexiseq.megatron.launch ranks --layout L.json --cluster C.yaml --data-parallel D
         -> one line per global rank: "RANK HOST LOCAL_RANK"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,24 +40,33 @@ class Placement:
     local_rank: int
 
 
-def split_replicas(nodes: Sequence[dict[str, Any]], data_parallel: int) -> list[list[dict[str, Any]]]:
+def split_replicas(
+    nodes: Sequence[dict[str, Any]], data_parallel: int
+) -> list[list[dict[str, Any]]]:
     """Split cluster-YAML ``nodes`` into ``data_parallel`` replicas with the same mix of node types."""
     by_type: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for node in nodes:
         by_type.setdefault((str(node["gpu"]), int(node.get("count", 1))), []).append(node)
     for (gpu, count), group in by_type.items():
         if len(group) % data_parallel:
-            raise HexiSeqError(f"{len(group)} nodes of {count} x {gpu} cannot be split into {data_parallel} "
-                               f"equal data-parallel replicas; change the allocation or --data-parallel")
+            raise HexiSeqError(
+                f"{len(group)} nodes of {count} x {gpu} cannot be split into {data_parallel} "
+                f"equal data-parallel replicas; change the allocation or --data-parallel"
+            )
     replicas: list[list[dict[str, Any]]] = []
     for i in range(data_parallel):
-        mine = {id(n) for group in by_type.values()
-                for n in group[i * len(group) // data_parallel:(i + 1) * len(group) // data_parallel]}
+        mine = {
+            id(n)
+            for group in by_type.values()
+            for n in group[i * len(group) // data_parallel : (i + 1) * len(group) // data_parallel]
+        }
         replicas.append([n for n in nodes if id(n) in mine])
     return replicas
 
 
-def placements(layout: Layout, nodes: Sequence[dict[str, Any]], data_parallel: int = 1) -> list[Placement]:
+def placements(
+    layout: Layout, nodes: Sequence[dict[str, Any]], data_parallel: int = 1
+) -> list[Placement]:
     """Global rank -> (host, local rank) for ``data_parallel`` replicas of ``layout``."""
     replicas = split_replicas(nodes, data_parallel)
     names0 = [str(n["name"]) for n in replicas[0]]
@@ -64,17 +74,23 @@ def placements(layout: Layout, nodes: Sequence[dict[str, Any]], data_parallel: i
     local: list[int] = []
     for r in layout.ranks:
         if r.host not in names0:
-            raise HexiSeqError(f"layout rank {r.rank} is planned on host '{r.host}', which is not among the "
-                               f"allocation's (first replica's) nodes {names0}; re-plan for this allocation")
+            raise HexiSeqError(
+                f"layout rank {r.rank} is planned on host '{r.host}', which is not among the "
+                f"allocation's (first replica's) nodes {names0}; re-plan for this allocation"
+            )
         j = names0.index(r.host)
-        local.append(sum(1 for q in layout.ranks[:r.rank] if q.host == r.host))
+        local.append(sum(1 for q in layout.ranks[: r.rank] if q.host == r.host))
         if local[-1] >= counts0[j]:
-            raise HexiSeqError(f"layout puts {local[-1] + 1} ranks on host '{r.host}', which has {counts0[j]} GPUs")
+            raise HexiSeqError(
+                f"layout puts {local[-1] + 1} ranks on host '{r.host}', which has {counts0[j]} GPUs"
+            )
     out = []
     for i, replica in enumerate(replicas):
         for r in layout.ranks:
             host = str(replica[names0.index(r.host)]["name"])
-            out.append(Placement(rank=i * layout.world_size + r.rank, host=host, local_rank=local[r.rank]))
+            out.append(
+                Placement(rank=i * layout.world_size + r.rank, host=host, local_rank=local[r.rank])
+            )
     return out
 
 
@@ -88,9 +104,13 @@ def _nodes(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_hexiseq.megatron.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_hexiseq.megatron.launch", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p0 = sub.add_parser("replica0", help="write the cluster YAML of data-parallel replica 0 (to plan on)")
+    p0 = sub.add_parser(
+        "replica0", help="write the cluster YAML of data-parallel replica 0 (to plan on)"
+    )
     p1 = sub.add_parser("ranks", help="print 'RANK HOST LOCAL_RANK' for every process")
     for p in (p0, p1):
         p.add_argument("--cluster", required=True)

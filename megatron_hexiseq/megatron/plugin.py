@@ -27,6 +27,7 @@ this rank's global positions. During training, with ``--hexiseq-overlap-tune``, 
 (``megatron_hooks.OnlineTuningStep``), times iterations and puts the ``comm_chunks`` it chooses into
 the core-attention modules. Without ``--hexiseq-layout`` everything is stock Megatron.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,9 +66,11 @@ if TYPE_CHECKING:  # annotations only: megatron.core's model modules are heavy t
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
-                        ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+def extra_args_provider(
+    chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
     """Megatron ``extra_args_provider``: the ``--hexiseq-*`` flags, ``chain``'s flags, post-parse hook."""
+
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_hexiseq_args(parser, chain=chain)
         _after_parse(parser, after_parse)
@@ -76,7 +79,9 @@ def extra_args_provider(chain: Callable[[argparse.ArgumentParser], argparse.Argu
     return provider
 
 
-def _after_parse(parser: argparse.ArgumentParser, hook: Callable[[argparse.Namespace], None]) -> None:
+def _after_parse(
+    parser: argparse.ArgumentParser, hook: Callable[[argparse.Namespace], None]
+) -> None:
     """Run ``hook(args)`` whenever this parser instance finishes parsing (``parse_args`` and
     ``parse_known_args`` both go through ``parse_known_args``)."""
     parse_known_args = parser.parse_known_args
@@ -109,8 +114,14 @@ def defer_seq_length_check(args: argparse.Namespace) -> None:
     """
     cp = getattr(args, "context_parallel_size", 1) or 1
     seq = getattr(args, "seq_length", None)
-    if (getattr(args, "hexiseq_layout", None) and CP_COMM_TYPE in _cp_comm_types(args) and cp > 1
-            and seq is not None and seq % (2 * cp) and getattr(args, "encoder_seq_length", None) is None):
+    if (
+        getattr(args, "hexiseq_layout", None)
+        and CP_COMM_TYPE in _cp_comm_types(args)
+        and cp > 1
+        and seq is not None
+        and seq % (2 * cp)
+        and getattr(args, "encoder_seq_length", None) is None
+    ):
         args.encoder_seq_length, args.seq_length = seq, None
 
 
@@ -129,47 +140,75 @@ def _cp_comm_types(args: argparse.Namespace) -> set[str]:
     return set(value) if isinstance(value, (list, tuple)) else {value}
 
 
-def setup(args: argparse.Namespace, pretrain_module: ModuleType | None, *,
-          cp_group: dist.ProcessGroup | None = None) -> HexiSeqRuntime | None:
+def setup(
+    args: argparse.Namespace,
+    pretrain_module: ModuleType | None,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+) -> HexiSeqRuntime | None:
     """Once per process, after ``initialize_model_parallel``: returns the ``HexiSeqRuntime`` or None.
 
     Collective over the default group when ``--hexiseq-layout`` is given.
     """
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
-    hs = HexiSeqArgs.from_namespace(args)  # after it: the overlap hook may set --hexiseq-comm-chunks
+    hs = HexiSeqArgs.from_namespace(
+        args
+    )  # after it: the overlap hook may set --hexiseq-comm-chunks
     if hs.layout is None:  # not hs.enabled
         if CP_COMM_TYPE in _cp_comm_types(args):
-            raise HexiSeqError(f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH "
-                               "(plan one with 'megatron-hexiseq plan')")
+            raise HexiSeqError(
+                f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH "
+                "(plan one with 'megatron-hexiseq plan')"
+            )
         return None
     if cp_group is None:
         from megatron.core import parallel_state as mpu
 
         cp_group = mpu.get_context_parallel_group()
     layout = Layout.load(hs.layout)
-    check_before_training(args)  # --save/--load settings, and the checkpoint --load resumes (rank 0 reads it)
+    check_before_training(
+        args
+    )  # --save/--load settings, and the checkpoint --load resumes (rank 0 reads it)
     minutes = getattr(args, "distributed_timeout_minutes", None)
-    runtime = build_runtime(layout, RunShape.from_megatron_args(args), cp_group=cp_group,
-                            kernel=hs.kernel, comm_chunks=hs.comm_chunks,
-                            allow_mismatch=hs.allow_mismatch, source=f"layout {hs.layout}",
-                            timeout=timedelta(minutes=minutes) if minutes else None,
-                            nccl_cfgs=nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None),
-                                                     getattr(args, "high_priority_stream_groups", None) or ()),
-                            fp32_grad_wire=hs.fp32_grad_wire)
-    if getattr(args, "create_attention_mask_in_dataloader", False) and getattr(args, "rank", 0) == 0:
-        warnings.warn("hexiseq: the dataloader's attention mask is not used (HexiSeq attention is causal "
-                      "by construction); pass --no-create-attention-mask-in-dataloader to save memory",
-                      stacklevel=2)
+    runtime = build_runtime(
+        layout,
+        RunShape.from_megatron_args(args),
+        cp_group=cp_group,
+        kernel=hs.kernel,
+        comm_chunks=hs.comm_chunks,
+        allow_mismatch=hs.allow_mismatch,
+        source=f"layout {hs.layout}",
+        timeout=timedelta(minutes=minutes) if minutes else None,
+        nccl_cfgs=nccl_comm_cfgs(
+            getattr(args, "nccl_communicator_config_path", None),
+            getattr(args, "high_priority_stream_groups", None) or (),
+        ),
+        fp32_grad_wire=hs.fp32_grad_wire,
+    )
+    if (
+        getattr(args, "create_attention_mask_in_dataloader", False)
+        and getattr(args, "rank", 0) == 0
+    ):
+        warnings.warn(
+            "hexiseq: the dataloader's attention mask is not used (HexiSeq attention is causal "
+            "by construction); pass --no-create-attention-mask-in-dataloader to save memory",
+            stacklevel=2,
+        )
     if pretrain_module is not None:
         # pretrain_gpt's module-level function, replaced on purpose (the batch seam)
         pretrain_module.get_batch_on_this_cp_rank = (  # type: ignore[attr-defined]
-            LayoutBatchSlicer(runtime.segments, layout.seq_length))
+            LayoutBatchSlicer(runtime.segments, layout.seq_length)
+        )
     return runtime
 
 
-def _stock_layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None,
-                      stock_builder: Callable[..., GPTModel]) -> ModuleSpec | TransformerBlockSubmodules:
+def _stock_layer_spec(
+    args: argparse.Namespace,
+    config: TransformerConfig,
+    vp_stage: int | None,
+    stock_builder: Callable[..., GPTModel],
+) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer/block spec Megatron-LM's ``gpt_builder`` would choose (core_v0.16.1)."""
     from megatron.core.transformer.spec_utils import import_module
 
@@ -179,46 +218,76 @@ def _stock_layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_st
     if args.num_experts:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                          normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
-                                          vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=use_te,
+            normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm,
+            vp_stage=vp_stage,
+        )
     choose = getattr(sys.modules.get(stock_builder.__module__), "_get_transformer_layer_spec", None)
     if choose is None:
-        raise HexiSeqError(f"cannot find the layer-spec chooser next to {stock_builder.__module__}."
-                           f"{stock_builder.__name__}; pass --spec MODULE NAME")
+        raise HexiSeqError(
+            f"cannot find the layer-spec chooser next to {stock_builder.__module__}."
+            f"{stock_builder.__name__}; pass --spec MODULE NAME"
+        )
     return choose(use_te, config)
 
 
-def build_gpt_model(args: argparse.Namespace, pre_process: bool, post_process: bool, vp_stage: int | None = None,
-                    config: TransformerConfig | None = None, pg_collection: ProcessGroupCollection | None = None,
-                    *, runtime: HexiSeqRuntime, stock_builder: Callable[..., GPTModel]) -> GPTModel:
+def build_gpt_model(
+    args: argparse.Namespace,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    config: TransformerConfig | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    *,
+    runtime: HexiSeqRuntime,
+    stock_builder: Callable[..., GPTModel],
+) -> GPTModel:
     """``gpt_builder`` with HexiSeq: same ``GPTModel`` arguments, spec swapped, layout RoPE."""
     from megatron.core.models.gpt import GPTModel
 
-
-    for flag, value in (("--use-legacy-models", args.use_legacy_models),
-                        ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)),
-                        ("--experimental-attention-variant", getattr(args, "experimental_attention_variant", None)),
-                        ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None))):
+    for flag, value in (
+        ("--use-legacy-models", args.use_legacy_models),
+        ("--mtp-num-layers", getattr(args, "mtp_num_layers", None)),
+        ("--experimental-attention-variant", getattr(args, "experimental_attention_variant", None)),
+        (
+            "--heterogeneous-layers-config-path",
+            getattr(args, "heterogeneous_layers_config_path", None),
+        ),
+    ):
         if value:
             raise HexiSeqError(f"{flag} is not supported together with --hexiseq-layout")
     if config is None:
         from megatron.training.arguments import core_transformer_config_from_args
         from megatron.training.yaml_arguments import core_transformer_config_from_yaml
 
-        config = (core_transformer_config_from_yaml(args, "language_model") if args.yaml_cfg is not None
-                  else core_transformer_config_from_args(args))
+        config = (
+            core_transformer_config_from_yaml(args, "language_model")
+            if args.yaml_cfg is not None
+            else core_transformer_config_from_args(args)
+        )
     if args.pipeline_model_parallel_size > 1:
         config.variable_seq_lengths = True  # pipeline P2P shapes follow each rank's token count
     spec = hexiseq_spec(_stock_layer_spec(args, config, vp_stage, stock_builder), runtime)
     model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-        post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage,
-        pg_collection=pg_collection)
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
     install_rope(model, [p for s, e in runtime.segments for p in range(s, e)])
     return model
 
@@ -230,8 +299,14 @@ class HexiSeqModelProvider:
     ``gpt_builders.py``); ``get_args`` defaults to ``megatron.training.get_args``.
     """
 
-    def __init__(self, model_provider: Callable, gpt_builder: Callable, pretrain_module: ModuleType | None,
-                 *, get_args: Callable[[], argparse.Namespace] | None = None) -> None:
+    def __init__(
+        self,
+        model_provider: Callable,
+        gpt_builder: Callable,
+        pretrain_module: ModuleType | None,
+        *,
+        get_args: Callable[[], argparse.Namespace] | None = None,
+    ) -> None:
         self.model_provider = model_provider
         self.gpt_builder = gpt_builder
         self.pretrain_module = pretrain_module
@@ -239,9 +314,14 @@ class HexiSeqModelProvider:
         self._ready = False
         self.runtime: HexiSeqRuntime | None = None
 
-    def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
-                 config: TransformerConfig | None = None,
-                 pg_collection: ProcessGroupCollection | None = None) -> torch.nn.Module:
+    def __call__(
+        self,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        config: TransformerConfig | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> torch.nn.Module:
         if self._get_args is None:
             from megatron.training import get_args
 
@@ -253,12 +333,17 @@ class HexiSeqModelProvider:
         builder = self.gpt_builder
         if self.runtime is not None:
             builder = partial(build_gpt_model, runtime=self.runtime, stock_builder=self.gpt_builder)
-        return self.model_provider(builder, pre_process, post_process, vp_stage, config=config,
-                                   pg_collection=pg_collection)
+        return self.model_provider(
+            builder, pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection
+        )
 
 
-def model_provider(model_provider_fn: Callable, gpt_builder: Callable, pretrain_module: ModuleType | None,
-                   **kwargs: Any) -> HexiSeqModelProvider:
+def model_provider(
+    model_provider_fn: Callable,
+    gpt_builder: Callable,
+    pretrain_module: ModuleType | None,
+    **kwargs: Any,
+) -> HexiSeqModelProvider:
     """What ``pretrain_gpt.py`` passes to ``pretrain`` instead of ``partial(model_provider, gpt_builder)``."""
     return HexiSeqModelProvider(model_provider_fn, gpt_builder, pretrain_module, **kwargs)
 
@@ -281,8 +366,13 @@ class HexiSeqForwardStep:
     first call hands over to ``megatron_hooks.OnlineTuningStep``, which owns the online tuner and
     puts the ``comm_chunks`` it chooses into the model; otherwise it calls ``forward_step`` as is."""
 
-    def __init__(self, forward_step: Callable, *, get_args: Callable[[], argparse.Namespace] | None = None,
-                 num_microbatches: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        forward_step: Callable,
+        *,
+        get_args: Callable[[], argparse.Namespace] | None = None,
+        num_microbatches: Callable[[], int] | None = None,
+    ) -> None:
         self.forward_step = forward_step
         self._get_args = get_args
         self._num_microbatches = num_microbatches
@@ -295,11 +385,20 @@ class HexiSeqForwardStep:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
 
             self._num_microbatches = get_num_microbatches
-        return megatron_hooks.OnlineTuningStep.from_args(self.forward_step, args, num_microbatches=self._num_microbatches(),
-                                                         apply_chunks=set_comm_chunks)
+        return megatron_hooks.OnlineTuningStep.from_args(
+            self.forward_step,
+            args,
+            num_microbatches=self._num_microbatches(),
+            apply_chunks=set_comm_chunks,
+        )
 
-    def __call__(self, data_iterator: object, model: torch.nn.Module | Sequence[torch.nn.Module],
-                 *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self,
+        data_iterator: object,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         if self._inner is None:
             if self._get_args is None:
                 from megatron.training import get_args
@@ -314,8 +413,9 @@ def forward_step(stock_forward_step: Callable, **kwargs: Any) -> HexiSeqForwardS
     return HexiSeqForwardStep(stock_forward_step, **kwargs)
 
 
-def help_with_hexiseq_flags(chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None
-                            ) -> None:
+def help_with_hexiseq_flags(
+    chain: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+) -> None:
     """With ``-h``/``--help`` on the command line: print Megatron-LM's help *with* the
     ``--hexiseq-*`` flags (and ``chain``'s) and exit 0; otherwise do nothing.
 

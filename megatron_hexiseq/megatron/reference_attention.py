@@ -10,6 +10,7 @@ attention (the CPU step calibration, ``testbed.calibrate.measure_model_step``).
 
 Shapes: ``query [S, b, H, d]``, ``key/value [S, b, G, d]`` -> ``[S, b, H*d]``.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,17 +27,31 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class LocalCausalAttention(MegatronModule):
     """Causal GQA attention over the whole (unsharded) sequence with explicit matmul + softmax."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ) -> None:
         super().__init__(config=config)
         assert attn_mask_type == AttnMaskType.causal and attention_type == "self"
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
-                packed_seq_params=None) -> Tensor:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
         S, b, H, d = query.shape
         rep = H // key.size(2)
         q_BHSD = query.permute(1, 2, 0, 3)
@@ -44,7 +59,9 @@ class LocalCausalAttention(MegatronModule):
         v_BHSD = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
         scores = torch.matmul(q_BHSD, k_BHSD.transpose(-1, -2)) * self.softmax_scale  # [b, H, S, S]
         future = torch.ones(S, S, dtype=torch.bool, device=query.device).triu(1)
-        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")), dim=-1).to(query.dtype)
+        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")), dim=-1).to(
+            query.dtype
+        )
         out_BHSD = torch.matmul(probs, v_BHSD)
         return out_BHSD.permute(2, 0, 1, 3).reshape(S, b, H * d)  # [S, b, H*d]
 
@@ -52,14 +69,28 @@ class LocalCausalAttention(MegatronModule):
 class PassThroughAttention(MegatronModule):
     """Core attention that passes the query through (``[S, b, H, d] -> [S, b, H*d]``), no attention."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ) -> None:
         super().__init__(config=config)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
-                packed_seq_params=None) -> Tensor:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
         S, b, H, d = query.shape
         return query.reshape(S, b, H * d)  # [S, b, H*d]

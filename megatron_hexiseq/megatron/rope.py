@@ -17,6 +17,7 @@ angles in float32 in every forward for the same reason.
 
 Shape: ``forward(...) -> emb [s_r, 1, 1, rotary_dim]`` (float32), as ``RotaryEmbedding.forward``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -32,8 +33,13 @@ if TYPE_CHECKING:  # for annotations only: importing it at run time loads much o
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, *, interleaved: bool = False,
-                interpolation_factor: float | None = None) -> torch.Tensor:
+def rope_angles(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    interpolation_factor: float | None = None,
+) -> torch.Tensor:
     """Megatron ``RotaryEmbedding.get_emb`` evaluated at ``positions [s]`` -> ``[s, 1, 1, 2*len(inv_freq)]``."""
     seq = positions.to(dtype=inv_freq.dtype, device=inv_freq.device)
     if interpolation_factor is not None:
@@ -57,24 +63,33 @@ class LayoutRotaryEmbedding(nn.Module):
         super().__init__()
         for name in ("inv_freq", "rotary_interleaved", "seq_len_interpolation_factor"):
             if not hasattr(original, name):
-                raise HexiSeqError(f"cannot replace {type(original).__name__}: it has no '{name}' "
-                                   "(only standard RoPE is supported with HexiSeq)")
+                raise HexiSeqError(
+                    f"cannot replace {type(original).__name__}: it has no '{name}' "
+                    "(only standard RoPE is supported with HexiSeq)"
+                )
         self.num_tokens = len(positions)
         self.rotary_interleaved = original.rotary_interleaved
         self.interpolation_factor = original.seq_len_interpolation_factor
         inv_freq = original.inv_freq.detach().to("cpu", torch.float32).contiguous()
-        self.register_buffer("positions", torch.tensor(list(positions), dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "positions", torch.tensor(list(positions), dtype=torch.int64), persistent=False
+        )
         self.register_buffer("inv_freq_bits", inv_freq.view(torch.int32).clone(), persistent=False)
         self.register_buffer("emb", self._angles(), persistent=False)
 
     def _angles(self) -> torch.Tensor:
         """float32 angles ``[s_r, 1, 1, rotary_dim]`` on the buffers' device."""
         inv_freq = self.inv_freq_bits.view(torch.float32)
-        return rope_angles(self.positions, inv_freq, interleaved=self.rotary_interleaved,
-                           interpolation_factor=self.interpolation_factor)
+        return rope_angles(
+            self.positions,
+            inv_freq,
+            interleaved=self.rotary_interleaved,
+            interpolation_factor=self.interpolation_factor,
+        )
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
-               recurse: bool = True) -> LayoutRotaryEmbedding:
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> LayoutRotaryEmbedding:
         super()._apply(fn, recurse)
         self.emb = self._angles()  # float32 again, on the (possibly new) device
         return self
@@ -83,10 +98,17 @@ class LayoutRotaryEmbedding(nn.Module):
         """GPTModel asks for a length before calling forward; ours is fixed by the layout."""
         return self.num_tokens
 
-    def forward(self, max_seq_len: int | None = None, offset: int = 0, packed_seq: bool = False,
-                cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        max_seq_len: int | None = None,
+        offset: int = 0,
+        packed_seq: bool = False,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> torch.Tensor:
         if packed_seq or offset:
-            raise HexiSeqError("HexiSeq RoPE supports neither packed sequences nor position offsets")
+            raise HexiSeqError(
+                "HexiSeq RoPE supports neither packed sequences nor position offsets"
+            )
         return self.emb
 
 

@@ -12,6 +12,7 @@ RoPE module and the batch slicer; nothing reads it from a global.
 The layout rank of a process is its rank in Megatron's CP group (CP groups list their global ranks
 in ascending order, which is also the order of ``domains[i]``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,12 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +55,8 @@ class RunShape:
     cp_comm_type: str = CP_COMM_TYPE
     calculate_per_token_loss: bool = True
     multi_latent_attention: bool = False
-    params_dtype: str = "float32"      # the dtype attention runs in (--bf16 / --fp16)
-    head_dim: int | None = None        # kv_channels (None: the start-up kernel check uses 64)
+    params_dtype: str = "float32"  # the dtype attention runs in (--bf16 / --fp16)
+    head_dim: int | None = None  # kv_channels (None: the start-up kernel check uses 64)
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "RunShape":
@@ -70,8 +76,11 @@ class RunShape:
             cp_comm_type=cp_comm,
             calculate_per_token_loss=bool(args.calculate_per_token_loss),
             multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
-            params_dtype="bfloat16" if getattr(args, "bf16", False) else
-            "float16" if getattr(args, "fp16", False) else "float32",
+            params_dtype="bfloat16"
+            if getattr(args, "bf16", False)
+            else "float16"
+            if getattr(args, "fp16", False)
+            else "float32",
             head_dim=getattr(args, "kv_channels", None),
         )
 
@@ -80,38 +89,56 @@ def check_run(layout: Layout, run: RunShape, *, source: str = "layout") -> None:
     """Fail with one clear message if the run cannot execute ``layout``. Pure; no processes."""
     W = layout.world_size
     if run.cp_comm_type != CP_COMM_TYPE:
-        raise HexiSeqError(f"--hexiseq-layout needs --cp-comm-type {CP_COMM_TYPE} (for every layer), "
-                           f"got '{run.cp_comm_type}'")
+        raise HexiSeqError(
+            f"--hexiseq-layout needs --cp-comm-type {CP_COMM_TYPE} (for every layer), "
+            f"got '{run.cp_comm_type}'"
+        )
     if run.context_parallel_size != W:
-        raise HexiSeqError(f"{source} has {W} ranks but --context-parallel-size is "
-                           f"{run.context_parallel_size}; set --context-parallel-size {W}")
+        raise HexiSeqError(
+            f"{source} has {W} ranks but --context-parallel-size is "
+            f"{run.context_parallel_size}; set --context-parallel-size {W}"
+        )
     model_parallel = run.tensor_model_parallel_size * run.pipeline_model_parallel_size * W
     if run.world_size % model_parallel:
-        raise HexiSeqError(f"world size {run.world_size} is not a multiple of TP x PP x CP = "
-                           f"{run.tensor_model_parallel_size} x {run.pipeline_model_parallel_size} x {W}; "
-                           f"launch a multiple of {model_parallel} processes")
+        raise HexiSeqError(
+            f"world size {run.world_size} is not a multiple of TP x PP x CP = "
+            f"{run.tensor_model_parallel_size} x {run.pipeline_model_parallel_size} x {W}; "
+            f"launch a multiple of {model_parallel} processes"
+        )
     if run.tensor_model_parallel_size != 1:
-        raise HexiSeqError(f"HexiSeq places attention heads itself; use --tensor-model-parallel-size 1 "
-                           f"(got {run.tensor_model_parallel_size})")
+        raise HexiSeqError(
+            f"HexiSeq places attention heads itself; use --tensor-model-parallel-size 1 "
+            f"(got {run.tensor_model_parallel_size})"
+        )
     if run.seq_length != layout.seq_length:
-        raise HexiSeqError(f"{source} is planned for seq_length {layout.seq_length} but --seq-length is "
-                           f"{run.seq_length}; re-plan or change --seq-length")
+        raise HexiSeqError(
+            f"{source} is planned for seq_length {layout.seq_length} but --seq-length is "
+            f"{run.seq_length}; re-plan or change --seq-length"
+        )
     if run.num_attention_heads != layout.num_attention_heads:
-        raise HexiSeqError(f"{source} is planned for {layout.num_attention_heads} attention heads but the "
-                           f"model has --num-attention-heads {run.num_attention_heads}")
+        raise HexiSeqError(
+            f"{source} is planned for {layout.num_attention_heads} attention heads but the "
+            f"model has --num-attention-heads {run.num_attention_heads}"
+        )
     if run.num_query_groups != layout.num_query_groups:
-        raise HexiSeqError(f"{source} is planned for {layout.num_query_groups} query groups but the model "
-                           f"has {run.num_query_groups} (--num-query-groups with --group-query-attention)")
+        raise HexiSeqError(
+            f"{source} is planned for {layout.num_query_groups} query groups but the model "
+            f"has {run.num_query_groups} (--num-query-groups with --group-query-attention)"
+        )
     if not run.calculate_per_token_loss:
-        raise HexiSeqError("ranks of an uneven layout hold different token counts: add "
-                           "--calculate-per-token-loss so every token weighs the same")
+        raise HexiSeqError(
+            "ranks of an uneven layout hold different token counts: add "
+            "--calculate-per-token-loss so every token weighs the same"
+        )
     if run.multi_latent_attention:
         raise HexiSeqError("HexiSeq attention does not support --multi-latent-attention")
     empty = [r.rank for r in layout.ranks if r.num_tokens == 0]
     if empty:
-        raise HexiSeqError(f"{source}: layout ranks {empty} hold no tokens (heads only); Megatron's attention "
-                           "layer cannot run an empty sequence shard (its QKV reshape fails), so every rank "
-                           "must own at least one token: re-plan, or move a segment to those ranks")
+        raise HexiSeqError(
+            f"{source}: layout ranks {empty} hold no tokens (heads only); Megatron's attention "
+            "layer cannot run an empty sequence shard (its QKV reshape fails), so every rank "
+            "must own at least one token: re-plan, or move a segment to those ranks"
+        )
 
 
 def gpu_name_matches(planned: str, device_name: str) -> bool:
@@ -125,8 +152,13 @@ def gpu_name_matches(planned: str, device_name: str) -> bool:
     return bool(want) and want[0] in have
 
 
-def check_devices(layout: Layout, domains: Sequence[Sequence[int]], device_names: Sequence[str | None],
-                  *, allow_mismatch: bool = False) -> list[str]:
+def check_devices(
+    layout: Layout,
+    domains: Sequence[Sequence[int]],
+    device_names: Sequence[str | None],
+    *,
+    allow_mismatch: bool = False,
+) -> list[str]:
     """Check each process's device name against the layout's ``gpu`` for its layout rank.
 
     ``device_names[g]`` is global rank g's device name (None: no GPU, nothing to check).
@@ -137,12 +169,16 @@ def check_devices(layout: Layout, domains: Sequence[Sequence[int]], device_names
         for layout_rank, g in enumerate(domain):
             name, planned = device_names[g], layout.ranks[layout_rank].gpu
             if name is not None and not gpu_name_matches(planned, name):
-                problems.append(f"global rank {g} (layout rank {layout_rank}) runs on '{name}' but the "
-                                f"layout planned '{planned}'")
+                problems.append(
+                    f"global rank {g} (layout rank {layout_rank}) runs on '{name}' but the "
+                    f"layout planned '{planned}'"
+                )
     if problems and not allow_mismatch:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise HexiSeqError("; ".join(problems[:3]) + more + ": launch ranks in layout order (see "
-                           "scripts/slurm/) or pass --hexiseq-allow-mismatch")
+        raise HexiSeqError(
+            "; ".join(problems[:3]) + more + ": launch ranks in layout order (see "
+            "scripts/slurm/) or pass --hexiseq-allow-mismatch"
+        )
     return problems
 
 
@@ -194,10 +230,16 @@ def local_device_name() -> str | None:
 
 def runtime_device() -> torch.device:
     """The device this process computes on: the current CUDA device, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
-def nccl_comm_cfgs(path: str | None, high_priority_stream_groups: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+def nccl_comm_cfgs(
+    path: str | None, high_priority_stream_groups: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
     """Megatron's per-group NCCL settings: ``--nccl-communicator-config-path`` YAML plus
     ``--high-priority-stream-groups``, read as ``initialize_model_parallel`` reads them."""
     import yaml
@@ -216,6 +258,7 @@ def nccl_comm_cfgs(path: str | None, high_priority_stream_groups: Sequence[str] 
 def hexiseq_pg_options(cfgs: dict[str, dict[str, Any]]):
     """``kind -> ProcessGroupNCCL.Options`` for HexiSeq's groups: ``hexiseq_cp`` / ``hexiseq_a2a``
     entries of the NCCL YAML when present, else the ``cp`` entry (the traffic they replace)."""
+
     def options(kind: str) -> Any:
         from megatron.core.parallel_state import get_nccl_options
 
@@ -225,11 +268,19 @@ def hexiseq_pg_options(cfgs: dict[str, dict[str, Any]]):
     return options
 
 
-def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup | None,
-                  kernel: str = "auto", comm_chunks: int = 1, allow_mismatch: bool = False,
-                  source: str = "layout", timeout: timedelta | None = None,
-                  nccl_cfgs: dict[str, dict[str, Any]] | None = None,
-                  fp32_grad_wire: bool = False) -> HexiSeqRuntime:
+def build_runtime(
+    layout: Layout,
+    run: RunShape,
+    *,
+    cp_group: dist.ProcessGroup | None,
+    kernel: str = "auto",
+    comm_chunks: int = 1,
+    allow_mismatch: bool = False,
+    source: str = "layout",
+    timeout: timedelta | None = None,
+    nccl_cfgs: dict[str, dict[str, Any]] | None = None,
+    fp32_grad_wire: bool = False,
+) -> HexiSeqRuntime:
     """Check ``layout`` against the run, prove the attention kernel, build this process's groups.
 
     Collective over the default group (every process calls it once, after Megatron's
@@ -239,13 +290,17 @@ def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup 
     """
     check_run(layout, run, source=source)
     if dist.get_world_size() != run.world_size:
-        raise HexiSeqError(f"{dist.get_world_size()} processes joined but the run expects "
-                           f"{run.world_size}; check WORLD_SIZE and the launcher")
+        raise HexiSeqError(
+            f"{dist.get_world_size()} processes joined but the run expects "
+            f"{run.world_size}; check WORLD_SIZE and the launcher"
+        )
     domains = cp_domains(cp_group)
     bad = [d for d in domains if len(d) != layout.world_size]
     if bad:
-        raise HexiSeqError(f"CP group {bad[0]} has {len(bad[0])} ranks but {source} has "
-                           f"{layout.world_size}; set --context-parallel-size {layout.world_size}")
+        raise HexiSeqError(
+            f"CP group {bad[0]} has {len(bad[0])} ranks but {source} has "
+            f"{layout.world_size}; set --context-parallel-size {layout.world_size}"
+        )
     names: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(names, local_device_name())
     for problem in check_devices(layout, domains, names, allow_mismatch=allow_mismatch):
@@ -254,7 +309,9 @@ def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup 
     device = runtime_device()
     concrete, failure = None, None
     try:  # every rank proves its own device; all agree before anyone creates a group
-        concrete = check_kernel(kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64)
+        concrete = check_kernel(
+            kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64
+        )
     except HexiSeqError as e:
         failure = str(e)
     failures: list[str | None] = [None] * dist.get_world_size()
@@ -265,9 +322,19 @@ def build_runtime(layout: Layout, run: RunShape, *, cp_group: dist.ProcessGroup 
         raise HexiSeqError(f"global rank {failed[0][0]}: {failed[0][1]}{more}")
     assert concrete is not None
     nccl = dist.get_backend() == "nccl"
-    groups = build_hexiseq_groups(layout, domains=domains, device=device, timeout=timeout,
-                                  pg_options=hexiseq_pg_options(nccl_cfgs or {}) if nccl else None)
+    groups = build_hexiseq_groups(
+        layout,
+        domains=domains,
+        device=device,
+        timeout=timeout,
+        pg_options=hexiseq_pg_options(nccl_cfgs or {}) if nccl else None,
+    )
     if cp_group is not None:
         assert groups.rank == dist.get_rank(cp_group), (groups.rank, dist.get_rank(cp_group))
-    return HexiSeqRuntime(layout=layout, groups=groups, kernel=concrete, comm_chunks=comm_chunks,
-                          fp32_grad_wire=fp32_grad_wire)
+    return HexiSeqRuntime(
+        layout=layout,
+        groups=groups,
+        kernel=concrete,
+        comm_chunks=comm_chunks,
+        fp32_grad_wire=fp32_grad_wire,
+    )

@@ -6,6 +6,7 @@ and Transformer Engine specs) becomes ``ModuleSpec(HexiSeqCoreAttention, params=
 Everything else (TE linear/norm layers on GPU, MLPs, MoE) is left in place. The input spec is not
 modified (Megatron's spec helpers may share submodule objects).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,18 +27,24 @@ def hexiseq_core_attention_spec(runtime: HexiSeqRuntime) -> ModuleSpec:
     return ModuleSpec(module=HexiSeqCoreAttention, params={"runtime": runtime})
 
 
-def hexiseq_spec(spec: ModuleSpec | TransformerBlockSubmodules, runtime: HexiSeqRuntime) -> ModuleSpec | TransformerBlockSubmodules:
+def hexiseq_spec(
+    spec: ModuleSpec | TransformerBlockSubmodules, runtime: HexiSeqRuntime
+) -> ModuleSpec | TransformerBlockSubmodules:
     """Copy of ``spec`` with every ``core_attention`` replaced; raises if there is none."""
     replacement = hexiseq_core_attention_spec(runtime)
     count = [0]
     out = cast("ModuleSpec | TransformerBlockSubmodules", _swap(spec, replacement, count))
     if count[0] == 0:
-        raise HexiSeqError(f"no core_attention found in the layer spec ({type(spec).__name__}); "
-                           "HexiSeq needs a spec with self-attention")
+        raise HexiSeqError(
+            f"no core_attention found in the layer spec ({type(spec).__name__}); "
+            "HexiSeq needs a spec with self-attention"
+        )
     return out
 
 
-def count_core_attention(spec: ModuleSpec | TransformerBlockSubmodules, cls: type = HexiSeqCoreAttention) -> int:
+def count_core_attention(
+    spec: ModuleSpec | TransformerBlockSubmodules, cls: type = HexiSeqCoreAttention
+) -> int:
     """How many ``core_attention`` slots of ``spec`` build ``cls`` (a test/diagnostic helper)."""
     found = []
 

@@ -14,6 +14,7 @@ The search does not see these fields: it sees one *ladder* per communication, an
 settings from the least resources taken from the overlapped computation (level 0) to the most.
 ``SearchSpace.config_at(levels)`` turns a level vector into an ``OverlapConfig``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,29 @@ from megatron_hexiseq.errors import HexiSeqError
 
 #: Process-group names Megatron's ``initialize_model_parallel`` looks up in the NCCL YAML
 #: (``megatron/core/parallel_state.py`` at core_v0.16.1, calls of ``get_nccl_options``).
-MEGATRON_NCCL_GROUPS = ("dp", "dp_cp", "intra_dp_cp", "cp", "hcp", "mp", "tp", "pp", "embd",
-                        "pos_embd", "tp_dp_cp", "tp_dp", "tp_cp", "ep", "ep_tp", "tp_ep_mp",
-                        "tp_ep_pp", "ep_dp", "intra_ep_dp", "inter_ep_dp", "intra_dist_opt_instance")
+MEGATRON_NCCL_GROUPS = (
+    "dp",
+    "dp_cp",
+    "intra_dp_cp",
+    "cp",
+    "hcp",
+    "mp",
+    "tp",
+    "pp",
+    "embd",
+    "pos_embd",
+    "tp_dp_cp",
+    "tp_dp",
+    "tp_cp",
+    "ep",
+    "ep_tp",
+    "tp_ep_mp",
+    "tp_ep_pp",
+    "ep_dp",
+    "intra_ep_dp",
+    "inter_ep_dp",
+    "intra_dist_opt_instance",
+)
 
 #: NCCL accepts at most this many CTAs (channels) per communicator (NCCL_MAX_CTAS range).
 MAX_NCCL_CTAS = 64
@@ -45,17 +66,29 @@ class NcclGroupOptions:
 
     def __post_init__(self) -> None:
         if self.group not in MEGATRON_NCCL_GROUPS:
-            raise HexiSeqError(f"NCCL group '{self.group}' is not a Megatron process group; "
-                               f"use one of {', '.join(MEGATRON_NCCL_GROUPS)}")
+            raise HexiSeqError(
+                f"NCCL group '{self.group}' is not a Megatron process group; "
+                f"use one of {', '.join(MEGATRON_NCCL_GROUPS)}"
+            )
         for name in ("min_ctas", "max_ctas"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= MAX_NCCL_CTAS:
-                raise HexiSeqError(f"NCCL group '{self.group}': {name}={value} is outside 1..{MAX_NCCL_CTAS}")
-        if self.min_ctas is not None and self.max_ctas is not None and self.min_ctas > self.max_ctas:
-            raise HexiSeqError(f"NCCL group '{self.group}': min_ctas={self.min_ctas} > max_ctas={self.max_ctas}")
+                raise HexiSeqError(
+                    f"NCCL group '{self.group}': {name}={value} is outside 1..{MAX_NCCL_CTAS}"
+                )
+        if (
+            self.min_ctas is not None
+            and self.max_ctas is not None
+            and self.min_ctas > self.max_ctas
+        ):
+            raise HexiSeqError(
+                f"NCCL group '{self.group}': min_ctas={self.min_ctas} > max_ctas={self.max_ctas}"
+            )
         if self.cga_cluster_size is not None and not 0 <= self.cga_cluster_size <= 8:
-            raise HexiSeqError(f"NCCL group '{self.group}': cga_cluster_size={self.cga_cluster_size} "
-                               "is outside 0..8")
+            raise HexiSeqError(
+                f"NCCL group '{self.group}': cga_cluster_size={self.cga_cluster_size} "
+                "is outside 0..8"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +106,9 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size < 1:
-            raise HexiSeqError(f"bucket_size must be a positive number of parameters, got {self.bucket_size}")
+            raise HexiSeqError(
+                f"bucket_size must be a positive number of parameters, got {self.bucket_size}"
+            )
         if self.comm_chunks < 1:
             raise HexiSeqError(f"comm_chunks must be an integer >= 1, got {self.comm_chunks}")
         names = [g.group for g in self.nccl]
@@ -88,11 +123,17 @@ class OverlapConfig:
     def with_nccl(self, options: NcclGroupOptions) -> "OverlapConfig":
         """A copy with ``options`` replacing (or adding) the entry of its group."""
         rest = tuple(g for g in self.nccl if g.group != options.group)
-        return dataclasses.replace(self, nccl=tuple(sorted(rest + (options,), key=lambda g: g.group)))
+        return dataclasses.replace(
+            self, nccl=tuple(sorted(rest + (options,), key=lambda g: g.group))
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"overlap_grad_reduce": self.overlap_grad_reduce, "bucket_size": self.bucket_size,
-                "comm_chunks": self.comm_chunks, "nccl": [dataclasses.asdict(g) for g in self.nccl]}
+        return {
+            "overlap_grad_reduce": self.overlap_grad_reduce,
+            "bucket_size": self.bucket_size,
+            "comm_chunks": self.comm_chunks,
+            "nccl": [dataclasses.asdict(g) for g in self.nccl],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "OverlapConfig":
@@ -101,14 +142,24 @@ class OverlapConfig:
         if unknown:
             raise HexiSeqError(f"unknown overlap knob(s) {sorted(unknown)}; known: {sorted(known)}")
         nccl = tuple(NcclGroupOptions(**g) for g in d.get("nccl", ()))
-        return cls(overlap_grad_reduce=bool(d.get("overlap_grad_reduce", False)),
-                   bucket_size=d.get("bucket_size"), comm_chunks=int(d.get("comm_chunks", 1)), nccl=nccl)
+        return cls(
+            overlap_grad_reduce=bool(d.get("overlap_grad_reduce", False)),
+            bucket_size=d.get("bucket_size"),
+            comm_chunks=int(d.get("comm_chunks", 1)),
+            nccl=nccl,
+        )
 
     def label(self) -> str:
         """Short human label, e.g. ``overlap b=262144 chunks=2``."""
-        ddp = "no-overlap" if not self.overlap_grad_reduce else f"overlap b={self.bucket_size or 'default'}"
-        extra = "".join(f" {g.group}:ctas={g.min_ctas}-{g.max_ctas}{'!' if g.is_high_priority_stream else ''}"
-                        for g in self.nccl)
+        ddp = (
+            "no-overlap"
+            if not self.overlap_grad_reduce
+            else f"overlap b={self.bucket_size or 'default'}"
+        )
+        extra = "".join(
+            f" {g.group}:ctas={g.min_ctas}-{g.max_ctas}{'!' if g.is_high_priority_stream else ''}"
+            for g in self.nccl
+        )
         return f"{ddp} chunks={self.comm_chunks}{extra}"
 
 
@@ -140,12 +191,16 @@ class Ladder:
         kind, _, group = self.knob.partition(":")
         if kind == "ddp":
             overlap, bucket = value
-            return dataclasses.replace(config, overlap_grad_reduce=bool(overlap), bucket_size=bucket)
+            return dataclasses.replace(
+                config, overlap_grad_reduce=bool(overlap), bucket_size=bucket
+            )
         if kind == "comm_chunks":
             return dataclasses.replace(config, comm_chunks=int(value))
         old = next((g for g in config.nccl if g.group == group), NcclGroupOptions(group=group))
         if kind == "nccl_ctas":
-            return config.with_nccl(dataclasses.replace(old, min_ctas=int(value), max_ctas=int(value)))
+            return config.with_nccl(
+                dataclasses.replace(old, min_ctas=int(value), max_ctas=int(value))
+            )
         return config.with_nccl(dataclasses.replace(old, is_high_priority_stream=bool(value)))
 
 
@@ -184,11 +239,12 @@ def ddp_ladder(num_params: int, *, min_bucket_params: int = 50_000, factor: int 
     search on a plateau.
     """
     if num_params < 1 or factor < 2:
-        raise HexiSeqError(f"ddp_ladder needs num_params >= 1 and factor >= 2 (got {num_params}, {factor})")
+        raise HexiSeqError(
+            f"ddp_ladder needs num_params >= 1 and factor >= 2 (got {num_params}, {factor})"
+        )
     values: list[tuple[bool, int | None]] = [(False, None)]
     bucket = num_params // factor
     while bucket >= min_bucket_params:
         values.append((True, bucket))
         bucket //= factor
     return Ladder(name="dp_grad_reduce", knob="ddp", values=tuple(values))
-

@@ -23,6 +23,7 @@ consecutive launches with ``--hexiseq-overlap-config``; the GPU loop exposes no 
 through a seam, so online trials there see the step time only (``trial_from_exposed`` with y = 0:
 hill-climbing in Lagom's order).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,21 +47,31 @@ from megatron_hexiseq.overlap.results import TuneResult, load_result, save_resul
 COMM_CHUNKS_LADDER = (1, 2, 4, 8)
 
 
-def apply_config_to_args(config: OverlapConfig, args: argparse.Namespace, *, nccl_yaml_path: str) -> None:
+def apply_config_to_args(
+    config: OverlapConfig, args: argparse.Namespace, *, nccl_yaml_path: str
+) -> None:
     """Set Megatron's (and the plugin's) args from ``config``; write the NCCL YAML if it has groups."""
     args.overlap_grad_reduce = config.overlap_grad_reduce
     if config.bucket_size is not None:
         if not config.overlap_grad_reduce:
-            warnings.warn("overlap result sets a bucket size without overlap_grad_reduce: Megatron "
-                          "uses one bucket then, the size has no effect")
+            warnings.warn(
+                "overlap result sets a bucket size without overlap_grad_reduce: Megatron "
+                "uses one bucket then, the size has no effect"
+            )
         args.ddp_bucket_size = config.bucket_size
         if getattr(args, "ddp_num_buckets", None) is not None:  # Megatron asserts if both are set
-            warnings.warn(f"overlap result sets the bucket size ({config.bucket_size} parameters); "
-                          f"ignoring --ddp-num-buckets {args.ddp_num_buckets}")
+            warnings.warn(
+                f"overlap result sets the bucket size ({config.bucket_size} parameters); "
+                f"ignoring --ddp-num-buckets {args.ddp_num_buckets}"
+            )
             args.ddp_num_buckets = None
     args.hexiseq_comm_chunks = config.comm_chunks
-    groups = list(dict.fromkeys(list(getattr(args, "high_priority_stream_groups", None) or [])
-                                + list(config.high_priority_stream_groups)))
+    groups = list(
+        dict.fromkeys(
+            list(getattr(args, "high_priority_stream_groups", None) or [])
+            + list(config.high_priority_stream_groups)
+        )
+    )
     args.high_priority_stream_groups = groups
     if config.nccl:
         merged: dict[str, Any] = {}
@@ -87,25 +98,33 @@ def configure_from_args(args: argparse.Namespace) -> None:
     path = getattr(args, "hexiseq_overlap_config", None)
     tune = bool(getattr(args, "hexiseq_overlap_tune", False))
     if path and tune:
-        raise HexiSeqError("use either --hexiseq-overlap-tune or --hexiseq-overlap-config, not both")
+        raise HexiSeqError(
+            "use either --hexiseq-overlap-tune or --hexiseq-overlap-config, not both"
+        )
     if path:
         result = load_result(path)
         apply_config_to_args(result.config, args, nccl_yaml_path=f"{path}.nccl.yaml")
         if result.config.nccl and _groups_exist():
-            warnings.warn(f"overlap result {path}: NCCL options (min/max CTAs, high-priority streams) only "
-                          "take effect when Megatron creates its process groups, which already happened in "
-                          f"this run; pass --nccl-communicator-config-path {path}.nccl.yaml "
-                          f"--high-priority-stream-groups {' '.join(result.config.high_priority_stream_groups) or '<none>'} "
-                          "on the command line instead")
+            warnings.warn(
+                f"overlap result {path}: NCCL options (min/max CTAs, high-priority streams) only "
+                "take effect when Megatron creates its process groups, which already happened in "
+                f"this run; pass --nccl-communicator-config-path {path}.nccl.yaml "
+                f"--high-priority-stream-groups {' '.join(result.config.high_priority_stream_groups) or '<none>'} "
+                "on the command line instead"
+            )
     elif tune and not getattr(args, "hexiseq_layout", None):
-        warnings.warn("--hexiseq-overlap-tune: without HexiSeq attention (--hexiseq-layout) no overlap "
-                      "knob can change during training; tune DDP buckets offline with "
-                      "'megatron-hexiseq tune' and pass --hexiseq-overlap-config")
+        warnings.warn(
+            "--hexiseq-overlap-tune: without HexiSeq attention (--hexiseq-layout) no overlap "
+            "knob can change during training; tune DDP buckets offline with "
+            "'megatron-hexiseq tune' and pass --hexiseq-overlap-config"
+        )
 
 
 def online_tuning_wanted(args: argparse.Namespace) -> bool:
     """``--hexiseq-overlap-tune`` with a knob that can change at run time (HexiSeq's ``comm_chunks``)."""
-    return bool(getattr(args, "hexiseq_overlap_tune", False) and getattr(args, "hexiseq_layout", None))
+    return bool(
+        getattr(args, "hexiseq_overlap_tune", False) and getattr(args, "hexiseq_layout", None)
+    )
 
 
 class OnlineTuningStep:
@@ -118,10 +137,18 @@ class OnlineTuningStep:
     before the forward step runs.
     """
 
-    def __init__(self, forward_step: Callable, *, space: SearchSpace, num_microbatches: int,
-                 apply_chunks: Callable[[Any, int], Any], on_done: Callable[[TuneResult], None] | None = None,
-                 group: dist.ProcessGroup | str | None = "world", tolerance: float = 0.05,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        forward_step: Callable,
+        *,
+        space: SearchSpace,
+        num_microbatches: int,
+        apply_chunks: Callable[[Any, int], Any],
+        on_done: Callable[[TuneResult], None] | None = None,
+        group: dist.ProcessGroup | str | None = "world",
+        tolerance: float = 0.05,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.forward_step, self.num_microbatches = forward_step, num_microbatches
@@ -130,22 +157,37 @@ class OnlineTuningStep:
         self.model_chunks: int | None = None
         self.calls = 0
         self.iteration_start_s: float | None = None
-        self.tuner = OnlineTuner(space, self._choose, on_done=on_done, group=group, tolerance=tolerance)
+        self.tuner = OnlineTuner(
+            space, self._choose, on_done=on_done, group=group, tolerance=tolerance
+        )
 
     @classmethod
-    def from_args(cls, forward_step: Callable, args: argparse.Namespace, *, num_microbatches: int,
-                  apply_chunks: Callable[[Any, int], Any]) -> "OnlineTuningStep":
+    def from_args(
+        cls,
+        forward_step: Callable,
+        args: argparse.Namespace,
+        *,
+        num_microbatches: int,
+        apply_chunks: Callable[[Any, int], Any],
+    ) -> "OnlineTuningStep":
         """The wrapper for ``--hexiseq-overlap-tune``: ``comm_chunks`` over ``COMM_CHUNKS_LADDER``,
         the result saved at ``result_path(args)`` by rank 0."""
-        space = SearchSpace(ladders=(Ladder(name="hexiseq_attn", knob="comm_chunks", values=COMM_CHUNKS_LADDER),))
+        space = SearchSpace(
+            ladders=(Ladder(name="hexiseq_attn", knob="comm_chunks", values=COMM_CHUNKS_LADDER),)
+        )
         out = result_path(args)
 
         def save(result: TuneResult) -> None:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 save_result(result, out)
 
-        return cls(forward_step, space=space, num_microbatches=num_microbatches, apply_chunks=apply_chunks,
-                   on_done=save)
+        return cls(
+            forward_step,
+            space=space,
+            num_microbatches=num_microbatches,
+            apply_chunks=apply_chunks,
+            on_done=save,
+        )
 
     def _choose(self, config: OverlapConfig) -> None:
         self.comm_chunks = config.comm_chunks

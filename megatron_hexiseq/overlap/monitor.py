@@ -14,6 +14,7 @@ left alone by windows between ``rearm`` and ``threshold``, and only resets on a 
 monitor is silent until ``tuned()`` is called, skips ``cooldown`` windows, and takes a new
 baseline, so the state it re-tuned for is the new normal and cannot trigger again by itself.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -34,8 +35,10 @@ class MonitorConfig:
         if self.window < 1 or self.patience < 1 or self.cooldown < 0:
             raise HexiSeqError(f"monitor needs window >= 1, patience >= 1, cooldown >= 0: {self}")
         if not 0 <= self.rearm < self.threshold:
-            raise HexiSeqError(f"monitor needs 0 <= rearm < threshold, got rearm={self.rearm} "
-                               f"threshold={self.threshold}")
+            raise HexiSeqError(
+                f"monitor needs 0 <= rearm < threshold, got rearm={self.rearm} "
+                f"threshold={self.threshold}"
+            )
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,18 @@ class DriftMonitor:
 
     def observe(self, step_s: float, exposed_s: float) -> bool:
         if step_s <= 0 or exposed_s < 0:
-            raise ValueError(f"step time must be > 0 and exposed time >= 0, got {step_s}, {exposed_s}")
+            raise ValueError(
+                f"step time must be > 0 and exposed time >= 0, got {step_s}, {exposed_s}"
+            )
         if self.tuning:
             return False
         self._samples.append((step_s, min(exposed_s, step_s) / step_s))
         if len(self._samples) < self.config.window:
             return False
-        summary = WindowSummary(statistics.median(s for s, _ in self._samples),
-                                statistics.median(e for _, e in self._samples))
+        summary = WindowSummary(
+            statistics.median(s for s, _ in self._samples),
+            statistics.median(e for _, e in self._samples),
+        )
         self._samples.clear()
         if self._skip > 0:
             self._skip -= 1
@@ -86,8 +93,10 @@ class DriftMonitor:
     def drift(self, summary: WindowSummary) -> float:
         """Largest of the relative step-time change and the exposed-share change vs the baseline."""
         assert self.baseline is not None
-        return max(abs(summary.step_s / self.baseline.step_s - 1.0),
-                   abs(summary.exposed_share - self.baseline.exposed_share))
+        return max(
+            abs(summary.step_s / self.baseline.step_s - 1.0),
+            abs(summary.exposed_share - self.baseline.exposed_share),
+        )
 
     def tuned(self) -> None:
         """The re-tune finished: skip ``cooldown`` windows, then take a fresh baseline."""

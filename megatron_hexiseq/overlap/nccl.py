@@ -8,6 +8,7 @@ Format, as read by ``megatron.core.parallel_state.initialize_model_parallel`` (c
 ``ProcessGroupNCCL.Options``; a key left out keeps NCCL's default (Hopper: cga 4, max 32, min 1).
 ``--high-priority-stream-groups g1 g2`` sets ``is_high_priority_stream: true`` on top of the YAML.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,4 +44,3 @@ def write_nccl_yaml(config: OverlapConfig, path: str | os.PathLike) -> bool:
         return False
     write_text_atomic(path, nccl_yaml_text(config))
     return True
-

@@ -10,6 +10,7 @@ built once, see docs/overlap.md). When the search ends the best configuration is
 ``on_done(result)`` is called (it saves the result file), and a ``DriftMonitor`` watches step time
 and exposed share; when it fires the search starts again from minimal resources.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,24 +21,45 @@ import torch.distributed as dist
 from megatron_hexiseq.overlap.knobs import OverlapConfig, SearchSpace
 from megatron_hexiseq.overlap.monitor import DriftMonitor
 from megatron_hexiseq.overlap.results import TuneResult
-from megatron_hexiseq.overlap.search import (Levels, Trial, broadcast_from, max_trial_over_ranks, search_steps,
-                                             trial_from_exposed)
+from megatron_hexiseq.overlap.search import (
+    Levels,
+    Trial,
+    broadcast_from,
+    max_trial_over_ranks,
+    search_steps,
+    trial_from_exposed,
+)
 
 
 class OnlineTuner:
     """Step-driven Lagom search with agreement over ``group`` (None: a single process)."""
 
-    def __init__(self, space: SearchSpace, apply: Callable[[OverlapConfig], None], *,
-                 on_done: Callable[[TuneResult], None] | None = None, settle_steps: int = 1,
-                 steps_per_trial: int = 4, hidden_tol: float = 0.02, gallop: bool = True,
-                 tolerance: float = 0.0,
-                 monitor: DriftMonitor | None = None, group: dist.ProcessGroup | str | None = None,
-                 src: int = 0) -> None:
+    def __init__(
+        self,
+        space: SearchSpace,
+        apply: Callable[[OverlapConfig], None],
+        *,
+        on_done: Callable[[TuneResult], None] | None = None,
+        settle_steps: int = 1,
+        steps_per_trial: int = 4,
+        hidden_tol: float = 0.02,
+        gallop: bool = True,
+        tolerance: float = 0.0,
+        monitor: DriftMonitor | None = None,
+        group: dist.ProcessGroup | str | None = None,
+        src: int = 0,
+    ) -> None:
         if steps_per_trial < 1 or settle_steps < 0:
-            raise ValueError(f"steps_per_trial must be >= 1 and settle_steps >= 0, got "
-                             f"{steps_per_trial}, {settle_steps}")
+            raise ValueError(
+                f"steps_per_trial must be >= 1 and settle_steps >= 0, got "
+                f"{steps_per_trial}, {settle_steps}"
+            )
         self.space, self.apply, self.on_done = space, apply, on_done
-        self.settle_steps, self.steps_per_trial, self.hidden_tol = settle_steps, steps_per_trial, hidden_tol
+        self.settle_steps, self.steps_per_trial, self.hidden_tol = (
+            settle_steps,
+            steps_per_trial,
+            hidden_tol,
+        )
         self.gallop, self.tolerance, self._group, self.src = gallop, tolerance, group, src
         self.monitor = monitor or DriftMonitor()
         self.results: list[TuneResult] = []
@@ -68,8 +90,11 @@ class OnlineTuner:
         return broadcast_from(levels, dist.get_global_rank(self.group, self.src), self.group)
 
     def _start(self) -> None:
-        self._gen = (search_steps(self.space.num_levels, gallop=self.gallop, tolerance=self.tolerance)
-                     if self._leader() else None)
+        self._gen = (
+            search_steps(self.space.num_levels, gallop=self.gallop, tolerance=self.tolerance)
+            if self._leader()
+            else None
+        )
         self._set(self._agree(next(self._gen) if self._gen is not None else None))
 
     def _set(self, levels: Levels | None) -> None:
@@ -109,10 +134,18 @@ class OnlineTuner:
         if nxt is not None:
             self._set(nxt)
             return
-        result = result if self.group is None else broadcast_from(result, dist.get_global_rank(self.group, self.src), self.group)
+        result = (
+            result
+            if self.group is None
+            else broadcast_from(result, dist.get_global_rank(self.group, self.src), self.group)
+        )
         assert result is not None
-        tuned = TuneResult.from_search(self.space, result, tuned_z_us=result.trial.z_us,
-                                       setup={"mode": "online", "start_z_us": result.history[0].trial.z_us})
+        tuned = TuneResult.from_search(
+            self.space,
+            result,
+            tuned_z_us=result.trial.z_us,
+            setup={"mode": "online", "start_z_us": result.history[0].trial.z_us},
+        )
         self.results.append(tuned)
         self._set(None)
         self.apply(tuned.config)

@@ -9,6 +9,7 @@ JSON, written atomically, with a format version. ``--hexiseq-overlap-config PATH
                  "communication": null, "decision": "start"}, ...],
      "num_trials": 5, "default_z_us": .., "tuned_z_us": .., "setup": {...}}
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,13 @@ class TuneResult:
 
     @classmethod
     def from_search(cls, space: SearchSpace, result: SearchResult, **kw: Any) -> "TuneResult":
-        return cls(config=space.config_at(result.levels), levels=result.levels, ladders=space.ladders,
-                   trials=result.history, **kw)
+        return cls(
+            config=space.config_at(result.levels),
+            levels=result.levels,
+            ladders=space.ladders,
+            trials=result.history,
+            **kw,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         space = SearchSpace(ladders=self.ladders) if self.ladders else None
@@ -50,12 +56,22 @@ class TuneResult:
             "format_version": FORMAT_VERSION,
             "config": self.config.to_dict(),
             "levels": list(self.levels),
-            "ladders": [{"name": l.name, "knob": l.knob, "values": [_jsonable(v) for v in l.values]}
-                        for l in self.ladders],
-            "trials": [{"levels": list(s.levels),
-                        "config": space.config_at(s.levels).to_dict() if space else None,
-                        "y_us": s.trial.y_us, "x_us": list(s.trial.x_us), "z_us": s.trial.z_us,
-                        "communication": s.communication, "decision": s.decision} for s in self.trials],
+            "ladders": [
+                {"name": l.name, "knob": l.knob, "values": [_jsonable(v) for v in l.values]}
+                for l in self.ladders
+            ],
+            "trials": [
+                {
+                    "levels": list(s.levels),
+                    "config": space.config_at(s.levels).to_dict() if space else None,
+                    "y_us": s.trial.y_us,
+                    "x_us": list(s.trial.x_us),
+                    "z_us": s.trial.z_us,
+                    "communication": s.communication,
+                    "decision": s.decision,
+                }
+                for s in self.trials
+            ],
             "num_trials": self.num_trials,
             "default_z_us": self.default_z_us,
             "tuned_z_us": self.tuned_z_us,
@@ -65,27 +81,49 @@ class TuneResult:
     @classmethod
     def from_dict(cls, d: Any, where: str = "overlap result") -> "TuneResult":
         if not isinstance(d, dict) or "config" not in d:
-            raise HexiSeqError(f"{where} is not an overlap tuning result (no 'config'); "
-                               "write one with 'megatron-hexiseq tune'")
+            raise HexiSeqError(
+                f"{where} is not an overlap tuning result (no 'config'); "
+                "write one with 'megatron-hexiseq tune'"
+            )
         if d.get("format_version") != FORMAT_VERSION:
-            raise HexiSeqError(f"{where} has format_version {short(d.get('format_version'))}; this version "
-                               f"reads {FORMAT_VERSION}: re-run 'megatron-hexiseq tune'")
+            raise HexiSeqError(
+                f"{where} has format_version {short(d.get('format_version'))}; this version "
+                f"reads {FORMAT_VERSION}: re-run 'megatron-hexiseq tune'"
+            )
         try:
-            ladders = tuple(Ladder(name=l["name"], knob=l["knob"], values=tuple(_tuple(v) for v in l["values"]))
-                            for l in d.get("ladders", ()))
-            trials = tuple(Step(levels=tuple(t["levels"]),
-                                trial=Trial(y_us=float(t["y_us"]), x_us=tuple(float(x) for x in t["x_us"]),
-                                            z_us=float(t["z_us"])),
-                                communication=t["communication"], decision=t["decision"])
-                           for t in d.get("trials", ()))
-            return cls(config=OverlapConfig.from_dict(d["config"]), levels=tuple(d.get("levels", ())),
-                       ladders=ladders, trials=trials, default_z_us=d.get("default_z_us"),
-                       tuned_z_us=d.get("tuned_z_us"), setup=dict(d.get("setup", {})))
+            ladders = tuple(
+                Ladder(name=l["name"], knob=l["knob"], values=tuple(_tuple(v) for v in l["values"]))
+                for l in d.get("ladders", ())
+            )
+            trials = tuple(
+                Step(
+                    levels=tuple(t["levels"]),
+                    trial=Trial(
+                        y_us=float(t["y_us"]),
+                        x_us=tuple(float(x) for x in t["x_us"]),
+                        z_us=float(t["z_us"]),
+                    ),
+                    communication=t["communication"],
+                    decision=t["decision"],
+                )
+                for t in d.get("trials", ())
+            )
+            return cls(
+                config=OverlapConfig.from_dict(d["config"]),
+                levels=tuple(d.get("levels", ())),
+                ladders=ladders,
+                trials=trials,
+                default_z_us=d.get("default_z_us"),
+                tuned_z_us=d.get("tuned_z_us"),
+                setup=dict(d.get("setup", {})),
+            )
         except HexiSeqError as e:
             raise HexiSeqError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise HexiSeqError(f"{where} is malformed ({type(e).__name__}: {short(str(e))}); "
-                               "re-run 'megatron-hexiseq tune'") from None
+            raise HexiSeqError(
+                f"{where} is malformed ({type(e).__name__}: {short(str(e))}); "
+                "re-run 'megatron-hexiseq tune'"
+            ) from None
 
 
 def save_result(result: TuneResult, path: str | os.PathLike) -> None:

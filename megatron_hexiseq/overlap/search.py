@@ -30,6 +30,7 @@ Every call of ``measure`` is one trial; ``SearchResult.history`` records them in
 ``distributed_priority_search`` runs the same logic on rank ``src`` of an explicit process group
 and broadcasts every decision, so all ranks try the same configurations in the same order.
 """
+
 from __future__ import annotations
 
 import math
@@ -91,8 +92,9 @@ def h_metric(before: Trial, after: Trial, j: int) -> float:
     return (after.y_us - before.y_us) / saved_us if saved_us > 0 else math.inf
 
 
-def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: float = 0.0
-                 ) -> Generator[Levels, Trial, SearchResult]:
+def search_steps(
+    num_levels: Sequence[int], *, gallop: bool = False, tolerance: float = 0.0
+) -> Generator[Levels, Trial, SearchResult]:
     """The search as a coroutine: yields level vectors to try, receives their ``Trial``.
 
     Drive it with ``send``; its return value (``StopIteration.value``) is the ``SearchResult``.
@@ -125,12 +127,14 @@ def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: 
         if levels[j] >= top:
             done[j] = True
             continue
-        candidate = levels[:j] + (min(levels[j] + step[j], top),) + levels[j + 1:]
+        candidate = levels[:j] + (min(levels[j] + step[j], top),) + levels[j + 1 :]
         trial = yield candidate
         _check(trial, n)
         slower = trial.x_us[j] >= current.x_us[j] * (1.0 + tolerance)
         if slower or trial.z_us >= current.z_us * (1.0 + tolerance):
-            history.append(Step(candidate, trial, j, "reject-slower" if slower else "reject-no-gain"))
+            history.append(
+                Step(candidate, trial, j, "reject-slower" if slower else "reject-no-gain")
+            )
             if candidate[j] - levels[j] > 1:
                 step[j] = 1  # overshot while galloping: retry one level up from the accepted level
             else:
@@ -149,8 +153,13 @@ def search_steps(num_levels: Sequence[int], *, gallop: bool = False, tolerance: 
     return SearchResult(levels=best[0], trial=best[1], history=tuple(history))
 
 
-def priority_search(num_levels: Sequence[int], measure: Callable[[Levels], Trial], *,
-                    gallop: bool = False, tolerance: float = 0.0) -> SearchResult:
+def priority_search(
+    num_levels: Sequence[int],
+    measure: Callable[[Levels], Trial],
+    *,
+    gallop: bool = False,
+    tolerance: float = 0.0,
+) -> SearchResult:
     """Run the search to the end in this process, calling ``measure(levels)`` once per trial."""
     gen = search_steps(num_levels, gallop=gallop, tolerance=tolerance)
     levels = next(gen)
@@ -161,8 +170,9 @@ def priority_search(num_levels: Sequence[int], measure: Callable[[Levels], Trial
             return stop.value
 
 
-def trial_from_exposed(y_us: float, exposed_us: Sequence[float], z_us: float, *,
-                       hidden_tol: float = 0.02) -> Trial:
+def trial_from_exposed(
+    y_us: float, exposed_us: Sequence[float], z_us: float, *, hidden_tol: float = 0.02
+) -> Trial:
     """A ``Trial`` from what a runtime can observe: computation, exposed wait per communication, step.
 
     Only the exposed part of an overlapped communication is visible (gloo, or a timer around the
@@ -195,9 +205,15 @@ def broadcast_from(obj: object, src_global: int, group: dist.ProcessGroup) -> ob
     return box[0]
 
 
-def distributed_priority_search(num_levels: Sequence[int], measure: Callable[[Levels], Trial], *,
-                                group: dist.ProcessGroup, src: int = 0,
-                                gallop: bool = False, tolerance: float = 0.0) -> SearchResult:
+def distributed_priority_search(
+    num_levels: Sequence[int],
+    measure: Callable[[Levels], Trial],
+    *,
+    group: dist.ProcessGroup,
+    src: int = 0,
+    gallop: bool = False,
+    tolerance: float = 0.0,
+) -> SearchResult:
     """The search with every rank of ``group`` agreeing on every trial.
 
     Each trial: rank ``src`` (a rank of ``group``) broadcasts the levels to try, every rank calls

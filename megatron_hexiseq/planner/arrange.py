@@ -20,6 +20,7 @@ feasible A is a bisection, L a branch-and-bound search, as in ``stage2_split``. 
 gives is a lower bound over every split of these groups in this arrangement (prefix blocks split
 evenly among their groups).
 """
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,9 @@ def _class_keys(g: GroupCoef) -> tuple[float, float]:
     return max(g.c) * per_rank, max(g.b) * per_rank
 
 
-def arrangements(coefs: Sequence[GroupCoef], shares: Sequence[float] | None = None) -> list[Arrangement]:
+def arrangements(
+    coefs: Sequence[GroupCoef], shares: Sequence[float] | None = None
+) -> list[Arrangement]:
     """The arrangements Stage I tries for a grouping (``coefs``: one per group; identical groups
     share one object). Classes of identical groups are ordered slow-to-fast by two keys — K/V cost
     per visible unit first, attention cost first — and each order gives prefixes of its slowest m
@@ -97,17 +100,27 @@ def arrangements(coefs: Sequence[GroupCoef], shares: Sequence[float] | None = No
     C = len(first)
 
     def final(cs: Sequence[GroupCoef]) -> tuple[int, ...]:
-        return tuple(i for c in sorted(cs, key=lambda c: (keys[c][0], first.index(c))) for i in classes[c])
+        return tuple(
+            i for c in sorted(cs, key=lambda c: (keys[c][0], first.index(c))) for i in classes[c]
+        )
 
     out = [Arrangement(prefix=(), final=final(first))]
     seen: set[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]] = {((), out[0].final)}
-    ms = set(range(1, C)) if shares is None else ({1, C - 1} | {round(s * C) for s in shares}) & set(range(1, C))
-    for name, key in (("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
-                      ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c)))):
+    ms = (
+        set(range(1, C))
+        if shares is None
+        else ({1, C - 1} | {round(s * C) for s in shares}) & set(range(1, C))
+    )
+    for name, key in (
+        ("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
+        ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c))),
+    ):
         slow_first = sorted(first, key=key)
         for m in sorted(ms):
             prefix = tuple(tuple(classes[c]) for c in slow_first[:m])
-            arr = Arrangement(prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{m}of{C}")
+            arr = Arrangement(
+                prefix=prefix, final=final(slow_first[m:]), name=f"prefix-{name}-{m}of{C}"
+            )
             if (arr.prefix, arr.final) not in seen:
                 seen.add((arr.prefix, arr.final))
                 out.append(arr)
@@ -167,8 +180,9 @@ def with_fan_out(coefs: Sequence[GroupCoef], arr: Arrangement) -> list[GroupCoef
     return out
 
 
-def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int], reverse: bool = False
-                ) -> list[list[int]]:
+def ring_blocks(
+    coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int], reverse: bool = False
+) -> list[list[int]]:
     """The arrangement's blocks for ``build_layout``, the final block's groups ordered by the ratio
     of their K/V transfer to their attention per received unit, ``c / (b T)`` (``reverse``: the other
     way round). In a mirrored block the outermost group's last query is the block's end, so it
@@ -181,25 +195,33 @@ def ring_blocks(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[in
     def key(g: int) -> tuple[float, int]:
         c = coefs[g]
         return (max(c.c) / max(1, max(c.b) * units[g]), where[g])
+
     final = sorted(arr.final, key=key)
     return [list(b) for b in arr.prefix] + [final[::-1] if reverse else final]
 
 
 @lru_cache(maxsize=4096)
-def _fan_weights(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple[tuple[tuple[float, ...], ...],
-                                                                          dict[int, tuple[float, ...]]]:
+def _fan_weights(
+    coefs: tuple[GroupCoef, ...], arr: Arrangement
+) -> tuple[tuple[tuple[float, ...], ...], dict[int, tuple[float, ...]]]:
     """The linear weights of ``_extras`` (per prefix block over the earlier blocks' sizes, per final
     group over the prefix blocks' sizes), computed once per (groups, arrangement)."""
     heads = [coefs[b[0]] for b in arr.prefix]
-    block_w = tuple(tuple(kappa(heads[i], heads[j]) * len(arr.prefix[j]) for j in range(i))
-                    for i in range(len(heads)))
+    block_w = tuple(
+        tuple(kappa(heads[i], heads[j]) * len(arr.prefix[j]) for j in range(i))
+        for i in range(len(heads))
+    )
     fin = _final_kappa(coefs, arr)
-    final_w = {g: tuple((kappa(coefs[g], h) / fin[g] - 1) * len(b) for h, b in zip(heads, arr.prefix))
-               for g in arr.final}
+    final_w = {
+        g: tuple((kappa(coefs[g], h) / fin[g] - 1) * len(b) for h, b in zip(heads, arr.prefix))
+        for g in arr.final
+    }
     return block_w, final_w
 
 
-def _extras(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: Sequence[int]) -> tuple[list[int], dict[int, int]]:
+def _extras(
+    coefs: Sequence[GroupCoef], arr: Arrangement, sizes: Sequence[int]
+) -> tuple[list[int], dict[int, int]]:
     """Fan-out in visible units: per prefix block ``V_b - P_b`` (its visible units from the earlier
     blocks, each counted ``kappa`` times, less its start), per final group ``kv_extra`` (the prefix
     blocks' units counted ``kappa / kappa_final`` times instead of once; ``c`` is scaled by
@@ -212,7 +234,9 @@ def _extras(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: Sequence[int]) 
     return block_extra, {g: round(sum(x * s for x, s in zip(w, sizes))) for g, w in final_w.items()}
 
 
-def positioned(coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int]) -> list[GroupCoef]:
+def positioned(
+    coefs: Sequence[GroupCoef], arr: Arrangement, units: Sequence[int]
+) -> list[GroupCoef]:
     """Each group's coefficients at the place ``arr`` and ``units`` give it (``GroupCoef.start``,
     ``end``, ``band``, ``kv_extra``)."""
     N = coefs[0].num_units
@@ -241,14 +265,21 @@ def _block_time(g: GroupCoef, k: int, P: int, V: float, T: int, lin: float) -> f
     a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
     t = T / n
     hmax = -(-H // n)
-    if T < n or t * mt + H / n * T * mh > free or mt + hmax * T * mh > free or (a > 0 and t * a > lin):
+    if (
+        T < n
+        or t * mt + H / n * T * mh > free
+        or mt + hmax * T * mh > free
+        or (a > 0 and t * a > lin)
+    ):
         return INF
     att = b * T * (2 * P + k * T) // g.num_units
     beta = max(att, (round(V) + (k - 1) * T) * c) + T * e
     return max(s * t + H * beta / n, s + hmax * beta)
 
 
-def _block_max(g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, room: int) -> int | None:
+def _block_max(
+    g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, room: int
+) -> int | None:
     """Most units per group (all k groups equal) of a prefix block starting at P that sees V units
     before it (fan-out counted), within attention bound z, at most ``room`` units for the block;
     None when not even each group's minimum fits."""
@@ -257,9 +288,11 @@ def _block_max(g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, roo
     if tmax < n:
         return None
     if len(g.rows) != 1:  # members differ: bisection on the positioned group's own time
+
         def ok(T: int) -> bool:
             q = P + k * T
             return group_time(g.placed(P, 0 if q >= N else q, k == 1, round(V) - P), T, lin) <= z
+
         if not ok(n):
             return None
         lo, hi = n, tmax
@@ -305,7 +338,9 @@ def _prepared(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple:
     block_w, final_w = _fan_weights(coefs, arr)
     final_min = sum(coefs[g].min_units() for g in arr.final)
     prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
-    count: dict[tuple[GroupCoef, tuple[float, ...]], int] = {}  # final groups by (coefficients, fan-out)
+    count: dict[
+        tuple[GroupCoef, tuple[float, ...]], int
+    ] = {}  # final groups by (coefficients, fan-out)
     for g in arr.final:
         key = (coefs[g], final_w[g])
         count[key] = count.get(key, 0) + 1
@@ -314,9 +349,15 @@ def _prepared(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple:
     return block_w, final_min, prefix_min, count, keys, heads
 
 
-def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, lin: float, exact: bool = True,
-              prep: tuple | None = None
-              ) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
+def _feasible(
+    coefs: Sequence[GroupCoef],
+    arr: Arrangement,
+    N: int,
+    z: float,
+    lin: float,
+    exact: bool = True,
+    prep: tuple | None = None,
+) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
     """Per prefix block its units per group, the final block's start and its groups' positioned
     coefficients and unit ranges, or None when the arrangement cannot hold N within z.
 
@@ -329,7 +370,9 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
     split) tries a few shorter prefixes instead of the bisection. ``prep``: ``_prepared(tuple(coefs),
     arr)`` when the caller has it.
     """
-    block_w, final_min, prefix_min, count, keys, heads = prep if prep is not None else _prepared(tuple(coefs), arr)
+    block_w, final_min, prefix_min, count, keys, heads = (
+        prep if prep is not None else _prepared(tuple(coefs), arr)
+    )
     sizes: list[int] = []
     P = 0
     for i, (g, k) in enumerate(heads):
@@ -340,7 +383,9 @@ def _feasible(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, z: float, li
         sizes.append(T)
         P += T * k
 
-    def state(P_target: int) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
+    def state(
+        P_target: int,
+    ) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
         sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
         p = sum(T * len(block) for T, block in zip(sz, arr.prefix))
         out = {}
@@ -403,8 +448,14 @@ def _shrink(coefs: Sequence[GroupCoef], arr: Arrangement, sizes: list[int], cut:
     return sizes
 
 
-def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, tol: float,
-              bracket: tuple[float, float] | None = None) -> tuple[Split, list[GroupCoef]] | None:
+def _split_at(
+    coefs: Sequence[GroupCoef],
+    arr: Arrangement,
+    N: int,
+    lin: float,
+    tol: float,
+    bracket: tuple[float, float] | None = None,
+) -> tuple[Split, list[GroupCoef]] | None:
     """The arranged split for a fixed linear bound (see the module docstring); ``bracket`` as in
     ``stage2_split.split_at``."""
     exact = tol <= A_TOL
@@ -413,7 +464,9 @@ def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, 
         lo, hi = bracket
     else:
         share = max(1, N // len(coefs))
-        even = [group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)]
+        even = [
+            group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)
+        ]
         lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
     at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep)
     while at_hi is None:
@@ -443,13 +496,21 @@ def _split_at(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, lin: float, 
     placed = positioned(coefs, arr, units)
     pairs = set(zip(placed, units))
     att = max(group_time(c, u, lin) for c, u in pairs)
-    lin_used = lin if math.isfinite(lin) else max(linear_phase(c, u, group_time(c, u)) for c, u in pairs)
-    return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att,
-                 lin_ns=lin_used, att_ns=hi), placed
+    lin_used = (
+        lin if math.isfinite(lin) else max(linear_phase(c, u, group_time(c, u)) for c, u in pairs)
+    )
+    return Split(
+        units=tuple(units),
+        z_relaxed_ns=lin_used + hi,
+        z_rounded_ns=lin_used + att,
+        lin_ns=lin_used,
+        att_ns=hi,
+    ), placed
 
 
-def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_lin: bool = True
-                   ) -> tuple[Split, list[GroupCoef]] | None:
+def split_arranged(
+    coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_lin: bool = True
+) -> tuple[Split, list[GroupCoef]] | None:
     """Stage II for an arrangement with a prefix: units per group and each group's positioned
     coefficients; ``Split.bound_ns`` bounds every split of these groups in this arrangement
     (``search_lin``; 0 for the coarse search)."""
@@ -457,14 +518,18 @@ def split_arranged(coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_
     free = _split_at(coefs, arr, N, INF, tol)
     if free is None:
         return None
-    if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
+    if (
+        not search_lin
+    ):  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
         return free
     lo, hi = lin_floor(coefs, N), free[0].lin_ns
     cache: dict[float, tuple[Split, list[GroupCoef]] | None] = {INF: free}
 
     def at(L: float) -> tuple[Split, list[GroupCoef]] | None:
         if L not in cache:
-            cache[L] = _split_at(coefs, arr, N, L, tol, _bracket({x: s and s[0] for x, s in cache.items()}, L))
+            cache[L] = _split_at(
+                coefs, arr, N, L, tol, _bracket({x: s and s[0] for x, s in cache.items()}, L)
+            )
         return cache[L]
 
     def f(L: float) -> float:

@@ -33,6 +33,7 @@ flags that run it (``megatron``).
 Every baseline is a valid Layout; ``evaluate_baselines`` scores each with ``costmodel.estimate``
 and returns records ``{name, config, iteration_time_s, tokens_per_s[, reason]}``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -77,13 +78,24 @@ def symmetric_layout(cluster: Cluster, model: ModelSpec, seq_length: int, hp: in
     for g, t in zip(groups, group_tokens):
         for r, n, h in zip(g, split_evenly(t, hp), split_evenly(H, hp)):
             rank_tokens[r], rank_heads[r] = n, h
-    return build_layout(seq_length=seq_length, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                        groups=groups, rank_tokens=rank_tokens, rank_heads=rank_heads, hosts=hosts, gpus=gpus)
+    return build_layout(
+        seq_length=seq_length,
+        num_attention_heads=H,
+        num_query_groups=model.num_query_groups,
+        groups=groups,
+        rank_tokens=rank_tokens,
+        rank_heads=rank_heads,
+        hosts=hosts,
+        gpus=gpus,
+    )
 
 
 def _spans_nodes(cluster: Cluster, hp: int) -> bool:
-    return any(not cluster.same_node(start, r) for start in range(0, cluster.world_size, hp)
-               for r in range(start, start + hp))
+    return any(
+        not cluster.same_node(start, r)
+        for start in range(0, cluster.world_size, hp)
+        for r in range(start, start + hp)
+    )
 
 
 def head_parallel_sizes(world: int, heads: int) -> list[int]:
@@ -102,28 +114,47 @@ def baseline_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> lis
 
     short = f"seq_length {seq_length} < {W} ranks" if seq_length < W else ""
     ring_cfg = {"hp": 1, "cp": W, "segments": "zigzag-2xcp", "megatron": "--cp-comm-type p2p"}
-    out = [Baseline("ring", ring_cfg, None, short) if short else Baseline("ring", ring_cfg, build(1))]
-    ulysses_cfg: dict[str, Any] = {"hp": W, "cp": 1, "kv_replication": max(1, W // G),
-                                   "megatron": "--cp-comm-type a2a" if G % W == 0 else None}
+    out = [
+        Baseline("ring", ring_cfg, None, short) if short else Baseline("ring", ring_cfg, build(1))
+    ]
+    ulysses_cfg: dict[str, Any] = {
+        "hp": W,
+        "cp": 1,
+        "kv_replication": max(1, W // G),
+        "megatron": "--cp-comm-type a2a" if G % W == 0 else None,
+    }
     if short:
         out.append(Baseline("ulysses", ulysses_cfg, None, short))
     elif H % W:
-        out.append(Baseline("ulysses", ulysses_cfg, None, f"{H} heads do not divide over {W} ranks"))
+        out.append(
+            Baseline("ulysses", ulysses_cfg, None, f"{H} heads do not divide over {W} ranks")
+        )
     else:
         out.append(Baseline("ulysses", ulysses_cfg, build(W)))
     if short:
         return out
     for hp in head_parallel_sizes(W, H):
         cp = W // hp
-        cfg = {"hp": hp, "cp": cp, "kv_replication": max(1, hp // G), "spans_nodes": _spans_nodes(canon, hp),
-               "megatron": (f"--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {hp} {cp}"
-                            if G % hp == 0 else None)}
+        cfg = {
+            "hp": hp,
+            "cp": cp,
+            "kv_replication": max(1, hp // G),
+            "spans_nodes": _spans_nodes(canon, hp),
+            "megatron": (
+                f"--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {hp} {cp}"
+                if G % hp == 0
+                else None
+            ),
+        }
         out.append(Baseline("usp", cfg, build(hp)))
     return out
 
 
-def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Estimate]]],
-                       fits: Sequence[Callable[[Layout], bool]] | None = None) -> list[dict[str, Any]]:
+def evaluate_baselines(
+    baselines: list[Baseline],
+    scores: Sequence[tuple[dict[str, Any], Callable[[Layout], Estimate]]],
+    fits: Sequence[Callable[[Layout], bool]] | None = None,
+) -> list[dict[str, Any]]:
     """Score each baseline in the first memory mode where it fits (``scores``: (mode, score) pairs in
     order of modelled overhead, e.g. distributed optimizer before fsdp before recompute; a baseline's
     first feasible mode is its best). ``fits[i]``: a cheap necessary condition of fitting in mode i
@@ -132,7 +163,12 @@ def evaluate_baselines(baselines: list[Baseline], scores: Sequence[tuple[dict[st
     """
     records = []
     for b in baselines:
-        rec: dict[str, Any] = {"name": b.name, "config": dict(b.config), "iteration_time_s": None, "tokens_per_s": None}
+        rec: dict[str, Any] = {
+            "name": b.name,
+            "config": dict(b.config),
+            "iteration_time_s": None,
+            "tokens_per_s": None,
+        }
         if b.layout is None:
             rec["reason"] = b.reason
             records.append(rec)
@@ -162,8 +198,9 @@ def best_baseline(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(feasible, key=lambda r: r["iteration_time_s"]) if feasible else None
 
 
-def best_symmetric(cluster: Cluster, model: ModelSpec, seq_length: int, options: Sequence[TrainOptions]
-                   ) -> tuple[Baseline, dict[str, Any]] | None:
+def best_symmetric(
+    cluster: Cluster, model: ModelSpec, seq_length: int, options: Sequence[TrainOptions]
+) -> tuple[Baseline, dict[str, Any]] | None:
     """The best symmetric baseline as ``plan`` picks it: every baseline scored in the first of
     ``options`` (memory modes in order of overhead) where it fits, the fastest record wins (ties: first
     listed). Returns (baseline, its record) or None when none fits."""
@@ -172,7 +209,9 @@ def best_symmetric(cluster: Cluster, model: ModelSpec, seq_length: int, options:
     def scorer(o: TrainOptions) -> Callable[[Layout], Estimate]:
         return lambda layout: costmodel.estimate(layout, cluster, model, o)
 
-    records = evaluate_baselines(baselines, [
-        ({"memory_mode": o.memory_mode, "recompute": o.recompute}, scorer(o)) for o in options])
+    records = evaluate_baselines(
+        baselines,
+        [({"memory_mode": o.memory_mode, "recompute": o.recompute}, scorer(o)) for o in options],
+    )
     best = best_baseline(records)
     return None if best is None else next((b, r) for b, r in zip(baselines, records) if r is best)

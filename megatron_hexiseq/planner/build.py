@@ -12,6 +12,7 @@ n tokens there has ``n (P + Q + 1) / 2`` causal pairs. Inside a group, the group
 order (at most two segments per rank). Heads go to member ranks as consecutive index ranges in rank
 order, which keeps GQA ranks on as few K/V heads as possible.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,7 +22,9 @@ from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.layout import Layout, Segment, make_layout
 
 
-def mirrored_group_chunks(seq_length: int, group_tokens: Sequence[int]) -> list[tuple[Segment, Segment]]:
+def mirrored_group_chunks(
+    seq_length: int, group_tokens: Sequence[int]
+) -> list[tuple[Segment, Segment]]:
     """Per group: (head chunk, tail chunk) as [start, end) pairs; empty chunks have start == end.
 
     ``group_tokens`` must sum to ``seq_length``.
@@ -38,7 +41,9 @@ def mirrored_group_chunks(seq_length: int, group_tokens: Sequence[int]) -> list[
     return out
 
 
-def split_group_sequence(chunks: tuple[Segment, Segment], rank_tokens: Sequence[int]) -> list[list[Segment]]:
+def split_group_sequence(
+    chunks: tuple[Segment, Segment], rank_tokens: Sequence[int]
+) -> list[list[Segment]]:
     """Consecutive pieces of ``head ++ tail`` of sizes ``rank_tokens`` -> segments per rank."""
     pieces: list[Segment] = [c for c in chunks if c[1] > c[0]]
     # merge when the head chunk touches the tail chunk (the innermost group)
@@ -108,13 +113,23 @@ def build_layout(
     heads: list[list[int]] = [[] for _ in range(world)]
     for i in order:
         members = sorted(groups[i])
-        for r, segs in zip(members, split_group_sequence(chunks[i], [rank_tokens[r] for r in members])):
+        for r, segs in zip(
+            members, split_group_sequence(chunks[i], [rank_tokens[r] for r in members])
+        ):
             segments[r] = segs
         for r, hs in zip(members, head_ranges([rank_heads[r] for r in members])):
             heads[r] = hs
-    return make_layout(seq_length=seq_length, num_attention_heads=num_attention_heads,
-                       num_query_groups=num_query_groups, groups=[sorted(groups[i]) for i in order],
-                       segments=segments, heads=heads, hosts=hosts, gpus=gpus, **extra)
+    return make_layout(
+        seq_length=seq_length,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        groups=[sorted(groups[i]) for i in order],
+        segments=segments,
+        heads=heads,
+        hosts=hosts,
+        gpus=gpus,
+        **extra,
+    )
 
 
 def hosts_and_gpus(cluster: Cluster) -> tuple[list[str], list[str]]:
@@ -125,10 +140,16 @@ def hosts_and_gpus(cluster: Cluster) -> tuple[list[str], list[str]]:
 def with_fields(layout: Layout, **fields: Any) -> Layout:
     """A copy of ``layout`` with its non-structural fields (predicted, baselines, planner, meta) replaced."""
     kw: dict[str, Any] = dict(
-        seq_length=layout.seq_length, num_attention_heads=layout.num_attention_heads,
-        num_query_groups=layout.num_query_groups, world_size=layout.world_size,
-        groups=layout.groups, ranks=layout.ranks, predicted=layout.predicted,
-        baselines=layout.baselines, planner=layout.planner, meta=layout.meta,
+        seq_length=layout.seq_length,
+        num_attention_heads=layout.num_attention_heads,
+        num_query_groups=layout.num_query_groups,
+        world_size=layout.world_size,
+        groups=layout.groups,
+        ranks=layout.ranks,
+        predicted=layout.predicted,
+        baselines=layout.baselines,
+        planner=layout.planner,
+        meta=layout.meta,
     )
     kw.update(fields)
     return Layout(**kw)

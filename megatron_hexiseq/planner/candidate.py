@@ -1,5 +1,6 @@
 """A candidate layout: what every candidate family (baselines, heuristics, hierarchical stages,
 exact reference) hands to the final choice, scored by ``costmodel.estimate``."""
+
 from __future__ import annotations
 
 import time

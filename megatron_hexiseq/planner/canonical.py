@@ -7,6 +7,7 @@ nodes of one type sit next to each other (symmetric head-parallel groups that sp
 nodes of one type) and the same set of nodes in any file order gives the same canonical cluster.
 ``to_original`` maps a layout planned on the canonical cluster back to the file's rank numbering.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,8 +18,16 @@ from megatron_hexiseq.layout import Group, Layout, RankPlan
 
 def _node_key(node: Node, first_device: int, cluster: Cluster) -> tuple:
     d = cluster.devices[first_device]
-    return (-d.flops_per_s, -d.attention_flops_per_s, -node.network_GBps, -node.nvlink_GBps, -node.memory_gib,
-            d.gpu.name, -node.count, node.name)
+    return (
+        -d.flops_per_s,
+        -d.attention_flops_per_s,
+        -node.network_GBps,
+        -node.nvlink_GBps,
+        -node.memory_gib,
+        d.gpu.name,
+        -node.count,
+        node.name,
+    )
 
 
 def canonical_order(cluster: Cluster) -> list[int]:
@@ -27,7 +36,9 @@ def canonical_order(cluster: Cluster) -> list[int]:
     for node in cluster.nodes:
         starts.append(k)
         k += node.count
-    nodes = sorted(range(len(cluster.nodes)), key=lambda i: _node_key(cluster.nodes[i], starts[i], cluster))
+    nodes = sorted(
+        range(len(cluster.nodes)), key=lambda i: _node_key(cluster.nodes[i], starts[i], cluster)
+    )
     return [starts[i] + j for i in nodes for j in range(cluster.nodes[i].count)]
 
 
@@ -52,10 +63,32 @@ def to_original(layout: Layout, order: list[int]) -> Layout:
     heads move with their rank."""
     if order == list(range(layout.world_size)):
         return layout
-    ranks = sorted((RankPlan(rank=order[r.rank], host=r.host, gpu=r.gpu, group=r.group, segments=r.segments,
-                             heads=r.heads) for r in layout.ranks), key=lambda r: r.rank)
-    groups = tuple(Group(id=g.id, ranks=tuple(sorted(order[r] for r in g.ranks))) for g in layout.groups)
-    return Layout(seq_length=layout.seq_length, num_attention_heads=layout.num_attention_heads,
-                  num_query_groups=layout.num_query_groups, world_size=layout.world_size, groups=groups,
-                  ranks=tuple(ranks), predicted=layout.predicted, baselines=layout.baselines,
-                  planner=layout.planner, meta=layout.meta)
+    ranks = sorted(
+        (
+            RankPlan(
+                rank=order[r.rank],
+                host=r.host,
+                gpu=r.gpu,
+                group=r.group,
+                segments=r.segments,
+                heads=r.heads,
+            )
+            for r in layout.ranks
+        ),
+        key=lambda r: r.rank,
+    )
+    groups = tuple(
+        Group(id=g.id, ranks=tuple(sorted(order[r] for r in g.ranks))) for g in layout.groups
+    )
+    return Layout(
+        seq_length=layout.seq_length,
+        num_attention_heads=layout.num_attention_heads,
+        num_query_groups=layout.num_query_groups,
+        world_size=layout.world_size,
+        groups=groups,
+        ranks=tuple(ranks),
+        predicted=layout.predicted,
+        baselines=layout.baselines,
+        planner=layout.planner,
+        meta=layout.meta,
+    )

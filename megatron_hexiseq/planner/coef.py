@@ -28,12 +28,15 @@ A *band* is a block holding one group (``band=True``): its block is ``[P, P + T)
 Fan-out (``kv_extra``, and ``c`` scaled for the final block: ``planner.arrange.fan_out``): a holder
 of K/V heads serves every receiver that needs them, so K/V from a smaller group counts more.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 INF = float("inf")
-MIN_UNITS_PER_RANK = 1  # every rank owns >= 1 token unit: Megatron cannot run an empty sequence shard
+MIN_UNITS_PER_RANK = (
+    1  # every rank owns >= 1 token unit: Megatron cannot run an empty sequence shard
+)
 
 
 @dataclass(frozen=True)
@@ -59,31 +62,79 @@ class GroupCoef:
     start: int = 0
     end: int = 0
     band: bool = False
-    kv_extra: int = 0  # units added to visible(T): the fan-out of smaller sending groups (planner.arrange)
+    kv_extra: int = (
+        0  # units added to visible(T): the fan-out of smaller sending groups (planner.arrange)
+    )
     # derived once in __post_init__ (the planner's innermost loops read them): hash, member classes,
     # per-class rows and memory caps
     _hash: int = field(init=False, repr=False, compare=False)
     classes: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
-    rows: tuple[tuple[int, int, int, int, int, int, int, int, int, int], ...] = field(init=False, repr=False,
-                                                                                   compare=False)
+    rows: tuple[tuple[int, int, int, int, int, int, int, int, int, int], ...] = field(
+        init=False, repr=False, compare=False
+    )
     cap: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "_hash", hash((self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads,
-                                  self.num_units, self.s, self.start, self.end, self.band, self.kv_extra)))
+        set_(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.a,
+                    self.b,
+                    self.c,
+                    self.e,
+                    self.free,
+                    self.mt,
+                    self.mh,
+                    self.heads,
+                    self.num_units,
+                    self.s,
+                    self.start,
+                    self.end,
+                    self.band,
+                    self.kv_extra,
+                )
+            ),
+        )
         # members with identical coefficients, grouped (they behave identically in the continuous model)
         groups: dict[tuple, list[int]] = {}
         for i in range(len(self.a)):
-            key = (self.a[i], self.s_(i), self.b[i], self.c[i], self.e[i], self.free[i], self.mt[i], self.mh[i])
+            key = (
+                self.a[i],
+                self.s_(i),
+                self.b[i],
+                self.c[i],
+                self.e[i],
+                self.free[i],
+                self.mt[i],
+                self.mh[i],
+            )
             groups.setdefault(key, []).append(i)
         set_(self, "classes", tuple(tuple(v) for v in groups.values()))
         # units that fit with no heads
         set_(self, "cap", tuple(f // m if m else 1 << 40 for f, m in zip(self.free, self.mt)))
         # per class of identical members: (count, a, s, b, c, e, free, mt, mh, cap) of its first member
-        set_(self, "rows", tuple((len(m), self.a[m[0]], self.s_(m[0]), self.b[m[0]], self.c[m[0]], self.e[m[0]],
-                                  self.free[m[0]], self.mt[m[0]], self.mh[m[0]], self.cap[m[0]])
-                                 for m in self.classes))
+        set_(
+            self,
+            "rows",
+            tuple(
+                (
+                    len(m),
+                    self.a[m[0]],
+                    self.s_(m[0]),
+                    self.b[m[0]],
+                    self.c[m[0]],
+                    self.e[m[0]],
+                    self.free[m[0]],
+                    self.mt[m[0]],
+                    self.mh[m[0]],
+                    self.cap[m[0]],
+                )
+                for m in self.classes
+            ),
+        )
 
     def __hash__(self) -> int:  # hashed on every cache lookup: computed once
         return self._hash
@@ -100,8 +151,28 @@ class GroupCoef:
         set_(new, "end", end)
         set_(new, "band", band)
         set_(new, "kv_extra", kv_extra)
-        set_(new, "_hash", hash((self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads,
-                                 self.num_units, self.s, start, end, band, kv_extra)))
+        set_(
+            new,
+            "_hash",
+            hash(
+                (
+                    self.a,
+                    self.b,
+                    self.c,
+                    self.e,
+                    self.free,
+                    self.mt,
+                    self.mh,
+                    self.heads,
+                    self.num_units,
+                    self.s,
+                    start,
+                    end,
+                    band,
+                    kv_extra,
+                )
+            ),
+        )
         return new
 
     def s_(self, i: int) -> int:

@@ -11,6 +11,7 @@ estimate; for each surviving grouping one joint CP-SAT model over (T, t, h) is s
 The result is the proven optimum of the surrogate over all decisions up to the enumerated set
 (reported as ``bound``); ``bench/optimality_gap.py`` compares the hierarchical planner against it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,7 +34,9 @@ from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calib
 from megatron_hexiseq.run_config import TrainOptions
 
 MAX_EXACT_GPUS = 16
-JOINT_DETERMINISTIC_TIME = 20.0  # CP-SAT limit of one grouping's joint model (deterministic seconds)
+JOINT_DETERMINISTIC_TIME = (
+    20.0  # CP-SAT limit of one grouping's joint model (deterministic seconds)
+)
 
 
 def partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
@@ -54,7 +57,7 @@ def all_groupings(cluster: Cluster) -> list[Grouping]:
         for ranks, parts in zip(blocks, choice):
             start = 0
             for p in parts:
-                groups.append(tuple(ranks[start:start + p]))
+                groups.append(tuple(ranks[start : start + p]))
                 start += p
         out.append(tuple(groups))
     if len(blocks) > 1:
@@ -62,18 +65,34 @@ def all_groupings(cluster: Cluster) -> list[Grouping]:
     return out
 
 
-def solve_joint(sur: Surrogate, grouping: Grouping, upper_ns: int | None = None,
-                node_of: list[str] | None = None) -> tuple[str, int, int, list[int], list[int]] | None:
+def solve_joint(
+    sur: Surrogate,
+    grouping: Grouping,
+    upper_ns: int | None = None,
+    node_of: list[str] | None = None,
+) -> tuple[str, int, int, list[int], list[int]] | None:
     """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping. Returns (status, z, bound, t, h) in units."""
     N, H = sur.num_units, sur.heads
     # the same surrogate as the hierarchical planner's mirrored arrangement, K/V fan-out included
-    coefs = with_fan_out([group_coef(sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1)
-                          for g in grouping], mirrored(len(grouping)))
-    if sum(len(g) for g in grouping) * MIN_UNITS_PER_RANK > N or any(min(co.cap) < MIN_UNITS_PER_RANK for co in coefs):
+    coefs = with_fan_out(
+        [
+            group_coef(
+                sur, g, len(grouping), node_of is not None and len({node_of[r] for r in g}) > 1
+            )
+            for g in grouping
+        ],
+        mirrored(len(grouping)),
+    )
+    if sum(len(g) for g in grouping) * MIN_UNITS_PER_RANK > N or any(
+        min(co.cap) < MIN_UNITS_PER_RANK for co in coefs
+    ):
         return None  # fewer units than ranks, or some rank cannot hold one unit
     model = cp_model.CpModel()
     # a group holds at least one unit per member
-    T = {g: model.new_int_var(len(grouping[g]) * MIN_UNITS_PER_RANK, N, f"T_{g}") for g in range(len(grouping))}
+    T = {
+        g: model.new_int_var(len(grouping[g]) * MIN_UNITS_PER_RANK, N, f"T_{g}")
+        for g in range(len(grouping))
+    }
     horizon = upper_ns if upper_ns is not None else 10**15
     # the phase maxima over every rank (bulk-synchronous phases, as ``estimate``); objective zl + za
     zl = model.new_int_var(0, horizon, "zl")
@@ -97,7 +116,7 @@ def solve_joint(sur: Surrogate, grouping: Grouping, upper_ns: int | None = None,
             model.add(t[r] * co.a[k] <= zl)
             model.add(t[r] * co.s_(k) + att + w * co.e[k] <= za)
         model.add(sum(t[r] for r in members) == T[gi])  # a group's tokens are its members'
-        model.add(sum(h[r] for r in members) == H)      # each group holds every head
+        model.add(sum(h[r] for r in members) == H)  # each group holds every head
     # symmetry: identical members of a group hold non-increasing tokens
     for members, co in zip(grouping, coefs):
         for k in range(len(members) - 1):
@@ -123,17 +142,24 @@ def solve_joint(sur: Surrogate, grouping: Grouping, upper_ns: int | None = None,
         assert status != cp_model.MODEL_INVALID, model.validate()
         return None  # INFEASIBLE (memory) or UNKNOWN (no solution in time)
     W = len(t)
-    return ("OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE", int(solver.objective_value),
-            int(solver.best_objective_bound), [solver.value(t[r]) for r in range(W)], [solver.value(h[r]) for r in range(W)])
+    return (
+        "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
+        int(solver.objective_value),
+        int(solver.best_objective_bound),
+        [solver.value(t[r]) for r in range(W)],
+        [solver.value(h[r]) for r in range(W)],
+    )
 
 
 def _same(co: GroupCoef, i: int, j: int) -> bool:
-    return co.s_(i) == co.s_(j) and all(getattr(co, f)[i] == getattr(co, f)[j]
-                                        for f in ("a", "b", "c", "e", "free", "mt", "mh"))
+    return co.s_(i) == co.s_(j) and all(
+        getattr(co, f)[i] == getattr(co, f)[j] for f in ("a", "b", "c", "e", "free", "mt", "mh")
+    )
 
 
-def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef]
-                        ) -> tuple[list[int], dict[int, int], dict[int, int]] | None:
+def _hierarchical_point(
+    sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef]
+) -> tuple[list[int], dict[int, int], dict[int, int]] | None:
     split = split_sequence(coefs, sur.num_units)
     if split is None:
         return None
@@ -147,8 +173,9 @@ def _hierarchical_point(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoe
     return list(split.units), th, hh
 
 
-def exact_surrogate(cluster: Cluster, sur: Surrogate, *, deadline: Deadline | None = None
-                    ) -> tuple[Grouping, str, int, int, list[int], list[int]] | None:
+def exact_surrogate(
+    cluster: Cluster, sur: Surrogate, *, deadline: Deadline | None = None
+) -> tuple[Grouping, str, int, int, list[int], list[int]] | None:
     """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None.
     Once ``deadline`` has passed, no further grouping is solved (the first always is)."""
     scored = []
@@ -171,8 +198,15 @@ def exact_surrogate(cluster: Cluster, sur: Surrogate, *, deadline: Deadline | No
     return best
 
 
-def exact_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions,
-                     score: Callable[[Layout], Estimate], *, deadline: Deadline | None = None) -> list[Candidate]:
+def exact_candidates(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    options: TrainOptions,
+    score: Callable[[Layout], Estimate],
+    *,
+    deadline: Deadline | None = None,
+) -> list[Candidate]:
     """The exact optimum as a planner candidate."""
     assert cluster.world_size <= MAX_EXACT_GPUS, "exact reference is for <= 16 GPUs"
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
@@ -182,10 +216,24 @@ def exact_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, option
         return []
     grouping, status, z, bound, t, h = best
     hosts, gpus = hosts_and_gpus(cluster)
-    layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
-                          num_query_groups=model.num_query_groups, groups=[list(g) for g in grouping],
-                          rank_tokens=[x * sur.unit for x in t], rank_heads=h, hosts=hosts, gpus=gpus)
-    info = {"status": status, "surrogate_time_s": z * 1e-9, "surrogate_bound_s": bound * 1e-9,
-            "surrogate_gap": (z - bound) / z if z else 0.0, "group_sizes": [len(g) for g in grouping],
-            "granularity_tokens": sur.unit, "k_lin": k_lin, "k_att": k_att}
+    layout = build_layout(
+        seq_length=seq_length,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        groups=[list(g) for g in grouping],
+        rank_tokens=[x * sur.unit for x in t],
+        rank_heads=h,
+        hosts=hosts,
+        gpus=gpus,
+    )
+    info = {
+        "status": status,
+        "surrogate_time_s": z * 1e-9,
+        "surrogate_bound_s": bound * 1e-9,
+        "surrogate_gap": (z - bound) / z if z else 0.0,
+        "group_sizes": [len(g) for g in grouping],
+        "granularity_tokens": sur.unit,
+        "k_lin": k_lin,
+        "k_att": k_att,
+    }
     return [Candidate(layout, score(layout), info)]

@@ -6,6 +6,7 @@ factors (estimated / surrogate time) that scale the surrogate's coefficients, so
 leaves out (K/V fan-out between groups of different sizes, causal visibility, the A2A as a collective)
 steer the next round; ``surrogate_times`` gives the surrogate's side of the ratio.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,7 +27,9 @@ def lower_free(sur: Surrogate, over: dict[int, int]) -> Surrogate:
     for r, extra in over.items():
         d = sur.devices[r]
         worst[d] = max(worst.get(d, 0), extra + d.mem_tok_bytes)
-    return sur.with_free([max(0, d.free_bytes - worst[d]) if d in worst else d.free_bytes for d in sur.devices])
+    return sur.with_free(
+        [max(0, d.free_bytes - worst[d]) if d in worst else d.free_bytes for d in sur.devices]
+    )
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,13 @@ class SurrogateTimes:
     kv_exposed: list[float]
 
 
-def surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef],
-                    tokens: Sequence[int], heads: Sequence[int]) -> SurrogateTimes:
+def surrogate_times(
+    sur: Surrogate,
+    grouping: Grouping,
+    coefs: list[GroupCoef],
+    tokens: Sequence[int],
+    heads: Sequence[int],
+) -> SurrogateTimes:
     """Surrogate seconds per rank of a solved grouping (``tokens`` per rank), with its K/V ring term apart."""
     W = len(tokens)
     total, kv, exposed = [0.0] * W, [0.0] * W, [0.0] * W
@@ -51,14 +59,17 @@ def surrogate_times(sur: Surrogate, grouping: Grouping, coefs: list[GroupCoef],
         T = sum(tokens[r] for r in members) // sur.unit
         ring = co.visible(T)
         for k, r in enumerate(members):
-            total[r] = (tokens[r] // sur.unit * (co.a[k] + co.s_(k)) + heads[r] * co.beta(k, T)) * 1e-9
+            total[r] = (
+                tokens[r] // sur.unit * (co.a[k] + co.s_(k)) + heads[r] * co.beta(k, T)
+            ) * 1e-9
             kv[r] = heads[r] * ring * co.c[k] * 1e-9
             exposed[r] = heads[r] * max(0, ring * co.c[k] - co.att(k, T)) * 1e-9
     return SurrogateTimes(total, kv, exposed)
 
 
-def feedback_factors(sur: Surrogate, layout: Layout, est: Estimate, st: SurrogateTimes,
-                     separate_kv: bool = True) -> tuple[list[float], list[float]]:
+def feedback_factors(
+    sur: Surrogate, layout: Layout, est: Estimate, st: SurrogateTimes, separate_kv: bool = True
+) -> tuple[list[float], list[float]]:
     """Time feedback: per-rank factors for (every other time coefficient, the K/V ring coefficient c_r).
 
     ``separate_kv=False``: one factor for all of a rank's coefficients, ``estimate``'s time over the
@@ -79,8 +90,14 @@ def feedback_factors(sur: Surrogate, layout: Layout, est: Estimate, st: Surrogat
             raw_kv.append(None)
             continue
         rest = s - s_exp
-        raw.append(min(4.0, max(0.25, (p.time_s - p.breakdown["kv_exposed_s"]) / rest)) if rest > 0 else 1.0)
-        raw_kv.append(min(4.0, max(0.25, p.breakdown["kv_exchange_s"] / s_kv)) if s_kv > 0 else None)
+        raw.append(
+            min(4.0, max(0.25, (p.time_s - p.breakdown["kv_exposed_s"]) / rest))
+            if rest > 0
+            else 1.0
+        )
+        raw_kv.append(
+            min(4.0, max(0.25, p.breakdown["kv_exchange_s"] / s_kv)) if s_kv > 0 else None
+        )
     classes: dict[tuple, list[int]] = {}
     for r, (dev, _) in enumerate(zip(sur.devices, layout.ranks)):
         classes.setdefault((dev, len(layout.group_of(r).ranks)), []).append(r)

@@ -15,6 +15,7 @@ the plan is never worse than any of them, and they show what the solver adds.
 
 Every heuristic is built on the canonical cluster (``planner.canonical``) like the baselines.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -37,13 +38,19 @@ def _largest_remainder(weights: Sequence[float], total: int, low: Sequence[int])
     shares = [rest * x / w for x in weights]
     out = [lo + int(s) for lo, s in zip(low, shares)]
     order = sorted(range(len(out)), key=lambda i: (-(shares[i] - int(shares[i])), i))
-    for i in order[:total - sum(out)]:
+    for i in order[: total - sum(out)]:
         out[i] += 1
     return out
 
 
-def _build(cluster: Cluster, model: ModelSpec, seq_length: int, groups: list[list[int]], group_tokens: list[int],
-           blocks: list[list[int]] | None = None) -> Layout:
+def _build(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    groups: list[list[int]],
+    group_tokens: list[int],
+    blocks: list[list[int]] | None = None,
+) -> Layout:
     """Even tokens and heads inside every group; the groups' tokens and blocks as given."""
     W, H = cluster.world_size, model.num_attention_heads
     rank_tokens, rank_heads = [0] * W, [0] * W
@@ -51,9 +58,17 @@ def _build(cluster: Cluster, model: ModelSpec, seq_length: int, groups: list[lis
         for r, n, h in zip(g, split_evenly(t, len(g)), split_evenly(H, len(g))):
             rank_tokens[r], rank_heads[r] = n, h
     hosts, gpus = hosts_and_gpus(cluster)
-    return build_layout(seq_length=seq_length, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                        groups=groups, rank_tokens=rank_tokens, rank_heads=rank_heads, hosts=hosts, gpus=gpus,
-                        blocks=blocks)
+    return build_layout(
+        seq_length=seq_length,
+        num_attention_heads=H,
+        num_query_groups=model.num_query_groups,
+        groups=groups,
+        rank_tokens=rank_tokens,
+        rank_heads=rank_heads,
+        hosts=hosts,
+        gpus=gpus,
+        blocks=blocks,
+    )
 
 
 def proportional(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -> Layout:
@@ -65,13 +80,15 @@ def proportional(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -
     return _build(cluster, model, seq_length, groups, tokens)
 
 
-def drop_slowest(cluster: Cluster, model: ModelSpec, seq_length: int, types: int, hp: int) -> Layout:
+def drop_slowest(
+    cluster: Cluster, model: ModelSpec, seq_length: int, types: int, hp: int
+) -> Layout:
     """The ``types`` slowest GPU types hold one token per rank at the start; USP(hp) on the rest."""
     speed = sorted({(d.flops_per_s, d.network_GBps, d.gpu.name) for d in cluster.devices})
     slow = {name for _, _, name in speed[:types]}
     dropped = [b for b in node_blocks(cluster) if cluster.devices[b[0]].gpu.name in slow]
     kept = [r for r in range(cluster.world_size) if cluster.devices[r].gpu.name not in slow]
-    usp = [kept[i:i + hp] for i in range(0, len(kept), hp)]
+    usp = [kept[i : i + hp] for i in range(0, len(kept), hp)]
     rest = seq_length - sum(len(b) for b in dropped)
     groups = [list(b) for b in dropped] + usp
     tokens = [len(b) for b in dropped] + split_evenly(rest, len(usp))
@@ -90,18 +107,36 @@ def heuristic_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> li
         return out
     sizes = sorted({node} | {hp for hp in head_parallel_sizes(W, H) if hp > node})
     for hp in sizes:
-        out.append(Baseline("proportional", {"hp": hp, "spans_nodes": hp > node},
-                            to_original(proportional(canon, model, seq_length, hp), order)))
+        out.append(
+            Baseline(
+                "proportional",
+                {"hp": hp, "spans_nodes": hp > node},
+                to_original(proportional(canon, model, seq_length, hp), order),
+            )
+        )
     types = sorted({(d.flops_per_s, d.network_GBps, d.gpu.name) for d in canon.devices})
     for k in range(1, len(types)):
         slow = {name for _, _, name in types[:k]}
         kept = sum(d.gpu.name not in slow for d in canon.devices)
-        hps = [hp for hp in head_parallel_sizes(kept, H) + ([kept] if H % kept == 0 else []) if hp >= node]
+        hps = [
+            hp
+            for hp in head_parallel_sizes(kept, H) + ([kept] if H % kept == 0 else [])
+            if hp >= node
+        ]
         for hp in sorted(hps, reverse=True)[:DROP_HP_TRIED]:
             cfg = {"k": k, "hp": hp, "dropped_types": sorted(slow)}
             if seq_length - (W - kept) < kept:
-                out.append(Baseline("drop-slowest+usp", cfg, None, "the kept ranks have fewer tokens than ranks"))
+                out.append(
+                    Baseline(
+                        "drop-slowest+usp", cfg, None, "the kept ranks have fewer tokens than ranks"
+                    )
+                )
                 continue
-            out.append(Baseline("drop-slowest+usp", cfg,
-                                to_original(drop_slowest(canon, model, seq_length, k, hp), order)))
+            out.append(
+                Baseline(
+                    "drop-slowest+usp",
+                    cfg,
+                    to_original(drop_slowest(canon, model, seq_length, k, hp), order),
+                )
+            )
     return out

@@ -5,6 +5,7 @@
 makes the final choice among them, the baselines and the heuristics. The surrogate
 (``planner.surrogate``) is how the stages search; ``estimate`` is the judge.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,12 @@ from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.arrange import ring_blocks
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline
-from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, lower_free, surrogate_times
+from megatron_hexiseq.planner.feedback import (
+    SurrogateTimes,
+    feedback_factors,
+    lower_free,
+    surrogate_times,
+)
 from megatron_hexiseq.planner.stage1_groups import Scored, candidate_groupings, score_arranged
 from megatron_hexiseq.planner.stage3_refine import floors, integer_split, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
@@ -61,17 +67,35 @@ def solve_grouping(sur: Surrogate, scored: Scored) -> tuple[list[int], list[int]
     # minimum; integer units per group, tokens and heads per member continuous): no integer split of
     # them is faster in the surrogate
     lower = min(math.floor(split.bound_ns), z_ns)
-    return tokens, heads, {"status": status, "group_statuses": statuses, "stage2_units": units,
-                           "surrogate_time_s": z_ns * 1e-9,
-                           "surrogate_bound_s": lower * 1e-9,
-                           "surrogate_gap": (z_ns - lower) / z_ns if z_ns else 0.0}
+    return (
+        tokens,
+        heads,
+        {
+            "status": status,
+            "group_statuses": statuses,
+            "stage2_units": units,
+            "surrogate_time_s": z_ns * 1e-9,
+            "surrogate_bound_s": lower * 1e-9,
+            "surrogate_gap": (z_ns - lower) / z_ns if z_ns else 0.0,
+        },
+    )
 
 
-def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions,
-                       score: Callable[[Layout], Estimate],
-                       *, deadline: Deadline | None = None, method: str = "hierarchical", top_k: int = 3,
-                       feedback_rounds: int = 2, feedback_schemes: Sequence[str] = FEEDBACK_SCHEMES,
-                       progress: Callable[[str], None] | None = None, arranged: bool = True) -> list[Candidate]:
+def planner_candidates(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    options: TrainOptions,
+    score: Callable[[Layout], Estimate],
+    *,
+    deadline: Deadline | None = None,
+    method: str = "hierarchical",
+    top_k: int = 3,
+    feedback_rounds: int = 2,
+    feedback_schemes: Sequence[str] = FEEDBACK_SCHEMES,
+    progress: Callable[[str], None] | None = None,
+    arranged: bool = True,
+) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
 
     Round 0 solves the ``top_k`` groupings of Stage I; time-feedback rounds re-split the
@@ -99,27 +123,47 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
 
     ring_order: dict[tuple, bool] = {}  # (grouping, arrangement) -> final block reversed
 
-    def build_scored(scored: Scored, tokens: list[int], heads: list[int]) -> tuple[Layout, Estimate]:
+    def build_scored(
+        scored: Scored, tokens: list[int], heads: list[int]
+    ) -> tuple[Layout, Estimate]:
         """The layout of a solved grouping; the first time a (grouping, arrangement) is built, in both
         orders of its final block (``arrange.ring_blocks``), the faster kept for the later rounds."""
         units = [sum(tokens[r] for r in g) for g in scored.grouping]
         key = (scored.grouping, scored.arrangement)
         distinct = len({scored.coefs[g] for g in scored.arrangement.final})
-        tries = [ring_order[key]] if key in ring_order else ([False, True] if distinct > 1 else [False])
+        tries = (
+            [ring_order[key]] if key in ring_order else ([False, True] if distinct > 1 else [False])
+        )
         best = None
         for reverse in tries:
-            layout = build_layout(seq_length=seq_length, num_attention_heads=model.num_attention_heads,
-                                  num_query_groups=model.num_query_groups, groups=[list(g) for g in scored.grouping],
-                                  rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus,
-                                  blocks=ring_blocks(scored.coefs, scored.arrangement, units, reverse))
+            layout = build_layout(
+                seq_length=seq_length,
+                num_attention_heads=model.num_attention_heads,
+                num_query_groups=model.num_query_groups,
+                groups=[list(g) for g in scored.grouping],
+                rank_tokens=tokens,
+                rank_heads=heads,
+                hosts=hosts,
+                gpus=gpus,
+                blocks=ring_blocks(scored.coefs, scored.arrangement, units, reverse),
+            )
             est = score(layout)
-            if best is None or (est.feasible, -est.iteration_time_s) > (best[1].feasible, -best[1].iteration_time_s):
+            if best is None or (est.feasible, -est.iteration_time_s) > (
+                best[1].feasible,
+                -best[1].iteration_time_s,
+            ):
                 best, ring_order[key] = (layout, est), reverse
         assert best is not None
         return best
 
-    def rounds(sur: Surrogate, groupings: list[Scored], round_: int, memory_rounds: int, feedback_left: int,
-               scheme: str | None) -> tuple | None:
+    def rounds(
+        sur: Surrogate,
+        groupings: list[Scored],
+        round_: int,
+        memory_rounds: int,
+        feedback_left: int,
+        scheme: str | None,
+    ) -> tuple | None:
         """Rounds from ``round_`` on; ``scheme=None`` stops at the first time feedback and returns the
         state to fork from: (surrogate, groupings, best candidate, its SurrogateTimes, next round,
         memory rounds, feedback rounds left)."""
@@ -128,12 +172,23 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                 say(f"time limit reached before round {round_}")
                 return None
             if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
-                groupings = candidate_groupings(cluster, sur, top_k=top_k, fixed_size="node" if method == "node" else None,
-                                                arranged=arranged)
+                groupings = candidate_groupings(
+                    cluster,
+                    sur,
+                    top_k=top_k,
+                    fixed_size="node" if method == "node" else None,
+                    arranged=arranged,
+                )
                 say(f"stage I: {len(groupings)} groupings (round {round_})")
             else:
-                say(f"feedback {scheme} round {round_}" if scheme else f"memory feedback round {round_}")
-                rescored = [score_arranged(sur, s.grouping, s.arrangement, node_of) for s in groupings]
+                say(
+                    f"feedback {scheme} round {round_}"
+                    if scheme
+                    else f"memory feedback round {round_}"
+                )
+                rescored = [
+                    score_arranged(sur, s.grouping, s.arrangement, node_of) for s in groupings
+                ]
                 groupings = [s for s in rescored if s is not None]
             over: dict[int, int] = {}
             new: list[tuple[Candidate, SurrogateTimes]] = []
@@ -144,17 +199,29 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
                 if info["status"] == "INFEASIBLE":
                     continue
                 layout, est = build_scored(scored, tokens, heads)
-                info.update(group_sizes=[len(g) for g in grouping], stage2_continuous_units=list(scored.split.units),
-                            stage2_relaxed_s=scored.split.z_relaxed_ns * 1e-9, round=round_, feedback=scheme,
-                            arrangement=scored.arrangement.name, granularity_tokens=sur.unit, k_lin=k_lin, k_att=k_att)
+                info.update(
+                    group_sizes=[len(g) for g in grouping],
+                    stage2_continuous_units=list(scored.split.units),
+                    stage2_relaxed_s=scored.split.z_relaxed_ns * 1e-9,
+                    round=round_,
+                    feedback=scheme,
+                    arrangement=scored.arrangement.name,
+                    granularity_tokens=sur.unit,
+                    k_lin=k_lin,
+                    k_att=k_att,
+                )
                 cand = Candidate(layout, est, info)
                 out.append(cand)
-                new.append((cand, surrogate_times(sur, grouping, list(scored.coefs), tokens, heads)))
+                new.append(
+                    (cand, surrogate_times(sur, grouping, list(scored.coefs), tokens, heads))
+                )
                 solved[(scored.grouping, scored.arrangement.name)] = new[-1]
                 if not est.feasible:
                     for pr in est.per_rank:
                         if pr.memory_bytes > pr.capacity_bytes:
-                            over[pr.rank] = max(over.get(pr.rank, 0), pr.memory_bytes - pr.capacity_bytes)
+                            over[pr.rank] = max(
+                                over.get(pr.rank, 0), pr.memory_bytes - pr.capacity_bytes
+                            )
             round_ += 1
             feasible = [(c, st) for c, st in new if c.estimate.feasible]
             if not feasible:
@@ -172,13 +239,20 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
             # feedback rounds refine the groupings that did best by the cost model; one that was faster
             # but over memory stays in, with the memory feedback applied
             by_time = sorted(new, key=lambda x: x[0].estimate.iteration_time_s)
-            keep = [(c.info["group_sizes"], c.info["arrangement"]) for c, _ in by_time[:FEEDBACK_GROUPINGS]]
-            groupings = [s for s in groupings if ([len(g) for g in s.grouping], s.arrangement.name) in keep] or groupings
+            keep = [
+                (c.info["group_sizes"], c.info["arrangement"])
+                for c, _ in by_time[:FEEDBACK_GROUPINGS]
+            ]
+            groupings = [
+                s for s in groupings if ([len(g) for g in s.grouping], s.arrangement.name) in keep
+            ] or groupings
             if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
                 sur = lower_free(sur, over)
             if scheme is None:
                 return sur, groupings, best, st, round_, memory_rounds, feedback_left, solved
-            sur = sur.scaled(*feedback_factors(sur, best.layout, best.estimate, st, separate_kv=scheme == "kv"))
+            sur = sur.scaled(
+                *feedback_factors(sur, best.layout, best.estimate, st, separate_kv=scheme == "kv")
+            )
         return None
 
     fork = rounds(sur0, [], 0, 0, feedback_rounds, None)
@@ -193,8 +267,11 @@ def planner_candidates(cluster: Cluster, model: ModelSpec, seq_length: int, opti
             own = solved.get((scored.grouping, scored.arrangement.name))
             source, source_st = own if own is not None and own[0].estimate.feasible else (best, st)
             for scheme in feedback_schemes:
-                fed = sur.scaled(*feedback_factors(sur, source.layout, source.estimate, source_st,
-                                                   separate_kv=scheme == "kv"))
+                fed = sur.scaled(
+                    *feedback_factors(
+                        sur, source.layout, source.estimate, source_st, separate_kv=scheme == "kv"
+                    )
+                )
                 tracks.setdefault(fed, (scored, scheme))
         for fed, (scored, scheme) in tracks.items():
             rounds(fed, [scored], round_, memory_rounds, left, scheme)

@@ -1,18 +1,25 @@
 """Stage II's 1-D search over the linear-phase bound L: minimise ``f(L) = L + A(L)`` with ``A``
 non-increasing, by bisection to the first feasible L and branch and bound (see ``best_lin``)."""
+
 from __future__ import annotations
 
 import heapq
 import math
 from collections.abc import Callable
 
-LIN_TOL = 1e-3   # the linear-phase search stops once its best point is proven within 0.1%
+LIN_TOL = 1e-3  # the linear-phase search stops once its best point is proven within 0.1%
 FIRST_TOL = 1e-3  # the bisection to the first feasible linear bound: to 0.1%
-LIN_EVALS = 24   # at most this many evaluations of f per search (full search)
+LIN_EVALS = 24  # at most this many evaluations of f per search (full search)
 
 
-def best_lin(f: Callable[[float], float], lo: float, hi: float, ok: Callable[[float], bool] | None = None,
-             max_evals: int = LIN_EVALS, tol: float = LIN_TOL) -> tuple[float, float]:
+def best_lin(
+    f: Callable[[float], float],
+    lo: float,
+    hi: float,
+    ok: Callable[[float], bool] | None = None,
+    max_evals: int = LIN_EVALS,
+    tol: float = LIN_TOL,
+) -> tuple[float, float]:
     """(argmin, lower bound) of ``f(L) = L + A(L)`` over [lo, hi] where ``A`` is non-increasing (a
     larger linear bound never raises the attention bound) and f is infinite below the first feasible
     L (``ok(L)`` false). Deterministic.

@@ -16,6 +16,7 @@ some baseline or heuristic fits, and also in the mode of the best baseline or he
 one is faster. The chosen mode is in ``meta.options`` (``run_config.options_record``) with the
 Megatron flags it maps to.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,31 +42,52 @@ from megatron_hexiseq.run_config import TrainOptions, mode_label, options_record
 
 METHODS = ("hierarchical", "node", "exact")
 DEFAULT_TIME_LIMIT_S = 120.0
-GAP_MEANING = ("bound: a lower bound, in the planner's surrogate model, of every split of tokens and heads among "
-               "the planner's chosen groups in their chosen arrangement (every group keeps at least one token unit "
-               "per rank); gap = (surrogate time of the planner's layout - bound) / surrogate time. It says how much "
-               "rounding to whole tokens and heads cost; it bounds neither other groupings nor the cost model's time")
+GAP_MEANING = (
+    "bound: a lower bound, in the planner's surrogate model, of every split of tokens and heads among "
+    "the planner's chosen groups in their chosen arrangement (every group keeps at least one token unit "
+    "per rank); gap = (surrogate time of the planner's layout - bound) / surrogate time. It says how much "
+    "rounding to whole tokens and heads cost; it bounds neither other groupings nor the cost model's time"
+)
 Progress = Callable[[str], None]
 
 
 def _check_args(cluster: Cluster, seq_length: int, time_limit_s: float, method: str) -> None:
     if method not in METHODS:
         raise HexiSeqError(f"unknown planner method {method!r}; use one of {', '.join(METHODS)}")
-    if not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool) \
-            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
-        raise HexiSeqError(f"the time limit must be a positive number of seconds, got {time_limit_s!r}")
+    if (
+        not isinstance(time_limit_s, (int, float))
+        or isinstance(time_limit_s, bool)
+        or not math.isfinite(time_limit_s)
+        or time_limit_s <= 0
+    ):
+        raise HexiSeqError(
+            f"the time limit must be a positive number of seconds, got {time_limit_s!r}"
+        )
     if method == "exact" and cluster.world_size > MAX_EXACT_GPUS:
-        raise HexiSeqError(f"method exact handles at most {MAX_EXACT_GPUS} GPUs, the cluster has "
-                           f"{cluster.world_size}; use the default hierarchical planner")
+        raise HexiSeqError(
+            f"method exact handles at most {MAX_EXACT_GPUS} GPUs, the cluster has "
+            f"{cluster.world_size}; use the default hierarchical planner"
+        )
     if seq_length < cluster.world_size:
-        raise HexiSeqError(f"seq_length {seq_length} is shorter than the {cluster.world_size} GPUs; every rank needs "
-                           "at least one token (Megatron cannot run an empty shard): use a longer --seq-length "
-                           "or fewer GPUs")
+        raise HexiSeqError(
+            f"seq_length {seq_length} is shorter than the {cluster.world_size} GPUs; every rank needs "
+            "at least one token (Megatron cannot run an empty shard): use a longer --seq-length "
+            "or fewer GPUs"
+        )
 
 
-def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions, *,
-         modes: Sequence[tuple[str, bool]] | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-         method: str = "hierarchical", reproducible: bool = False, progress: Progress | None = None) -> Layout:
+def plan(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    options: TrainOptions,
+    *,
+    modes: Sequence[tuple[str, bool]] | None = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    method: str = "hierarchical",
+    reproducible: bool = False,
+    progress: Progress | None = None,
+) -> Layout:
     """The full planner. ``modes``: (memory_mode, recompute) pairs tried in order until one is
     feasible (default: ``options``' own mode only); ``commands.inputs.load_problem`` builds it from the flags.
 
@@ -88,7 +110,9 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
     cluster, order = canonical_cluster(cluster)  # every candidate is built on the canonical cluster
     modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
     tried = [replace(options, memory_mode=m, recompute=r) for m, r in modes]
-    usable = [o for o in tried if may_fit(cluster, model, seq_length, o)]  # others cannot fit any layout
+    usable = [
+        o for o in tried if may_fit(cluster, model, seq_length, o)
+    ]  # others cannot fit any layout
 
     def scorer(o: TrainOptions) -> Callable[[Layout], Estimate]:
         return lambda layout: costmodel.estimate(layout, cluster, model, o)
@@ -97,20 +121,28 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
         return {"memory_mode": o.memory_mode, "recompute": o.recompute}
 
     def options_of(record: dict[str, Any]) -> TrainOptions:
-        return next(o for o in usable if mode_of(o) == {k: record["config"][k] for k in ("memory_mode", "recompute")})
+        return next(
+            o
+            for o in usable
+            if mode_of(o) == {k: record["config"][k] for k in ("memory_mode", "recompute")}
+        )
 
     # baselines and heuristics, each in its first feasible memory mode
     t_base = time.perf_counter()
     scores = [(mode_of(o), scorer(o)) for o in usable]
-    fits = [lambda layout, o=o: costmodel.memory_floor_fits(layout, cluster, model, o) for o in usable]
+    fits = [
+        lambda layout, o=o: costmodel.memory_floor_fits(layout, cluster, model, o) for o in usable
+    ]
     baselines = baseline_layouts(cluster, model, seq_length)
     records = evaluate_baselines(baselines, scores, fits)
     heuristics = heuristic_layouts(cluster, model, seq_length)
     heur_records = evaluate_baselines(heuristics, scores, fits)
     baselines_s = time.perf_counter() - t_base
     best_b, best_h = best_baseline(records), best_baseline(heur_records)
-    say(f"baselines: {len(records)} scored, best {best_b['name'] if best_b else 'none fits'}; "
-        f"heuristics: {len(heur_records)} scored")
+    say(
+        f"baselines: {len(records)} scored, best {best_b['name'] if best_b else 'none fits'}; "
+        f"heuristics: {len(heur_records)} scored"
+    )
     fixed = [(r, fam) for r, fam in ((best_h, "heuristic"), (best_b, "baseline")) if r is not None]
     best_fixed = min(fixed, key=lambda x: x[0]["iteration_time_s"], default=(None, None))[0]
 
@@ -124,28 +156,46 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
         if key not in ran:
             say(f"memory mode {mode_label(o)}")
             if method == "exact":
-                ran[key] = exact_candidates(cluster, model, seq_length, o, scorer(o), deadline=deadline)
+                ran[key] = exact_candidates(
+                    cluster, model, seq_length, o, scorer(o), deadline=deadline
+                )
             else:
-                ran[key] = planner_candidates(cluster, model, seq_length, o, scorer(o),
-                                              deadline=deadline, method=method, progress=say)
+                ran[key] = planner_candidates(
+                    cluster,
+                    model,
+                    seq_length,
+                    o,
+                    scorer(o),
+                    deadline=deadline,
+                    method=method,
+                    progress=say,
+                )
         return fastest_feasible(ran[key])
 
     best_c, best_o = None, None
     # start in the first mode where some baseline or heuristic fits: when none fits an earlier mode,
     # memory is tight there and the planner would spend its rounds on memory feedback
-    fitted = {(r["config"]["memory_mode"], r["config"]["recompute"]) for r in records + heur_records
-              if r["iteration_time_s"] is not None}
+    fitted = {
+        (r["config"]["memory_mode"], r["config"]["recompute"])
+        for r in records + heur_records
+        if r["iteration_time_s"] is not None
+    }
     first = next((i for i, o in enumerate(usable) if (o.memory_mode, o.recompute) in fitted), 0)
     for o in usable[first:]:
         best_c = run_mode(o)
         if best_c is not None:
             best_o = o
             break
-    if best_fixed is not None and (best_c is None or best_fixed["iteration_time_s"] < best_c.estimate.iteration_time_s) \
-            and not deadline.passed():
+    if (
+        best_fixed is not None
+        and (best_c is None or best_fixed["iteration_time_s"] < best_c.estimate.iteration_time_s)
+        and not deadline.passed()
+    ):
         o_b = options_of(best_fixed)
         c_b = run_mode(o_b)
-        if c_b is not None and (best_c is None or c_b.estimate.iteration_time_s < best_c.estimate.iteration_time_s):
+        if c_b is not None and (
+            best_c is None or c_b.estimate.iteration_time_s < best_c.estimate.iteration_time_s
+        ):
             best_c, best_o = c_b, o_b
     stages_s = time.perf_counter() - t_stages
     if best_c is None and best_fixed is None:
@@ -154,32 +204,63 @@ def plan(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOpti
     # the final choice: the fastest of every candidate (ties: the planner's own, then a heuristic)
     finalists: list[tuple[float, int, str, str, Layout, TrainOptions]] = []
     if best_c is not None:
-        finalists.append((best_c.estimate.iteration_time_s, 0, method, "hexiseq", best_c.layout, best_o))
-    for rank, (rec, fam, named) in enumerate(((best_h, "heuristic", heuristics), (best_b, "baseline", baselines)), 1):
+        finalists.append(
+            (best_c.estimate.iteration_time_s, 0, method, "hexiseq", best_c.layout, best_o)
+        )
+    for rank, (rec, fam, named) in enumerate(
+        ((best_h, "heuristic", heuristics), (best_b, "baseline", baselines)), 1
+    ):
         if rec is not None:
-            b = next(b for b, r in zip(named, heur_records if fam == "heuristic" else records) if r is rec)
-            finalists.append((rec["iteration_time_s"], rank, fam, b.label, b.layout, options_of(rec)))
+            b = next(
+                b
+                for b, r in zip(named, heur_records if fam == "heuristic" else records)
+                if r is rec
+            )
+            finalists.append(
+                (rec["iteration_time_s"], rank, fam, b.label, b.layout, options_of(rec))
+            )
     _, _, family, chosen, layout, opts = min(finalists, key=lambda x: (x[0], x[1]))
     info = dict(best_c.info) if best_c else {"status": "NO_PLANNER_SOLUTION"}
     if chosen != "hexiseq":
-        info["note"] = f"{family} {chosen} is faster than the planner's best candidate by the cost model"
+        info["note"] = (
+            f"{family} {chosen} is faster than the planner's best candidate by the cost model"
+        )
     layout = to_original(layout, order)
-    est = costmodel.estimate(layout, file_cluster, model, opts)  # the emitted layout, on the file's cluster
+    est = costmodel.estimate(
+        layout, file_cluster, model, opts
+    )  # the emitted layout, on the file's cluster
     say(f"chosen: {chosen}")
     solve_s = 0.0 if reproducible else round(time.perf_counter() - t0, 4)
-    planner = {"method": method, "solve_time_s": solve_s, "status": info.pop("status"),
-               "winner": {"family": family, "name": chosen, "iteration_time_s": _sig(est.iteration_time_s)},
-               "planner_best_s": None if best_c is None else _sig(best_c.estimate.iteration_time_s),
-               "bound": info.pop("surrogate_bound_s", None), "gap": info.pop("surrogate_gap", None),
-               "gap_meaning": GAP_MEANING if best_c is not None else None,
-               "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
-               "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
-               "candidates_evaluated": sum(len(v) for v in ran.values()),
-               "time_limit_s": time_limit_s, "time_limit_reached": deadline.reached,
-               "heuristics": heur_records, "stages": info}
-    meta = {"cluster": file_cluster.name, "model": model.name, "chosen": chosen,
-            "options": options_record(opts, tried)}
-    return with_fields(layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta)
+    planner = {
+        "method": method,
+        "solve_time_s": solve_s,
+        "status": info.pop("status"),
+        "winner": {
+            "family": family,
+            "name": chosen,
+            "iteration_time_s": _sig(est.iteration_time_s),
+        },
+        "planner_best_s": None if best_c is None else _sig(best_c.estimate.iteration_time_s),
+        "bound": info.pop("surrogate_bound_s", None),
+        "gap": info.pop("surrogate_gap", None),
+        "gap_meaning": GAP_MEANING if best_c is not None else None,
+        "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
+        "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
+        "candidates_evaluated": sum(len(v) for v in ran.values()),
+        "time_limit_s": time_limit_s,
+        "time_limit_reached": deadline.reached,
+        "heuristics": heur_records,
+        "stages": info,
+    }
+    meta = {
+        "cluster": file_cluster.name,
+        "model": model.name,
+        "chosen": chosen,
+        "options": options_record(opts, tried),
+    }
+    return with_fields(
+        layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta
+    )
 
 
 def _sig(x: float) -> float:

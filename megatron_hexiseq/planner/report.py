@@ -1,4 +1,5 @@
 """Human output of plans and simulations: rich tables and a matplotlib figure."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,17 +29,45 @@ def layout_table(layout: Layout, title: str = "") -> Table:
     """Per rank: host, GPU, group, tokens, heads, segments, predicted time and memory."""
     per_rank = {p["rank"]: p for p in (layout.predicted or {}).get("per_rank", [])}
     table = Table(title=title or None, show_lines=False)
-    for col in ("rank", "host", "gpu", "group", "tokens", "heads", "segments", "time", "memory GiB"):
-        table.add_column(col, justify="right" if col in ("rank", "group", "tokens", "heads", "time", "memory GiB") else "left")
+    for col in (
+        "rank",
+        "host",
+        "gpu",
+        "group",
+        "tokens",
+        "heads",
+        "segments",
+        "time",
+        "memory GiB",
+    ):
+        table.add_column(
+            col,
+            justify="right"
+            if col in ("rank", "group", "tokens", "heads", "time", "memory GiB")
+            else "left",
+        )
     for r in layout.ranks:
         p = per_rank.get(r.rank, {})
         cap = p.get("capacity_gib")
-        mem = "-" if "memory_gib" not in p else (f"{p['memory_gib']:.1f}" + (f" / {cap:.1f}" if cap else ""))
+        mem = (
+            "-"
+            if "memory_gib" not in p
+            else (f"{p['memory_gib']:.1f}" + (f" / {cap:.1f}" if cap else ""))
+        )
         segs = " ".join(f"[{s},{e})" for s, e in r.segments)
         if len(segs) > 40:
             segs = segs[:37] + "..."
-        table.add_row(str(r.rank), r.host, r.gpu, str(r.group), f"{r.num_tokens:,}",
-                      str(len(r.heads)), segs, _fmt_time(p.get("time_s")), mem)
+        table.add_row(
+            str(r.rank),
+            r.host,
+            r.gpu,
+            str(r.group),
+            f"{r.num_tokens:,}",
+            str(len(r.heads)),
+            segs,
+            _fmt_time(p.get("time_s")),
+            mem,
+        )
     return table
 
 
@@ -49,16 +78,33 @@ def baselines_table(layout: Layout) -> Table:
     for col in ("layout", "config", "iteration", "tokens/s", "speedup of plan"):
         table.add_column(col, justify="left" if col in ("layout", "config") else "right")
     chosen = layout.meta.get("chosen", "plan")
-    table.add_row(f"[bold]plan ({chosen})[/bold]", "", _fmt_time((layout.predicted or {}).get("iteration_time_s")),
-                  _fmt_rate(ours), "1.00x")
-    heuristics = [dict(h, name=f"{h['name']} (heuristic)") for h in (layout.planner or {}).get("heuristics", [])]
+    table.add_row(
+        f"[bold]plan ({chosen})[/bold]",
+        "",
+        _fmt_time((layout.predicted or {}).get("iteration_time_s")),
+        _fmt_rate(ours),
+        "1.00x",
+    )
+    heuristics = [
+        dict(h, name=f"{h['name']} (heuristic)")
+        for h in (layout.planner or {}).get("heuristics", [])
+    ]
     for b in list(layout.baselines) + heuristics:
-        cfg = ", ".join(f"{k}={v}" for k, v in b.get("config", {}).items() if k in ("k", "hp", "cp", "kv_replication"))
+        cfg = ", ".join(
+            f"{k}={v}"
+            for k, v in b.get("config", {}).items()
+            if k in ("k", "hp", "cp", "kv_replication")
+        )
         rate = b.get("tokens_per_s")
         speed = f"{ours / rate:.2f}x" if ours and rate else ("infeasible" if rate is None else "-")
         note = b.get("reason", "")
-        table.add_row(b["name"], cfg + (f" ({note})" if note and rate is None else ""),
-                      _fmt_time(b.get("iteration_time_s")), _fmt_rate(rate), speed)
+        table.add_row(
+            b["name"],
+            cfg + (f" ({note})" if note and rate is None else ""),
+            _fmt_time(b.get("iteration_time_s")),
+            _fmt_rate(rate),
+            speed,
+        )
     return table
 
 
@@ -71,41 +117,74 @@ def make_console() -> Console:
 def print_layout(layout: Layout, *, console: Console | None = None, title: str = "") -> None:
     console = console or make_console()
     groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"
-    console.print(layout_table(layout, title or f"layout: {layout.world_size} ranks, {groups}, "
-                                                f"seq_length {layout.seq_length:,}"))
+    console.print(
+        layout_table(
+            layout,
+            title
+            or f"layout: {layout.world_size} ranks, {groups}, seq_length {layout.seq_length:,}",
+        )
+    )
     if layout.baselines:
         console.print(baselines_table(layout))
     pl = layout.planner
     if pl:
         bits = [f"status {pl.get('status')}", f"solve time {pl.get('solve_time_s', 0):.2f} s"]
         if pl.get("bound") is not None:
-            bits.append(f"surrogate bound {_fmt_time(pl['bound'])}, gap {100 * (pl.get('gap') or 0):.2f}%")
+            bits.append(
+                f"surrogate bound {_fmt_time(pl['bound'])}, gap {100 * (pl.get('gap') or 0):.2f}%"
+            )
         if pl.get("method"):
             bits.insert(0, f"planner {pl['method']}")
         if pl.get("winner"):
             bits.insert(0, f"winner: {pl['winner'].get('family')} {pl['winner'].get('name')}")
         if pl.get("time_limit_reached"):
-            bits.append(f"time limit of {pl.get('time_limit_s')} s reached: the search was cut short")
+            bits.append(
+                f"time limit of {pl.get('time_limit_s')} s reached: the search was cut short"
+            )
         console.print("; ".join(bits))
         if pl.get("gap_meaning") and pl.get("bound") is not None:
             console.print(pl["gap_meaning"])
     opts = layout.meta.get("options")
     if opts:
-        console.print(f"memory mode: {opts.get('memory_mode')}{' + recompute' if opts.get('recompute') else ''} "
-                      f"-> Megatron flags: {' '.join(opts.get('megatron_flags', []))}")
+        console.print(
+            f"memory mode: {opts.get('memory_mode')}{' + recompute' if opts.get('recompute') else ''} "
+            f"-> Megatron flags: {' '.join(opts.get('megatron_flags', []))}"
+        )
 
 
 def estimate_table(name: str, layout: Layout, est: Estimate) -> Table:
     """Per-rank cost-model figures of one layout (simulate)."""
-    table = Table(title=f"{name}: iteration {_fmt_time(est.iteration_time_s)}, {_fmt_rate(est.tokens_per_s)} tokens/s"
-                        f"{'' if est.feasible else ' (OUT OF MEMORY)'}")
-    for col in ("rank", "gpu", "group", "tokens", "heads", "compute", "exposed comm", "time", "memory GiB", "capacity GiB"):
+    table = Table(
+        title=f"{name}: iteration {_fmt_time(est.iteration_time_s)}, {_fmt_rate(est.tokens_per_s)} tokens/s"
+        f"{'' if est.feasible else ' (OUT OF MEMORY)'}"
+    )
+    for col in (
+        "rank",
+        "gpu",
+        "group",
+        "tokens",
+        "heads",
+        "compute",
+        "exposed comm",
+        "time",
+        "memory GiB",
+        "capacity GiB",
+    ):
         table.add_column(col, justify="left" if col == "gpu" else "right")
-    gib = 2.0 ** 30
+    gib = 2.0**30
     for pr, r in zip(est.per_rank, layout.ranks):
-        table.add_row(str(pr.rank), pr.gpu, str(r.group), f"{pr.tokens:,}", str(pr.heads), _fmt_time(pr.compute_s),
-                      _fmt_time(pr.exposed_comm_s), _fmt_time(pr.time_s), f"{pr.memory_bytes / gib:.1f}",
-                      f"{pr.capacity_bytes / gib:.1f}")
+        table.add_row(
+            str(pr.rank),
+            pr.gpu,
+            str(r.group),
+            f"{pr.tokens:,}",
+            str(pr.heads),
+            _fmt_time(pr.compute_s),
+            _fmt_time(pr.exposed_comm_s),
+            _fmt_time(pr.time_s),
+            f"{pr.memory_bytes / gib:.1f}",
+            f"{pr.capacity_bytes / gib:.1f}",
+        )
     return table
 
 
@@ -118,24 +197,36 @@ def plot_estimates(path: str, items: Sequence[tuple[str, Estimate]]) -> None:
 
     n = len(items)
     fig, axes = plt.subplots(n, 2, figsize=(14, 3.2 * n), squeeze=False)
-    gib = 2.0 ** 30
+    gib = 2.0**30
     for row, (name, est) in enumerate(items):
         ranks = [p.rank for p in est.per_rank]
         comp = [p.compute_s for p in est.per_rank]
         comm = [p.exposed_comm_s for p in est.per_rank]
-        step = est.iteration_time_s if est.iteration_time_s is not None else max(p.time_s for p in est.per_rank)
+        step = (
+            est.iteration_time_s
+            if est.iteration_time_s is not None
+            else max(p.time_s for p in est.per_rank)
+        )
         idle = [max(0.0, step - c - m) for c, m in zip(comp, comm)]
         ax = axes[row][0]
         ax.bar(ranks, comp, label="compute", color="#4c72b0")
         ax.bar(ranks, comm, bottom=comp, label="exposed comm", color="#dd8452")
-        ax.bar(ranks, idle, bottom=[c + m for c, m in zip(comp, comm)], label="idle", color="#cccccc")
+        ax.bar(
+            ranks, idle, bottom=[c + m for c, m in zip(comp, comm)], label="idle", color="#cccccc"
+        )
         ax.set_title(f"{name}: time per rank (step {_fmt_time(step)})")
         ax.set_xlabel("rank")
         ax.set_ylabel("s")
         ax.legend(fontsize=7)
         ax = axes[row][1]
         ax.bar(ranks, [p.memory_bytes / gib for p in est.per_rank], label="memory", color="#55a868")
-        ax.plot(ranks, [p.capacity_bytes / gib for p in est.per_rank], "k_", markersize=12, label="capacity")
+        ax.plot(
+            ranks,
+            [p.capacity_bytes / gib for p in est.per_rank],
+            "k_",
+            markersize=12,
+            label="capacity",
+        )
         ax.set_title(f"{name}: memory per rank")
         ax.set_xlabel("rank")
         ax.set_ylabel("GiB")

@@ -24,6 +24,7 @@ those go on to Stage III and ``estimate``, at least one in the mirrored arrangem
 prefix when both were scored (the surrogate ranks the two families less reliably than either
 within itself).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,7 +45,9 @@ from megatron_hexiseq.planner.surrogate import Surrogate
 
 Grouping = tuple[tuple[int, ...], ...]
 SINGLE_GROUP_MAX_GPUS = 256  # the cross-node single group is a candidate up to this many GPUs
-EXHAUSTIVE_MAX = 32  # class-option combinations up to this many are all scored (else coordinate descent)
+EXHAUSTIVE_MAX = (
+    32  # class-option combinations up to this many are all scored (else coordinate descent)
+)
 FULL_RESCORE = 8  # the best (grouping, arrangement) pairs by the coarse split that get the full one
 
 
@@ -87,17 +90,20 @@ def class_options(count: int, nodes: int, heads: int) -> list[int]:
     return out
 
 
-def make_grouping(blocks: Sequence[Sequence[int]], sizes: Sequence[int], classes: Sequence[tuple] | None = None
-                  ) -> Grouping:
+def make_grouping(
+    blocks: Sequence[Sequence[int]], sizes: Sequence[int], classes: Sequence[tuple] | None = None
+) -> Grouping:
     """Split the nodes into groups: ``sizes[i]`` is node i's class option; up to the node's GPU count it
     splits the node into consecutive groups of that size, beyond it whole nodes of the same class
     (``classes[i]``) are joined in order, ``size // count`` at a time (the remaining nodes of the class
     form one group)."""
     out: list[tuple[int, ...]] = []
-    pending: dict[tuple, list[int]] = {}  # (class, option) -> ranks of the nodes waiting for a group
+    pending: dict[
+        tuple, list[int]
+    ] = {}  # (class, option) -> ranks of the nodes waiting for a group
     for i, (ranks, s) in enumerate(zip(blocks, sizes)):
         if s <= len(ranks):
-            out += [tuple(ranks[j:j + s]) for j in range(0, len(ranks), s)]
+            out += [tuple(ranks[j : j + s]) for j in range(0, len(ranks), s)]
             continue
         key = (classes[i] if classes is not None else None, s)
         pending.setdefault(key, []).extend(ranks)
@@ -107,17 +113,28 @@ def make_grouping(blocks: Sequence[Sequence[int]], sizes: Sequence[int], classes
     return tuple(out)
 
 
-def group_coef(sur: Surrogate, members: Sequence[int], num_groups: int, spans_nodes: bool = False) -> GroupCoef:
+def group_coef(
+    sur: Surrogate, members: Sequence[int], num_groups: int, spans_nodes: bool = False
+) -> GroupCoef:
     """Integer-ns coefficients of one group (see ``planner.surrogate``), at the default position."""
     cols = [sur.rank_coef_ns(r, len(members), num_groups, spans_nodes) for r in members]
-    return GroupCoef(a=tuple(c[0] for c in cols), s=tuple(c[1] for c in cols), b=tuple(c[2] for c in cols),
-                     c=tuple(c[3] for c in cols), e=tuple(c[4] for c in cols), free=tuple(sur.devices[r].free_bytes for r in members),
-                     mt=tuple(sur.devices[r].mem_tok_bytes for r in members),
-                     mh=tuple(sur.devices[r].mem_head_bytes for r in members),
-                     heads=sur.heads, num_units=sur.num_units)
+    return GroupCoef(
+        a=tuple(c[0] for c in cols),
+        s=tuple(c[1] for c in cols),
+        b=tuple(c[2] for c in cols),
+        c=tuple(c[3] for c in cols),
+        e=tuple(c[4] for c in cols),
+        free=tuple(sur.devices[r].free_bytes for r in members),
+        mt=tuple(sur.devices[r].mem_tok_bytes for r in members),
+        mh=tuple(sur.devices[r].mem_head_bytes for r in members),
+        heads=sur.heads,
+        num_units=sur.num_units,
+    )
 
 
-def base_coefs(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | None) -> list[GroupCoef]:
+def base_coefs(
+    sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | None
+) -> list[GroupCoef]:
     """Every group's coefficients; identical groups share one object (cache lookups hit by identity),
     computed once per distinct (member devices, spans nodes)."""
     kind: dict[object, int] = {}
@@ -133,16 +150,26 @@ def base_coefs(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | None
     return out
 
 
-def score_grouping(sur: Surrogate, grouping: Grouping, node_of: Sequence[str] | None = None,
-                   search_lin: bool = True) -> tuple[list[GroupCoef], Split | None]:
+def score_grouping(
+    sur: Surrogate,
+    grouping: Grouping,
+    node_of: Sequence[str] | None = None,
+    search_lin: bool = True,
+) -> tuple[list[GroupCoef], Split | None]:
     """Stage II's continuous split of one grouping in the mirrored arrangement (grouping order);
     ``node_of[r]`` marks groups spanning nodes. ``search_lin=False``: the coarse split."""
     coefs = base_coefs(sur, grouping, node_of)
     return coefs, split_sequence(coefs, sur.num_units, search_lin=search_lin)
 
 
-def score_arranged(sur: Surrogate, grouping: Grouping, arr: Arrangement, node_of: Sequence[str] | None,
-                   search_lin: bool = True, coefs: list[GroupCoef] | None = None) -> Scored | None:
+def score_arranged(
+    sur: Surrogate,
+    grouping: Grouping,
+    arr: Arrangement,
+    node_of: Sequence[str] | None,
+    search_lin: bool = True,
+    coefs: list[GroupCoef] | None = None,
+) -> Scored | None:
     """Stage II's split of a grouping in an arrangement (None when it does not fit); ``coefs``: the
     grouping's ``base_coefs`` when the caller has them. The K/V coefficients get the fan-out of the
     arrangement (``arrange.with_fan_out``)."""
@@ -155,8 +182,19 @@ def score_arranged(sur: Surrogate, grouping: Grouping, arr: Arrangement, node_of
         units = [0] * len(coefs)
         for i, u in zip(order, split.units):
             units[i] = u
-        return Scored(grouping, arr, tuple(coefs), Split(tuple(units), split.z_relaxed_ns, split.z_rounded_ns,
-                                                         split.lin_ns, split.att_ns, split.bound_ns))
+        return Scored(
+            grouping,
+            arr,
+            tuple(coefs),
+            Split(
+                tuple(units),
+                split.z_relaxed_ns,
+                split.z_rounded_ns,
+                split.lin_ns,
+                split.att_ns,
+                split.bound_ns,
+            ),
+        )
     got = split_arranged(coefs, arr, sur.num_units, search_lin)
     if got is None:
         return None
@@ -164,13 +202,24 @@ def score_arranged(sur: Surrogate, grouping: Grouping, arr: Arrangement, node_of
     return Scored(grouping, arr, tuple(placed), split)
 
 
-def _best_arranged(sur: Surrogate, grouping: Grouping, node_of: Sequence[str], arranged: bool,
-                   shares: Sequence[float] | None = None) -> list[Scored]:
+def _best_arranged(
+    sur: Surrogate,
+    grouping: Grouping,
+    node_of: Sequence[str],
+    arranged: bool,
+    shares: Sequence[float] | None = None,
+) -> list[Scored]:
     """The coarse split of a grouping in the mirrored arrangement and in its best prefix arrangement
     (``arrange.arrangements``: every prefix length, or the few that ``shares`` suggests)."""
     coefs = base_coefs(sur, grouping, node_of)
-    arrs = arrangements(coefs, shares) if arranged else [mirrored(len(grouping), arrangements(coefs, ())[0].final)]
-    scored = [s for s in (score_arranged(sur, grouping, a, node_of, False, coefs) for a in arrs) if s]
+    arrs = (
+        arrangements(coefs, shares)
+        if arranged
+        else [mirrored(len(grouping), arrangements(coefs, ())[0].final)]
+    )
+    scored = [
+        s for s in (score_arranged(sur, grouping, a, node_of, False, coefs) for a in arrs) if s
+    ]
     out = [s for s in scored if not s.arrangement.prefix][:1]
     prefixed = [s for s in scored if s.arrangement.prefix]
     if prefixed:
@@ -178,8 +227,14 @@ def _best_arranged(sur: Surrogate, grouping: Grouping, node_of: Sequence[str], a
     return out
 
 
-def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fixed_size: str | None = None,
-                        arranged: bool = True) -> list[Scored]:
+def candidate_groupings(
+    cluster: Cluster,
+    sur: Surrogate,
+    *,
+    top_k: int = 3,
+    fixed_size: str | None = None,
+    arranged: bool = True,
+) -> list[Scored]:
     """Best ``top_k`` (grouping, arrangement) pairs by Stage II's time (fastest first).
 
     ``fixed_size="node"`` gives only one group per node (the [Foundation] planner);
@@ -190,7 +245,10 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
     classes = [_node_class(cluster, b) for b in blocks]
     keys = sorted(set(classes), key=classes.index)
     nodes_of = {k: classes.count(k) for k in keys}
-    options = {k: ([k[1]] if fixed_size == "node" else class_options(k[1], nodes_of[k], sur.heads)) for k in keys}
+    options = {
+        k: ([k[1]] if fixed_size == "node" else class_options(k[1], nodes_of[k], sur.heads))
+        for k in keys
+    }
     choice = {k: k[1] for k in keys}  # start: one group per node
     seen: dict[Grouping, list[Scored]] = {}
 
@@ -214,11 +272,20 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
                 if z < best:
                     best, choice = z, trial
     # the seeds were scored with every prefix length; the others with those near the best seed's
-    shares = [s.arrangement.share for s in seen[make_grouping(blocks, [choice[c] for c in classes], classes)]
-              if s.arrangement.prefix]
-    if (fixed_size != "node" and 1 < len(blocks) and cluster.world_size <= SINGLE_GROUP_MAX_GPUS
-            and cluster.world_size <= sur.heads):
-        everyone: Grouping = (tuple(range(cluster.world_size)),)  # uneven Ulysses; the A2A crosses the network
+    shares = [
+        s.arrangement.share
+        for s in seen[make_grouping(blocks, [choice[c] for c in classes], classes)]
+        if s.arrangement.prefix
+    ]
+    if (
+        fixed_size != "node"
+        and 1 < len(blocks)
+        and cluster.world_size <= SINGLE_GROUP_MAX_GPUS
+        and cluster.world_size <= sur.heads
+    ):
+        everyone: Grouping = (
+            tuple(range(cluster.world_size)),
+        )  # uneven Ulysses; the A2A crosses the network
         # scored with the full split: its members differ, and at L = inf its continuous split piles
         # the tokens on the fast linear layers (2.4x its optimum on an optimality_gap instance)
         alone = score_arranged(sur, everyone, mirrored(1), node_of)
@@ -242,19 +309,25 @@ def candidate_groupings(cluster: Cluster, sur: Surrogate, *, top_k: int = 3, fix
                         best, choice, improved = z, trial, True
             if not improved:
                 break
-    ranked = sorted((s for found in seen.values() for s in found), key=lambda s: (s.value, len(s.grouping)))
+    ranked = sorted(
+        (s for found in seen.values() for s in found), key=lambda s: (s.value, len(s.grouping))
+    )
     # the survivors get the full phase split (the linear bound searched; see stage2_split)
-    head = ranked[:max(top_k, FULL_RESCORE)]
+    head = ranked[: max(top_k, FULL_RESCORE)]
     for want_prefix in (False, True):  # the best of each family gets the full split too
         other = [s for s in ranked if bool(s.arrangement.prefix) == want_prefix]
         if other and not any(bool(s.arrangement.prefix) == want_prefix for s in head):
             head.append(other[0])
-    full = [f for f in (score_arranged(sur, s.grouping, s.arrangement, node_of) for s in head) if f is not None]
+    full = [
+        f
+        for f in (score_arranged(sur, s.grouping, s.arrangement, node_of) for s in head)
+        if f is not None
+    ]
     full.sort(key=lambda s: (s.value, len(s.grouping)))
     out = full[:top_k]
     for want_prefix in (False, True):  # keep one of each family when both were scored
         if full and not any(bool(s.arrangement.prefix) == want_prefix for s in out):
             other = [s for s in full if bool(s.arrangement.prefix) == want_prefix]
             if other:
-                out = out[:max(1, top_k - 1)] + [other[0]]
+                out = out[: max(1, top_k - 1)] + [other[0]]
     return out

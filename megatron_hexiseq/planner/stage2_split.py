@@ -19,6 +19,7 @@ lower bound of the phase objective over every split of these groups (integer uni
 continuous tokens and heads per member), so of Stage III's integer optimum. Groups with identical
 coefficients share every evaluation.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,9 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
     lo = float(MIN_UNITS_PER_RANK)
     num, den = g.att_scale(T)
     vis = g.visible(T)
-    if len(g.rows) == 1:  # identical members: the even split is optimal (separable, concave, symmetric)
+    if (
+        len(g.rows) == 1
+    ):  # identical members: the even split is optimal (separable, concave, symmetric)
         k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
         beta = max(b * T * num // den, vis * c) + T * e
         per = T * mh
@@ -143,8 +146,18 @@ def _identical_time_cached(g: GroupCoef, T: int, lin: float) -> float:
     return _identical_time(g, T, lin)
 
 
-def closed_range(n: int, H: int, z: float, s: float, e: float, c: float, quad: float, lin_att: float,
-                 kv_slope: float, kv_const: float) -> tuple[float, float] | None:
+def closed_range(
+    n: int,
+    H: int,
+    z: float,
+    s: float,
+    e: float,
+    c: float,
+    quad: float,
+    lin_att: float,
+    kv_slope: float,
+    kv_const: float,
+) -> tuple[float, float] | None:
     """Real range of T (per group) where both lower bounds of ``_identical_time`` stay within z, for
     an attention term ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const`` per
     head (``c`` times the visible units) plus ``e T`` A2A per head; None when empty. Used by the
@@ -153,8 +166,16 @@ def closed_range(n: int, H: int, z: float, s: float, e: float, c: float, quad: f
 
 
 @lru_cache(maxsize=100_000)
-def _closed_consts(n: int, H: int, s: float, e: float, quad: float, lin_att: float, kv_slope: float,
-                   kv_const: float) -> tuple[tuple[float, ...], ...]:
+def _closed_consts(
+    n: int,
+    H: int,
+    s: float,
+    e: float,
+    quad: float,
+    lin_att: float,
+    kv_slope: float,
+    kv_const: float,
+) -> tuple[tuple[float, ...], ...]:
     """The parts of ``closed_range`` that do not depend on z, per lower bound (the continuous even
     split, the member with ceil(H/n) heads): (4 qa, 2 qa, -qb, qb^2, qb, m, k0, qa > 0)."""
     out = []
@@ -168,15 +189,20 @@ def _closed_consts(n: int, H: int, s: float, e: float, quad: float, lin_att: flo
     return tuple(out)
 
 
-def _closed_eval(consts: tuple[tuple[float, ...], ...], z: float, s: float) -> tuple[float, float] | None:
+def _closed_eval(
+    consts: tuple[tuple[float, ...], ...], z: float, s: float
+) -> tuple[float, float] | None:
     """``closed_range`` at attention bound z from its ``_closed_consts`` (budgets z and z - s)."""
     lo, hi = 0.0, INF
     budget = z
     for qa4, qa2, nqb, qb2, qb, m, k0, quadratic in consts:
         if budget < 0:
             return None
-        root = ((nqb + math.sqrt(qb2 + qa4 * budget)) / qa2 if quadratic
-                else (budget / qb if qb > 0 else INF))
+        root = (
+            (nqb + math.sqrt(qb2 + qa4 * budget)) / qa2
+            if quadratic
+            else (budget / qb if qb > 0 else INF)
+        )
         if root < hi:
             hi = root
         if m > 0:
@@ -235,13 +261,17 @@ def group_time(g: GroupCoef, T: int, lin: float = INF) -> float:
 
 
 @lru_cache(maxsize=200_000)
-def _range_consts(g: GroupCoef, lin: float) -> tuple[int, int, int, tuple[tuple[float, ...], ...], float]:
+def _range_consts(
+    g: GroupCoef, lin: float
+) -> tuple[int, int, int, tuple[tuple[float, ...], ...], float]:
     """What ``_identical_range`` needs that does not depend on the attention bound: (n, N, s, the
     ``_closed_consts``, the smallest of the caps on the upper end: memory, the sequence, ``lin``)."""
     n, H, N = g.size, g.heads, g.num_units
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     if g.band:  # att = b T (2P + T) / N, visible = P
-        consts = _closed_consts(n, H, s, e, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c)
+        consts = _closed_consts(
+            n, H, s, e, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c
+        )
     else:  # att = b T (P + Q) / N, visible = Q - T
         num, den = g.att_scale(0)
         consts = _closed_consts(n, H, s, e, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
@@ -256,7 +286,9 @@ def _range_consts(g: GroupCoef, lin: float) -> tuple[int, int, int, tuple[tuple[
     return n, N, s, consts, min(caps)
 
 
-def _identical_range(g: GroupCoef, z: float, lin: float, settle: bool = True) -> tuple[int, int] | None:
+def _identical_range(
+    g: GroupCoef, z: float, lin: float, settle: bool = True
+) -> tuple[int, int] | None:
     """``units_range`` of a group of identical members, in closed form (``closed_range``), then
     settled on integers with the exact ``_identical_time`` (``settle=False``: the closed form's
     integers as they are, for Stage I's coarse split)."""
@@ -349,7 +381,9 @@ def _edge(ok: Callable[[int], bool], far: int, near: int) -> int:
 
 
 @lru_cache(maxsize=400_000)
-def units_range(g: GroupCoef, z: float, lin: float = INF, settle: bool = True) -> tuple[int, int] | None:
+def units_range(
+    g: GroupCoef, z: float, lin: float = INF, settle: bool = True
+) -> tuple[int, int] | None:
     """The units ``[lo, hi]`` the group can hold within attention bound ``z`` and linear bound ``lin``
     (every member at least one unit), or None when none fits. ``settle=False``: Stage I's coarse
     split, the closed form's ends unchecked on integers (within a unit or so)."""
@@ -382,8 +416,12 @@ class Split:
     bound_ns: float = 0.0
 
 
-def split_sequence(groups: Sequence[GroupCoef], num_units: int,
-                   caps: dict[GroupCoef, int] | None = None, search_lin: bool = True) -> Split | None:
+def split_sequence(
+    groups: Sequence[GroupCoef],
+    num_units: int,
+    caps: dict[GroupCoef, int] | None = None,
+    search_lin: bool = True,
+) -> Split | None:
     """Stage II: units per group summing to ``num_units`` (every group >= one unit per member); None if
     memory can't hold it (or the groups have more members than there are units).
 
@@ -395,7 +433,9 @@ def split_sequence(groups: Sequence[GroupCoef], num_units: int,
     integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: Stage I's coarse split,
     the ``L = inf`` split alone with a coarser bisection (an upper bound of the phase optimum).
     """
-    if not caps and search_lin:  # the same grouping is split by Stage I, the repair and the exact hint
+    if (
+        not caps and search_lin
+    ):  # the same grouping is split by Stage I, the repair and the exact hint
         return _split_cached(tuple(groups), num_units)
     return _split_search(groups, num_units, caps, search_lin)
 
@@ -405,12 +445,15 @@ def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None
     return _split_search(groups, num_units, None, True)
 
 
-def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
-                  search_lin: bool) -> Split | None:
+def _split_search(
+    groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None, search_lin: bool
+) -> Split | None:
     free = split_at(groups, num_units, caps, INF, not search_lin)
     if free is None:
         return free
-    if not search_lin:  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
+    if (
+        not search_lin
+    ):  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
         return free
     lo, hi = lin_floor(groups, num_units), free.lin_ns
     cache: dict[float, Split | None] = {INF: free}
@@ -428,9 +471,14 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
     for g in groups:
         count[g] = count.get(g, 0) + 1
 
-    def ok(L: float) -> bool:  # every unit (and each group's one unit per member) placeable within L
+    def ok(
+        L: float,
+    ) -> bool:  # every unit (and each group's one unit per member) placeable within L
         most = {g: min(max_units(g, 1e30, L), (caps or {}).get(g, num_units)) for g in count}
-        return all(most[g] >= min_units(g) for g in count) and sum(k * most[g] for g, k in count.items()) >= num_units
+        return (
+            all(most[g] >= min_units(g) for g in count)
+            and sum(k * most[g] for g, k in count.items()) >= num_units
+        )
 
     L, bound = best_lin(f, min(lo, hi), hi, ok)
     best = at(L)
@@ -438,8 +486,14 @@ def _split_search(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupC
         best = free
     # beyond the L = inf split's linear phase a larger L cannot lower A: f(L) >= f(hi) there
     proven = min(bound, free.z_relaxed_ns) * (1 - A_TOL)
-    return Split(units=best.units, z_relaxed_ns=best.z_relaxed_ns, z_rounded_ns=best.z_rounded_ns,
-                 lin_ns=best.lin_ns, att_ns=best.att_ns, bound_ns=min(proven, best.z_rounded_ns))
+    return Split(
+        units=best.units,
+        z_relaxed_ns=best.z_relaxed_ns,
+        z_rounded_ns=best.z_rounded_ns,
+        lin_ns=best.lin_ns,
+        att_ns=best.att_ns,
+        bound_ns=min(proven, best.z_rounded_ns),
+    )
 
 
 def lin_floor(groups: Sequence[GroupCoef], num_units: int) -> float:
@@ -460,8 +514,14 @@ def _bracket(cache: dict[float, Split | None], L: float) -> tuple[float, float] 
     return (lo, hi) if lo < hi else None
 
 
-def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None,
-             lin: float, coarse: bool = False, bracket: tuple[float, float] | None = None) -> Split | None:
+def split_at(
+    groups: Sequence[GroupCoef],
+    num_units: int,
+    caps: dict[GroupCoef, int] | None,
+    lin: float,
+    coarse: bool = False,
+    bracket: tuple[float, float] | None = None,
+) -> Split | None:
     """The split for a fixed linear bound ``lin`` (``inf``: none): units per group summing to
     ``num_units`` (every group >= one unit per member) at the smallest attention bound; None if memory
     or ``lin`` can't hold it (or the groups have more members than there are units).
@@ -476,8 +536,9 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
         distinct[g] = distinct.get(g, 0) + 1
     if sum(k * min(g.max_units(), caps.get(g, num_units)) for g, k in distinct.items()) < num_units:
         return None
-    if sum(k * min_units(g) for g, k in distinct.items()) > num_units or any(min(g.cap) < MIN_UNITS_PER_RANK
-                                                                            for g in distinct):
+    if sum(k * min_units(g) for g, k in distinct.items()) > num_units or any(
+        min(g.cap) < MIN_UNITS_PER_RANK for g in distinct
+    ):
         return None  # fewer units than ranks, or a rank cannot hold one unit
 
     capped = [(g, k, caps.get(g, num_units)) for g, k in distinct.items()]
@@ -521,13 +582,24 @@ def split_at(groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, 
     units = _hand_out(groups, distinct, at_hi, num_units)
     pairs = set(zip(groups, units))
     att_round = max(group_time(g, u, lin) for g, u in pairs)
-    lin_used = lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in pairs)
-    return Split(units=tuple(units), z_relaxed_ns=lin_used + hi, z_rounded_ns=lin_used + att_round,
-                 lin_ns=lin_used, att_ns=hi)
+    lin_used = (
+        lin if math.isfinite(lin) else max(linear_phase(g, u, group_time(g, u)) for g, u in pairs)
+    )
+    return Split(
+        units=tuple(units),
+        z_relaxed_ns=lin_used + hi,
+        z_rounded_ns=lin_used + att_round,
+        lin_ns=lin_used,
+        att_ns=hi,
+    )
 
 
-def _hand_out(groups: Sequence[GroupCoef], distinct: dict[GroupCoef, int], ranges: dict[GroupCoef, tuple[int, int]],
-              num_units: int) -> list[int]:
+def _hand_out(
+    groups: Sequence[GroupCoef],
+    distinct: dict[GroupCoef, int],
+    ranges: dict[GroupCoef, tuple[int, int]],
+    num_units: int,
+) -> list[int]:
     """Units per group inside the feasible ranges, summing to ``num_units``: every group starts at its
     lower end and the rest goes to the classes of identical groups in proportion to their room
     (largest remainder, deterministic); inside a class the groups differ by at most one unit, the
@@ -568,7 +640,9 @@ def linear_phase(g: GroupCoef, T: int, z: float, lin: float = INF) -> float:
 
 
 @lru_cache(maxsize=200_000)
-def group_phase_time(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0) -> tuple[float, float]:
+def group_phase_time(
+    g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0
+) -> tuple[float, float]:
     """Continuous optimum of ``max(L, lin_floor) + max(A, att_floor)`` for a group holding T units
     (the other groups' phase maxima as floors): returns (L, A) with L >= lin_floor; (inf, inf) if
     T does not fit. Searches L (``best_lin``); A = ``group_time(g, T, L)``."""

@@ -17,6 +17,7 @@ When the rounded continuous optimum is already within ``GREEDY_GAP`` of the cont
 solver is skipped (status FEASIBLE, bound = the continuous optimum); groups of more than
 ``CPSAT_MAX_MEMBERS`` ranks (groups spanning nodes) always keep that rounded point.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,27 +37,29 @@ from megatron_hexiseq.planner.stage2_split import (
     split_sequence,
 )
 
-GREEDY_GAP = 5e-3          # accept the rounded continuous optimum when within 0.5% of the bound
-BALANCE_MAX_MEMBERS = 16   # phase-2 evenness solve only for groups up to this size
-CPSAT_MAX_MEMBERS = 16     # larger groups (spanning nodes) keep the rounded continuous optimum
-REPAIR_SLACK = 5e-3        # integer repair of the split starts when a group is 0.5% over the split's time
+GREEDY_GAP = 5e-3  # accept the rounded continuous optimum when within 0.5% of the bound
+BALANCE_MAX_MEMBERS = 16  # phase-2 evenness solve only for groups up to this size
+CPSAT_MAX_MEMBERS = 16  # larger groups (spanning nodes) keep the rounded continuous optimum
+REPAIR_SLACK = 5e-3  # integer repair of the split starts when a group is 0.5% over the split's time
 BALANCE_DETERMINISTIC_TIME = 0.02  # budget of the phase-2 evenness solve (deterministic seconds)
-RELATIVE_GAP = 1e-4        # CP-SAT stops when its solution is proven within 0.01% of optimal
+RELATIVE_GAP = 1e-4  # CP-SAT stops when its solution is proven within 0.01% of optimal
 SOLVE_DETERMINISTIC_TIME = 0.1  # per group solve (deterministic seconds; 0.02 left 5% on a 10-rank group with the phase objective)
 
 
 @dataclass(frozen=True)
 class GroupSolution:
-    tokens: tuple[int, ...]   # units per member
+    tokens: tuple[int, ...]  # units per member
     heads: tuple[int, ...]
-    time_ns: int              # own linear phase + own attention phase (no floors)
-    bound_ns: int             # lower bound of the floored objective max(zl, L*) + max(za, A*)
-    status: str               # OPTIMAL, FEASIBLE, HINT (solver found nothing, greedy kept), INFEASIBLE
-    lin_ns: int = 0           # own linear phase: max t_r a_r
-    att_ns: int = 0           # own attention phase: max t_r s_r + h_r beta_r
+    time_ns: int  # own linear phase + own attention phase (no floors)
+    bound_ns: int  # lower bound of the floored objective max(zl, L*) + max(za, A*)
+    status: str  # OPTIMAL, FEASIBLE, HINT (solver found nothing, greedy kept), INFEASIBLE
+    lin_ns: int = 0  # own linear phase: max t_r a_r
+    att_ns: int = 0  # own attention phase: max t_r s_r + h_r beta_r
 
 
-def largest_remainder(values: list[float], total: int, caps: list[int] | None = None, low: int = 0) -> list[int]:
+def largest_remainder(
+    values: list[float], total: int, caps: list[int] | None = None, low: int = 0
+) -> list[int]:
     """Round non-negative reals to integers summing to ``total`` (respecting ``caps`` when given), each
     at least ``low`` (the caller guarantees ``low * len(values) <= total`` and caps >= low)."""
     base = [max(low, int(v)) for v in values]
@@ -83,8 +86,9 @@ def largest_remainder(values: list[float], total: int, caps: list[int] | None = 
     return base
 
 
-def greedy(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0
-           ) -> tuple[list[int], list[int]] | None:
+def greedy(
+    g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0
+) -> tuple[list[int], list[int]] | None:
     """Rounded continuous optimum (``group_phase_time`` with the floors): a feasible integer point (or
     None when the tokens don't fit). Every member keeps at least ``MIN_UNITS_PER_RANK`` units (the
     continuous optimum already does)."""
@@ -97,15 +101,23 @@ def greedy(g: GroupCoef, T: int, lin_floor: float = 0.0, att_floor: float = 0.0
     _, t_cont = max_heads(g, T, z, lin)
     t = largest_remainder(t_cont, T, list(g.cap), low=MIN_UNITS_PER_RANK)
     betas = [g.beta(i, T) for i in range(n)]
-    h_cont = [max(0.0, min((z - t[i] * g.s_(i)) / betas[i] if betas[i] else 0.0, g.head_mem_cap(i, T, t[i])))
-              for i in range(n)]
+    h_cont = [
+        max(
+            0.0,
+            min((z - t[i] * g.s_(i)) / betas[i] if betas[i] else 0.0, g.head_mem_cap(i, T, t[i])),
+        )
+        for i in range(n)
+    ]
     s = sum(h_cont) or 1.0
     # heads: proportional to the continuous head capacity, rounded within each member's memory when
     # the caps can hold every head (else uncapped; ``_fits`` then rejects the point)
     mem = [g.head_mem_cap(i, T, t[i]) for i in range(n)]
-    head_caps = [max(0, min(g.heads, math.floor(x + 1e-9))) if math.isfinite(x) else g.heads for x in mem]
-    h = largest_remainder([x * g.heads / s for x in h_cont], g.heads,
-                          head_caps if sum(head_caps) >= g.heads else None)
+    head_caps = [
+        max(0, min(g.heads, math.floor(x + 1e-9))) if math.isfinite(x) else g.heads for x in mem
+    ]
+    h = largest_remainder(
+        [x * g.heads / s for x in h_cont], g.heads, head_caps if sum(head_caps) >= g.heads else None
+    )
     if not _fits(g, T, t, h):
         t = _make_room(g, T, t, h) or t
     return t, h
@@ -146,14 +158,18 @@ def _identical_runs(g: GroupCoef) -> list[list[int]]:
 
 
 def _fits(g: GroupCoef, T: int, t: list[int], h: list[int]) -> bool:
-    return all(t[i] * g.mt[i] + h[i] * T * g.mh[i] <= g.free[i] and t[i] >= MIN_UNITS_PER_RANK
-               for i in range(g.size))
+    return all(
+        t[i] * g.mt[i] + h[i] * T * g.mh[i] <= g.free[i] and t[i] >= MIN_UNITS_PER_RANK
+        for i in range(g.size)
+    )
 
 
 def _phases(g: GroupCoef, T: int, t: list[int], h: list[int]) -> tuple[int, int]:
     """(linear phase, attention phase) of an integer point: max t a, max t s + h beta (ns)."""
-    return (max(t[i] * g.a[i] for i in range(g.size)),
-            max(t[i] * g.s_(i) + h[i] * g.beta(i, T) for i in range(g.size)))
+    return (
+        max(t[i] * g.a[i] for i in range(g.size)),
+        max(t[i] * g.s_(i) + h[i] * g.beta(i, T) for i in range(g.size)),
+    )
 
 
 def _time(g: GroupCoef, T: int, t: list[int], h: list[int]) -> int:
@@ -166,8 +182,9 @@ def _floored(g: GroupCoef, T: int, t: list[int], h: list[int], lf: int, af: int)
     return max(lin, lf) + max(att, af)
 
 
-def _solution(g: GroupCoef, T: int, t: Sequence[int], h: Sequence[int], bound: int,
-              status: str) -> GroupSolution:
+def _solution(
+    g: GroupCoef, T: int, t: Sequence[int], h: Sequence[int], bound: int, status: str
+) -> GroupSolution:
     lin, att = _phases(g, T, list(t), list(h))
     return GroupSolution(tuple(t), tuple(h), lin + att, bound, status, lin, att)
 
@@ -190,10 +207,17 @@ def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -
     if hint and not _fits(g, T, *hint):
         hint = None
     betas = [g.beta(i, T) for i in range(n)]
-    ub = (_floored(g, T, *hint, lf, af) if hint else
-          max(lf, T * max(g.a), 1) + max(af, T * max(g.s or (0,)) + H * max(betas)))
+    ub = (
+        _floored(g, T, *hint, lf, af)
+        if hint
+        else max(lf, T * max(g.a), 1) + max(af, T * max(g.s or (0,)) + H * max(betas))
+    )
     # the continuous optimum is a lower bound: a rounded point within GREEDY_GAP of it is kept as is
-    lp = sum(group_phase_time(g, T, lf, af)) if math.isfinite(group_phase_time(g, T, lf, af)[1]) else 0.0
+    lp = (
+        sum(group_phase_time(g, T, lf, af))
+        if math.isfinite(group_phase_time(g, T, lf, af)[1])
+        else 0.0
+    )
     lp = max(lp, lf + af)
     if hint and (ub <= lp * (1 + GREEDY_GAP) or n > CPSAT_MAX_MEMBERS):
         return _solution(g, T, hint[0], hint[1], min(ub, math.floor(lp)), "FEASIBLE")
@@ -265,7 +289,9 @@ def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -
             if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 tv = [solver.value(t[i]) for i in range(n)]
                 hv = [solver.value(h[i]) for i in range(n)]
-        return _solution(g, T, tv, hv, bound, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE")
+        return _solution(
+            g, T, tv, hv, bound, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE"
+        )
     if status == cp_model.INFEASIBLE:
         return GroupSolution((), (), 0, 0, "INFEASIBLE")
     assert status != cp_model.MODEL_INVALID, model.validate()
@@ -299,7 +325,13 @@ def floors(split: Split) -> tuple[int, int]:
     return math.floor(split.lin_ns), math.floor(split.att_ns)
 
 
-def rebalance_units(groups: list[GroupCoef], units: list[int], target_ns: float, max_moves: int | None = None, floor_ns: tuple[int, int] = (0, 0)) -> list[int]:
+def rebalance_units(
+    groups: list[GroupCoef],
+    units: list[int],
+    target_ns: float,
+    max_moves: int | None = None,
+    floor_ns: tuple[int, int] = (0, 0),
+) -> list[int]:
     """Integer repair of Stage II: while the slowest group's Stage III time (INFEASIBLE = infinite)
     is more than ``REPAIR_SLACK`` above the continuous split's ``target_ns``, move one unit from it to
     the currently fastest group, if that lowers the maximum.
@@ -343,9 +375,15 @@ def integer_split(groups: list[GroupCoef], num_units: int) -> tuple[Split, list[
     for _ in range(6):
         # later rounds keep the first round's linear bound L (one bisection on A instead of the L
         # search); the full search only when the caps make that L infeasible
-        capped = (split_sequence(groups, num_units, caps) if split is None else
-                  split_at(groups, num_units, caps, split.lin_ns) or split_sequence(groups, num_units, caps))
-        if capped is None:  # the caps leave too little room: keep the last split and repair by single units
+        capped = (
+            split_sequence(groups, num_units, caps)
+            if split is None
+            else split_at(groups, num_units, caps, split.lin_ns)
+            or split_sequence(groups, num_units, caps)
+        )
+        if (
+            capped is None
+        ):  # the caps leave too little room: keep the last split and repair by single units
             if split is None:
                 return None
             break
@@ -363,7 +401,10 @@ def integer_split(groups: list[GroupCoef], num_units: int) -> tuple[Split, list[
         for g, T in sorted(set(zip(groups, split.units)), key=lambda x: (x[1], first[x[0]])):
             if T <= min_units(g) or f(g, T) <= target:
                 continue
-            lo, hi = min_units(g), T - 1  # largest T' in [|g|, T-1] with f(T') <= target (|g| if none)
+            lo, hi = (
+                min_units(g),
+                T - 1,
+            )  # largest T' in [|g|, T-1] with f(T') <= target (|g| if none)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if f(g, mid) <= target:

@@ -48,6 +48,7 @@ Memory: ``t_r * mt_r + h_r * T_g * mh_r <= free_r`` (bytes) with ``free_r = capa
 and head); terms the surrogate misses (buffers, K/V blocks) are caught by ``estimate`` and fed back
 by lowering ``free_r``.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,13 +69,13 @@ BYTES_PER_ELEMENT = 2  # bf16 activations
 class DeviceCoef:
     """Per-device surrogate coefficients (floats, seconds); turned into integer ns per group."""
 
-    lin_s: float      # linear-layer seconds per unit
-    att_s: float      # attention seconds per head per group unit (b_r)
+    lin_s: float  # linear-layer seconds per unit
+    att_s: float  # attention seconds per head per group unit (b_r)
     a2a_tok_s: float  # A2A seconds per unit of own tokens over NVLink (inside a group of >1)
     a2a_head_s: float  # A2A seconds per head per group unit over NVLink (e_r)
     net_over_nv: float  # NVLink / network bandwidth: the A2A slowdown of a group spanning nodes
-    kv_s: float       # K/V ring seconds per head per unit of other groups' tokens (c_r)
-    free_bytes: int   # usable memory minus parameters/gradients/optimizer states
+    kv_s: float  # K/V ring seconds per head per unit of other groups' tokens (c_r)
+    free_bytes: int  # usable memory minus parameters/gradients/optimizer states
     mem_tok_bytes: int  # activation bytes per own token unit
     mem_head_bytes: int  # attention-core bytes per head per group token unit
 
@@ -96,8 +97,9 @@ class Surrogate:
     k_lin: float = 1.0
     k_att: float = 1.0
 
-    def rank_coef_ns(self, r: int, group_size: int, num_groups: int,
-                     spans_nodes: bool = False) -> tuple[int, int, int, int, int]:
+    def rank_coef_ns(
+        self, r: int, group_size: int, num_groups: int, spans_nodes: bool = False
+    ) -> tuple[int, int, int, int, int]:
         """(l_r, s_r, b_r, c_r, e_r) in integer ns for rank r inside a group of ``group_size`` of
         ``num_groups``: l_r the linear phase per own unit, s_r the A2A per own unit (attention phase)."""
         d = self.devices[r]
@@ -107,17 +109,31 @@ class Surrogate:
         e = d.a2a_head_s * slow if group_size > 1 else 0.0
         return _ns(d.lin_s), _ns(s), _ns(d.att_s), _ns(c), _ns(e)
 
-    def scaled(self, factors: Sequence[float], kv_factors: Sequence[float] | None = None) -> Surrogate:
+    def scaled(
+        self, factors: Sequence[float], kv_factors: Sequence[float] | None = None
+    ) -> Surrogate:
         """Every time coefficient of device r multiplied by ``factors[r]`` (feedback from ``estimate``),
         the K/V ring coefficient ``kv_s`` by ``kv_factors[r]`` when given (calibrated on its own)."""
         kv = factors if kv_factors is None else kv_factors
-        return replace(self, devices=tuple(
-            replace(d, lin_s=d.lin_s * f, att_s=d.att_s * f, a2a_tok_s=d.a2a_tok_s * f,
-                    a2a_head_s=d.a2a_head_s * f, kv_s=d.kv_s * fk)
-            for d, f, fk in zip(self.devices, factors, kv)))
+        return replace(
+            self,
+            devices=tuple(
+                replace(
+                    d,
+                    lin_s=d.lin_s * f,
+                    att_s=d.att_s * f,
+                    a2a_tok_s=d.a2a_tok_s * f,
+                    a2a_head_s=d.a2a_head_s * f,
+                    kv_s=d.kv_s * fk,
+                )
+                for d, f, fk in zip(self.devices, factors, kv)
+            ),
+        )
 
     def with_free(self, free: Sequence[int]) -> Surrogate:
-        return replace(self, devices=tuple(replace(d, free_bytes=int(f)) for d, f in zip(self.devices, free)))
+        return replace(
+            self, devices=tuple(replace(d, free_bytes=int(f)) for d, f in zip(self.devices, free))
+        )
 
 
 def _ns(seconds: float) -> int:
@@ -164,8 +180,15 @@ def effective_ring_bw(own_bw: float, ring_bws: Sequence[float]) -> float:
     return total / sum(k / min(own_bw, bw) for bw, k in counts.items())
 
 
-def build_surrogate(cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_length: int,
-                    *, k_lin: float = 1.0, k_att: float = 1.0) -> Surrogate:
+def build_surrogate(
+    cluster: Cluster,
+    model: ModelSpec,
+    options: TrainOptions,
+    seq_length: int,
+    *,
+    k_lin: float = 1.0,
+    k_att: float = 1.0,
+) -> Surrogate:
     """Surrogate coefficients for every device (see module docstring for the formulas)."""
 
     W, H = cluster.world_size, model.num_attention_heads
@@ -180,7 +203,9 @@ def build_surrogate(cluster: Cluster, model: ModelSpec, options: TrainOptions, s
     static = costmodel.static_memory_bytes(model, options, domain)
     act = b * costmodel.activation_bytes_per_token(model, options)
     G = model.num_query_groups
-    att_mem = b * costmodel.attention_bytes_per_group_token(model, options, H, G) / H  # per head, kv shared
+    att_mem = (
+        b * costmodel.attention_bytes_per_group_token(model, options, H, G) / H
+    )  # per head, kv shared
     frac = options.capacity_fraction
     multi_node = len({d.node for d in cluster.devices}) > 1
     ring_bws = [(d.network_GBps if multi_node else d.nvlink_GBps) * 1e9 for d in cluster.devices]
@@ -190,22 +215,33 @@ def build_surrogate(cluster: Cluster, model: ModelSpec, options: TrainOptions, s
         ring_bw = effective_ring_bw(own_bw, ring_bws)
         att_fps = dev.attention_flops_per_s
         free = frac * dev.memory_bytes - static
-        devs.append(DeviceCoef(
-            lin_s=unit * b * k_lin * lin_flops / dev.flops_per_s,
-            att_s=unit * b * k_att * att_flops * (seq_length + 1) / 2 / att_fps,
-            a2a_tok_s=unit * a2a_b / nv,
-            a2a_head_s=unit * a2a_b / H / nv,
-            net_over_nv=dev.nvlink_GBps / dev.network_GBps,
-            kv_s=unit * kv_b / ring_bw,
-            free_bytes=max(0, math.floor(free)),
-            mem_tok_bytes=act * unit,
-            mem_head_bytes=math.ceil(att_mem * unit),
-        ))
-    return Surrogate(seq_length=seq_length, unit=unit, num_units=seq_length // unit, heads=H,
-                     devices=tuple(devs), k_lin=k_lin, k_att=k_att)
+        devs.append(
+            DeviceCoef(
+                lin_s=unit * b * k_lin * lin_flops / dev.flops_per_s,
+                att_s=unit * b * k_att * att_flops * (seq_length + 1) / 2 / att_fps,
+                a2a_tok_s=unit * a2a_b / nv,
+                a2a_head_s=unit * a2a_b / H / nv,
+                net_over_nv=dev.nvlink_GBps / dev.network_GBps,
+                kv_s=unit * kv_b / ring_bw,
+                free_bytes=max(0, math.floor(free)),
+                mem_tok_bytes=act * unit,
+                mem_head_bytes=math.ceil(att_mem * unit),
+            )
+        )
+    return Surrogate(
+        seq_length=seq_length,
+        unit=unit,
+        num_units=seq_length // unit,
+        heads=H,
+        devices=tuple(devs),
+        k_lin=k_lin,
+        k_att=k_att,
+    )
 
 
-def calibrate(cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_length: int) -> tuple[float, float]:
+def calibrate(
+    cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_length: int
+) -> tuple[float, float]:
     """Fit (k_lin, k_att) so the surrogate's FLOP terms match ``estimate``'s per-rank compute_s.
 
     Probe: one group per node (one group of all ranks when some node has a single GPU), even tokens,
@@ -227,13 +263,24 @@ def calibrate(cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_len
     heads = [0] * W
     for g in groups:
         heads[g[0]] = H
-    probe = build_layout(seq_length=seq_length, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                         groups=groups, rank_tokens=tokens, rank_heads=heads, hosts=hosts, gpus=gpus)
+    probe = build_layout(
+        seq_length=seq_length,
+        num_attention_heads=H,
+        num_query_groups=model.num_query_groups,
+        groups=groups,
+        rank_tokens=tokens,
+        rank_heads=heads,
+        hosts=hosts,
+        gpus=gpus,
+    )
     est = costmodel.estimate(probe, cluster, model, options)
     b = options.micro_batch_size
     lin = costmodel.linear_flops_per_token(model) * b
-    k_lins = sorted(est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin)
-                    for r in range(W) if heads[r] == 0 and tokens[r] > 0)
+    k_lins = sorted(
+        est.per_rank[r].compute_s * cluster.devices[r].flops_per_s / (tokens[r] * lin)
+        for r in range(W)
+        if heads[r] == 0 and tokens[r] > 0
+    )
     k_lin = k_lins[len(k_lins) // 2]
     k_atts = []
     for g in groups:
@@ -241,8 +288,12 @@ def calibrate(cluster: Cluster, model: ModelSpec, options: TrainOptions, seq_len
         dev = cluster.devices[r]
         att_fps = dev.attention_flops_per_s
         att_s = est.per_rank[r].compute_s - k_lin * tokens[r] * lin / dev.flops_per_s
-        pairs = costmodel.causal_pairs(probe.group_segments(probe.ranks[r].group), [(0, seq_length)])
-        k_atts.append(att_s * att_fps / (b * pairs * H * costmodel.attention_flops_per_pair_head(model)))
+        pairs = costmodel.causal_pairs(
+            probe.group_segments(probe.ranks[r].group), [(0, seq_length)]
+        )
+        k_atts.append(
+            att_s * att_fps / (b * pairs * H * costmodel.attention_flops_per_pair_head(model))
+        )
     k_atts.sort()
     k_att = k_atts[len(k_atts) // 2]
     k_lin = k_lin if k_lin > 0 and math.isfinite(k_lin) else 1.0

@@ -12,6 +12,7 @@ device (GPU: BF16; CPU: float32).
   an all-to-all of all ranks;
 - :func:`memory_gib`, :func:`device_name`.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -36,7 +37,9 @@ class ProfileOptions:
     message_bytes: int = 4 << 20
     repeats: int = 5
     memory_gib: float | None = None  # CPU budget; GPU uses free memory when None
-    node_names: Sequence[str] | None = None  # logical node of each rank (CPU testbed); else hostname
+    node_names: Sequence[str] | None = (
+        None  # logical node of each rank (CPU testbed); else hostname
+    )
     model: ModelSpec | None = None  # measure with the model's own layer shapes (calibration)
     layer_tokens: int = 1024
 
@@ -66,7 +69,9 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, opts: Profile
     return timed_rate(work, 2.0 * n**3, opts.seconds_per_test)
 
 
-def measure_layer_flops(model: ModelSpec, device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
+def measure_layer_flops(
+    model: ModelSpec, device: torch.device, dtype: torch.dtype, opts: ProfileOptions
+) -> float:
     """Achieved FLOP/s of one transformer layer's non-attention work with the model's own shapes.
 
     Runs forward+backward of the layer's linear layers (QKV, projection, MLP with SwiGLU if set)
@@ -74,8 +79,13 @@ def measure_layer_flops(model: ModelSpec, device: torch.device, dtype: torch.dty
     :func:`megatron_hexiseq.costmodel.linear_flops_per_token` by the time: elementwise work and
     small-matrix inefficiency are folded into the rate, which is what the cost model then uses.
     """
-    h, a, g, d, f = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.kv_channels, \
-        model.ffn_hidden_size
+    h, a, g, d, f = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+        model.ffn_hidden_size,
+    )
     m = 2 if model.swiglu else 1
     T = opts.layer_tokens
     mk = lambda i, o: (torch.randn(i, o, device=device, dtype=dtype) / i**0.5).requires_grad_()  # noqa: E731
@@ -97,7 +107,9 @@ def measure_layer_flops(model: ModelSpec, device: torch.device, dtype: torch.dty
     return timed_rate(work, flops_per_token * T, opts.seconds_per_test)
 
 
-def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
+def measure_attention_flops(
+    device: torch.device, dtype: torch.dtype, opts: ProfileOptions
+) -> float:
     """Causal attention fwd+bwd FLOP/s counting only visible (q, k) pairs: 4*d fwd, 8*d bwd per pair-head.
 
     With ``opts.model`` the model's heads and head size are used (sequence capped at
@@ -105,7 +117,11 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: Prof
     """
     s, h, d = opts.attention_seq, opts.attention_heads, opts.head_dim
     if opts.model is not None:
-        s, h, d = model_attention_seq(opts.model), opts.model.num_attention_heads, opts.model.kv_channels
+        s, h, d = (
+            model_attention_seq(opts.model),
+            opts.model.num_attention_heads,
+            opts.model.kv_channels,
+        )
     q = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(1, h, s, d, device=device, dtype=dtype, requires_grad=True)
@@ -120,7 +136,9 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, opts: Prof
     return timed_rate(work, 12.0 * d * pairs * h, opts.seconds_per_test)
 
 
-def measure_pair_bandwidth(a: int, b: int, device: torch.device, opts: ProfileOptions) -> float | None:
+def measure_pair_bandwidth(
+    a: int, b: int, device: torch.device, opts: ProfileOptions
+) -> float | None:
     """Bytes/s between ranks a and b by ping-pong (median of repeats); None on other ranks."""
     me = dist.get_rank()
     if me not in (a, b):

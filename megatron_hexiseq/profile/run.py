@@ -27,6 +27,7 @@ Output: a cluster spec dict in the format of :mod:`megatron_hexiseq.cluster` (on
 type per node, efficiency 1.0 because the throughput *is* the measurement) and a raw dict of
 every number measured.
 """
+
 from __future__ import annotations
 
 import socket
@@ -38,9 +39,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.profile.measure import (ProfileOptions, device_name, measure_alltoall_bandwidth,
-                                              measure_attention_flops, measure_layer_flops, measure_matmul_flops,
-                                              measure_pair_bandwidth, memory_gib, model_attention_seq, significant)
+from megatron_hexiseq.profile.measure import (
+    ProfileOptions,
+    device_name,
+    measure_alltoall_bandwidth,
+    measure_attention_flops,
+    measure_layer_flops,
+    measure_matmul_flops,
+    measure_pair_bandwidth,
+    memory_gib,
+    model_attention_seq,
+    significant,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,15 +73,23 @@ class CpuCalibration:
     fit_latencies: Callable[[dict[str, Any], dict[str, Any], ModelSpec], dict[str, Any]]
 
 
-def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str], None] | None = None, *,
-                cpu_calibration: CpuCalibration | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def run_profile(
+    opts: ProfileOptions = ProfileOptions(),
+    progress: Callable[[str], None] | None = None,
+    *,
+    cpu_calibration: CpuCalibration | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """Measure all ranks; rank 0 returns ``(cluster_spec_dict, raw_dict)``, other ranks None.
 
     ``cpu_calibration`` is used only on CPU with ``opts.model``; without it a CPU rank is measured
     like a GPU (the model's layer and PyTorch SDPA, no fixed costs).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     say = progress if (progress and rank == 0) else (lambda _msg: None)
     node = opts.node_names[rank] if opts.node_names else socket.gethostname()
@@ -85,7 +103,11 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
         mm = measure_matmul_flops(device, dtype, opts)
     elif calibrate is not None:  # calibrate with the very model the CPU driver trains
         step = calibrate.model_step(model, -(-model.seq_length // world), opts)
-        mm, fixed["step_overhead_s"], fixed["model_step"] = step["flops_per_s"], step["step_overhead_s"], step["points"]
+        mm, fixed["step_overhead_s"], fixed["model_step"] = (
+            step["flops_per_s"],
+            step["step_overhead_s"],
+            step["points"],
+        )
     else:
         mm = measure_layer_flops(model, device, dtype, opts)
     say("attention throughput (all ranks at once)")
@@ -104,26 +126,45 @@ def run_profile(opts: ProfileOptions = ProfileOptions(), progress: Callable[[str
                 pair_bw[f"{a}-{b}"] = bw
     say("all-to-all bandwidth")
     a2a = measure_alltoall_bandwidth(device, opts) if world > 1 else None
-    if calibrate is not None and calibrate.can_time_fixed_costs(model, world):  # else the latencies stay 0
+    if calibrate is not None and calibrate.can_time_fixed_costs(
+        model, world
+    ):  # else the latencies stay 0
         say("collective and K/V-step latency inside the attention runtime")
         fixed["calibration"] = calibrate.fixed_costs(model, opts)
-    mine = {"rank": rank, "node": node, "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
-            "matmul_flops": mm, "attention_flops": attn, "alltoall_Bps": a2a, "pair_Bps": pair_bw,
-            "memory_gib": memory_gib(device, opts), **fixed}
+    mine = {
+        "rank": rank,
+        "node": node,
+        "device": device_name(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "matmul_flops": mm,
+        "attention_flops": attn,
+        "alltoall_Bps": a2a,
+        "pair_Bps": pair_bw,
+        "memory_gib": memory_gib(device, opts),
+        **fixed,
+    }
     everyone: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
     if rank != 0:
         return None
-    raw = {"ranks": everyone, "world_size": world,
-           "options": opts.__dict__ | {"node_names": list(opts.node_names or []),
-                                       "model": model.to_dict() if model is not None else None}}
+    raw = {
+        "ranks": everyone,
+        "world_size": world,
+        "options": opts.__dict__
+        | {
+            "node_names": list(opts.node_names or []),
+            "model": model.to_dict() if model is not None else None,
+        },
+    }
     spec = cluster_spec_from_measurements(everyone)
     if calibrate is not None and "calibration" in everyone[0]:
         raw["latency_fit"] = calibrate.fit_latencies(spec, everyone[0]["calibration"], model)
     return spec, raw
 
 
-def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "profiled") -> dict[str, Any]:
+def cluster_spec_from_measurements(
+    per_rank: list[dict[str, Any]], name: str = "profiled"
+) -> dict[str, Any]:
     """Turn per-rank measurements into the cluster spec format (one GPU type per node).
 
     Ranks must be listed node by node (the rank order the layout will use). Node type numbers are
@@ -139,7 +180,9 @@ def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "
     order: list[str] = []
     for r in per_rank:
         if order and r["node"] != order[-1] and r["node"] in order:
-            raise ValueError(f"rank {r['rank']} on node {r['node']} is not next to the other ranks of that node")
+            raise ValueError(
+                f"rank {r['rank']} on node {r['node']} is not next to the other ranks of that node"
+            )
         if not order or r["node"] != order[-1]:
             order.append(r["node"])
     gpus, nodes = {}, []
@@ -154,15 +197,24 @@ def cluster_spec_from_measurements(per_rank: list[dict[str, Any]], name: str = "
         type_name = f"{members[0]['device']}-{node}".replace(" ", "-")
         gpus[type_name] = {
             "bf16_tflops": significant(statistics.mean(r["matmul_flops"] for r in members) / 1e12),
-            "attention_tflops": significant(statistics.mean(r["attention_flops"] for r in members) / 1e12),
+            "attention_tflops": significant(
+                statistics.mean(r["attention_flops"] for r in members) / 1e12
+            ),
             "memory_gib": significant(min(r["memory_gib"] for r in members)),
             "nvlink_GBps": significant(intra / 1e9),
             "efficiency": 1.0,
         }
         if all("step_overhead_s" in r for r in members):
-            gpus[type_name]["step_overhead_ms"] = significant(statistics.mean(r["step_overhead_s"] for r in members) * 1e3)
-        nodes.append({"name": node, "gpu": type_name, "count": len(members),
-                      "nvlink_GBps": significant(intra / 1e9), "network_GBps": significant(inter / 1e9)})
+            gpus[type_name]["step_overhead_ms"] = significant(
+                statistics.mean(r["step_overhead_s"] for r in members) * 1e3
+            )
+        nodes.append(
+            {
+                "name": node,
+                "gpu": type_name,
+                "count": len(members),
+                "nvlink_GBps": significant(intra / 1e9),
+                "network_GBps": significant(inter / 1e9),
+            }
+        )
     return {"name": name, "gpus": gpus, "nodes": nodes}
-
-

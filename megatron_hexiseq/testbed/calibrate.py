@@ -29,6 +29,7 @@ model, and it measures what training executes:
   over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the
   figures.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -50,10 +51,14 @@ from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_se
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.megatron.reference_attention import PassThroughAttention
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.profile.measure import MODEL_ATTENTION_SEQ, ProfileOptions, significant, timed_rate
+from megatron_hexiseq.profile.measure import (
+    MODEL_ATTENTION_SEQ,
+    ProfileOptions,
+    significant,
+    timed_rate,
+)
 from megatron_hexiseq.profile.run import CpuCalibration
 from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
-
 
 
 def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> dict[str, Any]:
@@ -77,22 +82,33 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
     H = model.num_attention_heads
     sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
     local_s, sync_s = [], []
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)  # DP = all ranks
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=1, context_parallel_size=1
+    )  # DP = all ranks
     try:
         with cpu_device_shim():  # megatron's RoPE asks torch.cuda for its device
             for T in sizes:
-                layout = make_layout(seq_length=T, num_attention_heads=H, num_query_groups=model.num_query_groups,
-                                     group_sizes=[1], segments=[[(0, T)]], heads=[list(range(H))])
+                layout = make_layout(
+                    seq_length=T,
+                    num_attention_heads=H,
+                    num_query_groups=model.num_query_groups,
+                    group_sizes=[1],
+                    segments=[[(0, T)]],
+                    heads=[list(range(H))],
+                )
                 cfg = TrainConfig(model=model, layout=layout, steps=1)
                 gpt = build_gpt(cfg, core_attention=PassThroughAttention)
-                ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                              gpt)
+                ddp = DistributedDataParallel(
+                    gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt
+                )
                 params = [p for p in ddp.parameters() if p.requires_grad]
                 opt = torch.optim.AdamW(params, lr=1e-5)
                 batch = make_batch(cfg, 0, dist.get_rank())
                 loc, syn = [], []
                 dist.barrier()  # every rank times the same size at the same time
-                for _ in range(opts.repeats + 1):  # the same count on every rank: the loop has collectives
+                for _ in range(
+                    opts.repeats + 1
+                ):  # the same count on every rank: the loop has collectives
                     _, timing = train_step(ddp, opt, params, batch)
                     loc.append(timing.local_s)
                     syn.append(timing.sync_s)
@@ -106,9 +122,15 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
     if intercept < 0 or slope <= 0:
         k = sizes.index(tokens)
         slope, intercept = local_s[k] / tokens, 0.0
-    return {"flops_per_s": linear_flops_per_token(model) / slope, "step_overhead_s": intercept + float(sync),
-            "local_overhead_s": intercept, "grad_sync_s": float(sync),
-            "points": [{"tokens": T, "local_s": t, "sync_s": y} for T, t, y in zip(sizes, local_s, sync_s)]}
+    return {
+        "flops_per_s": linear_flops_per_token(model) / slope,
+        "step_overhead_s": intercept + float(sync),
+        "local_overhead_s": intercept,
+        "grad_sync_s": float(sync),
+        "points": [
+            {"tokens": T, "local_s": t, "sync_s": y} for T, t, y in zip(sizes, local_s, sync_s)
+        ],
+    }
 
 
 def measure_runtime_attention_flops(model: ModelSpec, tokens: int, opts: ProfileOptions) -> float:
@@ -119,8 +141,14 @@ def measure_runtime_attention_flops(model: ModelSpec, tokens: int, opts: Profile
     training executes — rather than PyTorch's fused SDPA alone. Collective (group construction).
     """
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
-    layout = make_layout(seq_length=tokens, num_attention_heads=H, num_query_groups=G, group_sizes=[1],
-                         segments=[[(0, tokens)]], heads=[list(range(H))])
+    layout = make_layout(
+        seq_length=tokens,
+        num_attention_heads=H,
+        num_query_groups=G,
+        group_sizes=[1],
+        segments=[[(0, tokens)]],
+        heads=[list(range(H))],
+    )
     groups = build_hexiseq_groups(layout, domains=[[r] for r in range(dist.get_world_size())])
     q = torch.randn(tokens, 1, H, d, requires_grad=True)
     k = torch.randn(tokens, 1, G, d, requires_grad=True)
@@ -132,7 +160,9 @@ def measure_runtime_attention_flops(model: ModelSpec, tokens: int, opts: Profile
     return timed_rate(work, 12.0 * d * H * tokens * (tokens + 1) / 2, opts.seconds_per_test)
 
 
-CALIBRATION_SEQ = MODEL_ATTENTION_SEQ  # longest sequence the calibration runs (the profile's attention cap)
+CALIBRATION_SEQ = (
+    MODEL_ATTENTION_SEQ  # longest sequence the calibration runs (the profile's attention cap)
+)
 CALIBRATION_LAYERS = 4  # attention calls per timed repetition (forward all, then backward all)
 
 
@@ -155,20 +185,41 @@ def calibration_heads(num_heads: int, nodes: list[str]) -> list[int]:
     return per
 
 
-def calibration_layouts(world: int, seq_length: int, num_heads: int, num_query_groups: int,
-                        hosts: list[str] | None = None, gpus: list[str] | None = None) -> dict[str, Layout]:
+def calibration_layouts(
+    world: int,
+    seq_length: int,
+    num_heads: int,
+    num_query_groups: int,
+    hosts: list[str] | None = None,
+    gpus: list[str] | None = None,
+) -> dict[str, Layout]:
     """The two layouts of all ``world`` ranks the fit uses: ``a2a`` (one group; heads by
     :func:`calibration_heads` over ``hosts``) and ``p2p`` (a ring)."""
     sizes = split_evenly(seq_length, world)
     starts = [sum(sizes[:r]) for r in range(world)]
-    per_head = calibration_heads(num_heads, list(hosts) if hosts else [str(r) for r in range(world)])
+    per_head = calibration_heads(
+        num_heads, list(hosts) if hosts else [str(r) for r in range(world)]
+    )
     first = [sum(per_head[:r]) for r in range(world)]
-    common = dict(seq_length=seq_length, num_attention_heads=num_heads, num_query_groups=num_query_groups,
-                  hosts=hosts, gpus=gpus)
-    a2a = make_layout(group_sizes=[world], segments=[[(s, s + n)] for s, n in zip(starts, sizes)],
-                      heads=[list(range(f, f + h)) for f, h in zip(first, per_head)], **common)
-    p2p = make_layout(group_sizes=[1] * world, segments=zigzag_segments(seq_length, world),
-                      heads=[list(range(num_heads))] * world, **common)
+    common = dict(
+        seq_length=seq_length,
+        num_attention_heads=num_heads,
+        num_query_groups=num_query_groups,
+        hosts=hosts,
+        gpus=gpus,
+    )
+    a2a = make_layout(
+        group_sizes=[world],
+        segments=[[(s, s + n)] for s, n in zip(starts, sizes)],
+        heads=[list(range(f, f + h)) for f, h in zip(first, per_head)],
+        **common,
+    )
+    p2p = make_layout(
+        group_sizes=[1] * world,
+        segments=zigzag_segments(seq_length, world),
+        heads=[list(range(num_heads))] * world,
+        **common,
+    )
     return {"a2a": a2a, "p2p": p2p}
 
 
@@ -182,7 +233,9 @@ def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str
     rank, median of ``opts.repeats``) of each calibration layout. Same dict on every rank.
     Requires :func:`can_calibrate`."""
     world, me = dist.get_world_size(), dist.get_rank()
-    S = min(model.seq_length, CALIBRATION_SEQ) // (2 * world) * (2 * world)  # zig-zag: 2 chunks per rank
+    S = (
+        min(model.seq_length, CALIBRATION_SEQ) // (2 * world) * (2 * world)
+    )  # zig-zag: 2 chunks per rank
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     nodes = list(opts.node_names) if opts.node_names else [str(r) for r in range(world)]
     layouts = calibration_layouts(world, S, H, G, hosts=nodes)
@@ -190,14 +243,26 @@ def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str
     # more ranks than heads: a head-less rank still times one head (its compute reference is a
     # little high, so the fitted latency a little low)
     heads_r = max(1, len(layouts["a2a"].ranks[me].heads))
-    alone = make_layout(seq_length=S, num_attention_heads=heads_r, num_query_groups=1, group_sizes=[1],
-                        segments=[[(0, S)]], heads=[list(range(heads_r))])
+    alone = make_layout(
+        seq_length=S,
+        num_attention_heads=heads_r,
+        num_query_groups=1,
+        group_sizes=[1],
+        segments=[[(0, S)]],
+        heads=[list(range(heads_r))],
+    )
     layers = max(1, min(model.num_layers, CALIBRATION_LAYERS))
-    out: dict[str, Any] = {"seq_length": S, "repeats": opts.repeats, "layers": layers,
-                           "a2a_heads": _heads(layouts["a2a"])}
-    for name, layout, domains, g in (("a2a", layouts["a2a"], [list(range(world))], G),
-                                     ("a2a_compute", alone, [[r] for r in range(world)], 1),
-                                     ("p2p", layouts["p2p"], [list(range(world))], G)):
+    out: dict[str, Any] = {
+        "seq_length": S,
+        "repeats": opts.repeats,
+        "layers": layers,
+        "a2a_heads": _heads(layouts["a2a"]),
+    }
+    for name, layout, domains, g in (
+        ("a2a", layouts["a2a"], [list(range(world))], G),
+        ("a2a_compute", alone, [[r] for r in range(world)], 1),
+        ("p2p", layouts["p2p"], [list(range(world))], G),
+    ):
         groups = build_hexiseq_groups(layout, domains=domains)
         s_r, h = layout.ranks[0 if len(domains) > 1 else me].num_tokens, layout.num_attention_heads
         gen = torch.Generator().manual_seed(me)
@@ -209,7 +274,10 @@ def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str
             dist.barrier()
             start = time.perf_counter()
             # `layers` calls forward, then their backwards (as a model's layers run): per call time
-            sum(hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum() for _ in range(layers)).backward()
+            sum(
+                hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum()
+                for _ in range(layers)
+            ).backward()
             elapsed = torch.tensor([(time.perf_counter() - start) / layers], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i:
@@ -222,7 +290,9 @@ def _heads(layout: Layout) -> list[int]:
     return [len(r.heads) for r in layout.ranks]
 
 
-def fit_latencies(spec: dict[str, Any], calibration: dict[str, Any], model: ModelSpec) -> dict[str, Any]:
+def fit_latencies(
+    spec: dict[str, Any], calibration: dict[str, Any], model: ModelSpec
+) -> dict[str, Any]:
     """Set ``collective_latency_us`` and ``p2p_latency_us`` of every GPU type in ``spec`` (in place)
     from the timed calibration calls; returns the fit (measured, modelled, counts) for the raw JSON."""
     cluster = cluster_from_dict(spec, source="profiled cluster spec")
@@ -230,28 +300,42 @@ def fit_latencies(spec: dict[str, Any], calibration: dict[str, Any], model: Mode
     one_layer = replace(model, num_layers=1, seq_length=S)
     options = TrainOptions()
     hosts, gpus = [d.node for d in cluster.devices], [d.gpu.name for d in cluster.devices]
-    layouts = calibration_layouts(cluster.world_size, S, model.num_attention_heads, model.num_query_groups,
-                                  hosts, gpus)
+    layouts = calibration_layouts(
+        cluster.world_size, S, model.num_attention_heads, model.num_query_groups, hosts, gpus
+    )
     passes = 1 + 1  # forward + backward (no recompute in the calibration call)
-    counts = {"a2a": passes * 4,  # q, k, v in and the output back, per pass
-              "p2p": (passes + 1) * max(kv_exchange_forward(layouts["p2p"], cluster, one_layer, 1).rounds)}
+    counts = {
+        "a2a": passes * 4,  # q, k, v in and the output back, per pass
+        "p2p": (passes + 1)
+        * max(kv_exchange_forward(layouts["p2p"], cluster, one_layer, 1).rounds),
+    }
     fit: dict[str, Any] = {}
     for name, layout in layouts.items():
         est = estimate(layout, cluster, one_layer, options)
         measured = calibration[f"{name}_call_s"]
         if name == "a2a":  # measured compute (same work, no communication) + modelled bytes
-            modelled = calibration["a2a_compute_call_s"] + max(r.breakdown["a2a_s"] for r in est.per_rank)
+            modelled = calibration["a2a_compute_call_s"] + max(
+                r.breakdown["a2a_s"] for r in est.per_rank
+            )
         else:  # modelled compute and exposed transfer (a zig-zag ring: equal work on every rank)
             modelled = max(r.time_s - r.breakdown["linear_s"] for r in est.per_rank)
         per_step = max(0.0, measured - modelled) / counts[name] if counts[name] else 0.0
-        fit[name] = {"measured_s": measured, "modelled_without_fixed_s": modelled, "steps": counts[name],
-                     "latency_us": significant(per_step * 1e6)}
+        fit[name] = {
+            "measured_s": measured,
+            "modelled_without_fixed_s": modelled,
+            "steps": counts[name],
+            "latency_us": significant(per_step * 1e6),
+        }
     for entry in spec["gpus"].values():
         entry["collective_latency_us"] = fit["a2a"]["latency_us"]
         entry["p2p_latency_us"] = fit["p2p"]["latency_us"]
     return fit
 
 
-CPU_CALIBRATION = CpuCalibration(model_step=measure_model_step, attention_flops=measure_runtime_attention_flops,
-                                 can_time_fixed_costs=can_calibrate, fixed_costs=time_calibration_layouts,
-                                 fit_latencies=fit_latencies)
+CPU_CALIBRATION = CpuCalibration(
+    model_step=measure_model_step,
+    attention_flops=measure_runtime_attention_flops,
+    can_time_fixed_costs=can_calibrate,
+    fixed_costs=time_calibration_layouts,
+    fit_latencies=fit_latencies,
+)

@@ -23,6 +23,7 @@ dict on the new world and loads it: nothing is converted, whatever the old and n
 ``checkpoint_shim()`` is the CPU-only stand-in that lets ``dist_checkpointing`` run without CUDA
 (``torch.cuda.current_device`` -> CPU, ``torch.cuda.synchronize`` a no-op); testbed code only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,15 @@ import torch.distributed as dist
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import write_text_atomic
-from megatron_hexiseq.megatron.checkpoint import (RECORD_KEY, TRACKER, RunRecord, check_resume, find_checkpoint,
-                                                  on_rank0_for_all, read_record)
+from megatron_hexiseq.megatron.checkpoint import (
+    RECORD_KEY,
+    TRACKER,
+    RunRecord,
+    check_resume,
+    find_checkpoint,
+    on_rank0_for_all,
+    read_record,
+)
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.testbed.train_config import TrainConfig
 
@@ -46,23 +54,43 @@ ADAM_STATES = ("exp_avg", "exp_avg_sq")
 def run_record(cfg: TrainConfig) -> RunRecord:
     """The facts a CPU-driver checkpoint depends on (Megatron's argument names)."""
     m = cfg.model
-    model = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
-             "num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_query_groups,
-             "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
-             "swiglu": m.swiglu, "normalization": m.normalization, "add_bias_linear": m.add_bias_linear,
-             "untie_embeddings_and_output_weights": True, "num_experts": None,
-             "position_embedding_type": "rope"}
+    model = {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups,
+        "kv_channels": m.kv_channels,
+        "padded_vocab_size": m.vocab_size,
+        "swiglu": m.swiglu,
+        "normalization": m.normalization,
+        "add_bias_linear": m.add_bias_linear,
+        "untie_embeddings_and_output_weights": True,
+        "num_experts": None,
+        "position_embedding_type": "rope",
+    }
     W = cfg.layout.world_size
-    return RunRecord.from_dict({"model": model, "seq_length": cfg.layout.seq_length, "world_size": W * cfg.data_parallel,
-                                "context_parallel_size": W, "data_parallel_size": cfg.data_parallel})
+    return RunRecord.from_dict(
+        {
+            "model": model,
+            "seq_length": cfg.layout.seq_length,
+            "world_size": W * cfg.data_parallel,
+            "context_parallel_size": W,
+            "data_parallel_size": cfg.data_parallel,
+        }
+    )
 
 
 @contextlib.contextmanager
 def checkpoint_shim() -> Iterator[None]:
     """``dist_checkpointing`` on a CPU-only torch: CUDA device calls become CPU / no-ops (CPU driver only)."""
     with cpu_device_shim(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.checkpoint deprecations
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
+        warnings.filterwarnings(
+            "ignore", category=FutureWarning
+        )  # torch.distributed.checkpoint deprecations
+        warnings.filterwarnings(
+            "ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint"
+        )
         if torch.cuda.is_available():
             yield
             return
@@ -74,7 +102,9 @@ def checkpoint_shim() -> Iterator[None]:
             torch.cuda.synchronize = original  # type: ignore[assignment]
 
 
-def _sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, replica: int, *, template: bool) -> dict[str, Any]:
+def _sharded(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, replica: int, *, template: bool
+) -> dict[str, Any]:
     """``{"model": ..., "optimizer": {name: {state: ShardedTensor}}}`` (``template``: empty tensors to load into)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -82,15 +112,24 @@ def _sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, replica: int, *
     for name, p in model.named_parameters():
         state = opt.state.get(p, {})
         optimizer[name] = {
-            key: ShardedTensor.from_rank_offsets(f"optimizer.{name}.{key}",
-                                                 torch.empty_like(p) if template else state[key].detach(),
-                                                 replica_id=replica)
-            for key in ADAM_STATES}
+            key: ShardedTensor.from_rank_offsets(
+                f"optimizer.{name}.{key}",
+                torch.empty_like(p) if template else state[key].detach(),
+                replica_id=replica,
+            )
+            for key in ADAM_STATES
+        }
     return {"model": model.sharded_state_dict(), "optimizer": optimizer}
 
 
-def save_checkpoint(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, steps_done: int, *,
-                    dp_cp_group: Any) -> str:
+def save_checkpoint(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps_done: int,
+    *,
+    dp_cp_group: Any,
+) -> str:
     """Collective: save after ``steps_done`` steps into ``cfg.save_dir/iter_<steps_done:07d>``; returns it."""
     from megatron.core import dist_checkpointing
 
@@ -100,11 +139,18 @@ def save_checkpoint(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.O
     dist.barrier()
     names = {p: n for n, p in model.named_parameters()}
     state = _sharded(model, opt, dist.get_rank(dp_cp_group), template=False)
-    state.update({
-        RECORD_KEY: run_record(cfg).to_dict(), "iteration": steps_done,
-        "optimizer_steps": {names[p]: float(s["step"]) for p, s in opt.state.items()},
-        "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        "rng_state": torch.get_rng_state(), "data": {"next_step": steps_done, "data_seed": cfg.data_seed}})
+    state.update(
+        {
+            RECORD_KEY: run_record(cfg).to_dict(),
+            "iteration": steps_done,
+            "optimizer_steps": {names[p]: float(s["step"]) for p, s in opt.state.items()},
+            "optimizer_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+            ],
+            "rng_state": torch.get_rng_state(),
+            "data": {"next_step": steps_done, "data_seed": cfg.data_seed},
+        }
+    )
     with checkpoint_shim():
         dist_checkpointing.save(state, folder)
     dist.barrier()
@@ -122,18 +168,24 @@ def check_checkpoint(cfg: TrainConfig) -> str:
     def check() -> None:
         folder = find_checkpoint(cfg.load_dir)
         if folder is None:
-            raise HexiSeqError(f"no checkpoint in {cfg.load_dir} (no {TRACKER}); train without load_dir to start afresh")
+            raise HexiSeqError(
+                f"no checkpoint in {cfg.load_dir} (no {TRACKER}); train without load_dir to start afresh"
+            )
         where = f"checkpoint {folder}"
         check_resume(read_record(folder), run_record(cfg), where=where)
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(folder)
         if common["data"]["data_seed"] != cfg.data_seed:
-            raise HexiSeqError(f"{where} was trained on data_seed {common['data']['data_seed']}, this run has "
-                               f"{cfg.data_seed}: resume on the same data")
+            raise HexiSeqError(
+                f"{where} was trained on data_seed {common['data']['data_seed']}, this run has "
+                f"{cfg.data_seed}: resume on the same data"
+            )
         if common["iteration"] >= cfg.steps:
-            raise HexiSeqError(f"{where} has done {common['iteration']} steps and this run asks for steps={cfg.steps}: "
-                               "nothing is left to train; raise steps")
+            raise HexiSeqError(
+                f"{where} has done {common['iteration']} steps and this run asks for steps={cfg.steps}: "
+                "nothing is left to train; raise steps"
+            )
         found[0] = folder
 
     on_rank0_for_all(check)
@@ -142,18 +194,24 @@ def check_checkpoint(cfg: TrainConfig) -> str:
     return found[0]
 
 
-def load_checkpoint(folder: str, model: torch.nn.Module, opt: torch.optim.Optimizer, *, dp_cp_group: Any) -> int:
+def load_checkpoint(
+    folder: str, model: torch.nn.Module, opt: torch.optim.Optimizer, *, dp_cp_group: Any
+) -> int:
     """Collective: load ``folder`` (from :func:`check_checkpoint`) into ``model`` and ``opt``; returns the
     number of steps it had done (the first step to run)."""
     from megatron.core import dist_checkpointing
 
     with checkpoint_shim():
         common = dist_checkpointing.load_common_state_dict(folder)
-        loaded = dist_checkpointing.load(_sharded(model, opt, dist.get_rank(dp_cp_group), template=True), folder)
+        loaded = dist_checkpointing.load(
+            _sharded(model, opt, dist.get_rank(dp_cp_group), template=True), folder
+        )
     model.load_state_dict(loaded["model"], strict=True)
     for name, p in model.named_parameters():
-        opt.state[p] = {"step": torch.tensor(common["optimizer_steps"][name], dtype=torch.float32),
-                        **{key: loaded["optimizer"][name][key] for key in ADAM_STATES}}
+        opt.state[p] = {
+            "step": torch.tensor(common["optimizer_steps"][name], dtype=torch.float32),
+            **{key: loaded["optimizer"][name][key] for key in ADAM_STATES},
+        }
     for group, saved in zip(opt.param_groups, common["optimizer_groups"]):
         group.update(saved)
     torch.set_rng_state(common["rng_state"])
@@ -163,6 +221,11 @@ def load_checkpoint(folder: str, model: torch.nn.Module, opt: torch.optim.Optimi
 def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
     """Copies of the parameters and of AdamW's state by parameter name (for tests):
     ``{"params": {name: tensor}, "opt_state": {name: {"step", "exp_avg", "exp_avg_sq"}}}``."""
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "opt_state": {n: {k: v.detach().clone() for k, v in opt.state[p].items()}
-                          for n, p in model.named_parameters() if p in opt.state}}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "opt_state": {
+            n: {k: v.detach().clone() for k, v in opt.state[p].items()}
+            for n, p in model.named_parameters()
+            if p in opt.state
+        },
+    }

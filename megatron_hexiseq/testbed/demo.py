@@ -9,6 +9,7 @@ the lowest predicted time), so both runs use the same cost model, cluster and mo
 start from the same weights and see the same data; attention is exact, so their losses must agree
 to floating-point reordering (checked: relative 1e-4 at every step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,9 @@ class RunSummary:
     losses: list[float]
     step_times_s: list[list[float]]  # [rank][step]
     predicted_step_s: float
-    predicted_per_rank: list[dict[str, float]]  # per rank: linear_s, attention_s (incl. exposed comm)
+    predicted_per_rank: list[
+        dict[str, float]
+    ]  # per rank: linear_s, attention_s (incl. exposed comm)
     warmup: int
 
     @property
@@ -58,9 +61,13 @@ class RunSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "losses": self.losses, "step_times_s": self.step_times_s,
-            "measured_step_s": self.measured_step_s, "predicted_step_s": self.predicted_step_s,
-            "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.layout.seq_length / self.predicted_step_s,
+            "name": self.name,
+            "losses": self.losses,
+            "step_times_s": self.step_times_s,
+            "measured_step_s": self.measured_step_s,
+            "predicted_step_s": self.predicted_step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "predicted_tokens_per_s": self.layout.seq_length / self.predicted_step_s,
             "prediction_error": self.predicted_step_s / self.measured_step_s - 1.0,
             "per_rank_tokens": [r.num_tokens for r in self.layout.ranks],
             "per_rank_heads": [len(r.heads) for r in self.layout.ranks],
@@ -69,7 +76,9 @@ class RunSummary:
         }
 
 
-def best_symmetric_layout(cluster: Cluster, model: ModelSpec, options: TrainOptions) -> tuple[str, Layout]:
+def best_symmetric_layout(
+    cluster: Cluster, model: ModelSpec, options: TrainOptions
+) -> tuple[str, Layout]:
     """The feasible symmetric baseline with the lowest predicted time, as (label, layout)."""
     best = best_symmetric(cluster, model, model.seq_length, [options])
     if best is None:
@@ -77,10 +86,13 @@ def best_symmetric_layout(cluster: Cluster, model: ModelSpec, options: TrainOpti
     return best[0].label, best[0].layout
 
 
-def driver_config(layout: Layout, model: ModelSpec, *, steps: int, kernel: str = "auto") -> TrainConfig:
+def driver_config(
+    layout: Layout, model: ModelSpec, *, steps: int, kernel: str = "auto"
+) -> TrainConfig:
     """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
-    cfg = TrainConfig(model=model, layout=layout, steps=steps, kernel=kernel,
-                      bucket_size=None, lr=1e-3)
+    cfg = TrainConfig(
+        model=model, layout=layout, steps=steps, kernel=kernel, bucket_size=None, lr=1e-3
+    )
     check_run(layout, run_shape(cfg))
     return cfg
 
@@ -89,34 +101,65 @@ def train_on_testbed(cfg: TrainConfig, shape: str) -> tuple[list[float], list[li
     """Train ``cfg`` on pinned testbed ranks: (losses, step times per rank)."""
     tb = TestbedShape.parse(shape)
     if tb.world_size != cfg.layout.world_size:
-        raise HexiSeqError(f"layout has {cfg.layout.world_size} ranks but testbed {shape} has {tb.world_size}")
+        raise HexiSeqError(
+            f"layout has {cfg.layout.world_size} ranks but testbed {shape} has {tb.world_size}"
+        )
     results = run_ranks(train_rank, tb.world_size, cfg, cpu_sets=cpu_sets(tb))
     return results[0].losses, [r.step_times_s for r in results]
 
 
-def compare(cluster: Cluster, model: ModelSpec, options: TrainOptions, hexiseq: Layout, shape: str, *, steps: int, warmup: int,
-            kernel: str = "auto") -> dict[str, Any]:
+def compare(
+    cluster: Cluster,
+    model: ModelSpec,
+    options: TrainOptions,
+    hexiseq: Layout,
+    shape: str,
+    *,
+    steps: int,
+    warmup: int,
+    kernel: str = "auto",
+) -> dict[str, Any]:
     """Train with the best symmetric layout and with ``hexiseq``; return the comparison record."""
     sym_label, sym = best_symmetric_layout(cluster, model, options)
     named = [(f"symmetric:{sym_label}", sym), ("hexiseq", hexiseq)]
-    cfgs = [driver_config(lay, model, steps=steps, kernel=kernel) for _, lay in named]  # check both first
+    cfgs = [
+        driver_config(lay, model, steps=steps, kernel=kernel) for _, lay in named
+    ]  # check both first
     runs = []
     for (name, lay), cfg in zip(named, cfgs):
         losses, times = train_on_testbed(cfg, shape)
         est = estimate(lay, cluster, model, options)
-        per_rank = [{"linear_s": r.breakdown["linear_s"], "attention_s": r.time_s - r.breakdown["linear_s"]}
-                    for r in est.per_rank]
-        runs.append(RunSummary(name=name, layout=lay, losses=losses, step_times_s=times,
-                               predicted_step_s=est.iteration_time_s, predicted_per_rank=per_rank, warmup=warmup))
+        per_rank = [
+            {"linear_s": r.breakdown["linear_s"], "attention_s": r.time_s - r.breakdown["linear_s"]}
+            for r in est.per_rank
+        ]
+        runs.append(
+            RunSummary(
+                name=name,
+                layout=lay,
+                losses=losses,
+                step_times_s=times,
+                predicted_step_s=est.iteration_time_s,
+                predicted_per_rank=per_rank,
+                warmup=warmup,
+            )
+        )
     s, h = runs
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(s.losses, h.losses))
     return {
-        "testbed": shape, "cluster": cluster.name, "model": model.name, "seq_length": model.seq_length,
-        "steps": steps, "warmup": warmup, "kernel": kernel,
-        "symmetric": s.to_dict(), "hexiseq": h.to_dict(),
+        "testbed": shape,
+        "cluster": cluster.name,
+        "model": model.name,
+        "seq_length": model.seq_length,
+        "steps": steps,
+        "warmup": warmup,
+        "kernel": kernel,
+        "symmetric": s.to_dict(),
+        "hexiseq": h.to_dict(),
         "speedup_measured": s.measured_step_s / h.measured_step_s,
         "speedup_predicted": s.predicted_step_s / h.predicted_step_s,
-        "loss_max_rel_diff": worst, "losses_agree": worst <= LOSS_RTOL,
+        "loss_max_rel_diff": worst,
+        "losses_agree": worst <= LOSS_RTOL,
     }
 
 
@@ -124,20 +167,37 @@ def print_table(rec: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"CPU testbed {rec['testbed']}: {rec['model']}, {rec['seq_length']} tokens, "
-                    f"{rec['steps']} steps ({rec['warmup']} warm-up)")
-    for col in ("layout", "tokens/rank", "heads/rank", "measured tok/s", "predicted tok/s", "pred. error",
-                "final loss"):
+    t = Table(
+        title=f"CPU testbed {rec['testbed']}: {rec['model']}, {rec['seq_length']} tokens, "
+        f"{rec['steps']} steps ({rec['warmup']} warm-up)"
+    )
+    for col in (
+        "layout",
+        "tokens/rank",
+        "heads/rank",
+        "measured tok/s",
+        "predicted tok/s",
+        "pred. error",
+        "final loss",
+    ):
         t.add_column(col, justify="right" if col != "layout" else "left")
     for key in ("symmetric", "hexiseq"):
         r = rec[key]
-        t.add_row(r["name"], ",".join(map(str, r["per_rank_tokens"])), ",".join(map(str, r["per_rank_heads"])),
-                  f"{r['tokens_per_s']:.0f}", f"{r['predicted_tokens_per_s']:.0f}",
-                  f"{100 * r['prediction_error']:+.1f}%", f"{r['losses'][-1]:.6f}")
+        t.add_row(
+            r["name"],
+            ",".join(map(str, r["per_rank_tokens"])),
+            ",".join(map(str, r["per_rank_heads"])),
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['predicted_tokens_per_s']:.0f}",
+            f"{100 * r['prediction_error']:+.1f}%",
+            f"{r['losses'][-1]:.6f}",
+        )
     con = Console(width=120)
     con.print(t)
-    con.print(f"speedup measured {rec['speedup_measured']:.2f}x, predicted {rec['speedup_predicted']:.2f}x; "
-              f"losses agree: {rec['losses_agree']} (max rel diff {rec['loss_max_rel_diff']:.1e})")
+    con.print(
+        f"speedup measured {rec['speedup_measured']:.2f}x, predicted {rec['speedup_predicted']:.2f}x; "
+        f"losses agree: {rec['losses_agree']} (max rel diff {rec['loss_max_rel_diff']:.1e})"
+    )
 
 
 def plot(rec: dict[str, Any], path: str) -> None:
@@ -157,20 +217,40 @@ def plot(rec: dict[str, Any], path: str) -> None:
             idle = max(0.0, r["predicted_step_s"] - lin - att)
             first = i == 0 and rank == 0
             ax1.bar(x, lin, color="C0", label="linear (predicted)" if first else None)
-            ax1.bar(x, att, bottom=lin, color="C1", label="attention + exposed comm (predicted)" if first else None)
-            ax1.bar(x, idle, bottom=lin + att, color="0.85", label="idle (predicted)" if first else None)
+            ax1.bar(
+                x,
+                att,
+                bottom=lin,
+                color="C1",
+                label="attention + exposed comm (predicted)" if first else None,
+            )
+            ax1.bar(
+                x, idle, bottom=lin + att, color="0.85", label="idle (predicted)" if first else None
+            )
             ticks.append(x)
             labels.append(f"r{rank}\n{r['per_rank_tokens'][rank]}t/{r['per_rank_heads'][rank]}h")
             x += 1
-        ax1.hlines(r["measured_step_s"], x - len(r["predicted_per_rank"]) - 0.4, x - 0.6, colors="k",
-                   label="measured step (median)" if i == 0 else None)
-        ax1.text(x - len(r["predicted_per_rank"]) / 2 - 0.5, r["measured_step_s"] * 1.02, r["name"],
-                 ha="center", fontsize=8)
+        ax1.hlines(
+            r["measured_step_s"],
+            x - len(r["predicted_per_rank"]) - 0.4,
+            x - 0.6,
+            colors="k",
+            label="measured step (median)" if i == 0 else None,
+        )
+        ax1.text(
+            x - len(r["predicted_per_rank"]) / 2 - 0.5,
+            r["measured_step_s"] * 1.02,
+            r["name"],
+            ha="center",
+            fontsize=8,
+        )
         x += 0.8
         ax2.plot(r["losses"], label=r["name"], linestyle="-" if i == 0 else "--")
     ax1.set_xticks(ticks, labels, fontsize=7)
     ax1.set_ylabel("seconds per step")
-    ax1.set_title(f"speed-up {rec['speedup_measured']:.2f}x measured, {rec['speedup_predicted']:.2f}x predicted")
+    ax1.set_title(
+        f"speed-up {rec['speedup_measured']:.2f}x measured, {rec['speedup_predicted']:.2f}x predicted"
+    )
     ax1.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, -0.42), ncol=2)
     ax2.set_xlabel("step")
     ax2.set_ylabel("per-token loss")
@@ -182,33 +262,67 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_hexiseq.testbed.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--cluster", required=True, help="cluster spec (from 'megatron-hexiseq profile')")
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_hexiseq.testbed.demo", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--cluster", required=True, help="cluster spec (from 'megatron-hexiseq profile')"
+    )
     p.add_argument("--layout", required=True, help="HexiSeq layout (from 'megatron-hexiseq plan')")
     p.add_argument("--model-config", required=True, help="model YAML used for the plan")
     p.add_argument("--testbed", required=True, help="testbed shape used for the profile, e.g. 1+2")
     p.add_argument("--steps", type=int, default=30, help="training steps per layout (default 30)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
-    p.add_argument("--kernel", default="auto", choices=("auto", "reference"), help="attention kernel (default auto: the fused kernel for the device)")
-    p.add_argument("-o", "--output", default="results/demo.json", help="comparison JSON (default results/demo.json)")
-    p.add_argument("--plot", default="results/demo.png", help="figure; '' for none (default results/demo.png)")
+    p.add_argument(
+        "--kernel",
+        default="auto",
+        choices=("auto", "reference"),
+        help="attention kernel (default auto: the fused kernel for the device)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        default="results/demo.json",
+        help="comparison JSON (default results/demo.json)",
+    )
+    p.add_argument(
+        "--plot", default="results/demo.png", help="figure; '' for none (default results/demo.png)"
+    )
     args = p.parse_args(argv)
     return run_user_command(lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
     if not 0 <= args.warmup < args.steps <= 100_000:
-        raise HexiSeqError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0 (and be at most 100000)")
+        raise HexiSeqError(
+            f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0 (and be at most 100000)"
+        )
     plot_path = args.plot or None
-    check_outputs([("-o", args.output), ("--plot", plot_path)],  # every output checked before minutes of training
-                  inputs=[args.cluster, args.layout, args.model_config], figures=["--plot"])
+    check_outputs(
+        [
+            ("-o", args.output),
+            ("--plot", plot_path),
+        ],  # every output checked before minutes of training
+        inputs=[args.cluster, args.layout, args.model_config],
+        figures=["--plot"],
+    )
     layout = Layout.load(args.layout)
     cluster = load_cluster(args.cluster)
     model = get_model(config_path=args.model_config, overrides={"seq_length": layout.seq_length})
-    options = options_from_record(check_options_record(layout.meta.get("options"), f"layout {args.layout}"))
+    options = options_from_record(
+        check_options_record(layout.meta.get("options"), f"layout {args.layout}")
+    )
     with waiting(f"training twice on testbed {args.testbed}, {args.steps} steps each"):
-        rec = compare(cluster, model, options, layout, args.testbed, steps=args.steps, warmup=args.warmup,
-                      kernel=args.kernel)
+        rec = compare(
+            cluster,
+            model,
+            options,
+            layout,
+            args.testbed,
+            steps=args.steps,
+            warmup=args.warmup,
+            kernel=args.kernel,
+        )
     if plot_path:
         with atomic_path(plot_path) as tmp:
             plot(rec, tmp)

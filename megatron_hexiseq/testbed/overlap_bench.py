@@ -37,6 +37,7 @@ The step loop is timed by hand (``time.perf_counter``), not with ``torch.utils.b
 step starts on a barrier of the data-parallel group and is split into three phases (fwd+bwd,
 the exposed wait, the optimizer); ``Timer`` times one statement per call on one process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,13 +76,23 @@ MAX_ATTENTION_BYTES = 1 << 30
 MEGATRON_DEFAULT_BUCKET, MEGATRON_BUCKET_PER_DP = 40_000_000, 1_000_000
 
 #: The bench's own model when ``tune`` is given none: communication-heavy (wide, few tokens).
-DEFAULT_MODEL = ModelSpec(name="overlap-bench", num_layers=4, hidden_size=512, num_attention_heads=8,
-                          num_query_groups=8, ffn_hidden_size=2048, vocab_size=2048, kv_channels=64,
-                          swiglu=False, seq_length=DEFAULT_SEQ_LENGTH)
+DEFAULT_MODEL = ModelSpec(
+    name="overlap-bench",
+    num_layers=4,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_query_groups=8,
+    ffn_hidden_size=2048,
+    vocab_size=2048,
+    kv_channels=64,
+    swiglu=False,
+    seq_length=DEFAULT_SEQ_LENGTH,
+)
 
 
-def scale_for_cpu(model: ModelSpec, *, max_params: int = DEFAULT_MAX_PARAMS,
-                  seq_length: int = DEFAULT_SEQ_LENGTH) -> ModelSpec:
+def scale_for_cpu(
+    model: ModelSpec, *, max_params: int = DEFAULT_MAX_PARAMS, seq_length: int = DEFAULT_SEQ_LENGTH
+) -> ModelSpec:
     """``model`` with its widths scaled by the largest ``r = kv / model.kv_channels`` (``kv`` an
     even integer: rotary embeddings rotate pairs of channels) that fits ``max_params``,
     layers/heads/groups kept, sequence ``min(seq, seq_length)``.
@@ -90,25 +101,35 @@ def scale_for_cpu(model: ModelSpec, *, max_params: int = DEFAULT_MAX_PARAMS,
     does not fit (so many layers that ``max_params`` must grow).
     """
     if max_params < 1 or seq_length < 1:
-        raise HexiSeqError(f"max_params and seq_length must be positive, got {max_params}, {seq_length}")
+        raise HexiSeqError(
+            f"max_params and seq_length must be positive, got {max_params}, {seq_length}"
+        )
     seq = min(model.seq_length, seq_length)
     if attention_bytes(model, seq) > MAX_ATTENTION_BYTES:
         fits = math.isqrt(MAX_ATTENTION_BYTES // attention_bytes(model, 1))
-        raise HexiSeqError(f"--seq-length {seq}: the CPU bench's reference attention would keep "
-                           f"{attention_bytes(model, seq) / 2**30:.1f} GiB of [b, H, S, S] scores per rank for "
-                           f"{model.name}; use at most {fits} tokens")
+        raise HexiSeqError(
+            f"--seq-length {seq}: the CPU bench's reference attention would keep "
+            f"{attention_bytes(model, seq) / 2**30:.1f} GiB of [b, H, S, S] scores per rank for "
+            f"{model.name}; use at most {fits} tokens"
+        )
     for kv in [model.kv_channels] + [k for k in range(model.kv_channels - 1, 1, -1) if k % 2 == 0]:
         r = kv / model.kv_channels
         scaled = dataclasses.replace(
-            model, name=model.name if kv == model.kv_channels else f"{model.name}@cpu",
-            kv_channels=kv, hidden_size=max(1, round(model.hidden_size * r)),
+            model,
+            name=model.name if kv == model.kv_channels else f"{model.name}@cpu",
+            kv_channels=kv,
+            hidden_size=max(1, round(model.hidden_size * r)),
             ffn_hidden_size=max(1, round(model.ffn_hidden_size * r)),
-            vocab_size=max(2, round(model.vocab_size * r)), seq_length=seq)
+            vocab_size=max(2, round(model.vocab_size * r)),
+            seq_length=seq,
+        )
         if scaled.num_parameters <= max_params:
             return scaled
-    raise HexiSeqError(f"model {model.name} does not fit the CPU bench's {max_params:,} parameters even at "
-                       f"kv_channels=2 ({scaled.num_parameters:,} parameters, {model.num_layers} layers): "
-                       "raise --max-params")
+    raise HexiSeqError(
+        f"model {model.name} does not fit the CPU bench's {max_params:,} parameters even at "
+        f"kv_channels=2 ({scaled.num_parameters:,} parameters, {model.num_layers} layers): "
+        "raise --max-params"
+    )
 
 
 def attention_bytes(model: ModelSpec, seq_length: int) -> int:
@@ -126,9 +147,16 @@ class BenchModel:
     bench: ModelSpec
 
     @classmethod
-    def for_target(cls, target: ModelSpec, *, max_params: int = DEFAULT_MAX_PARAMS,
-                   seq_length: int = DEFAULT_SEQ_LENGTH) -> "BenchModel":
-        return cls(target=target, bench=scale_for_cpu(target, max_params=max_params, seq_length=seq_length))
+    def for_target(
+        cls,
+        target: ModelSpec,
+        *,
+        max_params: int = DEFAULT_MAX_PARAMS,
+        seq_length: int = DEFAULT_SEQ_LENGTH,
+    ) -> "BenchModel":
+        return cls(
+            target=target, bench=scale_for_cpu(target, max_params=max_params, seq_length=seq_length)
+        )
 
     @property
     def param_ratio(self) -> float:
@@ -143,13 +171,17 @@ class BenchModel:
         """
         if not config.overlap_grad_reduce:
             return None
-        target = config.bucket_size or max(MEGATRON_DEFAULT_BUCKET, MEGATRON_BUCKET_PER_DP * dp_size)
+        target = config.bucket_size or max(
+            MEGATRON_DEFAULT_BUCKET, MEGATRON_BUCKET_PER_DP * dp_size
+        )
         return max(1, round(target * self.param_ratio))
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    model: BenchModel = field(default_factory=lambda: BenchModel(target=DEFAULT_MODEL, bench=DEFAULT_MODEL))
+    model: BenchModel = field(
+        default_factory=lambda: BenchModel(target=DEFAULT_MODEL, bench=DEFAULT_MODEL)
+    )
     warmup_steps: int = 2
     measure_steps: int = 6
     hidden_tol: float = 0.02
@@ -176,10 +208,25 @@ def _pg_collection(dp_group: dist.ProcessGroup) -> ProcessGroupCollection:
         g = dist.new_group([r], backend="gloo")
         if r == dist.get_rank():
             single = g
-    return ProcessGroupCollection(tp=single, pp=single, mp=single, cp=single, tp_cp=single, dp=dp_group,
-                                  dp_cp=dp_group, tp_dp_cp=dp_group, intra_dp_cp=dp_group, expt_dp=single,
-                                  intra_expt_dp=single, ep=single, expt_tp=single, tp_ep=single,
-                                  tp_ep_pp=single, embd=single, pos_embd=single)
+    return ProcessGroupCollection(
+        tp=single,
+        pp=single,
+        mp=single,
+        cp=single,
+        tp_cp=single,
+        dp=dp_group,
+        dp_cp=dp_group,
+        tp_dp_cp=dp_group,
+        intra_dp_cp=dp_group,
+        expt_dp=single,
+        intra_expt_dp=single,
+        ep=single,
+        expt_tp=single,
+        tp_ep=single,
+        tp_ep_pp=single,
+        embd=single,
+        pos_embd=single,
+    )
 
 
 class OverlapBench:
@@ -204,19 +251,29 @@ class OverlapBench:
         """The bench ``GPTModel`` (same weights on every rank: seeded CPU init), without DDP."""
         torch.manual_seed(self.cfg.seed)
         layer_spec = get_gpt_layer_local_spec(normalization=self.spec.normalization)
-        layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=LocalCausalAttention)
+        layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=LocalCausalAttention
+        )
         # mean loss per rank, so DDP averages over ranks (per-token loss would make it sum)
         config = transformer_config(self.spec, calculate_per_token_loss=False)
-        return GPTModel(config=config, transformer_layer_spec=layer_spec,
-                        vocab_size=self.spec.vocab_size, max_sequence_length=self.spec.seq_length,
-                        share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                        pg_collection=self.pg)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=self.spec.vocab_size,
+            max_sequence_length=self.spec.seq_length,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            pg_collection=self.pg,
+        )
 
-    def _build(self, config: OverlapConfig) -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+    def _build(
+        self, config: OverlapConfig
+    ) -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
         model = self.build_model()
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=config.overlap_grad_reduce,
-            bucket_size=self.cfg.model.bench_bucket(config, dist.get_world_size(self.dp_group)))
+            bucket_size=self.cfg.model.bench_bucket(config, dist.get_world_size(self.dp_group)),
+        )
         with cpu_device_shim():
             ddp = DistributedDataParallel(model.config, ddp_config, model, pg_collection=self.pg)
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=self.cfg.lr)
@@ -226,8 +283,12 @@ class OverlapBench:
         tokens = self.tokens if tokens is None else tokens
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         pos = torch.arange(ids.shape[1]).expand_as(ids)
-        with cpu_device_shim():  # stock RoPE moves its frequencies to torch.cuda.current_device() once
-            logits_BSV = model(ids, pos, None)  # TP = 1: full vocabulary; own loss (no global TP group)
+        with (
+            cpu_device_shim()
+        ):  # stock RoPE moves its frequencies to torch.cuda.current_device() once
+            logits_BSV = model(
+                ids, pos, None
+            )  # TP = 1: full vocabulary; own loss (no global TP group)
         return torch.nn.functional.cross_entropy(logits_BSV.flatten(0, 1).float(), labels.flatten())
 
     def reduced_grads(self, config: OverlapConfig) -> tuple[dict[str, torch.Tensor], int]:
@@ -259,13 +320,16 @@ class OverlapBench:
             t3 = time.perf_counter()
             if step >= self.cfg.warmup_steps:
                 samples.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t0) * 1e6))
-        return Measurement(y_us=statistics.median(s[0] for s in samples),
-                           exposed_us=statistics.median(s[1] for s in samples),
-                           z_us=statistics.median(s[2] for s in samples),
-                           num_buckets=sum(len(g.buckets) for g in ddp.bucket_groups))
+        return Measurement(
+            y_us=statistics.median(s[0] for s in samples),
+            exposed_us=statistics.median(s[1] for s in samples),
+            z_us=statistics.median(s[2] for s in samples),
+            num_buckets=sum(len(g.buckets) for g in ddp.bucket_groups),
+        )
 
 
 # --------------------------------------------------------------------------- fitted CPU model
+
 
 @dataclass(frozen=True)
 class LinearFit:
@@ -279,14 +343,18 @@ class LinearFit:
         return float(np.dot(self.coef, row))
 
 
-def fit_linear(rows: Sequence[Sequence[float]], targets: Sequence[float], names: Sequence[str]) -> LinearFit:
+def fit_linear(
+    rows: Sequence[Sequence[float]], targets: Sequence[float], names: Sequence[str]
+) -> LinearFit:
     a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
     if a.shape[0] < a.shape[1]:
-        raise ValueError(f"need at least {a.shape[1]} measurements to fit {list(names)}, got {a.shape[0]}")
+        raise ValueError(
+            f"need at least {a.shape[1]} measurements to fit {list(names)}, got {a.shape[0]}"
+        )
     coef, *_ = np.linalg.lstsq(a, b, rcond=None)
     resid = b - a @ coef
     total = float(((b - b.mean()) ** 2).sum())
-    r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
+    r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
     return LinearFit(tuple(names), tuple(float(c) for c in coef), r2)
 
 
@@ -305,14 +373,21 @@ class CpuDdpFit:
 
     def predict_z_us(self, n_buckets: int) -> float:
         n = float(n_buckets)
-        return self.compute.predict([1.0, n]) + self.exposed.predict([1.0, 1.0 / n, n]) + self.rest_us
+        return (
+            self.compute.predict([1.0, n]) + self.exposed.predict([1.0, 1.0 / n, n]) + self.rest_us
+        )
 
 
-def fit_cpu_ddp(n_buckets: Sequence[int], y_us: Sequence[float], exposed_us: Sequence[float],
-                z_us: Sequence[float]) -> CpuDdpFit:
+def fit_cpu_ddp(
+    n_buckets: Sequence[int],
+    y_us: Sequence[float],
+    exposed_us: Sequence[float],
+    z_us: Sequence[float],
+) -> CpuDdpFit:
     """Fit ``CpuDdpFit`` from overlapped-DDP measurements (one entry per configuration)."""
     compute = fit_linear([[1.0, n] for n in n_buckets], y_us, ("y0_us", "per_bucket_us"))
-    exposed = fit_linear([[1.0, 1.0 / n, n] for n in n_buckets], exposed_us,
-                         ("e0_us", "tail_us", "per_bucket_us"))
+    exposed = fit_linear(
+        [[1.0, 1.0 / n, n] for n in n_buckets], exposed_us, ("e0_us", "tail_us", "per_bucket_us")
+    )
     rest = float(np.median([z - y - e for z, y, e in zip(z_us, y_us, exposed_us)]))
     return CpuDdpFit(compute, exposed, rest)

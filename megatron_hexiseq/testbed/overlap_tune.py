@@ -6,6 +6,7 @@ over its parameter count) and runs ``distributed_priority_search`` over the defa
 every rank trains with the same configuration on every trial. Level 0 of the ladder is Megatron's
 default (no overlap), so the first trial measures the default.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,15 +44,18 @@ def bench_space(spec: OfflineTuneSpec) -> SearchSpace:
     """The DDP ladder over the user's model's parameters."""
     n = spec.bench.model.target.num_parameters
     min_bucket = spec.min_bucket_params or max(1, n // DEFAULT_LADDER_DEPTH)
-    return SearchSpace(ladders=(ddp_ladder(n, min_bucket_params=min_bucket, factor=spec.bucket_factor),))
+    return SearchSpace(
+        ladders=(ddp_ladder(n, min_bucket_params=min_bucket, factor=spec.bucket_factor),)
+    )
 
 
 def _measure_on_bench(bench: OverlapBench, config: OverlapConfig) -> Measurement:
     return bench.measure(config)
 
 
-def tune_rank(rank: int, world_size: int, spec: OfflineTuneSpec,
-              measure: Measure = _measure_on_bench) -> TuneResult:
+def tune_rank(
+    rank: int, world_size: int, spec: OfflineTuneSpec, measure: Measure = _measure_on_bench
+) -> TuneResult:
     """One rank's part of ``tune_offline`` (collective over the default group)."""
     group = dist.group.WORLD
     bench = OverlapBench(spec.bench, group)
@@ -60,16 +64,31 @@ def tune_rank(rank: int, world_size: int, spec: OfflineTuneSpec,
     def trial(levels: Levels) -> Trial:
         return measure(bench, space.config_at(levels)).trial(spec.bench.hidden_tol)
 
-    result = distributed_priority_search(space.num_levels, trial, group=group, gallop=spec.gallop,
-                                         tolerance=spec.tolerance)
+    result = distributed_priority_search(
+        space.num_levels, trial, group=group, gallop=spec.gallop, tolerance=spec.tolerance
+    )
     models = spec.bench.model
-    setup = {"mode": "offline-cpu", "world_size": world_size, "num_params": models.target.num_parameters,
-             "model": models.target.to_dict(), "bench_model": models.bench.to_dict(),
-             "bench_num_params": models.bench.num_parameters, "param_ratio": models.param_ratio,
-             "warmup_steps": spec.bench.warmup_steps, "measure_steps": spec.bench.measure_steps,
-             "gallop": spec.gallop, "tolerance": spec.tolerance, "grid_size": len(list(space.grid()))}
-    return TuneResult.from_search(space, result, default_z_us=result.history[0].trial.z_us,
-                                  tuned_z_us=result.trial.z_us, setup=setup)
+    setup = {
+        "mode": "offline-cpu",
+        "world_size": world_size,
+        "num_params": models.target.num_parameters,
+        "model": models.target.to_dict(),
+        "bench_model": models.bench.to_dict(),
+        "bench_num_params": models.bench.num_parameters,
+        "param_ratio": models.param_ratio,
+        "warmup_steps": spec.bench.warmup_steps,
+        "measure_steps": spec.bench.measure_steps,
+        "gallop": spec.gallop,
+        "tolerance": spec.tolerance,
+        "grid_size": len(list(space.grid())),
+    }
+    return TuneResult.from_search(
+        space,
+        result,
+        default_z_us=result.history[0].trial.z_us,
+        tuned_z_us=result.trial.z_us,
+        setup=setup,
+    )
 
 
 def tune_offline(spec: OfflineTuneSpec) -> TuneResult:

@@ -9,6 +9,7 @@ A2A group, and the planner sees the same structure it sees on GPUs.
 Pure functions here; :func:`megatron_hexiseq.testbed.spawn.run_ranks` does the pinning
 (``os.sched_setaffinity``) in each spawned rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,9 @@ class TestbedShape:
         try:
             counts = tuple(int(x) for x in text.replace(",", "+").split("+"))
         except ValueError:
-            raise HexiSeqError(f"testbed shape {text!r} must look like '1+2' (ranks per core)") from None
+            raise HexiSeqError(
+                f"testbed shape {text!r} must look like '1+2' (ranks per core)"
+            ) from None
         if not counts or any(c <= 0 for c in counts):
             raise HexiSeqError(f"testbed shape {text!r}: every core needs at least one rank")
         return cls(ranks_per_core=counts)
@@ -64,7 +67,9 @@ def cpu_sets(shape: TestbedShape, cores: list[int] | None = None) -> list[list[i
     return [[cores[i]] for i, n in enumerate(shape.ranks_per_core) for _ in range(n)]
 
 
-def node_names(shape: TestbedShape, cores: list[int] | None = None, host: str | None = None) -> list[str]:
+def node_names(
+    shape: TestbedShape, cores: list[int] | None = None, host: str | None = None
+) -> list[str]:
     """Logical node name of each rank (one node per core): ``<host>-c<core>``."""
     host = host or socket.gethostname()
     return [f"{host}-c{cs[0]}" for cs in cpu_sets(shape, cores)]

@@ -20,6 +20,7 @@ gloo default group over a file store in a temporary folder (no ports to collide)
 like ``multiprocessing``'s spawn start method (same ``sys.path``, working folder and main module),
 so functions of test modules and of a script's ``__main__`` work.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,11 +37,15 @@ from typing import Any, Callable, Sequence
 
 from megatron_hexiseq.errors import HexiSeqError
 
-FAILURE_GRACE_S = 5.0  # after one rank failed, how long the others get to report before they are killed
+FAILURE_GRACE_S = (
+    5.0  # after one rank failed, how long the others get to report before they are killed
+)
 _POLL_S = 0.05
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_CHILD = ("import sys; sys.path.insert(0, sys.argv[3]); "
-          "from megatron_hexiseq.testbed.spawn import _child_main; _child_main(sys.argv[1], int(sys.argv[2]))")
+_CHILD = (
+    "import sys; sys.path.insert(0, sys.argv[3]); "
+    "from megatron_hexiseq.testbed.spawn import _child_main; _child_main(sys.argv[1], int(sys.argv[2]))"
+)
 
 
 class RanksFailed(RuntimeError):
@@ -63,10 +68,14 @@ def _child_main(folder: str, rank: int) -> None:
     import warnings
 
     # every rank of a CPU run would repeat these; nothing to act on without a GPU
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*(Apex|Transformer Engine).* not installed", category=UserWarning
+    )
 
     stacks = open(os.path.join(folder, f"stack{rank}.txt"), "w")  # noqa: SIM115 (open for the process' life)
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)  # the parent asks before a kill
+    faulthandler.register(
+        signal.SIGUSR1, file=stacks, all_threads=False
+    )  # the parent asks before a kill
 
     with open(os.path.join(folder, "prepare.pkl"), "rb") as f:
         multiprocessing.spawn.prepare(pickle.load(f))
@@ -81,8 +90,16 @@ def _child_main(folder: str, rank: int) -> None:
         sys.exit(1)
 
 
-def _run_rank(fn: Callable, rank: int, world_size: int, args: tuple, folder: str, threads: int,
-              cpu_sets: Sequence[Sequence[int]] | None, out: str) -> None:
+def _run_rank(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    args: tuple,
+    folder: str,
+    threads: int,
+    cpu_sets: Sequence[Sequence[int]] | None,
+    out: str,
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -90,10 +107,14 @@ def _run_rank(fn: Callable, rank: int, world_size: int, args: tuple, folder: str
         os.sched_setaffinity(0, set(cpu_sets[rank]))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size
+        )
         result = fn(rank, world_size, *args)
         _report(out, ("ok", result))
-    except BaseException as e:  # reported before the group is torn down: the first to fail reports first
+    except (
+        BaseException
+    ) as e:  # reported before the group is torn down: the first to fail reports first
         _report_error(out, e)
         raise
     finally:
@@ -103,8 +124,19 @@ def _run_rank(fn: Callable, rank: int, world_size: int, args: tuple, folder: str
 
 def _report_error(path: str, e: BaseException) -> None:
     """Every failure goes to the parent with the rank's traceback and the time it happened."""
-    _report(path, ("error", (type(e).__name__, str(e), isinstance(e, HexiSeqError), traceback.format_exc(),
-                             time.time())))
+    _report(
+        path,
+        (
+            "error",
+            (
+                type(e).__name__,
+                str(e),
+                isinstance(e, HexiSeqError),
+                traceback.format_exc(),
+                time.time(),
+            ),
+        ),
+    )
 
 
 def _report(path: str, record: tuple) -> None:
@@ -118,7 +150,10 @@ def _preparation_data() -> dict[str, Any]:
     import multiprocessing.spawn
 
     data = multiprocessing.spawn.get_preparation_data("hexiseq-rank")
-    for key in ("authkey", "start_method"):  # not picklable outside multiprocessing / not ours to set
+    for key in (
+        "authkey",
+        "start_method",
+    ):  # not picklable outside multiprocessing / not ours to set
         data.pop(key, None)
     return data
 
@@ -146,8 +181,14 @@ def _read(folder: str, rank: int) -> tuple | None:
         return pickle.load(f)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
-              cpu_sets: Sequence[Sequence[int]] | None = None, timeout_s: float | None = None) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    threads: int = 1,
+    cpu_sets: Sequence[Sequence[int]] | None = None,
+    timeout_s: float | None = None,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     ``cpu_sets[r]`` pins rank r to those cores (the heterogeneous CPU testbed uses this).
@@ -165,15 +206,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int 
         with open(os.path.join(folder, "task.pkl"), "wb") as f:
             pickle.dump((fn, world_size, args, threads, cpu_sets), f)
         for rank in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, "-c", _CHILD, folder, str(rank), _PACKAGE_PARENT],
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, folder, str(rank), _PACKAGE_PARENT],
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         return _wait(procs, folder, world_size, timeout_s)
     finally:
         _kill(procs)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wait(procs: list[subprocess.Popen], folder: str, world_size: int, timeout_s: float | None) -> list[Any]:
+def _wait(
+    procs: list[subprocess.Popen], folder: str, world_size: int, timeout_s: float | None
+) -> list[Any]:
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
     first_failure: float | None = None
@@ -190,15 +238,21 @@ def _wait(procs: list[subprocess.Popen], folder: str, world_size: int, timeout_s
             stuck = [r for r, c in enumerate(codes) if c is None]
             where = _stacks(procs, folder, stuck)
             _kill(procs)
-            raise RanksFailed(f"run_ranks: rank(s) {stuck} of {world_size} did not finish within {timeout_s:g} s "
-                              f"(deadlock or a slow rank); killed every rank. Where they were:\n{where}")
+            raise RanksFailed(
+                f"run_ranks: rank(s) {stuck} of {world_size} did not finish within {timeout_s:g} s "
+                f"(deadlock or a slow rank); killed every rank. Where they were:\n{where}"
+            )
         time.sleep(_POLL_S)
     results, failures, silent = [], [], []
     codes = [p.poll() for p in procs]
     for rank in range(world_size):
         record = _read(folder, rank)
         if record is None:
-            how = "was killed after another rank failed" if codes[rank] is None else f"exited with code {codes[rank]}"
+            how = (
+                "was killed after another rank failed"
+                if codes[rank] is None
+                else f"exited with code {codes[rank]}"
+            )
             silent.append(f"rank {rank}: {how}, without a result")
         elif record[0] == "ok":
             results.append(record[1])
@@ -212,7 +266,11 @@ def _wait(procs: list[subprocess.Popen], folder: str, world_size: int, timeout_s
         _, rank, _, msg, _, _ = failures[0]
         same = sum(f[3] == msg for f in failures) == world_size
         raise HexiSeqError(msg if same else f"rank {rank}: {msg}")
-    raise RanksFailed("\n".join([f"rank {r}: {name}: {msg}\n{tb}" for _, r, name, msg, _, tb in failures] + silent))
+    raise RanksFailed(
+        "\n".join(
+            [f"rank {r}: {name}: {msg}\n{tb}" for _, r, name, msg, _, tb in failures] + silent
+        )
+    )
 
 
 def _stacks(procs: Sequence[subprocess.Popen], folder: str, ranks: Sequence[int]) -> str:
@@ -230,5 +288,8 @@ def _stacks(procs: Sequence[subprocess.Popen], folder: str, ranks: Sequence[int]
                 frames = [ln.strip() for ln in f if ln.strip().startswith("File ")]
         except OSError:
             frames = []
-        lines.append(f"  rank {r}: " + (" <- ".join(frames[:3]) if frames else "(not yet running Python code)"))
+        lines.append(
+            f"  rank {r}: "
+            + (" <- ".join(frames[:3]) if frames else "(not yet running Python code)")
+        )
     return "\n".join(lines)

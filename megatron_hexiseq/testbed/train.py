@@ -24,6 +24,7 @@ length is the one trained. Run description and results: :mod:`megatron_hexiseq.t
 Checkpoints (``save_dir``/``save_at_step``, ``load_dir``; :mod:`megatron_hexiseq.testbed.ckpt`) are megatron-core
 ``torch_dist`` checkpoints that resume on any layout and world size.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,9 +50,21 @@ from megatron_hexiseq.megatron.spec import hexiseq_spec
 from megatron_hexiseq.testbed import ckpt
 from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig, TrainResult
 
-__all__ = ["TINY_GPT", "TrainConfig", "TrainResult", "StepTiming", "train_step", "make_batch", "build_gpt",
-           "run_shape", "train_rank", "train_reference", "reference_rank", "train_rank_many",
-           "reference_rank_many"]
+__all__ = [
+    "TINY_GPT",
+    "TrainConfig",
+    "TrainResult",
+    "StepTiming",
+    "train_step",
+    "make_batch",
+    "build_gpt",
+    "run_shape",
+    "train_rank",
+    "train_reference",
+    "reference_rank",
+    "train_rank_many",
+    "reference_rank_many",
+]
 
 
 @dataclass(frozen=True)
@@ -59,11 +72,12 @@ class StepTiming:
     """Wall time of one driver step, split at the collectives."""
 
     local_s: float  # zero grads, forward, loss, backward, optimizer step
-    sync_s: float   # finalize_model_grads (gradient reduction) + the loss/token all-reduce
+    sync_s: float  # finalize_model_grads (gradient reduction) + the loss/token all-reduce
 
 
-def train_step(ddp, opt, params, batch: dict[str, torch.Tensor], *, report_group=None,
-               before_update=None) -> tuple[torch.Tensor, StepTiming]:
+def train_step(
+    ddp, opt, params, batch: dict[str, torch.Tensor], *, report_group=None, before_update=None
+) -> tuple[torch.Tensor, StepTiming]:
     """One step of the driver: zero the grad buffers, forward, per-token loss sum, backward;
     ``finalize_model_grads`` (sums gradients, divides by the global token count) and the all-reduce
     of ``[loss_sum, num_tokens]`` over ``report_group``; ``before_update()`` if given; AdamW on the
@@ -97,12 +111,21 @@ def make_batch(cfg: TrainConfig, step: int, replica: int) -> dict[str, torch.Ten
     g = torch.Generator().manual_seed(cfg.data_seed * 1_000_003 + step * 1009 + replica)
     text = torch.randint(0, cfg.model.vocab_size, (b, S + 1), generator=g)
     loss_mask = (torch.rand(b, S, generator=g) > 0.125).float()
-    return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
-            "loss_mask": loss_mask, "position_ids": torch.arange(S).expand(b, S).contiguous()}
+    return {
+        "tokens": text[:, :-1].contiguous(),
+        "labels": text[:, 1:].contiguous(),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(S).expand(b, S).contiguous(),
+    }
 
 
-def build_gpt(cfg: TrainConfig, *, runtime: HexiSeqRuntime | None = None, pg_collection=None,
-              core_attention: type | None = None) -> GPTModel:
+def build_gpt(
+    cfg: TrainConfig,
+    *,
+    runtime: HexiSeqRuntime | None = None,
+    pg_collection=None,
+    core_attention: type | None = None,
+) -> GPTModel:
     """The ``GPTModel`` of ``cfg.model`` with the same weights on every process (seeded CPU init).
 
     With ``runtime`` (a ``HexiSeqRuntime``) the core attention is HexiSeq's and RoPE follows the
@@ -116,12 +139,20 @@ def build_gpt(cfg: TrainConfig, *, runtime: HexiSeqRuntime | None = None, pg_col
         spec = hexiseq_spec(spec, runtime)
     else:
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=core_attention or LocalCausalAttention)
+            module=core_attention or LocalCausalAttention
+        )
     torch.manual_seed(cfg.seed)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
-                     max_sequence_length=cfg.layout.seq_length, pre_process=True, post_process=True,
-                     share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", pg_collection=pg_collection)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.layout.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        pg_collection=pg_collection,
+    )
     if runtime is not None:
         positions = [p for s, e in runtime.segments for p in range(s, e)]
         install_rope(model, positions)
@@ -130,28 +161,42 @@ def build_gpt(cfg: TrainConfig, *, runtime: HexiSeqRuntime | None = None, pg_col
 
 def run_shape(cfg: TrainConfig) -> RunShape:
     """The ``RunShape`` this driver runs (for ``runtime.check_run`` before spawning)."""
-    return RunShape(world_size=cfg.layout.world_size * cfg.data_parallel, tensor_model_parallel_size=1,
-                    pipeline_model_parallel_size=1, context_parallel_size=cfg.layout.world_size,
-                    seq_length=cfg.layout.seq_length, num_attention_heads=cfg.model.num_attention_heads,
-                    num_query_groups=cfg.model.num_query_groups)
+    return RunShape(
+        world_size=cfg.layout.world_size * cfg.data_parallel,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cfg.layout.world_size,
+        seq_length=cfg.layout.seq_length,
+        num_attention_heads=cfg.model.num_attention_heads,
+        num_query_groups=cfg.model.num_query_groups,
+    )
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel`` ranks."""
     W = cfg.layout.world_size
     if world_size != W * cfg.data_parallel:
-        raise HexiSeqError(f"train_rank needs layout ranks x data_parallel = {W} x {cfg.data_parallel} = "
-                           f"{W * cfg.data_parallel} processes, got {world_size}")
+        raise HexiSeqError(
+            f"train_rank needs layout ranks x data_parallel = {W} x {cfg.data_parallel} = "
+            f"{W * cfg.data_parallel} processes, got {world_size}"
+        )
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
     try:
         # another model / length / data is refused before anything is built
         resume_from = ckpt.check_checkpoint(cfg) if cfg.load_dir is not None else None
-        runtime = build_runtime(cfg.layout, run_shape(cfg), cp_group=mpu.get_context_parallel_group(),
-                                kernel=cfg.kernel, comm_chunks=cfg.comm_chunks)
+        runtime = build_runtime(
+            cfg.layout,
+            run_shape(cfg),
+            cp_group=mpu.get_context_parallel_group(),
+            kernel=cfg.kernel,
+            comm_chunks=cfg.comm_chunks,
+        )
         model = build_gpt(cfg, runtime=runtime)
         ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.bucket_size,
-            grad_reduce_in_fp32=True)  # per-token loss: config.calculate_per_token_loss
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            bucket_size=cfg.bucket_size,
+            grad_reduce_in_fp32=True,
+        )  # per-token loss: config.calculate_per_token_loss
         with cpu_device_shim():
             ddp = DistributedDataParallel(model.config, ddp_config, model)
         params = [p for p in ddp.parameters() if p.requires_grad]
@@ -170,18 +215,34 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
 
         for step in range(start, cfg.steps):
             t_start = time.perf_counter()
-            batch = slice_batch(make_batch(cfg, step, replica), segments=runtime.segments,
-                                seq_length=cfg.layout.seq_length)
+            batch = slice_batch(
+                make_batch(cfg, step, replica),
+                segments=runtime.segments,
+                seq_length=cfg.layout.seq_length,
+            )
             want = step == 0 and cfg.return_grads and rank == 0
-            report, _ = train_step(ddp, opt, params, batch, report_group=dp_cp,
-                                   before_update=keep_grads if want else None)
+            report, _ = train_step(
+                ddp,
+                opt,
+                params,
+                batch,
+                report_group=dp_cp,
+                before_update=keep_grads if want else None,
+            )
             times.append(time.perf_counter() - t_start)
             losses.append(float(report[0] / report[1]))
             if cfg.save_dir is not None and step + 1 == cfg.save_at_step:
                 ckpt.save_checkpoint(cfg, model, opt, step + 1, dp_cp_group=dp_cp)
         final = ckpt.snapshot(model, opt) if keep else {}
-        return TrainResult(losses, times, kept.get("grads"), final.get("params"), start_step=start,
-                           opt_state=final.get("opt_state"), resumed=kept.get("resumed"))
+        return TrainResult(
+            losses,
+            times,
+            kept.get("grads"),
+            final.get("params"),
+            start_step=start,
+            opt_state=final.get("opt_state"),
+            resumed=kept.get("resumed"),
+        )
     finally:
         mpu.destroy_model_parallel()
 
@@ -203,8 +264,9 @@ def train_reference(cfg: TrainConfig) -> TrainResult:
 def _train_reference(cfg: TrainConfig) -> TrainResult:
     """Body of ``train_reference`` (model-parallel state initialised, CUDA shim active)."""
     model = build_gpt(cfg)
-    initial = ({n: p.detach().clone() for n, p in model.named_parameters()}
-               if cfg.return_params else None)
+    initial = (
+        {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     losses, times, grads = [], [], None
     for step in range(cfg.steps):
@@ -220,7 +282,9 @@ def _train_reference(cfg: TrainConfig) -> TrainResult:
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(float(loss_sum.detach() / num_tokens))
-    final = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
+    final = (
+        {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
+    )
     return TrainResult(losses, times, grads, final, initial)
 
 

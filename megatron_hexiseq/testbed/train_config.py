@@ -5,6 +5,7 @@ project; :data:`TINY_GPT` is the default, small enough for multi-rank tests on t
 Kept apart from :mod:`megatron_hexiseq.testbed.train` so that the checkpoint module, which the
 driver calls, can name these types without importing the driver.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +18,20 @@ from megatron_hexiseq.model import ModelSpec
 
 # 4 layers, GQA 8/2 heads of 8 channels, SwiGLU, RMSNorm, no linear biases, vocabulary 128.
 # seq_length is not read by the driver (the layout's is trained); 64 is the tests' usual length.
-TINY_GPT = ModelSpec(name="tiny-gpt", num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                     ffn_hidden_size=96, vocab_size=128, kv_channels=8, swiglu=True, seq_length=64,
-                     normalization="RMSNorm", add_bias_linear=False)
+TINY_GPT = ModelSpec(
+    name="tiny-gpt",
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=128,
+    kv_channels=8,
+    swiglu=True,
+    seq_length=64,
+    normalization="RMSNorm",
+    add_bias_linear=False,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,13 +59,19 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         m = self.model
-        if m.kv_channels * m.num_attention_heads != m.hidden_size:  # the driver is tested only with d = h / a
-            raise HexiSeqError(f"model {m.name}: the CPU driver needs kv_channels * heads == hidden_size "
-                               f"({m.kv_channels} * {m.num_attention_heads} != {m.hidden_size})")
+        if (
+            m.kv_channels * m.num_attention_heads != m.hidden_size
+        ):  # the driver is tested only with d = h / a
+            raise HexiSeqError(
+                f"model {m.name}: the CPU driver needs kv_channels * heads == hidden_size "
+                f"({m.kv_channels} * {m.num_attention_heads} != {m.hidden_size})"
+            )
         if (self.save_dir is None) != (self.save_at_step is None):
             raise HexiSeqError("TrainConfig: give save_dir and save_at_step together")
         if self.save_at_step is not None and not 1 <= self.save_at_step <= self.steps:
-            raise HexiSeqError(f"TrainConfig: save_at_step must be in 1..steps={self.steps}, got {self.save_at_step}")
+            raise HexiSeqError(
+                f"TrainConfig: save_at_step must be in 1..steps={self.steps}, got {self.save_at_step}"
+            )
 
 
 @dataclass(frozen=True)
@@ -67,4 +85,6 @@ class TrainResult:
     initial_params: dict[str, torch.Tensor] | None = None
     start_step: int = 0  # steps a loaded checkpoint had done (losses start there)
     opt_state: dict[str, dict[str, torch.Tensor]] | None = None  # AdamW's after the last step
-    resumed: dict[str, dict] | None = None  # {"params", "opt_state"} right after loading a checkpoint
+    resumed: dict[str, dict] | None = (
+        None  # {"params", "opt_state"} right after loading a checkpoint
+    )
