@@ -21,8 +21,8 @@ import resource
 import time
 
 import torch
-
 from _common import write_outputs
+
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks

@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_hexiseq.cluster import cluster_from_dict  # noqa: E402
 from megatron_hexiseq.commands.profile import profile_testbed  # noqa: E402
 from megatron_hexiseq.costmodel import TrainOptions  # noqa: E402
-from megatron_hexiseq.testbed.demo import compare  # noqa: E402
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
 from megatron_hexiseq.model import get_model  # noqa: E402
 from megatron_hexiseq.planner.plan import plan  # noqa: E402
 from megatron_hexiseq.profile.measure import ProfileOptions  # noqa: E402
+from megatron_hexiseq.testbed.demo import compare  # noqa: E402
 
 
 def bench_shape(shape: str, model, runs: int, steps: int, warmup: int) -> dict:

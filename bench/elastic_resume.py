@@ -32,14 +32,14 @@ from dataclasses import replace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-
 from _common import write_outputs  # noqa: E402
+
 from megatron_hexiseq.cluster import cluster_from_dict  # noqa: E402
 from megatron_hexiseq.costmodel import TrainOptions  # noqa: E402
 from megatron_hexiseq.elastic import diff_layouts, exclude, parse_exclusions, record_exclusions  # noqa: E402
-from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank  # noqa: E402
 from megatron_hexiseq.planner.plan import plan  # noqa: E402
 from megatron_hexiseq.testbed.spawn import run_ranks  # noqa: E402
+from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank  # noqa: E402
 
 CLUSTER = {
     "name": "cpu-testbed-2x2",

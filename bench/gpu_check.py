@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from _common import write_outputs
+
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
 from megatron_hexiseq.attention.kernel_check import (
     BACKWARD_ROUNDINGS,

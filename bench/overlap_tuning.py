@@ -39,7 +39,6 @@ from megatron_hexiseq.megatron.batch import slice_batch
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
 from megatron_hexiseq.overlap.knobs import Ladder, OverlapConfig, SearchSpace, ddp_ladder
 from megatron_hexiseq.overlap.search import distributed_priority_search, trial_from_exposed
 from megatron_hexiseq.testbed.overlap_bench import (
@@ -50,6 +49,7 @@ from megatron_hexiseq.testbed.overlap_bench import (
     fit_cpu_ddp,
 )
 from megatron_hexiseq.testbed.spawn import run_ranks
+from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
 
 OUT_DIR = os.path.join("results", "bench")
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_hexiseq import spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short

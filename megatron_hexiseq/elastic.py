@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_hexiseq.cluster import Cluster, cluster_to_dict, load_cluster
 from megatron_hexiseq.errors import HexiSeqError, run_user_command, short

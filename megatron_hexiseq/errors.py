@@ -11,7 +11,8 @@ from __future__ import annotations
 import reprlib
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60

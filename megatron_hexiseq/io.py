@@ -18,8 +18,9 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError, short
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int
@@ -157,7 +158,7 @@ class Layout:
         write_json_atomic(path, self.to_dict())
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "layout") -> "Layout":
+    def from_dict(cls, data: Any, *, source: str = "layout") -> Layout:
         _check_schema(data, source)
         try:
             return cls(
@@ -186,7 +187,7 @@ class Layout:
             raise HexiSeqError(f"{source}: {e}") from None
 
     @classmethod
-    def from_json(cls, text: str, *, source: str = "layout") -> "Layout":
+    def from_json(cls, text: str, *, source: str = "layout") -> Layout:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -194,7 +195,7 @@ class Layout:
         return cls.from_dict(data, source=source)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Layout":
+    def load(cls, path: str | os.PathLike) -> Layout:
         return cls.from_dict(read_json(path, "layout"), source=f"layout {path}")
 
 

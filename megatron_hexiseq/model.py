@@ -15,10 +15,11 @@ may start from a preset with ``preset: llama2-7b`` and override fields.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from types import MappingProxyType
 from functools import cached_property
-from typing import Any, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
 
 from megatron_hexiseq import spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short

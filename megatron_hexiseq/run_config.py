@@ -20,8 +20,9 @@ sits below ``costmodel`` (which takes ``TrainOptions``), so it cannot use its fo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.model import ModelSpec
@@ -114,7 +115,7 @@ class TrainOptions:
             )
 
     @classmethod
-    def for_model(cls, model: ModelSpec, **kwargs: Any) -> "TrainOptions":
+    def for_model(cls, model: ModelSpec, **kwargs: Any) -> TrainOptions:
         """Options whose micro-batch size comes from the model spec unless given."""
         return cls(**({"micro_batch_size": model.micro_batch_size} | kwargs))
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_hexiseq.cluster import cluster_to_dict, load_cluster
 from megatron_hexiseq.errors import HexiSeqError, run_user_command

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
+from collections.abc import Callable, Iterator, Sequence
+from functools import cache
 from importlib import resources
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError, short
 
@@ -65,7 +66,7 @@ def _additional(validator: Any, value: Any, instance: Any, schema: Any) -> Itera
             yield from validator.descend(instance[k], value, path=k)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _validator(name: str) -> Any:
     import jsonschema
 

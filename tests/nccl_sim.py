@@ -23,8 +23,9 @@ waits for. ``run`` returns each rank's result or raises the first error.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class SimGroup:
 
 @dataclass
 class _Msg:
-    op: "_Op"
+    op: _Op
     tensor: torch.Tensor
     tag: int
     is_send: bool
@@ -98,7 +99,7 @@ def irecv(*args: Any, **kwargs: Any) -> None:
 
 
 class _Work:
-    def __init__(self, sim: "NcclSim", op: _Op) -> None:
+    def __init__(self, sim: NcclSim, op: _Op) -> None:
         self.sim, self.op = sim, op
 
     def wait(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nccl_sim import NcclSim
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_hexiseq.attention.comm as comm
@@ -30,7 +31,6 @@ from megatron_hexiseq.attention.kernel_check import (
     normwise_error,
 )
 from megatron_hexiseq.layout import make_layout
-from nccl_sim import NcclSim
 
 # three groups [2, 1, 1]; GQA 8/2; non-contiguous heads; every kind of block (hidden, prefix, full)
 LAYOUT = make_layout(

@@ -264,9 +264,10 @@ def test_random_and_named_layouts(world: int) -> None:
 @pytest.mark.parametrize("world", THREAD_WORLDS)
 def test_named_layouts_in_threads(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
     """The named cases of worlds without a process test, in threads under NCCL's rules."""
+    from nccl_sim import NcclSim
+
     import megatron_hexiseq.attention.comm as comm
     import megatron_hexiseq.attention.groups as groups_mod
-    from nccl_sim import NcclSim
 
     sim = NcclSim(world)
     monkeypatch.setattr(comm, "dist", sim)

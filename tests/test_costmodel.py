@@ -7,6 +7,7 @@ closed forms and of the vectorised exchange, and every mismatch message.
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from megatron_hexiseq.cluster import cluster_from_dict
@@ -18,8 +19,8 @@ from megatron_hexiseq.costmodel import (
     causal_pairs,
     estimate,
     fan_units,
-    layer_activation_bytes_per_token,
     kv_exchange_forward,
+    layer_activation_bytes_per_token,
     linear_flops_per_token,
     pipelined_exposed_s,
     port_times_s,
@@ -37,8 +38,6 @@ from megatron_hexiseq.run_config import (
     options_from_record,
     options_record,
 )
-
-import numpy as np
 
 # tiny model: h=8, a=g=2, d=4, f=16, V=16, L=1, GELU, LayerNorm with biases
 TINY = ModelSpec(

@@ -32,8 +32,8 @@ from megatron_hexiseq.cli import main
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.megatron.checkpoint import TRACKER, check_before_training
-from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank
 from megatron_hexiseq.testbed.spawn import run_ranks
+from megatron_hexiseq.testbed.train import TINY_GPT, TrainConfig, train_rank
 
 CLUSTER = """name: cpu-testbed-2x2
 gpus:

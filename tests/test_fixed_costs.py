@@ -13,15 +13,15 @@ from megatron_hexiseq.cli import main
 from megatron_hexiseq.cluster import cluster_from_dict, cluster_to_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.model import get_model
+from megatron_hexiseq.planner.baselines import hosts_and_gpus
+from megatron_hexiseq.profile.measure import significant
 from megatron_hexiseq.testbed.calibrate import (
     calibration_heads,
     calibration_layouts,
     can_calibrate,
     fit_latencies,
 )
-from megatron_hexiseq.model import get_model
-from megatron_hexiseq.profile.measure import significant
-from megatron_hexiseq.planner.baselines import hosts_and_gpus
 
 
 def _spec(**fixed) -> dict:

@@ -93,8 +93,8 @@ def _stop_long_work(monkeypatch) -> None:
     def reached(*a, **k):
         raise AssertionError("the long work started before the inputs were checked")
 
-    import megatron_hexiseq.testbed.demo
     import megatron_hexiseq.planner.plan
+    import megatron_hexiseq.testbed.demo
     import megatron_hexiseq.testbed.spawn
 
     monkeypatch.setattr(megatron_hexiseq.planner.plan, "plan", reached)

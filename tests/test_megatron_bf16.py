@@ -65,8 +65,8 @@ def _step(model, batch):
 def _rope_beyond_65536() -> None:
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-    from megatron_hexiseq.megatron.rope import install_rope
     from megatron_hexiseq.megatron.config import cpu_device_shim
+    from megatron_hexiseq.megatron.rope import install_rope
     from megatron_hexiseq.testbed.train import build_gpt
 
     long = make_layout(
@@ -102,8 +102,8 @@ def _worker(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as mpu
 
     from megatron_hexiseq.megatron.batch import slice_batch
-    from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
     from megatron_hexiseq.megatron.config import cpu_device_shim
+    from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
     from megatron_hexiseq.testbed.train import build_gpt, make_batch
 
     cfg = _cfg(LAYOUT)

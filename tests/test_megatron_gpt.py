@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from megatron_hexiseq.layout import make_layout
-from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many, train_rank_many
 from megatron_hexiseq.testbed.spawn import run_ranks
-
+from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many, train_rank_many
 
 HETERO = make_layout(  # groups [3, 1]; rank 3 alone holds every head and the most tokens
     seq_length=48,

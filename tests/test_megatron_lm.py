@@ -70,8 +70,8 @@ def _parse(argv: list[str], rank: int, world: int):
 
 
 def _worker(rank: int, world: int, layout_path: str) -> dict:
-    import torch
     import pretrain_gpt as stock
+    import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.global_vars import set_args

@@ -18,8 +18,8 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.megatron import plugin
 from megatron_hexiseq.megatron.config import transformer_config
-from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many
 from megatron_hexiseq.testbed.spawn import run_ranks
+from megatron_hexiseq.testbed.train import TrainConfig, reference_rank_many
 
 LAYOUT = make_layout(
     seq_length=48,

@@ -8,8 +8,8 @@ per-token loss, and the spec swap (local, MoE block, and TE spec when TE is inst
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import importlib.util
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -211,8 +211,8 @@ def test_slice_batch_uneven_and_errors():
 def test_layout_rope_matches_megatron(interleaved, factor):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_hexiseq.megatron.rope import install_rope
     from megatron_hexiseq.megatron.config import cpu_device_shim
+    from megatron_hexiseq.megatron.rope import install_rope
 
     lay = _layout()
     stock = RotaryEmbedding(
@@ -264,8 +264,8 @@ def test_spec_swap_local_and_moe():
     )
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
     from megatron_hexiseq.megatron.config import transformer_config
+    from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
     from megatron_hexiseq.megatron.spec import count_core_attention, hexiseq_spec
     from megatron_hexiseq.testbed.train import TINY_GPT
 

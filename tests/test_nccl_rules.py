@@ -25,6 +25,7 @@ import random
 
 import pytest
 import torch
+from nccl_sim import NcclSim, SimError
 
 import megatron_hexiseq.attention.comm as comm
 import megatron_hexiseq.attention.groups as groups_mod
@@ -37,7 +38,6 @@ from megatron_hexiseq.attention.kernel_check import (
 )
 from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout
-from nccl_sim import NcclSim, SimError
 
 LAYOUTS = 200
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}

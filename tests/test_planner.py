@@ -17,12 +17,12 @@ from megatron_hexiseq.model import get_model, model_from_dict
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline
 from megatron_hexiseq.planner.build import build_layout, mirrored_group_chunks
 from megatron_hexiseq.planner.canonical import canonical_cluster
+from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.exact import exact_candidates, exact_surrogate, partitions
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage1_groups import score_grouping
-from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.stage2_split import max_heads, split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import build_surrogate, granularity

@@ -15,7 +15,7 @@ from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import causal_pairs, estimate
 from megatron_hexiseq.model import get_model, model_from_dict
 from megatron_hexiseq.planner.arrange import Arrangement, positioned, split_arranged
-from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline
+from megatron_hexiseq.planner.baselines import best_baseline
 from megatron_hexiseq.planner.build import build_layout
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.heuristics import heuristic_layouts

@@ -11,9 +11,9 @@ import pytest
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import estimate
 from megatron_hexiseq.model import model_from_dict
+from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.feedback import SurrogateTimes, feedback_factors, surrogate_times
 from megatron_hexiseq.planner.hierarchical import planner_candidates
-from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.surrogate import build_surrogate
 from megatron_hexiseq.run_config import TrainOptions
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megatron_hexiseq.cluster import Cluster, cluster_from_dict, load_cluster
 from megatron_hexiseq.elastic import Survivors, exclude, parse_exclusions

@@ -29,7 +29,6 @@ from megatron_hexiseq.costmodel.formulas import (
     static_memory_bytes,
     train_flops,
 )
-
 from megatron_hexiseq.run_config import (
     TrainOptions,
 )  # what estimate() takes; defined with the memory modes

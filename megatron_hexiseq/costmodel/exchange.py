@@ -15,9 +15,9 @@ blocks (a sender serves every receiver that picked it, one copy each).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 

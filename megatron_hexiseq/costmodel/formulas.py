@@ -7,7 +7,7 @@ b micro_batch_size. BF16 activations: 2 bytes per element. docs/cost_model.md de
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_hexiseq.cluster import Device
 from megatron_hexiseq.errors import HexiSeqError

@@ -11,7 +11,8 @@ lets Megatron code which allocates on "the current CUDA device" run on a CPU-onl
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F

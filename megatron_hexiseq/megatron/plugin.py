@@ -47,13 +47,13 @@ from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexise
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
 from megatron_hexiseq.megatron.checkpoint import check_before_training
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.runtime import (
     HexiSeqRuntime,
     RunShape,
     build_runtime,
     nccl_comm_cfgs,
 )
-from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.spec import hexiseq_spec
 from megatron_hexiseq.overlap import megatron_hooks
 

@@ -14,14 +14,12 @@ Shapes: ``query [S, b, H, d]``, ``key/value [S, b, G, d]`` -> ``[S, b, H*d]``.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
-from torch import Tensor
-
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
 
 
 class LocalCausalAttention(MegatronModule):
@@ -33,9 +31,9 @@ class LocalCausalAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
@@ -47,9 +45,9 @@ class LocalCausalAttention(MegatronModule):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        attention_mask: Optional[Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[Tensor] = None,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
         packed_seq_params=None,
     ) -> Tensor:
         S, b, H, d = query.shape
@@ -75,9 +73,9 @@ class PassThroughAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
@@ -87,9 +85,9 @@ class PassThroughAttention(MegatronModule):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        attention_mask: Optional[Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[Tensor] = None,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
         packed_seq_params=None,
     ) -> Tensor:
         S, b, H, d = query.shape

@@ -19,9 +19,10 @@ import argparse
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ class RunShape:
     head_dim: int | None = None  # kv_channels (None: the start-up kernel check uses 64)
 
     @classmethod
-    def from_megatron_args(cls, args: argparse.Namespace) -> "RunShape":
+    def from_megatron_args(cls, args: argparse.Namespace) -> RunShape:
         """From Megatron's parsed and validated ``args`` (``get_args()``)."""
         cp_comm = args.cp_comm_type
         if isinstance(cp_comm, (list, tuple)):
@@ -188,8 +189,8 @@ class HexiSeqRuntime:
     (concrete: proven on this device and dtype by ``build_runtime``)."""
 
     layout: Layout
-    groups: "HexiSeqGroups"
-    kernel: "Kernel"
+    groups: HexiSeqGroups
+    kernel: Kernel
     comm_chunks: int = 1
     fp32_grad_wire: bool = False
 

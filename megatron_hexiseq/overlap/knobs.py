@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError
 
@@ -120,7 +121,7 @@ class OverlapConfig:
         """Groups whose NCCL stream is high priority (Megatron's ``--high-priority-stream-groups``)."""
         return tuple(g.group for g in self.nccl if g.is_high_priority_stream)
 
-    def with_nccl(self, options: NcclGroupOptions) -> "OverlapConfig":
+    def with_nccl(self, options: NcclGroupOptions) -> OverlapConfig:
         """A copy with ``options`` replacing (or adding) the entry of its group."""
         rest = tuple(g for g in self.nccl if g.group != options.group)
         return dataclasses.replace(
@@ -136,7 +137,7 @@ class OverlapConfig:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "OverlapConfig":
+    def from_dict(cls, d: dict[str, Any]) -> OverlapConfig:
         known = {"overlap_grad_reduce", "bucket_size", "comm_chunks", "nccl"}
         unknown = set(d) - known
         if unknown:

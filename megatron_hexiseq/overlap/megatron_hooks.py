@@ -30,7 +30,8 @@ import argparse
 import os
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import yaml
@@ -169,7 +170,7 @@ class OnlineTuningStep:
         *,
         num_microbatches: int,
         apply_chunks: Callable[[Any, int], Any],
-    ) -> "OnlineTuningStep":
+    ) -> OnlineTuningStep:
         """The wrapper for ``--hexiseq-overlap-tune``: ``comm_chunks`` over ``COMM_CHUNKS_LADDER``,
         the result saved at ``result_path(args)`` by rank 0."""
         space = SearchSpace(

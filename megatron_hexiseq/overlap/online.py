@@ -14,7 +14,7 @@ and exposed share; when it fires the search starts again from minimal resources.
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 

@@ -41,7 +41,7 @@ class TuneResult:
         return len(self.trials)
 
     @classmethod
-    def from_search(cls, space: SearchSpace, result: SearchResult, **kw: Any) -> "TuneResult":
+    def from_search(cls, space: SearchSpace, result: SearchResult, **kw: Any) -> TuneResult:
         return cls(
             config=space.config_at(result.levels),
             levels=result.levels,
@@ -79,7 +79,7 @@ class TuneResult:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = "overlap result") -> "TuneResult":
+    def from_dict(cls, d: Any, where: str = "overlap result") -> TuneResult:
         if not isinstance(d, dict) or "config" not in d:
             raise HexiSeqError(
                 f"{where} is not an overlap tuning result (no 'config'); "

@@ -34,8 +34,8 @@ and broadcasts every decision, so all ranks try the same configurations in the s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Generator, Sequence
 
 import torch
 import torch.distributed as dist

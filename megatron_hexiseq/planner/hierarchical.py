@@ -9,7 +9,8 @@ makes the final choice among them, the baselines and the heuristics. The surroga
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel import Estimate

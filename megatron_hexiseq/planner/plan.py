@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
@@ -32,8 +33,8 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, evaluate_baselines
 from megatron_hexiseq.planner.build import with_fields
-from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 from megatron_hexiseq.planner.candidate import Candidate, Deadline, fastest_feasible
+from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 from megatron_hexiseq.planner.exact import MAX_EXACT_GPUS, exact_candidates
 from megatron_hexiseq.planner.feasibility import explain_infeasible, may_fit
 from megatron_hexiseq.planner.heuristics import heuristic_layouts

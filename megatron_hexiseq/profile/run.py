@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import socket
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -44,8 +44,8 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -153,7 +153,7 @@ class BenchModel:
         *,
         max_params: int = DEFAULT_MAX_PARAMS,
         seq_length: int = DEFAULT_SEQ_LENGTH,
-    ) -> "BenchModel":
+    ) -> BenchModel:
         return cls(
             target=target, bench=scale_for_cpu(target, max_params=max_params, seq_length=seq_length)
         )

@@ -9,8 +9,8 @@ default (no overlap), so the first trial measures the default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch.distributed as dist
 

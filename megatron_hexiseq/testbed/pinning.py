@@ -28,7 +28,7 @@ class TestbedShape:
     ranks_per_core: tuple[int, ...]
 
     @classmethod
-    def parse(cls, text: str) -> "TestbedShape":
+    def parse(cls, text: str) -> TestbedShape:
         try:
             counts = tuple(int(x) for x in text.replace(",", "+").split("+"))
         except ValueError:

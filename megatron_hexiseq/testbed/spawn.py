@@ -33,7 +33,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatron_hexiseq.errors import HexiSeqError
 
