@@ -112,9 +112,10 @@ def _make_step(rank: int, name: str, lay: Layout | None, comm_chunks: int, q, k,
     ql, kl, vl, dl = (x[pos].clone() for x in (q, k, v, dout))
     if lay is not None:
         groups = build_hexiseq_groups(lay)
-        fn = lambda a, b, c: hexiseq_attn_func(
-            a, b, c, groups=groups, kernel="auto", comm_chunks=comm_chunks
-        )  # noqa
+
+        def fn(a, b, c):
+            return hexiseq_attn_func(a, b, c, groups=groups, kernel="auto", comm_chunks=comm_chunks)
+
     elif name == "ulysses":
         fn = lambda a, b, c: ulysses_attn_func(a, b, c, group=dist.group.WORLD)  # noqa: E731
     else:

@@ -107,10 +107,10 @@ def main() -> int:
         os.makedirs(c1)
         os.makedirs(c2)
         full, phases["uninterrupted, 4 ranks"] = _run(4, TrainConfig(layout=l4, **base))
-        first, phases["4 ranks, steps 1-%d, save" % third] = _run(
+        first, phases[f"4 ranks, steps 1-{third}, save"] = _run(
             4, TrainConfig(layout=l4, **{**base, "steps": third}, save_dir=c1, save_at_step=third)
         )
-        second, phases["3 ranks, resume, steps %d-%d, save" % (third + 1, 2 * third)] = _run(
+        second, phases[f"3 ranks, resume, steps {third + 1}-{2 * third}, save"] = _run(
             3,
             TrainConfig(
                 layout=l3,
@@ -120,7 +120,7 @@ def main() -> int:
                 save_at_step=2 * third,
             ),
         )
-        last, phases["4 ranks, resume, steps %d-%d" % (2 * third + 1, args.steps)] = _run(
+        last, phases[f"4 ranks, resume, steps {2 * third + 1}-{args.steps}"] = _run(
             4, TrainConfig(layout=l4, **base, load_dir=c2)
         )
         sizes = {"after 4 ranks": folder_bytes(c1), "after 3 ranks": folder_bytes(c2)}

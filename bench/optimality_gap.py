@@ -128,7 +128,10 @@ def write(rows: list[dict], out: str) -> str:
     ]
     for i, r in enumerate(rows):
         g = "-" if r.get("gap") is None else f"{100 * r['gap']:.3f}"
-        fmt = lambda x: "-" if x is None else f"{x:.4f}"
+
+        def fmt(x):
+            return "-" if x is None else f"{x:.4f}"
+
         lines.append(
             f"| {i} | {r['cluster']} | {r['model']} | {r['seq_length']} | {fmt(r['hier_s'])} | "
             f"{fmt(r.get('exact_s'))} | {r['exact_status']} | {g} | {r['hier_groups']} | "

@@ -186,7 +186,7 @@ class _HexiSeqScenario:
             make_batch(cfg, 0, 0), segments=runtime.segments, seq_length=self.layout.seq_length
         )
         times = []
-        for step in range(o["warmup"] + o["steps"]):
+        for _ in range(o["warmup"] + o["steps"]):
             dist.barrier(group=self.dp_cp)
             _, timing = train_step(ddp, opt, params, batch, report_group=self.dp_cp)
             times.append(timing.local_s + timing.sync_s)
@@ -201,7 +201,7 @@ def _bench_rank(rank: int, world_size: int, opts: dict) -> dict:
     group = dist.group.WORLD
     sc = (_HexiSeqScenario if opts["scenario"] == "hexiseq" else _DdpScenario)(opts, group)
     space = sc.space
-    configs = [space.config_at(l) for l in space.grid()]
+    configs = [space.config_at(lv) for lv in space.grid()]
     megatron_overlap_default = dataclasses.replace(
         configs[0], overlap_grad_reduce=True
     )  # 40M bucket
@@ -212,11 +212,11 @@ def _bench_rank(rank: int, world_size: int, opts: dict) -> dict:
         "labels": [c.label() for c in grid],
         "ladders": [
             {
-                "name": l.name,
-                "knob": l.knob,
-                "values": [list(v) if isinstance(v, tuple) else v for v in l.values],
+                "name": lv.name,
+                "knob": lv.knob,
+                "values": [list(v) if isinstance(v, tuple) else v for v in lv.values],
             }
-            for l in space.ladders
+            for lv in space.ladders
         ],
     }
 
@@ -236,7 +236,7 @@ def _bench_rank(rank: int, world_size: int, opts: dict) -> dict:
         t0 = time.perf_counter()
         res = distributed_priority_search(
             space.num_levels,
-            lambda l: sc.trial(sc.measure(space.config_at(l))),
+            lambda lv: sc.trial(sc.measure(space.config_at(lv))),
             group=group,
             gallop=not opts["no_gallop"],
             tolerance=opts["tolerance"],
@@ -283,17 +283,19 @@ def _bench_rank(rank: int, world_size: int, opts: dict) -> dict:
 
 
 def _summarise(raw: dict, opts: dict) -> dict:
-    med = lambda samples, key="z_us": statistics.median(s[key] for s in samples)
+    def med(samples, key="z_us"):
+        return statistics.median(s[key] for s in samples)
+
     grid = [
         {
-            "label": l,
+            "label": lv,
             "config": c,
             "z_ms": med(s) / 1e3,
             "y_ms": med(s, "y_us") / 1e3,
             "exposed_ms": med(s, "exposed_us") / 1e3,
             "buckets": s[0]["buckets"],
         }
-        for l, c, s in zip(raw["labels"], raw["grid"], raw["grid_samples"])
+        for lv, c, s in zip(raw["labels"], raw["grid"], raw["grid_samples"])
     ]
     final = {
         n: {

@@ -153,7 +153,10 @@ def write(rows: list[dict], pairs: list[dict], out: str) -> str:
         "max_speedup": max(sp, default=None),
         "min_speedup": min(sp, default=None),
     }
-    fmt = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"
+
+    def fmt(x, p=3):
+        return "-" if x is None else f"{x:.{p}f}"
+
     lines = [
         "| setting | model | seq | planned s | best baseline | baseline s | speedup | mode | groups | solve s |",
         "|---|---|---:|---:|---|---:|---:|---|---|---:|",

@@ -124,7 +124,7 @@ def _result():
     space = SearchSpace(ladders=(ddp_ladder(1_000_000, min_bucket_params=250_000),))
     search = priority_search(
         space.num_levels,
-        lambda l: [Trial(10, (30,), 40), Trial(12, (20,), 32), Trial(14, (25,), 35)][l[0]],
+        lambda lv: [Trial(10, (30,), 40), Trial(12, (20,), 32), Trial(14, (25,), 35)][lv[0]],
     )
     return TuneResult.from_search(
         space, search, default_z_us=40.0, tuned_z_us=32.0, setup={"mode": "test"}

@@ -45,7 +45,7 @@ def table_trial(rank, level):
 def table_measure(bench, config):
     """Injected timings: a function of the configuration's ladder level and the rank only."""
     space = bench_space(TUNE)
-    level = next(l for l in range(space.num_levels[0]) if space.config_at((l,)) == config)
+    level = next(lv for lv in range(space.num_levels[0]) if space.config_at((lv,)) == config)
     t = table_trial(dist.get_rank(), level)
     return Measurement(y_us=t.y_us, exposed_us=t.z_us - t.y_us - 10.0, z_us=t.z_us, num_buckets=0)
 
@@ -117,7 +117,7 @@ def test_two_ranks_agree_and_bench_matches_reference():
     # search: identical on both ranks, equal to one process searching the max-combined cost
     assert r0["search"] == r1["search"]
     assert r0["calls"] == r1["calls"] == [(0,), (1,), (2,)]
-    expected = priority_search((5,), lambda l: _max_trial(synthetic(0, l), synthetic(1, l)))
+    expected = priority_search((5,), lambda lv: _max_trial(synthetic(0, lv), synthetic(1, lv)))
     assert r0["search"] == expected and r0["search"].levels == (1,)
     # online: rank 1 rejects 4 chunks for both ranks
     assert r0["applied"] == r1["applied"] == [1, 2, 4, 2]
@@ -127,14 +127,14 @@ def test_two_ranks_agree_and_bench_matches_reference():
     assert r0["grads_ok"] == r1["grads_ok"] and len(r0["grads_ok"]) == 2
     labels = list(r0["buckets"])
     assert r0["buckets"][labels[0]] == 1 and r0["buckets"][labels[1]] > 1
-    assert all(r0["measured_buckets_" + l] == r0["buckets"][l] for l in labels)
+    assert all(r0["measured_buckets_" + lv] == r0["buckets"][lv] for lv in labels)
     # offline tuner: same result on both ranks, equal to one process on the max-combined table
     tuned = r0["tuned"]
     assert tuned == r1["tuned"]
     space = bench_space(TUNE)
     alone = priority_search(
         space.num_levels,
-        lambda l: _max_trial(table_trial(0, l[0]), table_trial(1, l[0])),
+        lambda lv: _max_trial(table_trial(0, lv[0]), table_trial(1, lv[0])),
         gallop=True,
         tolerance=0.05,
     )

@@ -26,7 +26,7 @@ def lagom_cost(y_fn, x_tables):
     def measure(levels):
         calls.append(levels)
         y = y_fn(levels)
-        x = tuple(table[l] for table, l in zip(x_tables, levels))
+        x = tuple(table[lv] for table, lv in zip(x_tables, levels))
         return Trial(y_us=y, x_us=x, z_us=max(y, sum(x)))
 
     return measure, calls
@@ -34,7 +34,9 @@ def lagom_cost(y_fn, x_tables):
 
 def test_exact_trial_sequence_two_communications():
     # Hand trace in the comments; (2, 2) is the optimum of Z over the whole 4 x 3 grid.
-    y_fn = lambda l: 50 + 5 * l[0] + 2 * l[1]
+    def y_fn(lv):
+        return 50 + 5 * lv[0] + 2 * lv[1]
+
     x_tables = ([80, 60, 50, 55], [60, 40, 35])
     measure, calls = lagom_cost(y_fn, x_tables)
     result = priority_search((4, 3), measure)
@@ -56,12 +58,14 @@ def test_exact_trial_sequence_two_communications():
     ]
     assert [s.communication for s in result.history] == [None, 0, 1, 1, 0, 0]
     assert result.levels == (2, 2) and result.trial.z_us == 85 and result.num_trials == 6
-    grid = {l: measure(l).z_us for l in itertools.product(range(4), range(3))}
+    grid = {lv: measure(lv).z_us for lv in itertools.product(range(4), range(3))}
     assert min(grid.values()) == 85 and min(grid, key=grid.get) == (2, 2)
 
 
 def test_stops_when_computation_bound():
-    measure, calls = lagom_cost(lambda l: 100 + 10 * l[0] + 5 * l[1], ([80, 60, 50], [60, 40, 30]))
+    measure, calls = lagom_cost(
+        lambda lv: 100 + 10 * lv[0] + 5 * lv[1], ([80, 60, 50], [60, 40, 30])
+    )
     result = priority_search((3, 3), measure)
     # (1,0): y 110 X 120 accepted; (1,1): y 115 X 100 < Y -> every communication done
     assert calls == [(0, 0), (1, 0), (1, 1)]
@@ -69,7 +73,7 @@ def test_stops_when_computation_bound():
 
 
 def test_already_computation_bound_at_minimal_resources():
-    measure, calls = lagom_cost(lambda l: 200.0, ([50, 10],))
+    measure, calls = lagom_cost(lambda lv: 200.0, ([50, 10],))
     result = priority_search((2,), measure)
     assert calls == [(0,)] and result.levels == (0,)
 
@@ -88,7 +92,7 @@ def test_rejects_move_that_does_not_shorten_the_step():
 
 def test_gallop_exact_sequence():
     x = [100, 90, 80, 70, 60, 50, 45, 47, 52, 60]
-    measure, calls = lagom_cost(lambda l: 10 + l[0], (x,))
+    measure, calls = lagom_cost(lambda lv: 10 + lv[0], (x,))
     result = priority_search((10,), measure, gallop=True)
     # steps 1, 2, 4 accepted; +8 clips to 9 and is slower -> step 1: 8 slower -> done at 7
     assert calls == [(0,), (1,), (3,), (7,), (9,), (8,)]
@@ -96,22 +100,22 @@ def test_gallop_exact_sequence():
 
 
 def test_gallop_clipped_at_the_top_does_not_repeat_a_trial():
-    measure, calls = lagom_cost(lambda l: 10 + l[0], ([100, 90, 80, 70, 75],))
+    measure, calls = lagom_cost(lambda lv: 10 + lv[0], ([100, 90, 80, 70, 75],))
     result = priority_search((5,), measure, gallop=True)
     assert calls == [(0,), (1,), (3,), (4,)] and result.levels == (3,)
 
 
 def test_noise_tolerance_walks_through_a_bump_and_keeps_the_best_measured():
-    measure, calls = lagom_cost(lambda l: 10.0, ([100, 101, 80, 70, 90],))
+    measure, calls = lagom_cost(lambda lv: 10.0, ([100, 101, 80, 70, 90],))
     assert priority_search((5,), measure).levels == (0,) and calls == [
         (0,),
         (1,),
     ]  # Lagom as written
-    measure, calls = lagom_cost(lambda l: 10.0, ([100, 101, 80, 70, 90],))
+    measure, calls = lagom_cost(lambda lv: 10.0, ([100, 101, 80, 70, 90],))
     result = priority_search((5,), measure, tolerance=0.05)  # 101 is within 5% of 100: go on
     assert calls == [(0,), (1,), (2,), (3,), (4,)] and result.levels == (3,)
     assert [s.decision for s in result.history][-1] == "reject-slower"
-    measure, calls = lagom_cost(lambda l: 10.0, ([100, 80, 83, 95],))
+    measure, calls = lagom_cost(lambda lv: 10.0, ([100, 80, 83, 95],))
     result = priority_search((4,), measure, tolerance=0.05)  # 83 accepted within noise, 80 kept
     assert calls == [(0,), (1,), (2,), (3,)] and result.levels == (1,) and result.trial.z_us == 80
     with pytest.raises(ValueError, match="tolerance"):

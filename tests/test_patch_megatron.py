@@ -42,8 +42,8 @@ def test_patch_touches_only_pretrain_gpt_and_adds_the_hooks():
         ("pretrain_gpt.py", "pretrain_gpt.py")
     ]
     assert "index 8eff08d" in text  # the core_v0.16.1 blob of pretrain_gpt.py
-    added = [l[1:].strip() for h in _hunks() for l in h if l.startswith("+")]
-    removed = [l[1:].strip() for h in _hunks() for l in h if l.startswith("-")]
+    added = [lv[1:].strip() for h in _hunks() for lv in h if lv.startswith("+")]
+    removed = [lv[1:].strip() for h in _hunks() for lv in h if lv.startswith("-")]
     assert added == [
         "import sys",
         "from megatron_hexiseq.megatron import plugin as hexiseq  # megatron-hexiseq: --hexiseq-* flags, layout hooks",
@@ -66,7 +66,7 @@ def _synthetic_original(tmp: Path) -> Path:
         start = int(header)
         while len(lines) < start - 1:
             lines.append(f"# filler {len(lines)}")
-        lines += [l[1:] for l in hunk if l[:1] in (" ", "-")]
+        lines += [lv[1:] for lv in hunk if lv[:1] in (" ", "-")]
     target = tmp / "pretrain_gpt.py"
     target.write_text("\n".join(lines) + "\n")
     return target

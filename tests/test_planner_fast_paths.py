@@ -180,7 +180,7 @@ def test_identical_range_matches_reference() -> None:
     rng = random.Random(5)
     for _ in range(400):
         n, N = rng.choice((1, 2, 4, 8)), rng.randint(64, 4096)
-        row = lambda lo, hi: (rng.randint(lo, hi),) * n  # noqa: E731
+        row = lambda lo, hi, n=n: (rng.randint(lo, hi),) * n  # noqa: E731
         start = rng.randint(0, N // 2)
         g = GroupCoef(
             a=row(10**5, 10**8),

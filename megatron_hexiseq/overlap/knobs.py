@@ -214,7 +214,7 @@ class SearchSpace:
 
     @property
     def num_levels(self) -> tuple[int, ...]:
-        return tuple(len(l.values) for l in self.ladders)
+        return tuple(len(lv.values) for lv in self.ladders)
 
     def config_at(self, levels: tuple[int, ...]) -> OverlapConfig:
         assert len(levels) == len(self.ladders), (levels, self.ladders)

@@ -57,13 +57,15 @@ def apply_config_to_args(
         if not config.overlap_grad_reduce:
             warnings.warn(
                 "overlap result sets a bucket size without overlap_grad_reduce: Megatron "
-                "uses one bucket then, the size has no effect"
+                "uses one bucket then, the size has no effect",
+                stacklevel=2,
             )
         args.ddp_bucket_size = config.bucket_size
         if getattr(args, "ddp_num_buckets", None) is not None:  # Megatron asserts if both are set
             warnings.warn(
                 f"overlap result sets the bucket size ({config.bucket_size} parameters); "
-                f"ignoring --ddp-num-buckets {args.ddp_num_buckets}"
+                f"ignoring --ddp-num-buckets {args.ddp_num_buckets}",
+                stacklevel=2,
             )
             args.ddp_num_buckets = None
     args.hexiseq_comm_chunks = config.comm_chunks
@@ -111,13 +113,15 @@ def configure_from_args(args: argparse.Namespace) -> None:
                 "take effect when Megatron creates its process groups, which already happened in "
                 f"this run; pass --nccl-communicator-config-path {path}.nccl.yaml "
                 f"--high-priority-stream-groups {' '.join(result.config.high_priority_stream_groups) or '<none>'} "
-                "on the command line instead"
+                "on the command line instead",
+                stacklevel=2,
             )
     elif tune and not getattr(args, "hexiseq_layout", None):
         warnings.warn(
             "--hexiseq-overlap-tune: without HexiSeq attention (--hexiseq-layout) no overlap "
             "knob can change during training; tune DDP buckets offline with "
-            "'megatron-hexiseq tune' and pass --hexiseq-overlap-config"
+            "'megatron-hexiseq tune' and pass --hexiseq-overlap-config",
+            stacklevel=2,
         )
 
 

@@ -57,8 +57,8 @@ class TuneResult:
             "config": self.config.to_dict(),
             "levels": list(self.levels),
             "ladders": [
-                {"name": l.name, "knob": l.knob, "values": [_jsonable(v) for v in l.values]}
-                for l in self.ladders
+                {"name": lv.name, "knob": lv.knob, "values": [_jsonable(v) for v in lv.values]}
+                for lv in self.ladders
             ],
             "trials": [
                 {
@@ -92,8 +92,10 @@ class TuneResult:
             )
         try:
             ladders = tuple(
-                Ladder(name=l["name"], knob=l["knob"], values=tuple(_tuple(v) for v in l["values"]))
-                for l in d.get("ladders", ())
+                Ladder(
+                    name=lv["name"], knob=lv["knob"], values=tuple(_tuple(v) for v in lv["values"])
+                )
+                for lv in d.get("ladders", ())
             )
             trials = tuple(
                 Step(
