@@ -208,3 +208,19 @@ def test_library_does_not_import_testbed_or_commands(module: str) -> None:
     assert not bad, (
         f"library module {module} imports {', '.join(bad)} (testbed/commands depend on the library)"
     )
+
+
+def _in(module: str, sub: str) -> bool:
+    return module == f"{PACKAGE}.{sub}" or module.startswith(f"{PACKAGE}.{sub}.")
+
+
+TESTBED = sorted(m for m in MODULES if _in(m, "testbed"))
+
+
+@pytest.mark.parametrize("module", TESTBED)
+def test_testbed_does_not_import_commands(module: str) -> None:
+    """Layers: library < testbed < commands/cli. The CLI may use the testbed, never the reverse."""
+    bad = sorted(t for t in GRAPH[module] if _in(t, "commands") or t in ENTRY_POINTS)
+    assert not bad, (
+        f"testbed module {module} imports {', '.join(bad)} (commands/cli sit above the testbed)"
+    )

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from megatron_hexiseq.cluster import cluster_to_dict
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.commands._progress import waiting
+from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.commands.inputs import (
     CLUSTER_SPEC_KEY,
     MODEL_SPEC_KEY,

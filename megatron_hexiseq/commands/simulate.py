@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.commands._progress import waiting
+from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.commands.inputs import (
     add_problem_args,
     layout_options,

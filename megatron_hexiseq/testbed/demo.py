@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hexiseq.cluster import Cluster, load_cluster
-from megatron_hexiseq.commands._progress import waiting
+from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.costmodel import estimate
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
