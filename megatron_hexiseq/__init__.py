@@ -38,7 +38,21 @@ _EXPORTS = {
     "plan": "megatron_hexiseq.planner.plan",
 }
 
-__all__ = ["HexiSeqError", "__version__", *_EXPORTS]
+__all__ = [  # noqa: RUF022 (grouped as _EXPORTS)
+    "HexiSeqError",
+    "__version__",
+    "Cluster",
+    "load_cluster",
+    "cluster_from_dict",
+    "ModelSpec",
+    "get_model",
+    "Layout",
+    "TrainOptions",
+    "AUTO_MODES",
+    "Estimate",
+    "estimate",
+    "plan",
+]
 
 if TYPE_CHECKING:
     from megatron_hexiseq.cluster import Cluster, cluster_from_dict, load_cluster

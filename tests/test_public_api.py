@@ -22,6 +22,14 @@ def test_export_is_the_defining_modules_object(name: str) -> None:
     assert name in megatron_hexiseq.__all__
 
 
+def test_all_is_the_exports() -> None:
+    assert set(megatron_hexiseq.__all__) == {
+        "HexiSeqError",
+        "__version__",
+        *megatron_hexiseq._EXPORTS,
+    }
+
+
 def test_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_thing"):
         megatron_hexiseq.no_such_thing  # noqa: B018

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 from megatron_hexiseq.cluster import cluster_to_dict
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.commands.inputs import (
     CLUSTER_SPEC_KEY,
     MODEL_SPEC_KEY,
@@ -20,6 +19,7 @@ from megatron_hexiseq.commands.inputs import (
 from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import check_outputs
+from megatron_hexiseq.progress import waiting
 
 EXAMPLES = """examples:
   megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \\

@@ -10,7 +10,6 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.commands.inputs import (
     add_problem_args,
     layout_options,
@@ -20,6 +19,7 @@ from megatron_hexiseq.commands.inputs import (
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import atomic_path, check_outputs
 from megatron_hexiseq.layout import Layout, check_matches
+from megatron_hexiseq.progress import waiting
 
 EXAMPLES = """examples:
   megatron-hexiseq simulate --layout layout.json --baselines --plot sim.png

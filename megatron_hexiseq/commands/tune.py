@@ -8,10 +8,10 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import check_outputs
 from megatron_hexiseq.model import MODEL_PRESETS, get_model
+from megatron_hexiseq.progress import waiting
 
 if TYPE_CHECKING:
     from megatron_hexiseq.testbed.overlap_bench import BenchModel

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hexiseq.cluster import Cluster, load_cluster
-from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.costmodel import estimate
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
@@ -27,6 +26,7 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.runtime import check_run
 from megatron_hexiseq.model import ModelSpec, get_model
 from megatron_hexiseq.planner.baselines import best_symmetric
+from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.run_config import TrainOptions, check_options_record, options_from_record
 from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
 from megatron_hexiseq.testbed.spawn import run_ranks
