@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from megatron_hexiseq import __version__
 from megatron_hexiseq.errors import run_user_command
@@ -20,7 +21,7 @@ COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors: one line, exit 2
+    def error(self, message: str) -> NoReturn:  # argparse's own errors: one line, exit 2
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 

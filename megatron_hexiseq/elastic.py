@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_hexiseq.cluster import Cluster, cluster_to_dict, load_cluster
+from megatron_hexiseq.cluster import Cluster, Device, cluster_to_dict, load_cluster
 from megatron_hexiseq.errors import HexiSeqError, run_user_command, short
 from megatron_hexiseq.io import check_outputs, write_text_atomic
 from megatron_hexiseq.layout import Layout
@@ -130,7 +130,8 @@ def exclude(
         raise HexiSeqError(
             f"--exclude leaves no GPU of cluster {cluster.name!r}; exclude fewer devices"
         )
-    devices, per_node = [], {}
+    devices: list[Device] = []
+    per_node: dict[str, int] = {}  # node name -> last local index kept
     for d in cluster.devices:
         if d.local_index in lost.get(d.node, ()):
             continue

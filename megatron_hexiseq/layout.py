@@ -340,12 +340,12 @@ def _validate(lay: Layout) -> None:
             _fail(f"group {g.id} has no ranks")
         if list(g.ranks) != sorted(g.ranks):
             _fail(f"group {g.id} must list its ranks in ascending order, got {list(g.ranks)}")
-        for r in g.ranks:
-            if not _is_int(r) or not 0 <= r < W:
-                _fail(f"group {g.id} lists rank {r}, outside 0..{W - 1}")
-            if r in seen:
-                _fail(f"rank {r} is in group {seen[r]} and group {g.id}")
-            seen[r] = g.id
+        for member in g.ranks:
+            if not _is_int(member) or not 0 <= member < W:
+                _fail(f"group {g.id} lists rank {member}, outside 0..{W - 1}")
+            if member in seen:
+                _fail(f"rank {member} is in group {seen[member]} and group {g.id}")
+            seen[member] = g.id
     for r in lay.ranks:
         if r.rank not in seen:
             _fail(f"rank {r.rank} is in no group")
@@ -382,13 +382,13 @@ def _validate(lay: Layout) -> None:
     # heads partition 0..H-1 inside each group
     for g in lay.groups:
         holder: dict[int, int] = {}
-        for r in g.ranks:
-            for h in lay.ranks[r].heads:
+        for member in g.ranks:
+            for h in lay.ranks[member].heads:
                 if not _is_int(h) or not 0 <= h < H:
-                    _fail(f"rank {r}: head {h} outside 0..{H - 1}")
+                    _fail(f"rank {member}: head {h} outside 0..{H - 1}")
                 if h in holder:
-                    _fail(f"group {g.id}: head {h} is held by rank {holder[h]} and rank {r}")
-                holder[h] = r
+                    _fail(f"group {g.id}: head {h} is held by rank {holder[h]} and rank {member}")
+                holder[h] = member
         missing = sorted(set(range(H)) - set(holder))
         if missing:
             _fail(

@@ -210,6 +210,7 @@ def get_model(
         spec = _preset(name).to_dict()
         where = f"model {short(name)}"
     else:
+        assert config_path is not None  # exactly one of name / config_path, checked above
         data = read_yaml(config_path, "model spec")
         where = f"model spec {config_path}"
         spec = _spec_from_yaml(data, where)

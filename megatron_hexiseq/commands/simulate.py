@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if args.per_rank:
             for r in rows:
                 if r.estimate is not None:
+                    assert r.layout is not None  # simulate() estimates only rows with a layout
                     console.print(estimate_table(r.name, r.layout, r.estimate))
         console.print(
             summary_table(

@@ -287,7 +287,8 @@ def memory_floor_fits(
 def _device_constants(cluster: Cluster) -> list[tuple[int, str, str, float, float, int, float]]:
     """Per device: (first device of an equal GPU type, GPU name, node, step overhead s, P2P latency s,
     memory bytes, memory GiB), once per cluster."""
-    memo = cluster_arrays(cluster).memo
+    # the memo holds tables of several shapes (this one a list); ClusterArrays types it dict[str, dict]
+    memo: dict[str, Any] = cluster_arrays(cluster).memo
     if "devices" not in memo:
         first: dict[object, int] = {}
         memo["devices"] = [

@@ -205,6 +205,7 @@ def plan(
     # the final choice: the fastest of every candidate (ties: the planner's own, then a heuristic)
     finalists: list[tuple[float, int, str, str, Layout, TrainOptions]] = []
     if best_c is not None:
+        assert best_o is not None  # set together with best_c above
         finalists.append(
             (best_c.estimate.iteration_time_s, 0, method, "hexiseq", best_c.layout, best_o)
         )
@@ -217,6 +218,7 @@ def plan(
                 for b, r in zip(named, heur_records if fam == "heuristic" else records)
                 if r is rec
             )
+            assert b.layout is not None  # a record with an iteration time was scored on b.layout
             finalists.append(
                 (rec["iteration_time_s"], rank, fam, b.label, b.layout, options_of(rec))
             )
