@@ -64,6 +64,10 @@ def transformer_config(
     return TransformerConfig(**(fields | overrides))
 
 
+def _cpu_device() -> str:
+    return "cpu"
+
+
 @contextlib.contextmanager
 def cpu_device_shim() -> Iterator[None]:
     """Let Megatron code that allocates on ``torch.cuda.current_device()`` allocate on CPU.
@@ -76,7 +80,8 @@ def cpu_device_shim() -> Iterator[None]:
         yield
         return
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # deliberate: a device string where torch declares an int index (callers pass it on as a device)
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
     try:
         yield
     finally:

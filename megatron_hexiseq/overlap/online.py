@@ -14,7 +14,7 @@ and exposed share; when it fires the search starts again from minimal resources.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch.distributed as dist
 
@@ -23,6 +23,7 @@ from megatron_hexiseq.overlap.monitor import DriftMonitor
 from megatron_hexiseq.overlap.results import TuneResult
 from megatron_hexiseq.overlap.search import (
     Levels,
+    SearchResult,
     Trial,
     broadcast_from,
     max_trial_over_ranks,
@@ -65,7 +66,7 @@ class OnlineTuner:
         self.results: list[TuneResult] = []
         self._samples: list[tuple[float, tuple[float, ...], float]] = []
         self._skip = 0
-        self._gen = None
+        self._gen: Generator[Levels, Trial, SearchResult] | None = None
         self._levels: Levels | None = None
         self._start()
 
@@ -75,6 +76,8 @@ class OnlineTuner:
         may be built before ``init_process_group``; until then every rank proposes level 0 alike)."""
         if self._group == "world":
             return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if isinstance(self._group, str):
+            raise ValueError(f'group must be a ProcessGroup, "world" or None, got {self._group!r}')
         return self._group
 
     @property

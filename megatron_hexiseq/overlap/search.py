@@ -36,11 +36,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 Levels = tuple[int, ...]
+
+_T = TypeVar("_T")
 
 #: Lagom's initial priority of every communication.
 INITIAL_H = 0.01
@@ -198,8 +201,10 @@ def max_trial_over_ranks(trial: Trial, group: dist.ProcessGroup) -> Trial:
     return Trial(y_us=values[0], x_us=tuple(values[2:]), z_us=values[1])
 
 
-def broadcast_from(obj: object, src_global: int, group: dist.ProcessGroup) -> object:
-    """``obj`` of global rank ``src_global`` on every rank of ``group`` (pickled; small objects only)."""
+def broadcast_from(obj: _T, src_global: int, group: dist.ProcessGroup) -> _T:
+    """``obj`` of global rank ``src_global`` on every rank of ``group`` (pickled; small objects only).
+
+    Every rank passes a value of the same declared type (the source's is the one kept)."""
     box = [obj]
     dist.broadcast_object_list(box, src=src_global, group=group)
     return box[0]
@@ -224,16 +229,19 @@ def distributed_priority_search(
     src_global = dist.get_global_rank(group, src)
     leader = dist.get_rank(group) == src
     gen = search_steps(num_levels, gallop=gallop, tolerance=tolerance) if leader else None
-    levels: Levels | None = next(gen) if leader else None
+    levels: Levels | None = next(gen) if gen is not None else None
     result: SearchResult | None = None
     while True:
         levels = broadcast_from(levels, src_global, group)
         if levels is None:
             break
         trial = max_trial_over_ranks(measure(levels), group)
-        if leader:
+        if gen is not None:
             try:
                 levels = gen.send(trial)
             except StopIteration as stop:
                 result, levels = stop.value, None
-    return broadcast_from(result, src_global, group)
+    result = broadcast_from(result, src_global, group)
+    if result is None:  # the leader only stops broadcasting levels once its search returned
+        raise RuntimeError("distributed_priority_search: the source rank ended without a result")
+    return result

@@ -113,7 +113,7 @@ def run_profile(
         mm = measure_layer_flops(model, device, dtype, opts)
     say("attention throughput (all ranks at once)")
     dist.barrier()
-    if calibrate is not None:
+    if calibrate is not None and model is not None:  # a calibration comes only with a model
         attn = calibrate.attention_flops(model, model_attention_seq(model), opts)
     else:
         attn = measure_attention_flops(device, dtype, opts)
@@ -124,11 +124,12 @@ def run_profile(
             dist.barrier()
             bw = measure_pair_bandwidth(a, b, device, opts)
             if rank == a:
+                assert bw is not None  # rank a is one end of the pair, so it measured
                 pair_bw[f"{a}-{b}"] = bw
     say("all-to-all bandwidth")
     a2a = measure_alltoall_bandwidth(device, opts) if world > 1 else None
-    if calibrate is not None and calibrate.can_time_fixed_costs(
-        model, world
+    if (
+        calibrate is not None and model is not None and calibrate.can_time_fixed_costs(model, world)
     ):  # else the latencies stay 0
         say("collective and K/V-step latency inside the attention runtime")
         fixed["calibration"] = calibrate.fixed_costs(model, opts)
@@ -158,7 +159,7 @@ def run_profile(
         },
     }
     spec = cluster_spec_from_measurements(everyone)
-    if calibrate is not None and "calibration" in everyone[0]:
+    if calibrate is not None and model is not None and "calibration" in everyone[0]:
         raw["latency_fit"] = calibrate.fit_latencies(spec, everyone[0]["calibration"], model)
     return spec, raw
 

@@ -32,6 +32,7 @@ model, and it measures what training executes:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import replace
@@ -201,24 +202,23 @@ def calibration_layouts(
         num_heads, list(hosts) if hosts else [str(r) for r in range(world)]
     )
     first = [sum(per_head[:r]) for r in range(world)]
-    common = dict(
+    layout_of = functools.partial(
+        make_layout,
         seq_length=seq_length,
         num_attention_heads=num_heads,
         num_query_groups=num_query_groups,
         hosts=hosts,
         gpus=gpus,
     )
-    a2a = make_layout(
+    a2a = layout_of(
         group_sizes=[world],
         segments=[[(s, s + n)] for s, n in zip(starts, sizes)],
         heads=[list(range(f, f + h)) for f, h in zip(first, per_head)],
-        **common,
     )
-    p2p = make_layout(
+    p2p = layout_of(
         group_sizes=[1] * world,
         segments=zigzag_segments(seq_length, world),
         heads=[list(range(num_heads))] * world,
-        **common,
     )
     return {"a2a": a2a, "p2p": p2p}
 
@@ -274,10 +274,12 @@ def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str
             dist.barrier()
             start = time.perf_counter()
             # `layers` calls forward, then their backwards (as a model's layers run): per call time
-            sum(
+            total = sum(
                 hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum()
                 for _ in range(layers)
-            ).backward()
+            )
+            assert isinstance(total, torch.Tensor)  # layers >= 1: a sum of tensors, not sum's 0
+            total.backward()
             elapsed = torch.tensor([(time.perf_counter() - start) / layers], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i:

@@ -30,7 +30,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from megatron_hexiseq.megatron.checkpoint import (
 )
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.testbed.train_config import TrainConfig
+
+if TYPE_CHECKING:  # annotations only: importing it at run time loads much of megatron.core
+    from megatron.core.models.gpt import GPTModel
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -104,7 +107,7 @@ def checkpoint_shim() -> Iterator[None]:
 
 
 def _sharded(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, replica: int, *, template: bool
+    model: GPTModel, opt: torch.optim.Optimizer, replica: int, *, template: bool
 ) -> dict[str, Any]:
     """``{"model": ..., "optimizer": {name: {state: ShardedTensor}}}`` (``template``: empty tensors to load into)."""
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -125,7 +128,7 @@ def _sharded(
 
 def save_checkpoint(
     cfg: TrainConfig,
-    model: torch.nn.Module,
+    model: GPTModel,
     opt: torch.optim.Optimizer,
     steps_done: int,
     *,
@@ -134,11 +137,14 @@ def save_checkpoint(
     """Collective: save after ``steps_done`` steps into ``cfg.save_dir/iter_<steps_done:07d>``; returns it."""
     from megatron.core import dist_checkpointing
 
-    folder = os.path.join(cfg.save_dir, f"iter_{steps_done:07d}")
+    save_dir = cfg.save_dir
+    if save_dir is None:
+        raise ValueError("save_checkpoint needs cfg.save_dir")
+    folder = os.path.join(save_dir, f"iter_{steps_done:07d}")
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
-    names = {p: n for n, p in model.named_parameters()}
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
     state = _sharded(model, opt, dist.get_rank(dp_cp_group), template=False)
     state.update(
         {
@@ -156,7 +162,7 @@ def save_checkpoint(
         dist_checkpointing.save(state, folder)
     dist.barrier()
     if dist.get_rank() == 0:
-        write_text_atomic(os.path.join(cfg.save_dir, TRACKER), f"{steps_done}\n")
+        write_text_atomic(os.path.join(save_dir, TRACKER), f"{steps_done}\n")
     dist.barrier()
     return folder
 
@@ -164,13 +170,16 @@ def save_checkpoint(
 def check_checkpoint(cfg: TrainConfig) -> str:
     """Collective, before anything is built: the folder ``cfg.load_dir`` resumes from, once rank 0
     has checked its record and data position against ``cfg`` (the same one-line error on every rank)."""
+    load_dir = cfg.load_dir
+    if load_dir is None:
+        raise ValueError("check_checkpoint needs cfg.load_dir")
     found: list[str | None] = [None]
 
     def check() -> None:
-        folder = find_checkpoint(cfg.load_dir)
+        folder = find_checkpoint(load_dir)
         if folder is None:
             raise HexiSeqError(
-                f"no checkpoint in {cfg.load_dir} (no {TRACKER}); train without load_dir to start afresh"
+                f"no checkpoint in {load_dir} (no {TRACKER}); train without load_dir to start afresh"
             )
         where = f"checkpoint {folder}"
         check_resume(read_record(folder), run_record(cfg), where=where)
@@ -196,7 +205,7 @@ def check_checkpoint(cfg: TrainConfig) -> str:
 
 
 def load_checkpoint(
-    folder: str, model: torch.nn.Module, opt: torch.optim.Optimizer, *, dp_cp_group: Any
+    folder: str, model: GPTModel, opt: torch.optim.Optimizer, *, dp_cp_group: Any
 ) -> int:
     """Collective: load ``folder`` (from :func:`check_checkpoint`) into ``model`` and ``opt``; returns the
     number of steps it had done (the first step to run)."""

@@ -58,6 +58,8 @@ def tune_rank(
 ) -> TuneResult:
     """One rank's part of ``tune_offline`` (collective over the default group)."""
     group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("tune_rank needs an initialised default process group")
     bench = OverlapBench(spec.bench, group)
     space = bench_space(spec)
 

@@ -203,15 +203,19 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
         opt = torch.optim.AdamW(params, lr=cfg.lr)
         replica = mpu.get_data_parallel_rank()
         dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
-        losses, times, kept = [], [], {}
+        losses, times = [], []
+        kept_grads: dict[str, dict[str, torch.Tensor]] = {}  # "grads" once keep_grads ran
+        resumed: dict[str, dict] | None = None
         keep = cfg.return_params and rank == 0
         start = 0
         if resume_from is not None:
             start = ckpt.load_checkpoint(resume_from, model, opt, dp_cp_group=dp_cp)
-            kept["resumed"] = ckpt.snapshot(model, opt) if keep else None
+            resumed = ckpt.snapshot(model, opt) if keep else None
 
         def keep_grads() -> None:
-            kept["grads"] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+            kept_grads["grads"] = {
+                n: p.main_grad.detach().clone() for n, p in model.named_parameters()
+            }
 
         for step in range(start, cfg.steps):
             t_start = time.perf_counter()
@@ -237,11 +241,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
         return TrainResult(
             losses,
             times,
-            kept.get("grads"),
+            kept_grads.get("grads"),
             final.get("params"),
             start_step=start,
             opt_state=final.get("opt_state"),
-            resumed=kept.get("resumed"),
+            resumed=resumed,
         )
     finally:
         mpu.destroy_model_parallel()
