@@ -10,6 +10,7 @@ endpoint's port). The two ports and the two directions run at the same time. Lat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class ClusterArrays:
         self.net = np.array([d.network_GBps for d in devs]) * 1e9
         self.rate = np.array([d.attention_flops_per_s for d in devs])
         self.links: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
-        self.memo: dict[str, dict] = {}  # other per-cluster tables, by the name of what they hold
+        self.memo: dict[str, Any] = {}  # other per-cluster tables, by the name of what they hold
 
 
 _ARRAYS: dict[
