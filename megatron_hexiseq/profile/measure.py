@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils import benchmark
 
 from megatron_hexiseq.model import ModelSpec
 
@@ -45,15 +46,14 @@ class ProfileOptions:
 
 
 def timed_rate(work: Callable[[], None], work_units: float, seconds: float) -> float:
-    """Units per second of ``work`` run repeatedly for about ``seconds`` (after one warm-up)."""
-    work()
-    n, start = 0, time.perf_counter()
-    while True:
-        work()
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return n * work_units / elapsed
+    """Units per second of ``work``: ``torch.utils.benchmark`` runs it in blocks for at least
+    ``seconds`` (after its own warm-up) and the rate is taken at the median block time. The rank
+    keeps its torch threads (``Timer`` would otherwise time with one); CUDA work is synchronised
+    by ``work`` itself and by the benchmark timer."""
+    timer = benchmark.Timer(
+        stmt="work()", globals={"work": work}, num_threads=torch.get_num_threads()
+    )
+    return work_units / timer.blocked_autorange(min_run_time=seconds).median
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, opts: ProfileOptions) -> float:
@@ -139,7 +139,10 @@ def measure_attention_flops(
 def measure_pair_bandwidth(
     a: int, b: int, device: torch.device, opts: ProfileOptions
 ) -> float | None:
-    """Bytes/s between ranks a and b by ping-pong (median of repeats); None on other ranks."""
+    """Bytes/s between ranks a and b by ping-pong (median of repeats); None on other ranks.
+
+    A fixed count of repeats timed by hand, not ``torch.utils.benchmark``: both ranks must run the
+    same number of sends and receives, which a time-based autorange cannot promise."""
     me = dist.get_rank()
     if me not in (a, b):
         return None
