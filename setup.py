@@ -41,7 +41,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine", "flash-attn", "nvidia-ml-py"],
         "megatron-lm": MEGATRON_LM_DEPS,
-        "test": ["pytest", *MEGATRON_LM_DEPS, *LINT_DEPS],
+        "test": ["pytest", "pytest-xdist==3.6.1", *MEGATRON_LM_DEPS, *LINT_DEPS],
     },
     entry_points={"console_scripts": ["megatron-hexiseq=megatron_hexiseq.cli:main"]},
 )

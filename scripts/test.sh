@@ -33,4 +33,6 @@ for a in "$@"; do
 done
 [ "$paths" = 1 ] || set -- "$@" tests
 [ "${HEXISEQ_LINT:-1}" = 0 ] || "$ROOT/scripts/lint.sh"  # HEXISEQ_LINT=0 skips it
-exec python -m pytest -q -p no:cacheprovider "$@"
+# HEXISEQ_TEST_WORKERS pytest-xdist workers (default 2, the CI machine's cores; 0 = one process);
+# an -n among the arguments wins (it comes later)
+exec python -m pytest -q -p no:cacheprovider -n "${HEXISEQ_TEST_WORKERS:-2}" "$@"
