@@ -66,18 +66,22 @@ class Baseline:
         return f"{self.name}({extra})" if extra else self.name
 
 
-def symmetric_layout(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -> Layout:
-    """Groups of ``hp`` consecutive ranks of ``cluster``, near-equal tokens per rank, zig-zag across
-    groups (group j holds chunks j and 2CP-1-j), near-equal heads inside each group."""
-    world = cluster.world_size
-    hosts, gpus = hosts_and_gpus(cluster)
-    H = model.num_attention_heads
-    groups = [list(range(i, i + hp)) for i in range(0, world, hp)]
-    group_tokens = split_evenly(seq_length, len(groups))
-    rank_tokens, rank_heads = [0] * world, [0] * world
+def even_in_groups(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    groups: list[list[int]],
+    group_tokens: list[int],
+    blocks: list[list[int]] | None = None,
+) -> Layout:
+    """Near-equal tokens and heads inside every group; the groups' tokens (and the blocks of the
+    sequence, :func:`planner.build.build_layout`) as given. Shared by the baselines and heuristics."""
+    W, H = cluster.world_size, model.num_attention_heads
+    rank_tokens, rank_heads = [0] * W, [0] * W
     for g, t in zip(groups, group_tokens):
-        for r, n, h in zip(g, split_evenly(t, hp), split_evenly(H, hp)):
+        for r, n, h in zip(g, split_evenly(t, len(g)), split_evenly(H, len(g))):
             rank_tokens[r], rank_heads[r] = n, h
+    hosts, gpus = hosts_and_gpus(cluster)
     return build_layout(
         seq_length=seq_length,
         num_attention_heads=H,
@@ -87,7 +91,15 @@ def symmetric_layout(cluster: Cluster, model: ModelSpec, seq_length: int, hp: in
         rank_heads=rank_heads,
         hosts=hosts,
         gpus=gpus,
+        blocks=blocks,
     )
+
+
+def symmetric_layout(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -> Layout:
+    """Groups of ``hp`` consecutive ranks of ``cluster``, near-equal tokens per rank, zig-zag across
+    groups (group j holds chunks j and 2CP-1-j), near-equal heads inside each group."""
+    groups = [list(range(i, i + hp)) for i in range(0, cluster.world_size, hp)]
+    return even_in_groups(cluster, model, seq_length, groups, split_evenly(seq_length, len(groups)))
 
 
 def _spans_nodes(cluster: Cluster, hp: int) -> bool:

@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.layout import Layout, split_evenly
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.planner.baselines import Baseline, head_parallel_sizes
-from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
+from megatron_hexiseq.planner.baselines import Baseline, even_in_groups, head_parallel_sizes
 from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 from megatron_hexiseq.planner.stage1_groups import node_blocks
 
@@ -43,41 +42,13 @@ def _largest_remainder(weights: Sequence[float], total: int, low: Sequence[int])
     return out
 
 
-def _build(
-    cluster: Cluster,
-    model: ModelSpec,
-    seq_length: int,
-    groups: list[list[int]],
-    group_tokens: list[int],
-    blocks: list[list[int]] | None = None,
-) -> Layout:
-    """Even tokens and heads inside every group; the groups' tokens and blocks as given."""
-    W, H = cluster.world_size, model.num_attention_heads
-    rank_tokens, rank_heads = [0] * W, [0] * W
-    for g, t in zip(groups, group_tokens):
-        for r, n, h in zip(g, split_evenly(t, len(g)), split_evenly(H, len(g))):
-            rank_tokens[r], rank_heads[r] = n, h
-    hosts, gpus = hosts_and_gpus(cluster)
-    return build_layout(
-        seq_length=seq_length,
-        num_attention_heads=H,
-        num_query_groups=model.num_query_groups,
-        groups=groups,
-        rank_tokens=rank_tokens,
-        rank_heads=rank_heads,
-        hosts=hosts,
-        gpus=gpus,
-        blocks=blocks,
-    )
-
-
 def proportional(cluster: Cluster, model: ModelSpec, seq_length: int, hp: int) -> Layout:
     """Groups of ``hp`` consecutive ranks, tokens per group proportional to its FLOP rate, mirrored."""
     W = cluster.world_size
     groups = [list(range(i, min(W, i + hp))) for i in range(0, W, hp)]
     rate = [sum(cluster.devices[r].flops_per_s for r in g) for g in groups]
     tokens = _largest_remainder(rate, seq_length, [len(g) for g in groups])
-    return _build(cluster, model, seq_length, groups, tokens)
+    return even_in_groups(cluster, model, seq_length, groups, tokens)
 
 
 def drop_slowest(
@@ -93,7 +64,7 @@ def drop_slowest(
     groups = [list(b) for b in dropped] + usp
     tokens = [len(b) for b in dropped] + split_evenly(rest, len(usp))
     blocks = [[i] for i in range(len(dropped))] + [list(range(len(dropped), len(groups)))]
-    return _build(cluster, model, seq_length, groups, tokens, blocks)
+    return even_in_groups(cluster, model, seq_length, groups, tokens, blocks)
 
 
 def heuristic_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> list[Baseline]:
