@@ -76,28 +76,7 @@ class GroupCoef:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(
-            self,
-            "_hash",
-            hash(
-                (
-                    self.a,
-                    self.b,
-                    self.c,
-                    self.e,
-                    self.free,
-                    self.mt,
-                    self.mh,
-                    self.heads,
-                    self.num_units,
-                    self.s,
-                    self.start,
-                    self.end,
-                    self.band,
-                    self.kv_extra,
-                )
-            ),
-        )
+        set_(self, "_hash", self._hash_at(self.start, self.end, self.band, self.kv_extra))
         # members with identical coefficients, grouped (they behave identically in the continuous model)
         groups: dict[tuple, list[int]] = {}
         for i in range(len(self.a)):
@@ -136,6 +115,11 @@ class GroupCoef:
             ),
         )
 
+    def _hash_at(self, start: int, end: int, band: bool, kv_extra: int) -> int:
+        """The hash of the fields, with the place fields given (computed once per placement)."""
+        fields = (self.a, self.b, self.c, self.e, self.free, self.mt, self.mh, self.heads)
+        return hash((*fields, self.num_units, self.s, start, end, band, kv_extra))
+
     def __hash__(self) -> int:  # hashed on every cache lookup: computed once
         return self._hash
 
@@ -151,28 +135,7 @@ class GroupCoef:
         set_(new, "end", end)
         set_(new, "band", band)
         set_(new, "kv_extra", kv_extra)
-        set_(
-            new,
-            "_hash",
-            hash(
-                (
-                    self.a,
-                    self.b,
-                    self.c,
-                    self.e,
-                    self.free,
-                    self.mt,
-                    self.mh,
-                    self.heads,
-                    self.num_units,
-                    self.s,
-                    start,
-                    end,
-                    band,
-                    kv_extra,
-                )
-            ),
-        )
+        set_(new, "_hash", self._hash_at(start, end, band, kv_extra))
         return new
 
     def s_(self, i: int) -> int:
