@@ -22,10 +22,6 @@ PACKAGE = "megatron_hexiseq"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 UPPER = ("testbed", "commands")  # subpackages only entry points may import
 ENTRY_POINTS = {f"{PACKAGE}.cli", f"{PACKAGE}.__main__", f"{PACKAGE}.pretrain_gpt"}
-# library modules allowed to import upward for now, with the reason (xfail strict: empty today)
-PENDING: dict[str, str] = {}
-# old module name -> new one, read as the new while a move is half-way (empty today)
-RENAMED: dict[str, str] = {}
 
 
 def module_names() -> dict[str, Path]:
@@ -46,28 +42,17 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _renamed(name: str) -> str:
-    return next(
-        (
-            new + name[len(old) :]
-            for old, new in RENAMED.items()
-            if old not in MODULES and (name == old or name.startswith(old + "."))
-        ),
-        name,
-    )
-
-
 def _own_imports(module: str) -> list[tuple[str, list[str]]]:
     """``(imported module, names it is asked for)`` of every own-package import in ``module``'s file."""
     tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(_renamed(a.name), []) for a in node.names if a.name.split(".")[0] == PACKAGE]
+            out += [(a.name, []) for a in node.names if a.name.split(".")[0] == PACKAGE]
         elif isinstance(node, ast.ImportFrom):
             src = _resolve(module, node)
             if src.split(".")[0] == PACKAGE:
-                out.append((_renamed(src), [a.name for a in node.names]))
+                out.append((src, [a.name for a in node.names]))
     return out
 
 
@@ -190,21 +175,12 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-LIBRARY = sorted(m for m in MODULES if is_library(m) and m not in PENDING)
+LIBRARY = sorted(m for m in MODULES if is_library(m))
 
 
-@pytest.mark.parametrize(
-    "module",
-    LIBRARY
-    + [
-        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=why))
-        for m, why in sorted(PENDING.items())
-    ],
-)
+@pytest.mark.parametrize("module", LIBRARY)
 def test_library_does_not_import_testbed_or_commands(module: str) -> None:
-    """A PENDING module that stops importing upward (or leaves the library) XPASSes: a strict failure
-    that says to empty PENDING."""
-    bad = upward_imports(module) if module in MODULES else []
+    bad = upward_imports(module)
     assert not bad, (
         f"library module {module} imports {', '.join(bad)} (testbed/commands depend on the library)"
     )
