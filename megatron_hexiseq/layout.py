@@ -238,7 +238,7 @@ def make_layout(
             gpu=gpus[r] if gpus else "CPU",
             group=rank_group[r],
             segments=tuple((int(s), int(e)) for s, e in segments[r]),
-            heads=tuple(int(h) for h in heads[r]),
+            heads=tuple(map(int, heads[r])),
         )
         for r in range(world)
     )
@@ -320,7 +320,7 @@ def _is_int(x: Any) -> bool:
 def _validate(lay: Layout) -> None:
     for name in ("seq_length", "num_attention_heads", "num_query_groups", "world_size"):
         check_positive_int(name, getattr(lay, name))
-    H, G, S, W = lay.num_attention_heads, lay.num_query_groups, lay.seq_length, lay.world_size
+    H, G, W = lay.num_attention_heads, lay.num_query_groups, lay.world_size
     if H % G:
         _fail(f"num_attention_heads={H} is not a multiple of num_query_groups={G}")
     if len(lay.ranks) != W:
@@ -351,6 +351,13 @@ def _validate(lay: Layout) -> None:
             _fail(f"rank {r.rank} is in no group")
         if seen[r.rank] != r.group:
             _fail(f"rank {r.rank} says group {r.group} but group {seen[r.rank]} lists it")
+    if not _partitions_hold(lay):  # the common case in one pass; else name the problem
+        _check_partitions(lay)
+
+
+def _check_partitions(lay: Layout) -> None:
+    """The segment, head and work rules, each failure a message with the numbers."""
+    H, S = lay.num_attention_heads, lay.seq_length
     # segments partition [0, S)
     owned: list[tuple[int, int, int]] = []
     for r in lay.ranks:
@@ -401,6 +408,43 @@ def _validate(lay: Layout) -> None:
             _fail(f"rank {r.rank}: heads must be sorted ascending, got {list(r.heads)}")
         if r.num_tokens == 0 and not r.heads:
             _fail(f"rank {r.rank} holds neither tokens nor heads; drop it or give it work")
+
+
+def _partitions_hold(lay: Layout) -> bool:
+    """True when the rules ``_check_partitions`` checks all hold (without messages: the
+    planner builds and validates thousands of layouts); False sends ``_validate`` through the checks
+    that name what is wrong."""
+    S, H = lay.seq_length, lay.num_attention_heads
+    owned: list[tuple[int, int]] = []
+    for r in lay.ranks:
+        prev_end = -1
+        for seg in r.segments:
+            if len(seg) != 2 or type(seg[0]) is not int or type(seg[1]) is not int:
+                return False
+            s, e = seg
+            if not (0 <= s < e <= S) or s < prev_end:
+                return False
+            prev_end = e
+            owned.append(seg)
+        heads = r.heads
+        if heads and (set(map(type, heads)) != {int} or list(heads) != sorted(heads)):
+            return False
+        if not heads and prev_end < 0:
+            return False  # neither tokens nor heads
+    owned.sort()
+    pos = 0
+    for s, e in owned:
+        if s != pos:
+            return False
+        pos = e
+    if pos != S:
+        return False
+    every = list(range(H))
+    for g in lay.groups:
+        held = sorted(h for m in g.ranks for h in lay.ranks[m].heads)
+        if held != every or all(not lay.ranks[m].segments for m in g.ranks):
+            return False
+    return True
 
 
 def _ranges(xs: list[int]) -> str:

@@ -2,7 +2,8 @@
 
 Layer (a): no processes. Each fast path (per-cluster link tables and vectorised byte matrices of the
 head all-to-all, K/V heads passed in, the closed forms split into bound-independent constants and a
-per-bound evaluation) is compared with ``==`` (not a tolerance: the planner's decisions compare these
+per-bound evaluation, group coefficients shared between groupings, the layout check's one-pass
+path) is compared with ``==`` (not a tolerance: the planner's decisions compare these
 floats, so the fast paths must reproduce them bit for bit) against a plain reference written here from
 the formulas, on random inputs. Layers (b) and (c): none (pure functions, no ranks, no GPU).
 """
@@ -204,3 +205,121 @@ def test_identical_range_matches_reference() -> None:
                 assert _identical_range(g, z, lin, settle) == _identical_range_ref(
                     g, z, lin, settle
                 )
+
+
+# ---- the layout check's one-pass path ------------------------------------------------------------
+def _raw_layout(**fields):
+    """A Layout object with the given fields and no validation (to feed the checks broken layouts)."""
+    from megatron_hexiseq.layout import Layout
+
+    lay = object.__new__(Layout)
+    for name, value in fields.items():
+        object.__setattr__(lay, name, value)
+    return lay
+
+
+def test_layout_one_pass_check_agrees_with_the_named_checks() -> None:
+    # _validate trusts _partitions_hold's True: it must never accept what _check_partitions refuses
+    # (and a False only costs the slow path, which then names the problem)
+    from dataclasses import replace
+
+    from megatron_hexiseq.errors import HexiSeqError
+    from megatron_hexiseq.layout import _check_partitions, _partitions_hold, make_layout
+
+    rng = random.Random(11)
+    accepted = refused = 0
+    for _ in range(400):
+        S, H, sizes = (
+            rng.randint(4, 30),
+            rng.choice((3, 4, 6)),
+            [rng.randint(1, 3) for _ in range(3)],
+        )
+        W = sum(sizes)
+        if S < W:
+            continue
+        cuts = sorted(rng.sample(range(1, S), W - 1))
+        bounds = [0, *cuts, S]
+        order = list(range(W))
+        rng.shuffle(order)
+        segments = [[(bounds[order[r]], bounds[order[r] + 1])] for r in range(W)]
+        heads = []
+        for size in sizes:
+            edges = [0, *sorted(rng.sample(range(1, H), size - 1)), H]
+            heads += [list(range(edges[i], edges[i + 1])) for i in range(size)]
+        lay = make_layout(
+            seq_length=S,
+            num_attention_heads=H,
+            num_query_groups=1,
+            group_sizes=sizes,
+            segments=segments,
+            heads=heads,
+        )
+        ranks = list(lay.ranks)
+        r = rng.randrange(W)
+        kind = rng.randrange(9)
+        if kind == 0:  # overlap or gap
+            s, e = ranks[r].segments[0]
+            ranks[r] = replace(ranks[r], segments=((s, e + rng.choice((-1, 1))),))
+        elif kind == 1:  # a head dropped or duplicated
+            other = rng.randrange(W)
+            ranks[r] = replace(
+                ranks[r], heads=tuple(sorted({*ranks[r].heads, *ranks[other].heads}))
+            )
+        elif kind == 2:  # a head outside 0..H-1
+            ranks[r] = replace(ranks[r], heads=(*ranks[r].heads, H))
+        elif kind == 3:  # unsorted heads
+            ranks[r] = replace(ranks[r], heads=tuple(reversed(ranks[r].heads)))
+        elif kind == 4:  # a rank without tokens (and maybe heads)
+            ranks[r] = replace(ranks[r], segments=(), heads=rng.choice(((), ranks[r].heads)))
+        elif kind == 5 and ranks[r].heads:  # a head that equals an integer but is not one
+            hs = ranks[r].heads
+            ranks[r] = replace(ranks[r], heads=(rng.choice((float, bool))(hs[0]), *hs[1:]))
+        elif kind == 5:  # a segment end that is not an integer
+            s, e = ranks[r].segments[0]
+            ranks[r] = replace(ranks[r], segments=((s, float(e)),))
+        elif kind == 6:  # an empty or reversed segment
+            s, e = ranks[r].segments[0]
+            ranks[r] = replace(ranks[r], segments=((e, s),))
+        elif kind == 7:  # segments out of order
+            ranks[r] = replace(ranks[r], segments=tuple(reversed(ranks[r].segments + ((S, S),))))
+        raw = _raw_layout(
+            seq_length=S,
+            num_attention_heads=H,
+            num_query_groups=1,
+            world_size=W,
+            groups=lay.groups,
+            ranks=tuple(ranks),
+        )
+        try:
+            _check_partitions(raw)
+            valid = True
+        except HexiSeqError:
+            valid = False
+        assert _partitions_hold(raw) == valid, (kind, raw.ranks)
+        accepted += valid
+        refused += not valid
+    assert accepted > 50 and refused > 150  # both sides were exercised
+
+
+def test_group_coefficients_are_built_once_per_kind_and_equal_the_plain_ones() -> None:
+    # base_coefs keeps one GroupCoef per (member devices, spans nodes, more than one group) for the
+    # life of a surrogate; each equals group_coef built afresh for that grouping
+    from megatron_hexiseq.planner.stage1_groups import base_coefs, group_coef, make_grouping
+    from megatron_hexiseq.planner.surrogate import build_surrogate
+    from megatron_hexiseq.run_config import TrainOptions
+
+    rng = random.Random(5)
+    cl = _cluster(rng, nodes=4)
+    m = get_model("gpt-7b", overrides={"seq_length": 65536})
+    sur = build_surrogate(cl, m, TrainOptions(), 65536)
+    node_of = [d.node for d in cl.devices]
+    blocks = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    first: dict = {}
+    for sizes in ([4, 4, 4, 4], [2, 4, 1, 4], [8, 8, 4, 4], [16, 16, 16, 16], [1, 2, 2, 1]):
+        grouping = make_grouping(blocks, sizes, [0, 0, 1, 1] if sizes[0] == 8 else list(range(4)))
+        coefs = base_coefs(sur, grouping, node_of)
+        for g, c in zip(grouping, coefs):
+            spans = len({node_of[r] for r in g}) > 1
+            assert c == group_coef(sur, g, len(grouping), spans)
+            key = (tuple(sur.devices[r] for r in g), spans, len(grouping) > 1)
+            assert first.setdefault(key, c) is c  # the same object in every grouping

@@ -302,31 +302,30 @@ def _identical_range(
     lo = max(lo, float(n * MIN_UNITS_PER_RANK))
     if not (lo <= hi + 1.0):
         return None
-    ilo, ihi = max(n * MIN_UNITS_PER_RANK, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
-
-    def ok(T: int) -> bool:
-        return _identical_time_cached(g, T, lin) <= z
-
+    floor = n * MIN_UNITS_PER_RANK
+    ilo, ihi = max(floor, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
     # the closed form is exact up to the integer rounding of att(): settle the ends on integers
+    # (time(T) <= z tested with the cached exact time; the planner's innermost loop)
     if ilo > ihi:
         return None
     if not settle:
         return ilo, ihi
+    time_at = _identical_time_cached
     settled = False
     for _ in range(4):
-        if not ok(ihi):
+        if not time_at(g, ihi, lin) <= z:
             ihi -= 1
             if ihi < ilo:
                 return None
-        elif ihi + 1 <= N and ok(ihi + 1):
+        elif ihi + 1 <= N and time_at(g, ihi + 1, lin) <= z:
             ihi += 1
         else:
             settled = True
             break
     for _ in range(4 if settled else 0):
-        if not ok(ilo):
+        if not time_at(g, ilo, lin) <= z:
             ilo += 1
-        elif ilo - 1 >= n * MIN_UNITS_PER_RANK and ok(ilo - 1):
+        elif ilo - 1 >= floor and time_at(g, ilo - 1, lin) <= z:
             ilo -= 1
         else:
             return ilo, ihi
