@@ -709,3 +709,37 @@ def test_cli_time_limit_default_is_plans():
     from megatron_hexiseq.planner.plan import DEFAULT_TIME_LIMIT_S
 
     assert cli_default == DEFAULT_TIME_LIMIT_S
+
+
+def test_plan_scores_each_layout_once_and_restores_the_collector(monkeypatch):
+    """``plan`` estimates a layout it meets again (feedback rounds rebuild them) from its memo, and
+    runs with the old objects frozen and a larger first-generation threshold, both undone on return
+    (and left alone when the caller froze objects itself)."""
+    import gc
+
+    import megatron_hexiseq.planner.plan as plan_module
+
+    cl = _cluster(("H100-SXM-80GB", 4), ("A100-SXM-80GB", 4), ("L40S-48GB", 4))
+    m = get_model("gpt-3b", overrides={"seq_length": 32768})
+    opts = TrainOptions(memory_mode="fsdp")
+    seen, during = [], []
+    real = plan_module.costmodel.estimate
+
+    def counting(layout, cluster, model, o):
+        seen.append((o, layout.groups, layout.ranks, cluster is cl))
+        during.append((gc.get_freeze_count() > 0, gc.get_threshold()[0]))
+        return real(layout, cluster, model, o)
+
+    monkeypatch.setattr(plan_module.costmodel, "estimate", counting)
+    before = gc.get_threshold()
+    lay = plan_module.plan(cl, m, 32768, opts)
+    assert len(seen) == len(set(seen)) and len(seen) > 5  # no layout estimated twice
+    assert lay.planner["candidates_evaluated"] > 0
+    assert set(during) == {(True, max(plan_module.GC_GEN0, before[0]))}
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+    gc.freeze()  # a caller's own freeze is not undone (frozen objects may still be freed)
+    try:
+        plan_module.plan(cl, m, 32768, opts)
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == before
+    finally:
+        gc.unfreeze()
