@@ -10,7 +10,7 @@ the L40S on a 12.5 GB/s network, gpt-13b, 512K tokens.
 
 Per case, each in a fresh process (so no cache is shared between cases): ``plan()``'s CPU time
 (the planner is single-threaded, CP-SAT runs one worker; the machine may be shared, so CPU time is
-the figure), the winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``,
+the figure; cases under ``REPEAT_BELOW_S`` run ``--repeats`` times and report the median), the winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``,
 its speed-up over the best symmetric baseline (Ring, Ulysses, USP over every hp; ``best_baseline``)
 and over each heuristic candidate, the Stage II bound and gap of the hierarchical candidate, and
 whether the time limit cut the search. Memory mode: auto.
@@ -131,6 +131,9 @@ def cases(seed: int = 2027, big: bool = True) -> list[dict]:
     return out
 
 
+REPEAT_BELOW_S = 5.0  # cases planned in less CPU time than this run ``--repeats`` times
+
+
 def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     from megatron_hexiseq.cluster import cluster_from_dict
     from megatron_hexiseq.errors import HexiSeqError
@@ -185,10 +188,22 @@ def _label(record: dict) -> str:
     return f"{record['name']}({extra})"
 
 
-def run(selected: list[dict], time_limit: float) -> list[dict]:
+def run(selected: list[dict], time_limit: float, repeats: int = 1) -> list[dict]:
+    """Each case in a fresh process; a case whose plan took under ``REPEAT_BELOW_S`` of CPU runs
+    ``repeats`` times in all (fresh processes each), its ``cpu_s`` the median (``cpu_runs`` lists
+    them): on a shared machine one run's CPU time varies by +-30% (the same pure-Python loop here
+    took 0.41-0.77 s), which the small cases' 0.5 s target cannot absorb. Plans are deterministic:
+    every repeat must give the same plan."""
     rows = []
     for case in selected:
         row = in_fresh_process(_run, case, time_limit)
+        runs = [row["cpu_s"]]
+        while len(runs) < repeats and row["cpu_s"] < REPEAT_BELOW_S:
+            again = in_fresh_process(_run, case, time_limit)
+            if again.get("plan_s") != row.get("plan_s"):
+                raise SystemExit(f"case {row['label']}: the plan changed between runs")
+            runs.append(again["cpu_s"])
+        row.update(cpu_s=statistics.median(runs), cpu_runs=runs)
         rows.append(row)
         sp = row.get("speedup")
         print(
@@ -229,7 +244,7 @@ def write(rows: list[dict], out: str) -> str:
     s = summary(rows)
     lines = [
         "| # | case | model | seq | GPUs | plan s | best symmetric | its s | speed-up | vs best heuristic | "
-        "winner | surrogate bound s | gap % | CPU s |",
+        "winner | surrogate bound s | gap % | CPU s (median) |",
         "|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for i, r in enumerate(rows):
@@ -276,7 +291,10 @@ def write(rows: list[dict], out: str) -> str:
         data={
             "summary": s,
             "rows": rows,
-            "note": "CPU time of plan() in a fresh process per case; shared machine",
+            "note": (
+                "CPU time of plan() in a fresh process per case; shared machine; cases under "
+                f"{REPEAT_BELOW_S:g} s: median of {max(len(r.get('cpu_runs', [])) for r in rows)} runs"
+            ),
         },
         title="Planner suite (generated clusters, cost model)",
         table=table,
@@ -294,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=2027)
     ap.add_argument("--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap (s)")
     ap.add_argument("--out", default="results/bench")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help=f"runs of each case under {REPEAT_BELOW_S:g} s of CPU (median reported)",
+    )
     args = ap.parse_args(argv)
     all_cases = cases(args.seed, big=not args.no_big)
     if args.smoke:
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         selected = [all_cases[i] for i in args.only]
     else:
         selected = all_cases
-    rows = run(selected, args.time_limit)
+    rows = run(selected, args.time_limit, 1 if args.smoke else args.repeats)
     print(write(rows, args.out))
     return 0
 
