@@ -323,3 +323,30 @@ def test_group_coefficients_are_built_once_per_kind_and_equal_the_plain_ones() -
             assert c == group_coef(sur, g, len(grouping), spans)
             key = (tuple(sur.devices[r] for r in g), spans, len(grouping) > 1)
             assert first.setdefault(key, c) is c  # the same object in every grouping
+
+
+def test_longest_prefix_search_from_a_hint_finds_what_the_bisection_finds() -> None:
+    # the arranged split's exact test shortens the prefix to the longest that keeps the final
+    # block's ranges; started from the last bound's answer it must give the bisection's answer
+    from megatron_hexiseq.planner.arrange import _longest
+
+    rng = random.Random(2)
+    for _ in range(3000):
+        lo = rng.randint(0, 50)
+        hi = lo + rng.randint(1, 300)
+        top = rng.randint(lo - 1, hi - 1)  # holds on [lo, top]; top = lo - 1: nowhere
+        calls = []
+
+        def holds(x: int, top: int = top, calls: list = calls) -> tuple[int] | None:
+            assert lo <= x < hi, (lo, x, hi)
+            calls.append(x)
+            return (x,) if x <= top else None
+
+        want = None if top < lo else (top, (top,))
+        assert _longest(holds, lo, hi, None) == want
+        near = rng.choice((None, rng.randint(lo - 5, hi + 5), top, top + 1))
+        calls.clear()
+        assert _longest(holds, lo, hi, near) == want
+        if near is not None and lo < near < hi and top >= lo:
+            # a gallop: about 2 log2 of the distance, never far beyond the bisection
+            assert len(calls) <= 2 * math.log2(abs(top - near) + 2) + 3

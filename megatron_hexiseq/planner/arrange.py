@@ -24,9 +24,11 @@ evenly among their groups).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from operator import mul
+from typing import TypeVar
 
 from megatron_hexiseq.planner.coef import INF, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
@@ -229,9 +231,9 @@ def _extras(
     block_w, final_w = _fan_weights(tuple(coefs), arr)
     block_extra, P = [], 0
     for i, block in enumerate(arr.prefix):
-        block_extra.append(round(sum(w * s for w, s in zip(block_w[i], sizes))) - P)
+        block_extra.append(round(sum(map(mul, block_w[i], sizes))) - P)
         P += len(block) * sizes[i]
-    return block_extra, {g: round(sum(x * s for x, s in zip(w, sizes))) for g, w in final_w.items()}
+    return block_extra, {g: round(sum(map(mul, w, sizes))) for g, w in final_w.items()}
 
 
 def positioned(
@@ -357,6 +359,7 @@ def _feasible(
     lin: float,
     exact: bool = True,
     prep: tuple | None = None,
+    hint: list[int] | None = None,
 ) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
     """Per prefix block its units per group, the final block's start and its groups' positioned
     coefficients and unit ranges, or None when the arrangement cannot hold N within z.
@@ -368,15 +371,17 @@ def _feasible(
     non-empty and the final groups' lower ends fit in ``N - P`` (both hold for every shorter prefix),
     and then ``P + sum hi >= N`` decides (it only grows with P). ``exact=False`` (Stage I's coarse
     split) tries a few shorter prefixes instead of the bisection. ``prep``: ``_prepared(tuple(coefs),
-    arr)`` when the caller has it.
+    arr)`` when the caller has it. ``hint``: a one-element list with the prefix length the last call
+    of a search settled on, updated here (the next attention bound's is near it: ``_longest``).
     """
     block_w, final_min, prefix_min, count, keys, heads = (
         prep if prep is not None else _prepared(tuple(coefs), arr)
     )
+    block_len = [k for _, k in heads]
     sizes: list[int] = []
     P = 0
     for i, (g, k) in enumerate(heads):
-        V = sum(w * s for w, s in zip(block_w[i], sizes))
+        V = sum(map(mul, block_w[i], sizes))
         T = _block_max(g, k, P, V, z, lin, N - P - final_min)
         if T is None:
             return None
@@ -387,11 +392,11 @@ def _feasible(
         P_target: int,
     ) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
         sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
-        p = sum(T * len(block) for T, block in zip(sz, arr.prefix))
+        p = sum(map(mul, sz, block_len))
         out = {}
         lo_sum = 0
         for key, k in count.items():
-            moved = _placed_final(key[0], p, round(sum(x * s for x, s in zip(key[1], sz))))
+            moved = _placed_final(key[0], p, round(sum(map(mul, key[1], sz))))
             r = units_range(moved, z, lin, exact)
             if r is None:
                 return None
@@ -407,23 +412,65 @@ def _feasible(
                 break
         if got is None:
             return None
-    if got is None:  # a shorter prefix: bisection for the longest that keeps the final ranges
-        if state(prefix_min) is None:
+    if got is None:  # a shorter prefix: the longest that keeps the final ranges
+        found = _longest(state, prefix_min, P, hint[0] if hint else None)
+        if found is None:
             return None
-        a, b = prefix_min, P  # holds at a, not at b
-        while b - a > 1:
-            mid = (a + b) // 2
-            if state(mid) is None:
-                b = mid
-            else:
-                a = mid
-        got = state(a)
-        assert got is not None
+        length, got = found
+        if hint:
+            hint[0] = length
     sz, p, out = got
     if p + sum(k * out[key][1][1] for key, k in count.items()) < N:
         return None
     pos = [out[key][0] for key in keys]
     return sz, p, {m: r for m, r in out.values()}, pos
+
+
+Found = TypeVar("Found")
+
+
+def _longest(
+    holds: Callable[[int], Found | None], lo: int, hi: int, near: int | None
+) -> tuple[int, Found] | None:
+    """The largest x in [lo, hi) where ``holds(x)`` is not None, and that value (None when not even
+    ``lo`` holds); ``holds`` holds up to some x and not beyond, and not at ``hi``. A bisection of
+    [lo, hi); with ``near`` (where the answer was for a nearby bound), a gallop from there first, so
+    the answer costs ~2 log2 |answer - near| tests instead of log2 (hi - lo): the same answer."""
+    if near is not None and lo < near < hi:
+        at = holds(near)
+        if at is not None:  # up from near: holds at a, not at b
+            a, got, step = near, at, 1
+            b = hi
+            while a + step < hi:
+                at = holds(a + step)
+                if at is None:
+                    b = a + step
+                    break
+                a, got, step = a + step, at, 2 * step
+        else:  # down from near: not at b
+            b, step = near, 1
+            while True:
+                x = max(lo, b - step)
+                at = holds(x)
+                if at is not None:
+                    a, got = x, at
+                    break
+                if x == lo:
+                    return None
+                b, step = x, 2 * step
+    else:
+        first = holds(lo)
+        if first is None:
+            return None
+        a, b, got = lo, hi, first
+    while b - a > 1:
+        mid = (a + b) // 2
+        at = holds(mid)
+        if at is None:
+            b = mid
+        else:
+            a, got = mid, at
+    return a, got
 
 
 @lru_cache(maxsize=100_000)
@@ -460,7 +507,11 @@ def _split_at(
     ``stage2_split.split_at``."""
     exact = tol <= A_TOL
     prep = _prepared(tuple(coefs), arr)
-    if bracket is not None and _feasible(coefs, arr, N, bracket[1], lin, exact, prep) is not None:
+    hint = [-1]  # the prefix length the last test settled on (``_feasible``)
+    if (
+        bracket is not None
+        and _feasible(coefs, arr, N, bracket[1], lin, exact, prep, hint) is not None
+    ):
         lo, hi = bracket
     else:
         share = max(1, N // len(coefs))
@@ -468,17 +519,17 @@ def _split_at(
             group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)
         ]
         lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep)
+    at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep, hint)
     while at_hi is None:
         lo, hi = hi, hi * 2
         if hi > 1e18:
             return None
-        at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep)
+        at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep, hint)
     for _ in range(80):
         if hi - lo <= tol * hi:
             break
         mid = (lo + hi) / 2
-        at_mid = _feasible(coefs, arr, N, mid, lin, exact, prep)
+        at_mid = _feasible(coefs, arr, N, mid, lin, exact, prep, hint)
         if at_mid is not None:
             hi, at_hi = mid, at_mid
         else:
