@@ -155,3 +155,44 @@ def test_feedback_tracks_contain_the_single_factor_track():
     assert [x for x in both if x[1] != "kv"] == one
     kv = [x for x in both if x[1] == "kv"]
     assert kv and any(x not in one for x in kv)  # the K/V track found other layouts
+
+
+def test_memory_feedback_in_a_track_resplits_its_grouping_without_stage_one(monkeypatch):
+    # once the time-feedback tracks start, every candidate comes back over memory: each track's
+    # memory feedback re-splits the track's own grouping (its surrogate is calibrated on it); only
+    # round 0 forms groups (Stage I ran once per track and memory round before: seconds at 128 GPUs)
+    from dataclasses import replace
+
+    import megatron_hexiseq.planner.hierarchical as hierarchical
+
+    cl = _cluster(
+        ("H100-SXM-80GB", 4), ("A100-SXM-80GB", 4), ("L40S-48GB", 4), ("H100-SXM-80GB", 4)
+    )
+    seq = 65536
+    m = model_from_dict({**TINY_GQA, "seq_length": seq})
+    o = TrainOptions()
+    tracks_started = []
+    stage_one = []
+    real_factors, real_groupings = hierarchical.feedback_factors, hierarchical.candidate_groupings
+
+    def factors(*args, **kwargs):
+        tracks_started.append(True)
+        return real_factors(*args, **kwargs)
+
+    def groupings(*args, **kwargs):
+        stage_one.append(bool(tracks_started))
+        return real_groupings(*args, **kwargs)
+
+    def score(lay):
+        est = estimate(lay, cl, m, o)
+        if not tracks_started:
+            return est
+        over = replace(est.per_rank[0], memory_bytes=est.per_rank[0].capacity_bytes + 1)
+        return replace(est, per_rank=(over, *est.per_rank[1:]), feasible=False)
+
+    monkeypatch.setattr(hierarchical, "feedback_factors", factors)
+    monkeypatch.setattr(hierarchical, "candidate_groupings", groupings)
+    cands = planner_candidates(cl, m, seq, o, score)
+    assert tracks_started and stage_one == [False]  # Stage I in round 0 only
+    rounds = {c.info["round"] for c in cands if c.info["feedback"]}
+    assert max(rounds) >= 2  # the tracks went on through their memory rounds
