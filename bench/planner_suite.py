@@ -100,35 +100,36 @@ def cycling_case() -> dict:
     }
 
 
+def random_case(rng: random.Random, world: int, name: str) -> dict:
+    """One generated case of ``world`` GPUs (types, shares, network, model and length drawn from
+    ``rng``; the node list shuffled)."""
+    k = rng.choice((2, 3, 4)) if world >= 64 else rng.choice((2, 3))
+    types = sorted(rng.sample(TYPES, k), key=TYPES.index)
+    nodes = world // 8
+    weights = [rng.uniform(0.5, 2.0) for _ in types]
+    counts = [max(1, round(nodes * w / sum(weights))) for w in weights]
+    while sum(counts) != nodes:  # fix the rounding on the largest share
+        j = counts.index(max(counts))
+        counts[j] += 1 if sum(counts) < nodes else -1
+    network = rng.choice(("equal", "matched"))
+    model = rng.choice(MODELS)
+    seq = rng.choice(SEQS[1:] if world >= 512 else SEQS)
+    label = f"{world} {'/'.join(t.split('-')[0] for t in types)} {network}"
+    return {
+        "label": label,
+        "spec": cluster_spec(name, types, counts, network, rng),
+        "model": model,
+        "seq_length": seq,
+        "network": network,
+        "types": k,
+    }
+
+
 def cases(seed: int = 2027, big: bool = True) -> list[dict]:
     """The suite's cases (deterministic for a seed)."""
     rng = random.Random(seed)
-    out = [cycling_case()]
     sizes = list(SIZES) + ([4096, 4096] if big else [])
-    for i, world in enumerate(sizes):
-        k = rng.choice((2, 3, 4)) if world >= 64 else rng.choice((2, 3))
-        types = sorted(rng.sample(TYPES, k), key=TYPES.index)
-        nodes = world // 8
-        weights = [rng.uniform(0.5, 2.0) for _ in types]
-        counts = [max(1, round(nodes * w / sum(weights))) for w in weights]
-        while sum(counts) != nodes:  # fix the rounding on the largest share
-            j = counts.index(max(counts))
-            counts[j] += 1 if sum(counts) < nodes else -1
-        network = rng.choice(("equal", "matched"))
-        model = rng.choice(MODELS)
-        seq = rng.choice(SEQS[1:] if world >= 512 else SEQS)
-        label = f"{world} {'/'.join(t.split('-')[0] for t in types)} {network}"
-        out.append(
-            {
-                "label": label,
-                "spec": cluster_spec(f"suite-{i}", types, counts, network, rng),
-                "model": model,
-                "seq_length": seq,
-                "network": network,
-                "types": k,
-            }
-        )
-    return out
+    return [cycling_case()] + [random_case(rng, w, f"suite-{i}") for i, w in enumerate(sizes)]
 
 
 REPEAT_BELOW_S = 5.0  # cases planned in less CPU time than this run ``--repeats`` times

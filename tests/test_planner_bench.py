@@ -60,3 +60,23 @@ def test_planner_suite_smoke(tmp_path):
             and isinstance(row["over_heuristics"], dict)
         )
     assert "| 0 |" in (tmp_path / "planner_suite.md").read_text()
+
+
+def test_planner_speed_smoke(tmp_path):
+    import planner_speed
+
+    assert (
+        planner_speed.main(
+            ["--sizes", "32", "--count", "1", "--repeats", "2", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    data = json.loads((tmp_path / "planner_speed.json").read_text())
+    (row,) = data["rows"]
+    assert (
+        len(row["cpu_runs"]) == 2
+        and row["cpu_s"]
+        == sorted(row["cpu_runs"])[0]
+        + (sorted(row["cpu_runs"])[1] - sorted(row["cpu_runs"])[0]) / 2
+    )
+    assert data["summary"]["32"]["cases"] == 1 and (tmp_path / "planner_speed.png").exists()
