@@ -231,11 +231,7 @@ def planner_candidates(
                 memory_rounds += 1
                 sur = lower_free(sur, over)
                 say(f"memory feedback: {len(over)} ranks over capacity")
-                # memory changed: form groups again; a time-feedback track re-splits its own
-                # grouping instead (its surrogate is calibrated on that grouping's layout: other
-                # groupings' members would get unequal factors, and Stage I lose its closed forms)
-                if scheme is None:
-                    groupings = []
+                groupings = []  # memory changed: form groups again
                 continue
             if feedback_left == 0:
                 return None
