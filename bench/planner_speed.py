@@ -23,8 +23,8 @@ import random
 import statistics
 import sys
 
-from _common import in_fresh_process, write_outputs
-from planner_suite import _run, random_case
+from _common import write_outputs
+from planner_suite import random_case, timed
 
 TARGETS_S = {128: 0.5, 1024: 10.0, 4096: 60.0}
 
@@ -35,14 +35,7 @@ def measure(sizes: list[int], count: int, seed: int, repeats: int, time_limit: f
     for world in sizes:
         for i in range(count):
             case = random_case(rng, world, f"speed-{world}-{i}")
-            row = in_fresh_process(_run, case, time_limit)
-            runs = [row["cpu_s"]]
-            for _ in range(repeats - 1):
-                again = in_fresh_process(_run, case, time_limit)
-                if again.get("plan_s") != row.get("plan_s"):
-                    raise SystemExit(f"{case['label']}: the plan changed between runs")
-                runs.append(again["cpu_s"])
-            row.update(cpu_s=statistics.median(runs), cpu_runs=runs)
+            row = timed(case, time_limit, repeats)
             rows.append(row)
             print(
                 f"  {row['label']:34s} {row['model']:10s} {row['seq_length'] // 1024:5d}K: "

@@ -10,10 +10,11 @@ the L40S on a 12.5 GB/s network, gpt-13b, 512K tokens.
 
 Per case, each in a fresh process (so no cache is shared between cases): ``plan()``'s CPU time
 (the planner is single-threaded, CP-SAT runs one worker; the machine may be shared, so CPU time is
-the figure; cases under ``REPEAT_BELOW_S`` run ``--repeats`` times and report the median), the winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``,
-its speed-up over the best symmetric baseline (Ring, Ulysses, USP over every hp; ``best_baseline``)
-and over each heuristic candidate, the Stage II bound and gap of the hierarchical candidate, and
-whether the time limit cut the search. Memory mode: auto.
+the figure; cases under ``REPEAT_BELOW_S`` run ``--repeats`` times and report the median), the
+winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``, its speed-up
+over the best symmetric baseline (Ring, Ulysses, USP over every hp; ``best_baseline``) and over each
+heuristic candidate, the Stage II bound and gap of the hierarchical candidate, and whether the time
+limit cut the search. Memory mode: auto.
 
 Writes results/bench/planner_suite.{json,md,png} and prints the table.
     python bench/planner_suite.py              # every case
@@ -24,6 +25,7 @@ Writes results/bench/planner_suite.{json,md,png} and prints the table.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import random
 import statistics
@@ -189,6 +191,21 @@ def _label(record: dict) -> str:
     return f"{record['name']}({extra})"
 
 
+def timed(case: dict, time_limit: float, repeats: int, below: float = math.inf) -> dict:
+    """``_run``'s row for ``case``; when its first run took under ``below`` s of CPU, ``repeats`` runs
+    in all (fresh processes each), ``cpu_s`` their median and ``cpu_runs`` every one. Plans are
+    deterministic: a repeat that gives another plan stops the bench."""
+    row = in_fresh_process(_run, case, time_limit)
+    runs = [row["cpu_s"]]
+    while len(runs) < repeats and row["cpu_s"] < below:
+        again = in_fresh_process(_run, case, time_limit)
+        if again.get("plan_s") != row.get("plan_s"):
+            raise SystemExit(f"case {row['label']}: the plan changed between runs")
+        runs.append(again["cpu_s"])
+    row.update(cpu_s=statistics.median(runs), cpu_runs=runs)
+    return row
+
+
 def run(selected: list[dict], time_limit: float, repeats: int = 1) -> list[dict]:
     """Each case in a fresh process; a case whose plan took under ``REPEAT_BELOW_S`` of CPU runs
     ``repeats`` times in all (fresh processes each), its ``cpu_s`` the median (``cpu_runs`` lists
@@ -197,14 +214,7 @@ def run(selected: list[dict], time_limit: float, repeats: int = 1) -> list[dict]
     every repeat must give the same plan."""
     rows = []
     for case in selected:
-        row = in_fresh_process(_run, case, time_limit)
-        runs = [row["cpu_s"]]
-        while len(runs) < repeats and row["cpu_s"] < REPEAT_BELOW_S:
-            again = in_fresh_process(_run, case, time_limit)
-            if again.get("plan_s") != row.get("plan_s"):
-                raise SystemExit(f"case {row['label']}: the plan changed between runs")
-            runs.append(again["cpu_s"])
-        row.update(cpu_s=statistics.median(runs), cpu_runs=runs)
+        row = timed(case, time_limit, repeats, REPEAT_BELOW_S)
         rows.append(row)
         sp = row.get("speedup")
         print(

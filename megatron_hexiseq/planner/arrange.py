@@ -336,7 +336,8 @@ def _block_max(
 def _prepared(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple:
     """What ``_feasible`` reads on every call for one (groups, arrangement): the ``_fan_weights``,
     the final block's and the prefix's minimum units, the final groups counted by (coefficients,
-    fan-out) and each final group's key, and each prefix block's (coefficients, group count)."""
+    fan-out) and each final group's key, each prefix block's (coefficients, group count) and its
+    group count alone."""
     block_w, final_w = _fan_weights(coefs, arr)
     final_min = sum(coefs[g].min_units() for g in arr.final)
     prefix_min = sum(coefs[block[0]].min_units() * len(block) for block in arr.prefix)
@@ -348,7 +349,7 @@ def _prepared(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple:
         count[key] = count.get(key, 0) + 1
     keys = [(coefs[g], final_w[g]) for g in arr.final]
     heads = [(coefs[block[0]], len(block)) for block in arr.prefix]
-    return block_w, final_min, prefix_min, count, keys, heads
+    return block_w, final_min, prefix_min, count, keys, heads, [len(b) for b in arr.prefix]
 
 
 def _feasible(
@@ -374,10 +375,9 @@ def _feasible(
     arr)`` when the caller has it. ``hint``: a one-element list with the prefix length the last call
     of a search settled on, updated here (the next attention bound's is near it: ``_longest``).
     """
-    block_w, final_min, prefix_min, count, keys, heads = (
+    block_w, final_min, prefix_min, count, keys, heads, block_len = (
         prep if prep is not None else _prepared(tuple(coefs), arr)
     )
-    block_len = [k for _, k in heads]
     sizes: list[int] = []
     P = 0
     for i, (g, k) in enumerate(heads):

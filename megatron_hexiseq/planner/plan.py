@@ -163,7 +163,7 @@ def _plan(
 
     def scorer(o: TrainOptions) -> Callable[[Layout], Estimate]:
         def score(layout: Layout) -> Estimate:
-            key = (o, layout.seq_length, layout.groups, layout.ranks)
+            key = (o, layout.groups, layout.ranks)
             if key not in scored:
                 scored[key] = costmodel.estimate(layout, cluster, model, o)
             return scored[key]

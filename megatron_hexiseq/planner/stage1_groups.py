@@ -28,7 +28,6 @@ within itself).
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,7 +137,7 @@ def base_coefs(
 ) -> list[GroupCoef]:
     """Every group's coefficients; identical groups share one object (cache lookups hit by identity),
     computed once per distinct (member devices, spans nodes)."""
-    ids, memo = _coef_memo(sur)
+    ids, memo = sur.device_kinds, sur.group_coefs
     many = len(grouping) > 1  # ``rank_coef_ns`` reads the group count only as "more than one"
     out = []
     for g in grouping:
@@ -148,23 +147,6 @@ def base_coefs(
             memo[key] = group_coef(sur, g, len(grouping), spans)
         out.append(memo[key])
     return out
-
-
-_COEF_MEMO: dict[int, tuple[weakref.ref, list[int], dict[tuple, GroupCoef]]] = {}
-
-
-def _coef_memo(sur: Surrogate) -> tuple[list[int], dict[tuple, GroupCoef]]:
-    """Per surrogate (by identity, while it lives): each rank's device kind and the group
-    coefficients built so far, shared by every grouping Stage I scores."""
-    got = _COEF_MEMO.get(id(sur))
-    if got is None or got[0]() is not sur:
-        for k in [k for k, v in _COEF_MEMO.items() if v[0]() is None]:
-            del _COEF_MEMO[k]
-        kind: dict[object, int] = {}
-        ids = [kind.setdefault(d, len(kind)) for d in sur.devices]
-        got = (weakref.ref(sur), ids, {})
-        _COEF_MEMO[id(sur)] = got
-    return got[1], got[2]
 
 
 def score_grouping(

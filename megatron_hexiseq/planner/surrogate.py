@@ -54,6 +54,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
@@ -61,6 +63,9 @@ from megatron_hexiseq.layout import split_evenly
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.run_config import TrainOptions
+
+if TYPE_CHECKING:
+    from megatron_hexiseq.planner.coef import GroupCoef
 
 BYTES_PER_ELEMENT = 2  # bf16 activations
 
@@ -96,6 +101,19 @@ class Surrogate:
     devices: tuple[DeviceCoef, ...]
     k_lin: float = 1.0
     k_att: float = 1.0
+
+    @cached_property
+    def device_kinds(self) -> list[int]:
+        """Per rank, the index of its device coefficients among the distinct ones (equal devices,
+        equal index)."""
+        kind: dict[DeviceCoef, int] = {}
+        return [kind.setdefault(d, len(kind)) for d in self.devices]
+
+    @cached_property
+    def group_coefs(self) -> dict[tuple, GroupCoef]:
+        """``stage1_groups.base_coefs``' memo for this surrogate: the group coefficients built so
+        far, shared by every grouping Stage I scores (a scaled or lowered surrogate starts empty)."""
+        return {}
 
     def rank_coef_ns(
         self, r: int, group_size: int, num_groups: int, spans_nodes: bool = False
