@@ -5,6 +5,7 @@ under deterministic limits only (``max_deterministic_time``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -544,20 +545,7 @@ def test_units_range_matches_the_plain_definition():
         num_units=60,
         s=(2,) * 4,
     )
-    band = GroupCoef(
-        a=(3,) * 4,
-        b=(7,) * 4,
-        c=(40,) * 4,
-        e=(1,) * 4,
-        free=(10**6,) * 4,
-        mt=(5,) * 4,
-        mh=(1,) * 4,
-        heads=6,
-        num_units=60,
-        s=(2,) * 4,
-        start=12,
-        band=True,
-    )
+    band = dataclasses.replace(same, start=12, band=True)
     for g in (mixed, same, band):
         for z in sorted(rng.uniform(50, 6000) for _ in range(40)):
             plain = [T for T in range(g.min_units(), 61) if group_time(g, T) <= z]
