@@ -350,3 +350,119 @@ def test_longest_prefix_search_from_a_hint_finds_what_the_bisection_finds() -> N
         if near is not None and lo < near < hi and top >= lo:
             # a gallop: about 2 log2 of the distance, never far beyond the bisection
             assert len(calls) <= 2 * math.log2(abs(top - near) + 2) + 3
+
+
+# ---- unit ranges of groups with unequal members; the attention-bound search -----------------------
+def _unequal_group(rng: random.Random) -> GroupCoef:
+    """A group of 2-8 members in one or two classes (a memory feedback or a time feedback of another
+    grouping makes members of one GPU type unequal), at a random place."""
+    n, N = rng.choice((2, 4, 8)), rng.randint(64, 2048)
+    split = rng.randint(1, n - 1)
+
+    def col(lo: int, hi: int) -> tuple[int, ...]:
+        x, y = rng.randint(lo, hi), rng.randint(lo, hi)
+        return (x,) * split + (y,) * (n - split)
+
+    start = rng.randint(0, N // 2)
+    return GroupCoef(
+        a=col(10**5, 10**8),
+        b=col(10**3, 10**7),
+        c=col(0, 10**6),
+        e=col(0, 10**5),
+        free=col(10**9, 10**11),
+        mt=col(10**5, 10**8),
+        mh=col(0, 10**5),
+        heads=rng.choice((8, 32, 40)),
+        num_units=N,
+        s=col(0, 10**5),
+        start=start,
+        end=rng.choice((0, rng.randint(start + n, N))),
+        band=rng.random() < 0.3,
+        kv_extra=rng.randint(0, N // 4),
+    )
+
+
+def test_unequal_members_range_from_the_slowest_members_start_is_the_exhaustive_one() -> None:
+    # _general_range starts its two edge bisections inside the range of the group with every member
+    # replaced by the slowest (closed form) instead of at the group's fastest unit count (a ternary
+    # search): the range must be the set of feasible unit counts, counted one by one
+    from megatron_hexiseq.planner.stage2_split import feasible, slowest_members
+
+    rng = random.Random(13)
+    checked = 0
+    for _ in range(150):
+        g = _unequal_group(rng)
+        slow = slowest_members(g)
+        assert len(slow.rows) == 1 and (slow.start, slow.end, slow.band) == (g.start, g.end, g.band)
+        for _ in range(4):
+            z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
+            got = _general_range(g, z, lin)
+            ok = [T for T in range(g.min_units(), g.max_units() + 1) if feasible(g, T, z, lin)]
+            inner = _identical_range(slow, z, lin)
+            if inner is not None:  # the slowest-members range lies inside the real one
+                assert all(feasible(g, T, z, lin) for T in range(inner[0], inner[1] + 1))
+            if not ok:
+                assert got is None
+                continue
+            if ok != list(range(ok[0], ok[-1] + 1)):
+                continue  # not an interval (the model's quasi-convexity fails): no claim
+            assert got == (ok[0], ok[-1])
+            checked += 1
+    assert checked > 100
+
+
+def test_smallest_bound_finds_the_threshold_from_a_bracket_or_from_scratch() -> None:
+    # the attention-bound search shared by the mirrored and the arranged split ends with lo failing
+    # and hi holding, hi within the tolerance of the threshold, and returns the test's value at hi
+    from megatron_hexiseq.planner.stage2_split import smallest_bound
+
+    rng = random.Random(17)
+    for _ in range(2000):
+        t = 10 ** rng.uniform(3, 12)
+        tol = rng.choice((1e-6, 1e-3))
+        calls: list[float] = []
+
+        def test(z: float, t: float = t, calls: list = calls) -> tuple[float] | None:
+            calls.append(z)
+            return (z,) if z >= t else None
+
+        bracket = rng.choice((None, (t * 0.5, t * rng.uniform(0.9, 1.5))))
+        hi, (value,) = smallest_bound(test, bracket, lambda: t * rng.uniform(1e-4, 10), tol)
+        assert value == hi and t <= hi <= t * (1 + 2 * tol)
+        assert all(z < t for z in calls if z < hi)  # every smaller bound tested failed
+    assert smallest_bound(lambda z: None, None, lambda: 1e6, 1e-3) is None
+    assert smallest_bound(lambda z: None, (1.0, 2.0), lambda: 1e6, 1e-3) is None
+
+
+def test_identical_members_time_and_heads_agree_at_the_linear_bound() -> None:
+    # where the closed-form time of a group of identical members is finite, the continuous head
+    # split must exist at that time: the two once tested the linear bound differently (t a > L vs
+    # t > L / a) and disagreed by a rounding when L was the group's own lin_floor, so Stage III's
+    # rounding got no tokens and plan() raised IndexError (found with LIN_TOL = 3e-3)
+    from megatron_hexiseq.planner.stage2_split import feasible, lin_floor
+
+    rng = random.Random(19)
+    hits = 0
+    for _ in range(3000):
+        n = rng.choice((1, 2, 4, 8, 16, 40))
+        N = rng.randint(n, 8192)
+        row = lambda lo, hi, n=n: (rng.randint(lo, hi),) * n  # noqa: E731
+        g = GroupCoef(
+            a=row(10**5, 10**8),
+            b=row(10**3, 10**7),
+            c=row(0, 10**6),
+            e=row(0, 10**5),
+            free=row(10**12, 10**13),
+            mt=row(1, 10**3),
+            mh=row(0, 10),
+            heads=rng.choice((8, 32, 40, 64)),
+            num_units=N,
+            s=row(0, 10**5),
+        )
+        T = rng.randint(n, N)
+        for lin in (T / n * g.a[0], lin_floor([g], T), T / sum(1.0 / a for a in g.a)):
+            z = _identical_time(g, T, lin)
+            if math.isfinite(z):
+                hits += 1
+                assert feasible(g, T, z, lin), (g, T, lin, z)
+    assert hits > 1000

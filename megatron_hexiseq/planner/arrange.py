@@ -42,6 +42,8 @@ from megatron_hexiseq.planner.stage2_split import (
     group_time,
     lin_floor,
     linear_phase,
+    smallest_bound,
+    start_bound,
     units_range,
 )
 
@@ -508,33 +510,19 @@ def _split_at(
     exact = tol <= A_TOL
     prep = _prepared(tuple(coefs), arr)
     hint = [-1]  # the prefix length the last test settled on (``_feasible``)
-    if (
-        bracket is not None
-        and _feasible(coefs, arr, N, bracket[1], lin, exact, prep, hint) is not None
-    ):
-        lo, hi = bracket
-    else:
-        share = max(1, N // len(coefs))
-        even = [
-            group_time(c, min(max(share, c.min_units()), c.max_units()), lin) for c in set(coefs)
-        ]
-        lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep, hint)
-    while at_hi is None:
-        lo, hi = hi, hi * 2
-        if hi > 1e18:
-            return None
-        at_hi = _feasible(coefs, arr, N, hi, lin, exact, prep, hint)
-    for _ in range(80):
-        if hi - lo <= tol * hi:
-            break
-        mid = (lo + hi) / 2
-        at_mid = _feasible(coefs, arr, N, mid, lin, exact, prep, hint)
-        if at_mid is not None:
-            hi, at_hi = mid, at_mid
-        else:
-            lo = mid
-    sizes, P, ranges, pos = at_hi
+
+    def test(z: float) -> tuple | None:
+        return _feasible(coefs, arr, N, z, lin, exact, prep, hint)
+
+    got = smallest_bound(
+        test,
+        bracket,
+        lambda: start_bound(set(coefs), max(1, N // len(coefs)), lin),
+        tol,
+    )
+    if got is None:
+        return None
+    hi, (sizes, P, ranges, pos) = got
     units = [0] * len(coefs)
     for block, T in zip(arr.prefix, sizes):
         for g in block:
@@ -560,7 +548,10 @@ def _split_at(
 
 
 def split_arranged(
-    coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_lin: bool = True
+    coefs: Sequence[GroupCoef],
+    arr: Arrangement,
+    N: int,
+    search_lin: bool = True,
 ) -> tuple[Split, list[GroupCoef]] | None:
     """Stage II for an arrangement with a prefix: units per group and each group's positioned
     coefficients; ``Split.bound_ns`` bounds every split of these groups in this arrangement

@@ -17,8 +17,8 @@ def best_lin(
     lo: float,
     hi: float,
     ok: Callable[[float], bool] | None = None,
-    max_evals: int = LIN_EVALS,
-    tol: float = LIN_TOL,
+    max_evals: int | None = None,
+    tol: float | None = None,
 ) -> tuple[float, float]:
     """(argmin, lower bound) of ``f(L) = L + A(L)`` over [lo, hi] where ``A`` is non-increasing (a
     larger linear bound never raises the attention bound) and f is infinite below the first feasible
@@ -32,6 +32,8 @@ def best_lin(
     attention phase does not need a larger linear bound, the common case) the two ends prove the
     first feasible L optimal: 2 evaluations.
     """
+    max_evals = LIN_EVALS if max_evals is None else max_evals
+    tol = LIN_TOL if tol is None else tol
     ok = ok or (lambda L: math.isfinite(f(L)))
     if hi <= lo or not ok(hi):
         return hi, f(hi)

@@ -48,6 +48,7 @@ SINGLE_GROUP_MAX_GPUS = 256  # the cross-node single group is a candidate up to 
 EXHAUSTIVE_MAX = (
     32  # class-option combinations up to this many are all scored (else coordinate descent)
 )
+DESCENT_PASSES = 2  # coordinate-descent passes over the classes (the second only after a move)
 FULL_RESCORE = 8  # the best (grouping, arrangement) pairs by the coarse split that get the full one
 
 
@@ -296,7 +297,7 @@ def candidate_groupings(
         for sizes in itertools.product(*[options[k] for k in keys]):
             evaluate(dict(zip(keys, sizes)))
     else:
-        for _ in range(2):  # coordinate-descent passes
+        for _ in range(DESCENT_PASSES):
             improved = False
             for k in keys:
                 for s in options[k]:

@@ -23,9 +23,10 @@ coefficients share every evaluation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TypeVar
 
 from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
@@ -62,9 +63,11 @@ def max_heads(g: GroupCoef, T: int, z: float, lin: float = INF) -> tuple[float, 
         k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
         beta = max(b * T * num // den, vis * c) + T * e
         per = T * mh
-        t_even = T / n
-        tmax = min(cap, z / s if s > 0 else INF, lin / a if a > 0 else INF)
-        if tmax < lo or tmax < t_even:
+        t_even = T / n  # >= MIN_UNITS_PER_RANK (checked above)
+        # the even share within the memory cap, z and lin, tested as ``_identical_time`` tests it
+        # (t a > lin, not t > lin / a: the two disagree by a rounding at the boundary, and the
+        # time of a group then had no split: Stage III's rounding found no tokens to round)
+        if t_even > cap or (s > 0 and t_even * s > z) or (a > 0 and t_even * a > lin):
             return -INF, []
         att = (z - s * t_even) / beta if beta > 0 else INF
         mem = (free - mt * t_even) / per if per > 0 else INF
@@ -359,10 +362,35 @@ def _general_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | None
     def ok(T: int) -> bool:
         return feasible(g, T, z, lin)
 
-    start = fastest_units(g, lin)
-    if not ok(start):
-        return None
+    # a start inside the range: where the group with every member as slow as its slowest holds
+    # within z (closed form), else the group's fastest unit count (a ternary search of its time)
+    inner = _identical_range(slowest_members(g), z, lin)
+    start = (inner[0] + inner[1]) // 2 if inner is not None else -1
+    if not (tmin <= start <= tmax and ok(start)):
+        start = fastest_units(g, lin)
+        if not ok(start):
+            return None
     return _edge(ok, tmin, start), _edge(ok, tmax, start)
+
+
+@lru_cache(maxsize=100_000)
+def slowest_members(g: GroupCoef) -> GroupCoef:
+    """The group with every member replaced by the slowest of them (each time coefficient its
+    largest, free memory its smallest, memory per unit and per head their largest), at the same
+    place. Every member's heads ``h_i(t)`` only shrink, so wherever this group holds T units within
+    (z, lin) the real one does too: its closed-form range lies inside the real range."""
+    n = g.size
+    return replace(
+        g,
+        a=(max(g.a),) * n,
+        b=(max(g.b),) * n,
+        c=(max(g.c),) * n,
+        e=(max(g.e),) * n,
+        s=(max(g.s),) * n if g.s else (),
+        free=(min(g.free),) * n,
+        mt=(max(g.mt),) * n,
+        mh=(max(g.mh),) * n,
+    )
 
 
 def _edge(ok: Callable[[int], bool], far: int, near: int) -> int:
@@ -432,27 +460,23 @@ def split_sequence(
     integer repair in ``stage3_refine.integer_split``). ``search_lin=False``: Stage I's coarse split,
     the ``L = inf`` split alone with a coarser bisection (an upper bound of the phase optimum).
     """
-    if (
-        not caps and search_lin
-    ):  # the same grouping is split by Stage I, the repair and the exact hint
+    if not search_lin:
+        return split_at(groups, num_units, caps, INF, True)
+    if not caps:  # the same grouping is split by Stage I, the repair and the exact hint
         return _split_cached(tuple(groups), num_units)
-    return _split_search(groups, num_units, caps, search_lin)
+    return _split_search(groups, num_units, caps)
 
 
 @lru_cache(maxsize=4096)
 def _split_cached(groups: tuple[GroupCoef, ...], num_units: int) -> Split | None:
-    return _split_search(groups, num_units, None, True)
+    return _split_search(groups, num_units, None)
 
 
 def _split_search(
-    groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None, search_lin: bool
+    groups: Sequence[GroupCoef], num_units: int, caps: dict[GroupCoef, int] | None
 ) -> Split | None:
-    free = split_at(groups, num_units, caps, INF, not search_lin)
+    free = split_at(groups, num_units, caps, INF)
     if free is None:
-        return free
-    if (
-        not search_lin
-    ):  # Stage I's coarse split: the L = inf split, an upper bound of the phase optimum
         return free
     lo, hi = lin_floor(groups, num_units), free.lin_ns
     cache: dict[float, Split | None] = {INF: free}
@@ -556,28 +580,15 @@ def split_at(
             hi_sum += k * hi
         return out if lo_sum <= num_units <= hi_sum else None
 
-    # start from the slowest group's time for an even share (usually enough), else double
-    if bracket is not None and ranges(bracket[1]) is not None:
-        lo, hi = bracket
-    else:
-        share = -(-num_units // len(groups))
-        even = [group_time(g, min(max(share, min_units(g)), g.max_units()), lin) for g in distinct]
-        lo, hi = 0.0, max(even) if all(math.isfinite(x) for x in even) else 1e6
-    at_hi = ranges(hi)
-    while at_hi is None:
-        lo, hi = hi, hi * 2
-        if hi > 1e18:  # memory (heads' attention working set) or lin cannot hold the sequence
-            return None
-        at_hi = ranges(hi)
-    for _ in range(80):
-        if hi - lo <= (COARSE_A_TOL if coarse else A_TOL) * hi:
-            break
-        mid = (lo + hi) / 2
-        at_mid = ranges(mid)
-        if at_mid is not None:
-            hi, at_hi = mid, at_mid
-        else:
-            lo = mid
+    got = smallest_bound(
+        ranges,
+        bracket,
+        lambda: start_bound(distinct, -(-num_units // len(groups)), lin),
+        COARSE_A_TOL if coarse else A_TOL,
+    )
+    if got is None:  # memory (heads' attention working set) or lin cannot hold the sequence
+        return None
+    hi, at_hi = got
     units = _hand_out(groups, distinct, at_hi, num_units)
     pairs = set(zip(groups, units))
     att_round = max(group_time(g, u, lin) for g, u in pairs)
@@ -591,6 +602,63 @@ def split_at(
         lin_ns=lin_used,
         att_ns=hi,
     )
+
+
+Found = TypeVar("Found")
+
+
+def smallest_bound(
+    test: Callable[[float], Found | None],
+    bracket: tuple[float, float] | None,
+    start: Callable[[], float],
+    tol: float,
+) -> tuple[float, Found] | None:
+    """The smallest attention bound z where ``test(z)`` is not None (``test`` holds from some z on),
+    to a relative ``tol``, and ``test``'s value there; None when nothing up to 1e18 ns holds.
+
+    A bisection of [lo, hi], lo failing and hi holding, until ``hi - lo <= tol * hi``; the first
+    bracket is ``bracket`` when its upper end holds, else [0, ``start()``] with the upper end doubled
+    while it fails. (Starting near another arrangement's answer and galloping outwards saved a tenth
+    of Stage I's coarse tests, but the arranged test is not quite monotone in z (a memory-capped
+    prefix block), so from there it found another threshold: suite row 21 lost 63%.)"""
+    if bracket is not None:
+        at = test(bracket[1])
+        if at is not None:
+            return _bisect(test, bracket[0], bracket[1], at, tol)
+    lo, hi = 0.0, start()
+    at = test(hi)
+    while at is None:
+        lo, hi = hi, hi * 2
+        if hi > 1e18:
+            return None
+        at = test(hi)
+    return _bisect(test, lo, hi, at, tol)
+
+
+def _bisect(
+    test: Callable[[float], Found | None], lo: float, hi: float, at: Found, tol: float
+) -> tuple[float, Found]:
+    """``smallest_bound``'s bisection: lo fails, hi holds with value ``at``."""
+    for _ in range(80):
+        if hi - lo <= tol * hi:
+            break
+        mid = (lo + hi) / 2
+        at_mid = test(mid)
+        if at_mid is not None:
+            hi, at = mid, at_mid
+        else:
+            lo = mid
+    return hi, at
+
+
+def start_bound(groups: Iterable[GroupCoef], share: int, lin: float) -> float:
+    """An attention bound to start a split's bisection from (it doubles while infeasible): the
+    slowest group's time at an even ``share`` of units (clamped to its unit range), over the groups
+    that can hold that share; 1 ms when none can. (Any group out of memory at its share used to make
+    it 1 ms: a third of Stage I's coarse splits then spent 10-17 doublings reaching the answer.)"""
+    times = [group_time(g, min(max(share, g.min_units()), g.max_units()), lin) for g in groups]
+    finite = [x for x in times if math.isfinite(x)]
+    return max(finite) if finite else 1e6
 
 
 def _hand_out(

@@ -99,6 +99,8 @@ def greedy(
     if not math.isfinite(z):
         return None
     _, t_cont = max_heads(g, T, z, lin)
+    if not t_cont:  # no continuous point at (z, lin): nothing to round
+        return None
     t = largest_remainder(t_cont, T, list(g.cap), low=MIN_UNITS_PER_RANK)
     betas = [g.beta(i, T) for i in range(n)]
     h_cont = [
