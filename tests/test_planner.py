@@ -740,3 +740,20 @@ def test_plan_scores_each_layout_once_and_restores_the_collector(monkeypatch):
         assert gc.get_freeze_count() > 0 and gc.get_threshold() == before
     finally:
         gc.unfreeze()
+
+
+def test_a_generated_cluster_that_crashed_stage_three_plans():
+    # planner_speed's seed 4000, case 4 (128 GPUs of 4 types, gpt-13b, 256K): a group's closed-form
+    # time and its continuous head split disagreed at the group's own linear floor (t a > L vs
+    # t > L / a), Stage III's rounding got no tokens and plan() raised IndexError
+    net = {"A100-SXM-80GB": 25.0, "A800-80GB": 25.0, "H100-SXM-80GB": 50.0, "L40S-48GB": 12.5}
+    short = dict(zip(("A100", "A800", "H100", "L40S"), net))
+    order = "A100 A800 A100 A100 H100 H100 A100 L40S L40S H100 H100 H100 L40S A100 A800 A800"
+    nodes = [
+        {"name": f"host{i:04d}", "gpu": short[t], "count": 8, "network_GBps": net[short[t]]}
+        for i, t in enumerate(order.split())
+    ]
+    cl = cluster_from_dict({"name": "speed-128-4", "nodes": nodes})
+    m = get_model("gpt-13b", overrides={"seq_length": 262144})
+    lay = plan(cl, m, 262144, TrainOptions(), modes=AUTO_MODES, reproducible=True)
+    assert lay.predicted["feasible"] and sum(r.num_tokens for r in lay.ranks) == 262144

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 LIN_TOL = 1e-3  # the linear-phase search stops once its best point is proven within 0.1%
 FIRST_TOL = 1e-3  # the bisection to the first feasible linear bound: to 0.1%
-LIN_EVALS = 24  # at most this many evaluations of f per search (full search)
+LIN_EVALS = 8  # at most this many evaluations of f per search (see best_lin)
 
 
 def best_lin(

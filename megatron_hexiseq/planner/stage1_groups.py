@@ -49,7 +49,7 @@ EXHAUSTIVE_MAX = (
     32  # class-option combinations up to this many are all scored (else coordinate descent)
 )
 DESCENT_PASSES = 2  # coordinate-descent passes over the classes (the second only after a move)
-FULL_RESCORE = 8  # the best (grouping, arrangement) pairs by the coarse split that get the full one
+FULL_RESCORE = 6  # the best (grouping, arrangement) pairs by the coarse split that get the full one
 
 
 @dataclass(frozen=True)

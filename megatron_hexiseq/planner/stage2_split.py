@@ -31,7 +31,7 @@ from typing import TypeVar
 from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
 
-A_TOL = 1e-6  # relative width of the bisection on the attention bound
+A_TOL = 1e-5  # relative width of the bisection on the attention bound
 COARSE_A_TOL = 1e-3  # Stage I's coarse split: the attention bound's bisection to 0.1%
 
 
