@@ -548,10 +548,7 @@ def _split_at(
 
 
 def split_arranged(
-    coefs: Sequence[GroupCoef],
-    arr: Arrangement,
-    N: int,
-    search_lin: bool = True,
+    coefs: Sequence[GroupCoef], arr: Arrangement, N: int, search_lin: bool = True
 ) -> tuple[Split, list[GroupCoef]] | None:
     """Stage II for an arrangement with a prefix: units per group and each group's positioned
     coefficients; ``Split.bound_ns`` bounds every split of these groups in this arrangement
