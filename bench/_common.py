@@ -15,14 +15,30 @@ from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E4
 
 def in_fresh_process(target: Callable[..., None], *args: Any) -> Any:
     """Run ``target(*args, queue)`` in a new (spawned) process and return what it put on the queue:
-    every measurement starts without another's caches, and its peak memory is its own."""
+    every measurement starts without another's caches, and its peak memory is its own. A process
+    that dies before reporting (an exception in the planner: its traceback is printed above) stops
+    the bench with one line instead of leaving it waiting on the queue for ever."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=target, args=(*args, q))
     p.start()
-    out = q.get()
+    while True:
+        try:
+            out = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                try:  # it may have reported just before it exited
+                    out = q.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    raise SystemExit(
+                        f"the measured process exited with code {p.exitcode} before reporting "
+                        f"({getattr(target, '__name__', target)}; its error is printed above)"
+                    ) from None
     p.join()
     return out
 

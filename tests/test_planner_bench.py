@@ -80,3 +80,27 @@ def test_planner_speed_smoke(tmp_path):
         + (sorted(row["cpu_runs"])[1] - sorted(row["cpu_runs"])[0]) / 2
     )
     assert data["summary"]["32"]["cases"] == 1 and (tmp_path / "planner_speed.png").exists()
+
+
+def test_a_measured_process_that_dies_stops_the_bench_instead_of_hanging():
+    # a planner exception in the spawned process used to leave the bench waiting on its queue for
+    # ever (found when the previous code raised IndexError on a generated cluster)
+    import operator
+    import threading
+
+    from _common import in_fresh_process
+
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:  # truediv(1, 0, queue): a TypeError in the child
+            in_fresh_process(operator.truediv, 1, 0)
+        except BaseException as e:  # noqa: BLE001 - SystemExit is what we expect
+            raised.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the bench is still waiting for a process that died"
+    assert len(raised) == 1 and isinstance(raised[0], SystemExit)
+    assert "exited with code 1 before reporting" in str(raised[0])
