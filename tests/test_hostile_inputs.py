@@ -12,6 +12,7 @@ subprocesses: exit 130, one line, every rank process gone, nothing left in the t
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import stat
@@ -553,10 +554,16 @@ def test_run_ranks_deadline_names_the_stuck_rank(tmp_path, monkeypatch):
     from megatron_hexiseq.testbed.spawn import RanksFailed, run_ranks
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # the deadline counts from the spawn, so it must leave the ranks time to start (import torch,
+    # join the group) on this machine under its current load: 10 s plus twice a measured start (a
+    # fixed 10 s failed on a loaded CI run, both ranks still importing torch)
+    t0 = time.monotonic()
+    assert run_ranks(_world_of_two, 2, timeout_s=120) == [0, 1]
+    deadline = math.ceil(10 + 2 * (time.monotonic() - t0))
     with pytest.raises(
-        RanksFailed, match=r"rank\(s\) \[0, 1\] of 2 did not finish within 10 s"
+        RanksFailed, match=rf"rank\(s\) \[0, 1\] of 2 did not finish within {deadline} s"
     ) as e:
-        run_ranks(_sleep_rank, 2, timeout_s=10)
+        run_ranks(_sleep_rank, 2, timeout_s=deadline)
     assert "in _sleep_rank" in str(e.value) and "line" in str(e.value)  # where rank 1 was
     with pytest.raises(HexiSeqError, match="this function needs 2 ranks, got 3"):
         run_ranks(_world_of_two, 3, timeout_s=120)
