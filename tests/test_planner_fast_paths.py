@@ -10,6 +10,7 @@ the formulas, on random inputs. Layers (b) and (c): none (pure functions, no ran
 
 import math
 import random
+from collections.abc import Callable
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import alltoall_time_s, kv_exchange_forward
@@ -177,28 +178,35 @@ def test_closed_range_matches_reference() -> None:
         assert closed_range(*args) == _closed_range_ref(*args)
 
 
+def _placed_group(
+    rng: random.Random, n: int, N: int, col: Callable[[int, int], tuple[int, ...]]
+) -> GroupCoef:
+    """A random group of n members over N units at a random place; ``col(lo, hi)`` draws one
+    coefficient column (every member equal, or in classes)."""
+    start = rng.randint(0, N // 2)
+    return GroupCoef(
+        a=col(10**5, 10**8),
+        b=col(10**3, 10**7),
+        c=col(0, 10**6),
+        e=col(0, 10**5),
+        free=col(10**9, 10**11),
+        mt=col(10**5, 10**8),
+        mh=col(0, 10**5),
+        heads=rng.choice((8, 32, 40)),
+        num_units=N,
+        s=col(0, 10**5),
+        start=start,
+        end=rng.choice((0, rng.randint(start + n, N))),
+        band=rng.random() < 0.3,
+        kv_extra=rng.randint(0, N // 4),
+    )
+
+
 def test_identical_range_matches_reference() -> None:
     rng = random.Random(5)
     for _ in range(400):
         n, N = rng.choice((1, 2, 4, 8)), rng.randint(64, 4096)
-        row = lambda lo, hi, n=n: (rng.randint(lo, hi),) * n  # noqa: E731
-        start = rng.randint(0, N // 2)
-        g = GroupCoef(
-            a=row(10**5, 10**8),
-            b=row(10**3, 10**7),
-            c=row(0, 10**6),
-            e=row(0, 10**5),
-            free=row(10**9, 10**11),
-            mt=row(10**5, 10**8),
-            mh=row(0, 10**5),
-            heads=rng.choice((8, 32, 40)),
-            num_units=N,
-            s=row(0, 10**5),
-            start=start,
-            end=rng.choice((0, rng.randint(start + n, N))),
-            band=rng.random() < 0.3,
-            kv_extra=rng.randint(0, N // 4),
-        )
+        g = _placed_group(rng, n, N, lambda lo, hi, n=n: (rng.randint(lo, hi),) * n)
         for _ in range(20):
             z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
             for settle in (True, False):
@@ -363,23 +371,7 @@ def _unequal_group(rng: random.Random) -> GroupCoef:
         x, y = rng.randint(lo, hi), rng.randint(lo, hi)
         return (x,) * split + (y,) * (n - split)
 
-    start = rng.randint(0, N // 2)
-    return GroupCoef(
-        a=col(10**5, 10**8),
-        b=col(10**3, 10**7),
-        c=col(0, 10**6),
-        e=col(0, 10**5),
-        free=col(10**9, 10**11),
-        mt=col(10**5, 10**8),
-        mh=col(0, 10**5),
-        heads=rng.choice((8, 32, 40)),
-        num_units=N,
-        s=col(0, 10**5),
-        start=start,
-        end=rng.choice((0, rng.randint(start + n, N))),
-        band=rng.random() < 0.3,
-        kv_extra=rng.randint(0, N // 4),
-    )
+    return _placed_group(rng, n, N, col)
 
 
 def test_unequal_members_range_from_the_slowest_members_start_is_the_exhaustive_one() -> None:

@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from operator import mul
-from typing import TypeVar
 
 from megatron_hexiseq.planner.coef import INF, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
 from megatron_hexiseq.planner.stage2_split import (
     A_TOL,
     COARSE_A_TOL,
+    Found,
     Split,
     _bracket,
     _hand_out,
@@ -426,9 +426,6 @@ def _feasible(
         return None
     pos = [out[key][0] for key in keys]
     return sz, p, {m: r for m, r in out.values()}, pos
-
-
-Found = TypeVar("Found")
 
 
 def _longest(
