@@ -143,6 +143,52 @@ def test_stage3_matches_brute_force_on_random_small_groups():
     assert solved >= 10
 
 
+def test_stage3_evenness_solve_is_the_most_even_optimum():
+    # phase 2 (the LP relaxation off: BALANCE_LINEARIZATION) against every integer point of random
+    # groups with identical members: among the points as fast as phase 1's optimum, none spreads the
+    # identical members' tokens and heads less (sum over runs of max - min) than the returned one
+    import itertools
+
+    from megatron_hexiseq.planner.stage3_refine import _identical_runs
+
+    rng = random.Random(29)
+    checked = 0
+    for _ in range(80):
+        kinds = [
+            (rng.randint(1, 9), rng.randint(1, 9), rng.randint(0, 3))
+            for _ in range(rng.randint(1, 2))
+        ]
+        members = [rng.choice(kinds) for _ in range(rng.choice((3, 4)))]
+        n, T, H = len(members), rng.randint(5, 10), rng.randint(2, 5)
+        a, b, c = ([m[k] for m in members] for k in range(3))
+        g = _coef(a=a, b=b, c=c, heads=H, units=T + rng.randint(0, 8))
+        runs = [run for run in _identical_runs(g) if len(run) > 1]
+        sol = refine_group(g, T)
+        if sol.status != "OPTIMAL" or not runs:
+            continue  # the rounded continuous point (no solve), or no identical members
+
+        def spread(t, h, runs=runs):
+            return sum(max(v[i] for i in r) - min(v[i] for i in r) for r in runs for v in (t, h))
+
+        points = [
+            (t, h)
+            for t in itertools.product(range(1, T + 1), repeat=n)
+            if sum(t) == T
+            for h in itertools.product(range(H + 1), repeat=n)
+            if sum(h) == H
+        ]
+        cost = {
+            p: max(p[0][i] * a[i] for i in range(n)) + max(p[1][i] * g.beta(i, T) for i in range(n))
+            for p in points
+        }
+        best = min(cost.values())
+        assert sol.lin_ns + sol.att_ns == best, (members, T, H, sol)
+        want = min(spread(*p) for p in points if cost[p] == best)
+        assert spread(sol.tokens, sol.heads) == want, (members, T, H, sol)
+        checked += 1
+    assert checked >= 10
+
+
 def test_stage3_floors_use_the_other_groups_slack():
     # same group with the other groups' phase maxima as floors L* = 6, A* = 0: linear time up to 6
     # is free, so the objective max(zl, 6) + max(za, 0) is 6 + 8 = 14 (t=(3,1) or (2,2), h=(2,0))
