@@ -14,7 +14,7 @@ attention: planner_scale, 128 GPUs, 40 heads: 69.7 s continuous, 200 s as intege
 
 Arrangements (``planner.arrange``): every grouping is scored in the plain mirrored arrangement and
 with prefix blocks of its slowest classes first (the seed grouping with every prefix length, the
-others with the shortest and the seed's best share of the classes: which classes go
+others with the shortest, the longest and the seed's best share of the classes: which classes go
 first depends on the GPU types, hardly on the group sizes). Search: every combination of class options when
 there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from the best of
 "one group per node" and "k nodes per group in every class" (groups of one size have no K/V fan-out
