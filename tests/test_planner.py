@@ -189,6 +189,42 @@ def test_stage3_evenness_solve_is_the_most_even_optimum():
     assert checked >= 10
 
 
+def test_stage3_large_group_without_a_rounded_point_skips_cp_sat(monkeypatch):
+    # 20 identical members, 10 heads: a whole head's attention memory (T * mh = 40) does not fit
+    # beside one unit (free 30), so there is no valid rounded point and no integer point; a group of
+    # more than CPSAT_MAX_MEMBERS is INFEASIBLE without a CP-SAT solve (on a 32-member group of a
+    # generated 128-GPU cluster the solve took 0.18-0.25 s to prove what this test's second half does)
+    import megatron_hexiseq.planner.stage3_refine as s3
+
+    n, T = 20, 40
+    g = GroupCoef(
+        a=(1,) * n,
+        b=(1,) * n,
+        c=(0,) * n,
+        e=(0,) * n,
+        free=(30,) * n,
+        mt=(1,) * n,
+        mh=(1,) * n,
+        heads=10,
+        num_units=T,
+    )
+    hint = s3.greedy(g, T)
+    assert n > s3.CPSAT_MAX_MEMBERS and (hint is None or not s3._fits(g, T, *hint))
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("CP-SAT ran")
+
+    refine_group.cache_clear()
+    with monkeypatch.context() as m:
+        m.setattr(s3.cp_model.CpSolver, "solve", no_solve)
+        assert refine_group(g, T).status == "INFEASIBLE"
+    # CP-SAT on the same group (the member limit lifted) proves it infeasible too
+    refine_group.cache_clear()
+    monkeypatch.setattr(s3, "CPSAT_MAX_MEMBERS", n)
+    assert refine_group(g, T).status == "INFEASIBLE"
+    refine_group.cache_clear()
+
+
 def test_stage3_floors_use_the_other_groups_slack():
     # same group with the other groups' phase maxima as floors L* = 6, A* = 0: linear time up to 6
     # is free, so the objective max(zl, 6) + max(za, 0) is 6 + 8 = 14 (t=(3,1) or (2,2), h=(2,0))
