@@ -14,11 +14,14 @@ Stage II for an arrangement with a prefix (``split_arranged``; the plain mirrore
 ``stage2_split.split_sequence``): for an attention bound A (and linear bound L) each prefix block
 takes the most units its groups can hold within A at its start (a closed form for identical
 members: the attention term grows with the block's size and start, the K/V term with what lies
-before its end); taking the most is optimal, since a longer prefix only makes the final block's
-tokens fewer. The final block then takes the rest within its groups' unit ranges; the smallest
-feasible A is a bisection, L a branch-and-bound search, as in ``stage2_split``. The bound this
+before its end); with one prefix block taking the most is optimal, since a longer prefix only
+makes the final block's tokens fewer. With several it is not: an earlier block taking its most
+starts the later ones later (fewer units within A) and can leave them less room than their minimum
+(docs/planner.md, "Known gap: two or more prefix blocks", has the brute-force figures). The
+final block then takes the rest within its groups' unit ranges; the smallest feasible A is a
+bisection, L a branch-and-bound search, as in ``stage2_split``. With one prefix block the bound this
 gives is a lower bound over every split of these groups in this arrangement (prefix blocks split
-evenly among their groups).
+evenly among their groups); with several it is not proven (the same brute-force check).
 """
 
 from __future__ import annotations
