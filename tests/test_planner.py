@@ -6,6 +6,8 @@ under deterministic limits only (``max_deterministic_time``)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import random
 
 import pytest
@@ -187,6 +189,105 @@ def test_stage3_evenness_solve_is_the_most_even_optimum():
         assert spread(sol.tokens, sol.heads) == want, (members, T, H, sol)
         checked += 1
     assert checked >= 10
+
+
+def _identical_group(rng, n, H, T):
+    a, b, c, s = rng.randint(1, 20), rng.randint(1, 30), rng.randint(0, 30), rng.randint(0, 6)
+    mt, mh = rng.randint(1, 3), rng.randint(0, 2)
+    free = rng.randint(T * mt // n + 1, T * mt + H * T * mh + 5)  # from tight to ample
+    return GroupCoef(
+        a=(a,) * n,
+        b=(b,) * n,
+        c=(c,) * n,
+        e=(0,) * n,
+        free=(free,) * n,
+        mt=(mt,) * n,
+        mh=(mh,) * n,
+        heads=H,
+        num_units=T + rng.randint(0, 10),
+        s=(s,) * n,
+    )
+
+
+def _best_integer_point(g, T, lf, af):
+    """Stage III's objective minimised over every integer point (brute force)."""
+    from megatron_hexiseq.planner.stage3_refine import _fits, _floored
+
+    best = math.inf
+    for t in itertools.product(range(1, T + 1), repeat=g.size):
+        if sum(t) != T:
+            continue
+        for h in itertools.product(range(g.heads + 1), repeat=g.size):
+            if sum(h) == g.heads and _fits(g, T, list(t), list(h)):
+                best = min(best, _floored(g, T, list(t), list(h), lf, af))
+    return best
+
+
+def test_stage3_balanced_bound_lies_below_every_integer_point():
+    # identical members whose heads do not split evenly: the bound with whole heads and continuous
+    # tokens (balanced_point) against every integer point; it must never exceed the optimum, is
+    # never below the continuous bound and is above it where the extra head costs tokens
+    from megatron_hexiseq.planner.stage2_split import group_phase_time
+    from megatron_hexiseq.planner.stage3_refine import _fits, _floored, balanced_point
+
+    rng = random.Random(3)
+    checked = tighter = 0
+    for _ in range(120):
+        n = rng.choice((2, 3))
+        H = rng.choice([h for h in range(n + 1, 3 * n) if h % n])
+        T = rng.randint(n, 9)
+        g = _identical_group(rng, n, H, T)
+        lf = rng.choice((0, 0, rng.randint(0, g.a[0] * T)))
+        af = rng.choice((0, 0, rng.randint(0, 300)))
+        got = balanced_point(g, T, lf, af)
+        if got is None:
+            continue
+        bound, tokens, heads = got
+        best = _best_integer_point(g, T, lf, af)
+        assert bound <= best * (1 + 1e-12), (g, T, lf, af, bound, best)
+        assert _fits(g, T, tokens, heads) and _floored(g, T, tokens, heads, lf, af) >= best
+        lp = max(sum(group_phase_time(g, T, lf, af)), lf + af)
+        assert bound >= lp * (1 - 1e-9)
+        tighter += bound > lp * (1 + 1e-3)
+        checked += 1
+    assert checked >= 60 and tighter >= 10, (checked, tighter)
+
+
+def test_stage3_identical_members_within_the_gap_of_the_balanced_bound_skip_cp_sat(monkeypatch):
+    # groups of identical members whose rounded continuous point is over GREEDY_GAP above the
+    # continuous bound used to go to CP-SAT; where the balanced point is within GREEDY_GAP of the
+    # whole-head bound, refine_group returns it without a solve, within GREEDY_GAP of the optimum
+    import megatron_hexiseq.planner.stage3_refine as s3
+    from megatron_hexiseq.planner.stage2_split import group_phase_time
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("CP-SAT ran")
+
+    monkeypatch.setattr(s3.cp_model.CpSolver, "solve", no_solve)
+    rng = random.Random(17)
+    skipped = 0
+    for _ in range(150):
+        n = rng.choice((2, 3))
+        H = rng.choice([h for h in range(n + 1, 3 * n) if h % n])
+        T = rng.randint(n, 9)
+        g = _identical_group(rng, n, H, T)
+        hint = s3.greedy(g, T)
+        lp = sum(group_phase_time(g, T))
+        if not hint or not s3._fits(g, T, *hint):
+            continue
+        if s3._floored(g, T, *hint, 0, 0) <= lp * (1 + s3.GREEDY_GAP):
+            continue  # the rounded continuous point was already accepted
+        s3.refine_group.cache_clear()
+        try:
+            sol = s3.refine_group(g, T)
+        except AssertionError:
+            continue  # the balanced point is not within the gap either: CP-SAT's case
+        best = _best_integer_point(g, T, 0, 0)
+        assert sol.status == "FEASIBLE" and sol.bound_ns <= best
+        assert sol.lin_ns + sol.att_ns <= best * (1 + s3.GREEDY_GAP), (g, T, sol, best)
+        skipped += 1
+    s3.refine_group.cache_clear()
+    assert skipped >= 5, skipped
 
 
 def test_stage3_large_group_without_a_rounded_point_skips_cp_sat(monkeypatch):
