@@ -191,6 +191,45 @@ def test_stage3_evenness_solve_is_the_most_even_optimum():
     assert checked >= 10
 
 
+def test_memory_feedback_inside_a_track_resplits_its_grouping(monkeypatch):
+    # 3 L40S nodes + 1 H100 node, gpt-13b, 1M tokens (suite row 1): the time-feedback tracks go over
+    # memory and lower it; a track then re-splits its own grouping: Stage I runs once, for round 0
+    # (inside a track its factors made other groupings' members unequal: up to 2.1 of a 3.2 s plan)
+    import megatron_hexiseq.planner.hierarchical as hierarchical
+
+    calls: list[str] = []
+    stage_one = hierarchical.candidate_groupings
+
+    def counted(*args, **kwargs):
+        calls.append("stage I")
+        return stage_one(*args, **kwargs)
+
+    monkeypatch.setattr(hierarchical, "candidate_groupings", counted)
+    nodes = [("L40S-48GB", 12.5), ("H100-SXM-80GB", 50.0), ("L40S-48GB", 12.5), ("L40S-48GB", 12.5)]
+    cluster = cluster_from_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {"name": f"n{i}", "gpu": g, "count": 8, "network_GBps": net}
+                for i, (g, net) in enumerate(nodes)
+            ],
+        }
+    )
+    seq = 1 << 20
+    said: list[str] = []
+    plan(
+        cluster,
+        get_model("gpt-13b", overrides={"seq_length": seq}),
+        seq,
+        TrainOptions(),
+        modes=AUTO_MODES,
+        progress=said.append,
+    )
+    first_track = next(i for i, m in enumerate(said) if m.startswith("feedback "))
+    assert any(m.startswith("memory feedback") for m in said[first_track:]), said
+    assert calls == ["stage I"], said
+
+
 def _identical_group(rng, n, H, T):
     a, b, c, s = rng.randint(1, 20), rng.randint(1, 30), rng.randint(0, 30), rng.randint(0, 6)
     mt, mh = rng.randint(1, 3), rng.randint(0, 2)
