@@ -230,6 +230,20 @@ def test_memory_feedback_inside_a_track_resplits_its_grouping(monkeypatch):
     assert calls == ["stage I"], said
 
 
+def test_group_betas_per_class_equal_each_members_beta():
+    # GroupCoef.betas computes beta once per class of identical members (Stage III's repair probes
+    # groups of 16-32 identical members hundreds of times); it must equal beta(i, T) member by member
+    rng = random.Random(41)
+    for _ in range(50):
+        kinds = [(rng.randint(1, 9), rng.randint(0, 9), rng.randint(0, 3)) for _ in range(3)]
+        members = [rng.choice(kinds) for _ in range(rng.randint(1, 6))]
+        n, N = len(members), rng.randint(20, 60)
+        g = _coef(a=[1] * n, b=[m[0] for m in members], c=[m[1] for m in members], heads=4, units=N)
+        g = g.placed(rng.randint(0, N // 2), rng.choice((0, N - rng.randint(0, 5))), False, 3)
+        for T in (n, N // 3, N // 2):
+            assert g.betas(T) == [g.beta(i, T) for i in range(n)]
+
+
 def _identical_group(rng, n, H, T):
     a, b, c, s = rng.randint(1, 20), rng.randint(1, 30), rng.randint(0, 30), rng.randint(0, 6)
     mt, mh = rng.randint(1, 3), rng.randint(0, 2)

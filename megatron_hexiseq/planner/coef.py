@@ -174,6 +174,18 @@ class GroupCoef:
         """Per-head time coefficient of member i when the group holds T units (ns)."""
         return max(self.att(i, T), self.visible(T) * self.c[i]) + T * self.e[i]
 
+    def betas(self, T: int) -> list[int]:
+        """``beta(i, T)`` of every member, computed once per class of identical members (Stage III's
+        integer repair probes a group of 16-32 identical members at hundreds of unit counts)."""
+        if len(self.rows) == 1:
+            return [self.beta(0, T)] * self.size
+        out = [0] * self.size
+        for members in self.classes:
+            value = self.beta(members[0], T)
+            for i in members:
+                out[i] = value
+        return out
+
     def head_mem_cap(self, i: int, T: int, t: float) -> float:
         """Most heads member i can hold in memory with t own units while the group holds T units."""
         per = T * self.mh[i]

@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import mul
 
 from ortools.sat.python import cp_model
 
@@ -74,7 +75,7 @@ def largest_remainder(
     base = [max(low, int(v)) for v in values]
     if caps:
         base = [max(low, min(b, c)) for b, c in zip(base, caps)]
-    order = sorted(range(len(values)), key=lambda i: (-(values[i] - int(values[i])), i))
+    order = [i for _, i in sorted((int(v) - v, i) for i, v in enumerate(values))]
     left = total - sum(base)
     while left > 0:
         moved = False
@@ -111,18 +112,25 @@ def greedy(
     if not t_cont:  # no continuous point at (z, lin): nothing to round
         return None
     t = largest_remainder(t_cont, T, list(g.cap), low=MIN_UNITS_PER_RANK)
-    betas = [g.beta(i, T) for i in range(n)]
-    h_cont = [
-        max(
-            0.0,
-            min((z - t[i] * g.s_(i)) / betas[i] if betas[i] else 0.0, g.head_mem_cap(i, T, t[i])),
-        )
-        for i in range(n)
-    ]
+    betas = g.betas(T)
+
+    def head_room(i: int) -> tuple[float, float]:  # (continuous heads, heads memory holds)
+        mem = g.head_mem_cap(i, T, t[i])
+        return max(0.0, min((z - t[i] * g.s_(i)) / betas[i] if betas[i] else 0.0, mem)), mem
+
+    if len(g.rows) == 1:  # identical members: one computation per distinct unit count
+        room: dict[int, tuple[float, float]] = {}
+        for i, ti in enumerate(t):
+            if ti not in room:
+                room[ti] = head_room(i)
+        rooms = [room[ti] for ti in t]
+    else:
+        rooms = [head_room(i) for i in range(n)]
+    h_cont = [x for x, _ in rooms]
     s = sum(h_cont) or 1.0
     # heads: proportional to the continuous head capacity, rounded within each member's memory when
     # the caps can hold every head (else uncapped; ``_fits`` then rejects the point)
-    mem = [g.head_mem_cap(i, T, t[i]) for i in range(n)]
+    mem = [m for _, m in rooms]
     head_caps = [
         max(0, min(g.heads, math.floor(x + 1e-9))) if math.isfinite(x) else g.heads for x in mem
     ]
@@ -279,9 +287,10 @@ def _fits(g: GroupCoef, T: int, t: list[int], h: list[int]) -> bool:
 
 def _phases(g: GroupCoef, T: int, t: list[int], h: list[int]) -> tuple[int, int]:
     """(linear phase, attention phase) of an integer point: max t a, max t s + h beta (ns)."""
+    betas, s = g.betas(T), g.s or (0,) * g.size
     return (
-        max(t[i] * g.a[i] for i in range(g.size)),
-        max(t[i] * g.s_(i) + h[i] * g.beta(i, T) for i in range(g.size)),
+        max(map(mul, t, g.a)),
+        max(ti * si + hi * bi for ti, si, hi, bi in zip(t, s, h, betas)),
     )
 
 
@@ -319,7 +328,7 @@ def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -
     hint = greedy(g, T, lf, af)
     if hint and not _fits(g, T, *hint):
         hint = None
-    betas = [g.beta(i, T) for i in range(n)]
+    betas = g.betas(T)
     ub = (
         _floored(g, T, *hint, lf, af)
         if hint
