@@ -15,14 +15,15 @@ attention: planner_scale, 128 GPUs, 40 heads: 69.7 s continuous, 200 s as intege
 Arrangements (``planner.arrange``): every grouping is scored in the plain mirrored arrangement and
 with prefix blocks of its slowest classes first (the seed grouping with every prefix length, the
 others with the shortest, the longest and the seed's best share of the classes: which classes go
-first depends on the GPU types, hardly on the group sizes). Search: every combination of class options when
-there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from the best of
-"one group per node" and "k nodes per group in every class" (groups of one size have no K/V fan-out
-between them, a coupled move that one class at a time does not reach), each (grouping, arrangement) scored by Stage II's coarse phase split (3 linear bounds; an
-upper bound of its phase optimum). The ``FULL_RESCORE`` best get the full split; the ``top_k`` best of
-those go on to Stage III and ``estimate``, at least one in the mirrored arrangement and one with a
-prefix when both were scored (the surrogate ranks the two families less reliably than either
-within itself).
+first depends on the GPU types, hardly on the group sizes). Search: every combination of class
+options when there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from
+the best of "one group per node" and "k nodes per group in every class" (groups of one size have
+no K/V fan-out between them, a coupled move that one class at a time does not reach), each
+(grouping, arrangement) scored by Stage II's coarse phase split (the ``L = inf`` split with a 0.1%
+bisection and unsettled unit-range ends: an upper bound of its phase optimum). The
+``FULL_RESCORE`` best get the full split; the ``top_k`` best of those go on to Stage III and
+``estimate``, at least one in the mirrored arrangement and one with a prefix when both were scored
+(the surrogate ranks the two families less reliably than either within itself).
 """
 
 from __future__ import annotations
