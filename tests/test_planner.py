@@ -244,6 +244,11 @@ def test_group_betas_per_class_equal_each_members_beta():
             assert g.betas(T) == [g.beta(i, T) for i in range(n)]
 
 
+def _no_cp_sat(*args, **kwargs):
+    """Patched over ``CpSolver.solve`` where a test asserts that no CP-SAT solve runs."""
+    raise AssertionError("CP-SAT ran")
+
+
 def _identical_group(rng, n, H, T):
     a, b, c, s = rng.randint(1, 20), rng.randint(1, 30), rng.randint(0, 30), rng.randint(0, 6)
     mt, mh = rng.randint(1, 3), rng.randint(0, 2)
@@ -313,10 +318,7 @@ def test_stage3_identical_members_within_the_gap_of_the_balanced_bound_skip_cp_s
     import megatron_hexiseq.planner.stage3_refine as s3
     from megatron_hexiseq.planner.stage2_split import group_phase_time
 
-    def no_solve(*args, **kwargs):
-        raise AssertionError("CP-SAT ran")
-
-    monkeypatch.setattr(s3.cp_model.CpSolver, "solve", no_solve)
+    monkeypatch.setattr(s3.cp_model.CpSolver, "solve", _no_cp_sat)
     rng = random.Random(17)
     skipped = 0
     for _ in range(150):
@@ -365,12 +367,9 @@ def test_stage3_large_group_without_a_rounded_point_skips_cp_sat(monkeypatch):
     hint = s3.greedy(g, T)
     assert n > s3.CPSAT_MAX_MEMBERS and (hint is None or not s3._fits(g, T, *hint))
 
-    def no_solve(*args, **kwargs):
-        raise AssertionError("CP-SAT ran")
-
     refine_group.cache_clear()
     with monkeypatch.context() as m:
-        m.setattr(s3.cp_model.CpSolver, "solve", no_solve)
+        m.setattr(s3.cp_model.CpSolver, "solve", _no_cp_sat)
         assert refine_group(g, T).status == "INFEASIBLE"
     # CP-SAT on the same group (the member limit lifted) proves it infeasible too
     refine_group.cache_clear()

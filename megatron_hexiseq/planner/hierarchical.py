@@ -104,9 +104,10 @@ def planner_candidates(
 
     Memory feedback: ranks ``estimate`` finds over capacity get their free memory lowered by the
     overflow; before the tracks Stage I runs again, inside a track the track's grouping is re-split
-    (Stage I only when it no longer fits). Time feedback: each rank's time coefficients are scaled by (estimated time / surrogate
-    time) of the round's best candidate, so terms the surrogate leaves out (K/V fan-out between groups
-    of different sizes, causal visibility, collective A2A) steer the next round. For each of the
+    (Stage I only when it no longer fits). Time feedback: each rank's time coefficients are scaled
+    by (estimated time / surrogate time) of the round's best candidate, so terms the surrogate leaves
+    out (K/V fan-out between groups of different sizes, causal visibility, collective A2A) steer the
+    next round. For each of the
     ``FEEDBACK_GROUPINGS`` kept groupings, two tracks of ``feedback_rounds`` rounds start from round
     0 (``feedback_schemes``), calibrated on that grouping's own candidate: one factor per rank, and
     the K/V ring calibrated apart (``feedback_factors``); they win on different instances, and the

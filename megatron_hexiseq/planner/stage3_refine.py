@@ -227,19 +227,18 @@ def balanced_point(
 
     if a > 0:
         # max t >= T / n; beyond cap a larger zl changes nothing
-        lo, hi = a * T / n, float(a * min(T, cap))
-        if least_att(hi) is None:
+        lo, top = a * T / n, float(a * min(T, cap))
+        if least_att(top) is None:
             return None
         if least_att(lo) is None:  # the smallest zl at which the units fit at all
-            bad = lo
-            while hi - bad > BALANCED_TOL * hi:
-                mid = (bad + hi) / 2
+            bad, lo = lo, top
+            while lo - bad > BALANCED_TOL * lo:
+                mid = (bad + lo) / 2
                 if least_att(mid) is None:
                     bad = mid
                 else:
-                    hi = mid
-            lo = hi
-            hi = float(a * min(T, cap))
+                    lo = mid
+        hi = top
         while hi - lo > BALANCED_TOL * hi:  # value is convex in zl: the minimum stays in [lo, hi]
             m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
             if value(m1) <= value(m2):
@@ -351,10 +350,11 @@ def refine_group(g: GroupCoef, T: int, lin_floor: int = 0, att_floor: int = 0) -
     if balanced is not None:
         bound_b, t_b, h_b = balanced
         lp_b = max(lp, bound_b)
-        ub_b = min(ub, _floored(g, T, t_b, h_b, lf, af))
+        ub_b = _floored(g, T, t_b, h_b, lf, af)
+        if hint and ub <= ub_b:  # the rounded continuous point is as good: keep it
+            t_b, h_b, ub_b = hint[0], hint[1], ub
         if ub_b <= lp_b * (1 + GREEDY_GAP):
-            t_k, h_k = (t_b, h_b) if not hint or ub_b < ub else hint
-            return _solution(g, T, t_k, h_k, min(ub_b, math.floor(lp_b)), "FEASIBLE")
+            return _solution(g, T, t_b, h_b, min(ub_b, math.floor(lp_b)), "FEASIBLE")
 
     model = cp_model.CpModel()
     # variables: tokens (units) and heads per member, the two phase maxima (floored by the other groups')
