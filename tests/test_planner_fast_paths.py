@@ -458,3 +458,98 @@ def test_identical_members_time_and_heads_agree_at_the_linear_bound() -> None:
                 hits += 1
                 assert feasible(g, T, z, lin), (g, T, lin, z)
     assert hits > 1000
+
+
+def test_estimate_per_rank_columns_equal_the_scalar_formulas() -> None:
+    # estimate computes every rank's terms as arrays; each rank's values must be what the scalar
+    # formulas give (same IEEE operations, integers for the bytes), as plain Python numbers, and the
+    # iteration the slowest linear phase plus the slowest rest
+    from megatron_hexiseq.costmodel import estimate
+    from megatron_hexiseq.costmodel.formulas import (
+        a2a_buffer_bytes_per_token,
+        activation_bytes_per_token,
+        attention_bytes_per_group_token,
+        attention_s_per_pair_head,
+        causal_pairs,
+        kv_block_bytes_per_token,
+        linear_s_per_token,
+        static_memory_bytes,
+    )
+    from megatron_hexiseq.run_config import TrainOptions
+
+    rng = random.Random(23)
+    checked = 0
+    for _ in range(6):
+        cl = _cluster(rng)
+        model = get_model(rng.choice(("gpt-7b", "llama3-8b")), overrides={"seq_length": 65536})
+        opts = TrainOptions(recompute=rng.random() < 0.5)
+        b, L = opts.micro_batch_size, model.num_layers
+        passes = 2 if opts.recompute else 1
+        for base in baseline_layouts(cl, model, 65536):
+            lay = base.layout
+            if lay is None:
+                continue
+            est = estimate(lay, cl, model, opts)
+            kv_of = [lay.kv_heads(r) for r in range(lay.world_size)]
+            ex = kv_exchange_forward(lay, cl, model, b, kv_heads=kv_of)
+            static = static_memory_bytes(model, opts, opts.data_parallel_size * lay.world_size)
+            pairs = {
+                g.id: causal_pairs(lay.group_segments(g.id), [(0, lay.seq_length)])
+                for g in lay.groups
+            }
+            group_of = {g.id: g for g in lay.groups}
+            slowest_linear = slowest_rest = 0.0
+            for p, got in zip(lay.ranks, est.per_rank):
+                d, r, t = cl.devices[p.rank], p.rank, p.num_tokens
+                g = group_of[p.group]
+                tok = [lay.ranks[m].num_tokens for m in g.ranks]
+                hq = [len(lay.ranks[m].heads) for m in g.ranks]
+                hkv = [len(kv_of[m]) for m in g.ranks]
+                a2a = (passes + 1) * L * _a2a_layer_s(cl, model, g.ranks, b, tok, hq, hkv)
+                if len(g.ranks) > 1:
+                    a2a += (
+                        (passes + 1)
+                        * L
+                        * 4
+                        * max(cl.devices[m].collective_latency_s for m in g.ranks)
+                    )
+                linear = t * linear_s_per_token(model, d, opts) + d.step_overhead_s
+                att = pairs[p.group] * len(p.heads) * attention_s_per_pair_head(model, d, opts)
+                lat = (passes + 2) * L * ex.rounds[r] * d.p2p_latency_s
+                kv_s = (passes + 2) * ex.comm_s[r] + lat
+                kv_exp = (passes + 2) * ex.exposed_s[r] + lat
+                mem = (
+                    static
+                    + b * t * activation_bytes_per_token(model, opts)
+                    + b
+                    * sum(tok)
+                    * attention_bytes_per_group_token(model, opts, len(p.heads), len(kv_of[r]))
+                    + b * t * a2a_buffer_bytes_per_token(model)
+                    + 4
+                    * b
+                    * ex.max_block_tokens[r]
+                    * len(kv_of[r])
+                    * kv_block_bytes_per_token(model)
+                )
+                want = {
+                    "rank": r,
+                    "tokens": t,
+                    "heads": len(p.heads),
+                    "compute_s": linear + att,
+                    "comm_s": a2a + kv_s,
+                    "exposed_comm_s": a2a + kv_exp,
+                    "time_s": linear + att + (a2a + kv_exp),
+                    "memory_bytes": mem,
+                    "capacity_bytes": int(opts.capacity_fraction * d.memory_bytes),
+                }
+                for k, v in want.items():
+                    assert getattr(got, k) == v and type(getattr(got, k)) is type(v), (k, v)
+                assert (
+                    got.breakdown["linear_s"] == linear and got.breakdown["kv_exposed_s"] == kv_exp
+                )
+                slowest_linear = max(slowest_linear, linear)
+                slowest_rest = max(slowest_rest, want["time_s"] - linear)
+                checked += 1
+            assert est.iteration_time_s == slowest_linear + slowest_rest
+            assert est.feasible == all(x.memory_bytes <= x.capacity_bytes for x in est.per_rank)
+    assert checked > 400

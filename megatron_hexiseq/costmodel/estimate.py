@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -82,10 +83,15 @@ class Estimate:
 
     iteration_time_s: float
     tokens_per_s: float
-    per_rank: tuple[RankEstimate, ...]
     feasible: bool
     capacity_fraction: float = 0.95
     options: TrainOptions = field(default_factory=TrainOptions)
+    columns: _Columns = field(repr=False, compare=False)
+
+    @cached_property
+    def per_rank(self) -> tuple[RankEstimate, ...]:
+        """Every rank's estimate, rank r at index r (built when first read)."""
+        return self.columns.ranks()
 
     @property
     def bottleneck_rank(self) -> int:
@@ -172,90 +178,128 @@ def estimate(
         ):  # fixed cost per collective: 4 per layer and pass, the slowest member's
             group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * latency_s
 
-    per_rank = []
-    rate: dict[
-        object, tuple[float, float]
-    ] = {}  # per GPU type: (linear s per token, attention s per pair-head)
-    att_mem: dict[tuple[int, int], int] = {}
+    # per rank, vectorised (every value as the scalar formula computes it: the same IEEE operations
+    # in the same order, integers for the bytes)
     a2a_buf, kv_block = a2a_buffer_bytes_per_token(model), kv_block_bytes_per_token(model)
-    devices = _device_constants(cluster)
-    comm_s, exposed_s_of, rounds_of, block_of = (
-        exchange.comm_s,
-        exchange.exposed_s,
-        exchange.rounds,
-        exchange.max_block_tokens,
-    )
+    dev = _device_arrays(cluster)
+    index = {g.id: i for i, g in enumerate(layout.groups)}
+    gi = np.array([index[p.group] for p in layout.ranks])
+    t = np.array(tokens, dtype=np.int64)
+    heads_n, kv_n = np.array(head_count, dtype=np.int64), np.array(kv_count, dtype=np.int64)
+    lin_rate, att_rate = np.empty(len(t)), np.empty(len(t))
+    for first, where in dev.types:  # per GPU type (its first device stands for it)
+        lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
+        att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
+    att_mem: dict[tuple[int, int], int] = {}
+    for key in zip(head_count, kv_count):
+        if key not in att_mem:
+            att_mem[key] = attention_bytes_per_group_token(model, options, *key)
+    att_mem_n = np.array([att_mem[key] for key in zip(head_count, kv_count)], dtype=np.int64)
     steps = (passes_fwd + 2) * L  # exchange steps per round with something to receive
-    fraction = options.capacity_fraction
-    for plan in layout.ranks:
-        r, gid = plan.rank, plan.group
-        gpu_of, gpu, node, overhead_s, p2p_latency_s, memory_bytes, memory_gib = devices[r]
-        heads, kv, t = head_count[r], kv_count[r], tokens[r]
-        if gpu_of not in rate:  # per GPU type (the first device of an equal type stands for it)
-            dev = cluster.devices[gpu_of]
-            rate[gpu_of] = (
-                linear_s_per_token(model, dev, options),
-                attention_s_per_pair_head(model, dev, options),
-            )
-        lin_rate, att_rate = rate[gpu_of]
-        if (heads, kv) not in att_mem:
-            att_mem[(heads, kv)] = attention_bytes_per_group_token(model, options, heads, kv)
-        linear_s = t * lin_rate + overhead_s
-        attention_s = group_pairs[gid] * heads * att_rate
-        a2a_s = group_a2a_s[gid]
-        kv_latency_s = steps * rounds_of[r] * p2p_latency_s
-        kv_s = (passes_fwd + 2) * comm_s[r] + kv_latency_s
-        kv_exposed_s = (passes_fwd + 2) * exposed_s_of[r] + kv_latency_s
-        compute_s = linear_s + attention_s
-        exposed_s = a2a_s + kv_exposed_s
-        mem_activations = b * t * act_per_token
-        mem_attention = b * group_tokens_of[gid] * att_mem[(heads, kv)]
-        mem_comm = b * t * a2a_buf + 4 * b * block_of[r] * kv * kv_block
-        per_rank.append(
-            RankEstimate(
-                rank=r,
-                gpu=gpu,
-                node=node,
-                tokens=t,
-                heads=heads,
-                compute_s=compute_s,
-                comm_s=a2a_s + kv_s,
-                exposed_comm_s=exposed_s,
-                time_s=compute_s + exposed_s,
-                memory_bytes=static + mem_activations + mem_attention + mem_comm,
-                capacity_bytes=int(fraction * memory_bytes),
-                device_memory_gib=memory_gib,
-                breakdown={
-                    "linear_s": linear_s,
-                    "overhead_s": overhead_s,
-                    "attention_s": attention_s,
-                    "a2a_s": a2a_s,
-                    "kv_exchange_s": kv_s,
-                    "kv_exposed_s": kv_exposed_s,
-                    "kv_latency_s": kv_latency_s,
-                    "mem_static": static,
-                    "mem_activations": mem_activations,
-                    "mem_attention": mem_attention,
-                    "mem_comm": mem_comm,
-                },
-            )
-        )
+    g_pairs = np.array([group_pairs[g.id] for g in layout.groups], dtype=np.int64)[gi]
+    g_a2a = np.array([group_a2a_s[g.id] for g in layout.groups])[gi]
+    g_tokens = np.array([group_tokens_of[g.id] for g in layout.groups], dtype=np.int64)[gi]
+    linear_s = t * lin_rate + dev.overhead_s
+    attention_s = g_pairs * heads_n * att_rate
+    kv_latency_s = steps * np.array(exchange.rounds, dtype=np.int64) * dev.p2p_latency_s
+    kv_s = (passes_fwd + 2) * np.array(exchange.comm_s) + kv_latency_s
+    kv_exposed_s = (passes_fwd + 2) * np.array(exchange.exposed_s) + kv_latency_s
+    compute_s = linear_s + attention_s
+    exposed_s = g_a2a + kv_exposed_s
+    time_s = compute_s + exposed_s
+    mem_activations = b * t * act_per_token
+    mem_attention = b * g_tokens * att_mem_n
+    block = np.array(exchange.max_block_tokens, dtype=np.int64)
+    mem_comm = b * t * a2a_buf + 4 * b * block * kv_n * kv_block
+    memory = static + mem_activations + mem_attention + mem_comm
+    capacity = (options.capacity_fraction * dev.memory_bytes).astype(np.int64)
     # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
     # the whole CP domain, the linear work between two attentions does not. So the iteration is the
     # slowest linear phase plus the slowest attention phase, not the slowest rank's sum: a rank
     # heavy in linear work and another heavy in attention do not hide each other's time.
-    iteration = max(r.breakdown["linear_s"] for r in per_rank) + max(
-        r.time_s - r.breakdown["linear_s"] for r in per_rank
-    )
+    iteration = float(linear_s.max()) + float((time_s - linear_s).max())
     batch_tokens = layout.seq_length * b * options.data_parallel_size
+    columns = _Columns(
+        cluster=cluster,
+        static=static,
+        values={
+            "tokens": t,
+            "heads": heads_n,
+            "compute_s": compute_s,
+            "comm_s": g_a2a + kv_s,
+            "exposed_comm_s": exposed_s,
+            "time_s": time_s,
+            "memory_bytes": memory,
+            "capacity_bytes": capacity,
+            "linear_s": linear_s,
+            "overhead_s": dev.overhead_s,
+            "attention_s": attention_s,
+            "a2a_s": g_a2a,
+            "kv_exchange_s": kv_s,
+            "kv_exposed_s": kv_exposed_s,
+            "kv_latency_s": kv_latency_s,
+            "mem_activations": mem_activations,
+            "mem_attention": mem_attention,
+            "mem_comm": mem_comm,
+        },
+    )
     return Estimate(
         iteration_time_s=iteration,
         tokens_per_s=batch_tokens / iteration if iteration > 0 else 0.0,
-        per_rank=tuple(per_rank),
-        feasible=all(r.fits for r in per_rank),
+        feasible=bool((memory <= capacity).all()),
         capacity_fraction=options.capacity_fraction,
         options=options,
+        columns=columns,
     )
+
+
+_BREAKDOWN = (
+    "linear_s",
+    "overhead_s",
+    "attention_s",
+    "a2a_s",
+    "kv_exchange_s",
+    "kv_exposed_s",
+    "kv_latency_s",
+)
+_MEMORY_BREAKDOWN = ("mem_activations", "mem_attention", "mem_comm")
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """``estimate``'s per-rank values as arrays (rank r at index r); ``ranks()`` turns them into
+    ``RankEstimate`` rows (Python floats and ints) when someone reads ``Estimate.per_rank``: most
+    estimates the planner makes are read only for their iteration time."""
+
+    cluster: Cluster
+    static: int
+    values: dict[str, np.ndarray]
+
+    def ranks(self) -> tuple[RankEstimate, ...]:
+        v = {k: a.tolist() for k, a in self.values.items()}
+        out = []
+        for r, d in enumerate(self.cluster.devices):
+            breakdown: dict[str, float] = {k: v[k][r] for k in _BREAKDOWN}
+            breakdown["mem_static"] = self.static
+            breakdown.update((k, v[k][r]) for k in _MEMORY_BREAKDOWN)
+            out.append(
+                RankEstimate(
+                    rank=r,
+                    gpu=d.gpu.name,
+                    node=d.node,
+                    tokens=v["tokens"][r],
+                    heads=v["heads"][r],
+                    compute_s=v["compute_s"][r],
+                    comm_s=v["comm_s"][r],
+                    exposed_comm_s=v["exposed_comm_s"][r],
+                    time_s=v["time_s"][r],
+                    memory_bytes=v["memory_bytes"][r],
+                    capacity_bytes=v["capacity_bytes"][r],
+                    device_memory_gib=d.memory_gib,
+                    breakdown=breakdown,
+                )
+            )
+        return tuple(out)
 
 
 def memory_floor_fits(
@@ -284,26 +328,31 @@ def memory_floor_fits(
     return True
 
 
-def _device_constants(cluster: Cluster) -> list[tuple[int, str, str, float, float, int, float]]:
-    """Per device: (first device of an equal GPU type, GPU name, node, step overhead s, P2P latency s,
-    memory bytes, memory GiB), once per cluster."""
-    # the memo holds tables of several shapes (this one a list); ClusterArrays types it dict[str, dict]
+@dataclass(frozen=True)
+class _DeviceArrays:
+    """Per device of one cluster: step overhead s, P2P latency s, memory bytes (arrays), and the GPU
+    types as (first device of the type, a mask of its devices)."""
+
+    overhead_s: np.ndarray
+    p2p_latency_s: np.ndarray
+    memory_bytes: np.ndarray
+    types: tuple[tuple[int, np.ndarray], ...]
+
+
+def _device_arrays(cluster: Cluster) -> _DeviceArrays:
+    """``_DeviceArrays`` of the cluster, once per cluster."""
+    # the memo holds tables of several kinds; ClusterArrays types it dict[str, Any]
     memo: dict[str, Any] = cluster_arrays(cluster).memo
-    if "devices" not in memo:
+    if "device_arrays" not in memo:
         first: dict[object, int] = {}
-        memo["devices"] = [
-            (
-                first.setdefault(d.gpu, i),
-                d.gpu.name,
-                d.node,
-                d.step_overhead_s,
-                d.p2p_latency_s,
-                d.memory_bytes,
-                d.memory_gib,
-            )
-            for i, d in enumerate(cluster.devices)
-        ]
-    return memo["devices"]
+        of = np.array([first.setdefault(d.gpu, i) for i, d in enumerate(cluster.devices)])
+        memo["device_arrays"] = _DeviceArrays(
+            overhead_s=np.array([d.step_overhead_s for d in cluster.devices], dtype=np.float64),
+            p2p_latency_s=np.array([d.p2p_latency_s for d in cluster.devices], dtype=np.float64),
+            memory_bytes=np.array([d.memory_bytes for d in cluster.devices], dtype=np.int64),
+            types=tuple((i, of == i) for i in first.values()),
+        )
+    return memo["device_arrays"]
 
 
 def _node_pattern(cluster: Cluster, ranks: tuple[int, ...]) -> tuple[int, ...]:

@@ -62,7 +62,7 @@ def visible_vec(ks: np.ndarray, ke: np.ndarray, q_end: np.ndarray) -> np.ndarray
 
 def _segments_first(x: np.ndarray) -> np.ndarray:
     """``[..., s] -> [s, ...]``, contiguous."""
-    return np.ascontiguousarray(np.moveaxis(x, -1, 0))
+    return np.ascontiguousarray(x.transpose((x.ndim - 1, *range(x.ndim - 1))))
 
 
 def _merged(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
