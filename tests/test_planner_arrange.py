@@ -294,3 +294,41 @@ def test_kv_bound_cluster_gets_cross_node_groups_and_beats_every_symmetric_layou
     assert ours <= heur * 1.01
     if lay.planner["winner"]["family"] == "hierarchical":
         assert max(len(g.ranks) for g in lay.groups) > 8  # groups spanning nodes
+
+
+def test_stage_one_scores_later_groupings_in_the_seed_prefix_order():
+    # the seed groupings get prefixes in both slowness orders (K/V first, compute first); the
+    # groupings of the search after them only in the order of the best seed's prefix
+    import megatron_hexiseq.planner.stage1_groups as s1
+    from megatron_hexiseq.planner.arrange import arrangements
+    from megatron_hexiseq.planner.surrogate import build_surrogate
+
+    types = ("H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB", "A800-80GB")
+    spec = [
+        {"name": f"n{i}", "gpu": types[i % 4], "count": 8, "network_GBps": (50.0, 12.5)[i % 4 // 2]}
+        for i in range(8)
+    ]
+    cl = cluster_from_dict({"name": "t", "nodes": spec})
+    model = get_model("gpt-7b", overrides={"seq_length": 262144})
+    sur = build_surrogate(cl, model, TrainOptions(), 262144)
+    orders: dict[tuple, set[str]] = {}
+    original = s1.score_arranged
+
+    def recorded(sur, grouping, arr, node_of, search_lin=True, coefs=None):
+        if not search_lin:
+            orders.setdefault(grouping, set()).add(arr.order_name)
+        return original(sur, grouping, arr, node_of, search_lin, coefs)
+
+    s1.score_arranged = recorded
+    try:
+        s1.candidate_groupings(cl, sur, top_k=3)
+    finally:
+        s1.score_arranged = original
+    seeds = [g for g, o in orders.items() if o == {"", "kv", "compute"}]
+    later = [o - {""} for g, o in orders.items() if g not in seeds]
+    assert seeds and len(later) >= 10
+    assert all(len(o) <= 1 for o in later) and set().union(*later) == {"compute"}
+    coefs = s1.base_coefs(sur, seeds[0], [d.node for d in cl.devices])
+    both = {a.order_name for a in arrangements(coefs)}
+    assert both == {"", "kv", "compute"}
+    assert {a.order_name for a in arrangements(coefs, [0.5], ["compute"])} == {"", "compute"}

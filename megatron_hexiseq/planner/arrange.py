@@ -69,6 +69,11 @@ class Arrangement:
         return int(m) / int(c)
 
     @property
+    def order_name(self) -> str:
+        """The slowness order the prefix follows ("kv", "compute"; "" for the mirrored one)."""
+        return self.name.split("-")[1] if self.prefix else ""
+
+    @property
     def order(self) -> list[int]:
         return [g for block in self.prefix for g in block] + list(self.final)
 
@@ -89,14 +94,17 @@ def _class_keys(g: GroupCoef) -> tuple[float, float]:
 
 
 def arrangements(
-    coefs: Sequence[GroupCoef], shares: Sequence[float] | None = None
+    coefs: Sequence[GroupCoef],
+    shares: Sequence[float] | None = None,
+    orders: Sequence[str] | None = None,
 ) -> list[Arrangement]:
     """The arrangements Stage I tries for a grouping (``coefs``: one per group; identical groups
     share one object). Classes of identical groups are ordered slow-to-fast by two keys — K/V cost
     per visible unit first, attention cost first — and each order gives prefixes of its slowest m
     classes (one block per class) before a final block of the rest: every m from 1 to C - 1, or, with
     ``shares``, m = 1, m = C - 1 and m = round(share * C) for each share (``Arrangement.share``: the
-    prefix's share of the classes, which carries over between groupings with other class counts).
+    prefix's share of the classes, which carries over between groupings with other class counts);
+    ``orders``: only the orders named ("kv", "compute"; ``Arrangement.order_name``).
     The final block's order (the sub-ring order) is settled when the layout is built
     (``ring_blocks``). The first arrangement is the plain mirrored one."""
     classes: dict[GroupCoef, list[int]] = {}
@@ -122,6 +130,8 @@ def arrangements(
         ("kv", lambda c: (-keys[c][0], -keys[c][1], first.index(c))),
         ("compute", lambda c: (-keys[c][1], -keys[c][0], first.index(c))),
     ):
+        if orders is not None and name not in orders:
+            continue
         slow_first = sorted(first, key=key)
         for m in sorted(ms):
             prefix = tuple(tuple(classes[c]) for c in slow_first[:m])

@@ -13,9 +13,10 @@ rank can hold a head (``W <= H``; with more ranks than heads, whole heads leave 
 attention: planner_scale, 128 GPUs, 40 heads: 69.7 s continuous, 200 s as integers).
 
 Arrangements (``planner.arrange``): every grouping is scored in the plain mirrored arrangement and
-with prefix blocks of its slowest classes first (the seed grouping with every prefix length, the
-others with the shortest, the longest and the seed's best share of the classes: which classes go
-first depends on the GPU types, hardly on the group sizes). Search: every combination of class
+with prefix blocks of its slowest classes first (the seed grouping with every prefix length in
+both slowness orders, the others with the shortest, the longest and the seed's best share of the
+classes in the order of the seed's best prefix: which classes go first depends on the GPU types,
+hardly on the group sizes). Search: every combination of class
 options when there are at most ``EXHAUSTIVE_MAX``, else coordinate descent over the classes from
 the best of "one group per node" and "k nodes per group in every class" (groups of one size have
 no K/V fan-out between them, a coupled move that one class at a time does not reach), each
@@ -209,12 +210,14 @@ def _best_arranged(
     node_of: Sequence[str],
     arranged: bool,
     shares: Sequence[float] | None = None,
+    orders: Sequence[str] | None = None,
 ) -> list[Scored]:
     """The coarse split of a grouping in the mirrored arrangement and in its best prefix arrangement
-    (``arrange.arrangements``: every prefix length, or the few that ``shares`` suggests)."""
+    (``arrange.arrangements``: every prefix length in both slowness orders, or the few that
+    ``shares`` suggests in the ``orders`` given)."""
     coefs = base_coefs(sur, grouping, node_of)
     arrs = (
-        arrangements(coefs, shares)
+        arrangements(coefs, shares, orders)
         if arranged
         else [mirrored(len(grouping), arrangements(coefs, ())[0].final)]
     )
@@ -254,11 +257,12 @@ def candidate_groupings(
     seen: dict[Grouping, list[Scored]] = {}
 
     shares: list[float] | None = None  # after the seed: prefix lengths near its best one's share
+    orders: list[str] | None = None  # and the slowness order of its best prefix
 
     def evaluate(ch: dict) -> float:
         grouping = make_grouping(blocks, [ch[c] for c in classes], classes)
         if grouping not in seen:
-            seen[grouping] = _best_arranged(sur, grouping, node_of, arranged, shares)
+            seen[grouping] = _best_arranged(sur, grouping, node_of, arranged, shares, orders)
         return min((s.value for s in seen[grouping]), default=float("inf"))
 
     best = evaluate(choice)
@@ -272,12 +276,15 @@ def candidate_groupings(
                 z = evaluate(trial)
                 if z < best:
                     best, choice = z, trial
-    # the seeds were scored with every prefix length; the others with those near the best seed's
-    shares = [
-        s.arrangement.share
+    # the seeds were scored with every prefix length in both slowness orders; the others with those
+    # near the best seed's share, in its order
+    seed_prefixed = [
+        s.arrangement
         for s in seen[make_grouping(blocks, [choice[c] for c in classes], classes)]
         if s.arrangement.prefix
     ]
+    shares = [a.share for a in seed_prefixed]
+    orders = [a.order_name for a in seed_prefixed] or None  # no prefix fitted: both orders
     if (
         fixed_size != "node"
         and 1 < len(blocks)
