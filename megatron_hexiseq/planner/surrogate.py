@@ -133,10 +133,11 @@ class Surrogate:
         """Every time coefficient of device r multiplied by ``factors[r]`` (feedback from ``estimate``),
         the K/V ring coefficient ``kv_s`` by ``kv_factors[r]`` when given (calibrated on its own)."""
         kv = factors if kv_factors is None else kv_factors
-        return replace(
-            self,
-            devices=tuple(
-                replace(
+        made: dict[tuple[DeviceCoef, float, float], DeviceCoef] = {}  # equal inputs, one object
+        for key in zip(self.devices, factors, kv):
+            if key not in made:
+                d, f, fk = key
+                made[key] = replace(
                     d,
                     lin_s=d.lin_s * f,
                     att_s=d.att_s * f,
@@ -144,9 +145,7 @@ class Surrogate:
                     a2a_head_s=d.a2a_head_s * f,
                     kv_s=d.kv_s * fk,
                 )
-                for d, f, fk in zip(self.devices, factors, kv)
-            ),
-        )
+        return replace(self, devices=tuple(made[key] for key in zip(self.devices, factors, kv)))
 
     def with_free(self, free: Sequence[int]) -> Surrogate:
         return replace(
