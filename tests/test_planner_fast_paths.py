@@ -551,5 +551,9 @@ def test_estimate_per_rank_columns_equal_the_scalar_formulas() -> None:
                 slowest_rest = max(slowest_rest, want["time_s"] - linear)
                 checked += 1
             assert est.iteration_time_s == slowest_linear + slowest_rest
+            assert est.values("time_s") == [x.time_s for x in est.per_rank]
+            assert est.values("kv_exchange_s") == [
+                x.breakdown["kv_exchange_s"] for x in est.per_rank
+            ]
             assert est.feasible == all(x.memory_bytes <= x.capacity_bytes for x in est.per_rank)
     assert checked > 400

@@ -52,6 +52,14 @@ def _rank(time_s, kv_exchange_s=0.0, kv_exposed_s=0.0):
     )
 
 
+def _estimate(ranks):
+    """A stand-in for an Estimate: ``per_rank`` rows and their ``values`` columns."""
+    return SimpleNamespace(
+        per_rank=ranks,
+        values=lambda k: [getattr(r, k) if hasattr(r, k) else r.breakdown[k] for r in ranks],
+    )
+
+
 def _layout(tokens, heads, groups):
     """A stand-in for a Layout: ranks with tokens and heads, ``group_of`` from lists of ranks."""
     of = {r: SimpleNamespace(ranks=tuple(g)) for g in groups for r in g}
@@ -110,8 +118,8 @@ def test_feedback_calibrates_the_ring_apart_from_the_other_terms():
     st = SurrogateTimes(
         total=[10.0, 10.0, 5.0, 8.0], kv=[8.0, 8.0, 0.0, 6.0], kv_exposed=[4.0, 4.0, 0.0, 0.0]
     )
-    est = SimpleNamespace(
-        per_rank=[
+    est = _estimate(
+        [
             _rank(
                 7.0, kv_exchange_s=4.0, kv_exposed_s=1.0
             ),  # rest (7-1)/(10-4) = 1.0, ring 4/8 = 0.5
@@ -155,3 +163,35 @@ def test_feedback_tracks_contain_the_single_factor_track():
     assert [x for x in both if x[1] != "kv"] == one
     kv = [x for x in both if x[1] == "kv"]
     assert kv and any(x not in one for x in kv)  # the K/V track found other layouts
+
+
+def test_a_track_stops_once_its_factors_agree_with_the_cost_model(monkeypatch):
+    # a track whose next factors are all within FEEDBACK_CONVERGED of 1 would re-split an unchanged
+    # surrogate: it stops there; factors just beyond it keep the track going to its last round
+    import megatron_hexiseq.planner.hierarchical as hierarchical
+
+    cl = _cluster(
+        ("H100-SXM-80GB", 4), ("A100-SXM-80GB", 4), ("L40S-48GB", 4), ("H100-SXM-80GB", 4)
+    )
+    seq = 65536
+    m = model_from_dict({**TINY_GQA, "seq_length": seq})
+    o = TrainOptions()
+    real = hierarchical.feedback_factors
+
+    def rounds(offset):
+        calls = [0]
+
+        def factors(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] <= len(hierarchical.FEEDBACK_SCHEMES) * hierarchical.FEEDBACK_GROUPINGS:
+                return real(*args, **kwargs)  # the tracks' starting factors
+            f, kv = real(*args, **kwargs)
+            return [round(1.0 + offset, 3)] * len(f), [round(1.0 - offset, 3)] * len(kv)
+
+        monkeypatch.setattr(hierarchical, "feedback_factors", factors)
+        cands = planner_candidates(cl, m, seq, o, lambda lay: estimate(lay, cl, m, o))
+        return max(c.info["round"] for c in cands)
+
+    limit = hierarchical.FEEDBACK_CONVERGED
+    assert rounds(limit) == 1
+    assert rounds(limit * 2) == 2

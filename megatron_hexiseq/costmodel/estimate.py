@@ -93,6 +93,11 @@ class Estimate:
         """Every rank's estimate, rank r at index r (built when first read)."""
         return self.columns.ranks()
 
+    def values(self, name: str) -> list[float]:
+        """One per-rank value of every rank, rank r at index r: a ``RankEstimate`` field or a
+        ``breakdown`` key ("time_s", "kv_exposed_s", ...), without building the rows."""
+        return self.columns.values[name].tolist()
+
     @property
     def bottleneck_rank(self) -> int:
         """The rank whose time is the iteration time (lowest index on ties)."""

@@ -84,20 +84,19 @@ def feedback_factors(
     """
     raw: list[float] = []
     raw_kv: list[float | None] = []
-    for p, s, s_kv, s_exp in zip(est.per_rank, st.total, st.kv, st.kv_exposed):
+    time_s, exposed_s, exchange_s = (
+        est.values(k) for k in ("time_s", "kv_exposed_s", "kv_exchange_s")
+    )
+    for t, t_exp, t_kv, s, s_kv, s_exp in zip(
+        time_s, exposed_s, exchange_s, st.total, st.kv, st.kv_exposed
+    ):
         if not separate_kv:
-            raw.append(min(4.0, max(0.25, p.time_s / s)) if s > 0 else 1.0)
+            raw.append(min(4.0, max(0.25, t / s)) if s > 0 else 1.0)
             raw_kv.append(None)
             continue
         rest = s - s_exp
-        raw.append(
-            min(4.0, max(0.25, (p.time_s - p.breakdown["kv_exposed_s"]) / rest))
-            if rest > 0
-            else 1.0
-        )
-        raw_kv.append(
-            min(4.0, max(0.25, p.breakdown["kv_exchange_s"] / s_kv)) if s_kv > 0 else None
-        )
+        raw.append(min(4.0, max(0.25, (t - t_exp) / rest)) if rest > 0 else 1.0)
+        raw_kv.append(min(4.0, max(0.25, t_kv / s_kv)) if s_kv > 0 else None)
     classes: dict[tuple, list[int]] = {}
     for r, (dev, _) in enumerate(zip(sur.devices, layout.ranks)):
         classes.setdefault((dev, len(layout.group_of(r).ranks)), []).append(r)
