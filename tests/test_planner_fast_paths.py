@@ -557,3 +557,44 @@ def test_estimate_per_rank_columns_equal_the_scalar_formulas() -> None:
             ]
             assert est.feasible == all(x.memory_bytes <= x.capacity_bytes for x in est.per_rank)
     assert checked > 400
+
+
+def test_memory_floor_matches_the_per_rank_formula() -> None:
+    # the memory floor (static + own tokens' activations + the group's attention core per rank) with
+    # its per-(heads, K/V heads) memo gives the verdict of the plain per-rank sum, both ways
+    from megatron_hexiseq.costmodel.estimate import memory_floor_fits
+    from megatron_hexiseq.costmodel.formulas import (
+        activation_bytes_per_token,
+        attention_bytes_per_group_token,
+        static_memory_bytes,
+    )
+    from megatron_hexiseq.run_config import TrainOptions
+
+    rng = random.Random(29)
+    verdicts = []
+    for _ in range(8):
+        cl = _cluster(rng)
+        seq = rng.choice((65536, 1 << 20, 1 << 22))
+        model = get_model(rng.choice(("gpt-7b", "llama3-8b")), overrides={"seq_length": seq})
+        for opts in (TrainOptions(), TrainOptions(recompute=True)):
+            b = opts.micro_batch_size
+            static = static_memory_bytes(model, opts, opts.data_parallel_size * cl.world_size)
+            act = activation_bytes_per_token(model, opts)
+            for base in baseline_layouts(cl, model, seq):
+                lay = base.layout
+                if lay is None:
+                    continue
+                want = all(
+                    static
+                    + b * p.num_tokens * act
+                    + b
+                    * lay.group_num_tokens(p.group)
+                    * attention_bytes_per_group_token(
+                        model, opts, len(p.heads), len(lay.kv_heads(p.rank))
+                    )
+                    <= int(opts.capacity_fraction * cl.devices[p.rank].memory_bytes)
+                    for p in lay.ranks
+                )
+                assert memory_floor_fits(lay, cl, model, opts) == want
+                verdicts.append(want)
+    assert True in verdicts and False in verdicts

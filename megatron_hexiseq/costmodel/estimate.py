@@ -316,17 +316,18 @@ def memory_floor_fits(
     b = options.micro_batch_size
     static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
     act = activation_bytes_per_token(model, options)
-    group_tokens = {g.id: layout.group_num_tokens(g.id) for g in layout.groups}
-    for plan in layout.ranks:
-        dev = cluster.devices[plan.rank]
+    tokens = [r.num_tokens for r in layout.ranks]
+    group_tokens = {g.id: sum(tokens[r] for r in g.ranks) for g in layout.groups}
+    hpg = layout.heads_per_query_group
+    per_group_token: dict[tuple[int, int], int] = {}  # by (heads, K/V heads)
+    for plan, dev in zip(layout.ranks, cluster.devices):
+        key = (len(plan.heads), len({h // hpg for h in plan.heads}))
+        if key not in per_group_token:
+            per_group_token[key] = attention_bytes_per_group_token(model, options, *key)
         need = (
             static
-            + b * plan.num_tokens * act
-            + b
-            * group_tokens[plan.group]
-            * attention_bytes_per_group_token(
-                model, options, len(plan.heads), len(layout.kv_heads(plan.rank))
-            )
+            + b * tokens[plan.rank] * act
+            + b * group_tokens[plan.group] * per_group_token[key]
         )
         if need > int(options.capacity_fraction * dev.memory_bytes):
             return False
