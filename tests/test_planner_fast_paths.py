@@ -598,3 +598,41 @@ def test_memory_floor_matches_the_per_rank_formula() -> None:
                 assert memory_floor_fits(lay, cl, model, opts) == want
                 verdicts.append(want)
     assert True in verdicts and False in verdicts
+
+
+def test_split_of_groups_in_any_order_is_the_direct_search_in_that_order() -> None:
+    # split_sequence searches a multiset of groups once (canonical order, cached) and hands the units
+    # back in the caller's order; that must be exactly the uncached search in the caller's order,
+    # ties between classes included (classes differing only in ample free memory tie on their room)
+    from megatron_hexiseq.planner.stage2_split import _split_search, split_sequence
+
+    rng = random.Random(41)
+    checked = ties = 0
+    for _ in range(60):
+        N, heads = rng.randint(64, 1024), rng.choice((8, 32))
+        n = rng.choice((1, 2, 4))
+        base = dict(
+            a=(rng.randint(10**5, 10**7),) * n,
+            b=(rng.randint(10**3, 10**6),) * n,
+            c=(rng.randint(0, 10**5),) * n,
+            e=(rng.randint(0, 10**4),) * n,
+            mt=(rng.randint(10**4, 10**6),) * n,
+            mh=(0,) * n,
+            heads=heads,
+            num_units=N,
+        )
+        classes = [
+            GroupCoef(free=(10**15 + i,) * n, **base)
+            if rng.random() < 0.5
+            else GroupCoef(free=(10**15,) * n, **{**base, "b": (rng.randint(10**3, 10**6),) * n})
+            for i in range(rng.randint(2, 4))
+        ]
+        groups = [g for g in classes for _ in range(rng.randint(1, 3))]
+        if len(groups) * n > N:
+            continue
+        ties += len({(g.b, g.a) for g in classes}) < len(set(classes))
+        for _ in range(4):
+            rng.shuffle(groups)
+            assert split_sequence(list(groups), N) == _split_search(list(groups), N, None)
+            checked += 1
+    assert checked > 150 and ties > 10
