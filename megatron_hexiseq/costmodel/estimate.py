@@ -26,7 +26,7 @@ for the rank's heads + communication buffers. Formulas and sources: docs/cost_mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -148,16 +148,17 @@ def estimate(
     kv_count = [len(k) for k in kv_of]
     head_count = [len(r.heads) for r in layout.ranks]
     structures = cluster_arrays(cluster).memo.setdefault("a2a_structure", {})
-    group_pairs: dict[int, int] = {}
-    group_a2a_s: dict[int, float] = {}
-    group_tokens_of: dict[int, int] = {}
+    # per group, in layout order
+    group_pairs: list[int] = []
+    group_a2a_s: list[float] = []
+    group_tokens_of: list[int] = []
     a2a_memo: dict[
         tuple, float
     ] = {}  # groups of one structure (devices, tokens, heads) cost the same
     for g in layout.groups:
-        group_pairs[g.id] = causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)])
+        group_pairs.append(causal_pairs(layout.group_segments(g.id), [(0, layout.seq_length)]))
         tok = [tokens[r] for r in g.ranks]
-        group_tokens_of[g.id] = sum(tok)
+        group_tokens_of.append(sum(tok))
         if (
             g.ranks not in structures
         ):  # (gpus, node pattern, bandwidths), slowest collective latency
@@ -177,11 +178,12 @@ def estimate(
         key = (*structure, tuple(tok), tuple(hq), tuple(hkv))
         if key not in a2a_memo:
             a2a_memo[key] = _a2a_layer_s(cluster, model, g.ranks, b, tok, hq, hkv)
-        group_a2a_s[g.id] = (passes_fwd + 1) * L * a2a_memo[key]
+        a2a_s = (passes_fwd + 1) * L * a2a_memo[key]
         if (
             len(g.ranks) > 1
         ):  # fixed cost per collective: 4 per layer and pass, the slowest member's
-            group_a2a_s[g.id] += (passes_fwd + 1) * L * 4 * latency_s
+            a2a_s += (passes_fwd + 1) * L * 4 * latency_s
+        group_a2a_s.append(a2a_s)
 
     # per rank, vectorised (every value as the scalar formula computes it: the same IEEE operations
     # in the same order, integers for the bytes)
@@ -195,15 +197,13 @@ def estimate(
     for first, where in dev.types:  # per GPU type (its first device stands for it)
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
         att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
-    att_mem: dict[tuple[int, int], int] = {}
-    for key in zip(head_count, kv_count):
-        if key not in att_mem:
-            att_mem[key] = attention_bytes_per_group_token(model, options, *key)
-    att_mem_n = np.array([att_mem[key] for key in zip(head_count, kv_count)], dtype=np.int64)
+    att_mem_n = np.array(
+        _attention_core_bytes(model, options, zip(head_count, kv_count)), dtype=np.int64
+    )
     steps = (passes_fwd + 2) * L  # exchange steps per round with something to receive
-    g_pairs = np.array([group_pairs[g.id] for g in layout.groups], dtype=np.int64)[gi]
-    g_a2a = np.array([group_a2a_s[g.id] for g in layout.groups])[gi]
-    g_tokens = np.array([group_tokens_of[g.id] for g in layout.groups], dtype=np.int64)[gi]
+    g_pairs = np.array(group_pairs, dtype=np.int64)[gi]
+    g_a2a = np.array(group_a2a_s)[gi]
+    g_tokens = np.array(group_tokens_of, dtype=np.int64)[gi]
     linear_s = t * lin_rate + dev.overhead_s
     attention_s = g_pairs * heads_n * att_rate
     kv_latency_s = steps * np.array(exchange.rounds, dtype=np.int64) * dev.p2p_latency_s
@@ -319,19 +319,27 @@ def memory_floor_fits(
     tokens = [r.num_tokens for r in layout.ranks]
     group_tokens = {g.id: sum(tokens[r] for r in g.ranks) for g in layout.groups}
     hpg = layout.heads_per_query_group
-    per_group_token: dict[tuple[int, int], int] = {}  # by (heads, K/V heads)
-    for plan, dev in zip(layout.ranks, cluster.devices):
-        key = (len(plan.heads), len({h // hpg for h in plan.heads}))
-        if key not in per_group_token:
-            per_group_token[key] = attention_bytes_per_group_token(model, options, *key)
-        need = (
-            static
-            + b * tokens[plan.rank] * act
-            + b * group_tokens[plan.group] * per_group_token[key]
-        )
+    per_group_token = _attention_core_bytes(
+        model, options, ((len(r.heads), len({h // hpg for h in r.heads})) for r in layout.ranks)
+    )
+    for plan, dev, core in zip(layout.ranks, cluster.devices, per_group_token):
+        need = static + b * tokens[plan.rank] * act + b * group_tokens[plan.group] * core
         if need > int(options.capacity_fraction * dev.memory_bytes):
             return False
     return True
+
+
+def _attention_core_bytes(
+    model: ModelSpec, options: TrainOptions, heads_kv: Iterable[tuple[int, int]]
+) -> list[int]:
+    """``attention_bytes_per_group_token`` of each rank's (heads, K/V heads), once per pair."""
+    memo: dict[tuple[int, int], int] = {}
+    out = []
+    for key in heads_kv:
+        if key not in memo:
+            memo[key] = attention_bytes_per_group_token(model, options, *key)
+        out.append(memo[key])
+    return out
 
 
 @dataclass(frozen=True)

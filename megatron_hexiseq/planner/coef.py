@@ -142,6 +142,27 @@ class GroupCoef:
         set_(new, "_hash", self._hash_at(start, end, band, kv_extra))
         return new
 
+    def key(self) -> tuple:
+        """A total order of group coefficients (equal keys: equal groups), independent of where the
+        groups are listed (``stage2_split._hand_out`` breaks ties by it)."""
+        return (
+            self.size,
+            self.a,
+            self.s,
+            self.b,
+            self.c,
+            self.e,
+            self.free,
+            self.mt,
+            self.mh,
+            self.heads,
+            self.num_units,
+            self.start,
+            self.end,
+            self.band,
+            self.kv_extra,
+        )
+
     def s_(self, i: int) -> int:
         """A2A ns per own unit of member i (attention phase)."""
         return self.s[i] if self.s else 0

@@ -464,9 +464,9 @@ def split_sequence(
         return split_at(groups, num_units, caps, INF, True)
     if not caps:  # the same groups are split by Stage I, the repair and the exact hint
         # the split depends on the groups as a multiset (``_hand_out`` breaks ties by
-        # ``class_key``), so it is searched once in canonical order and its units handed back in
+        # ``GroupCoef.key``), so it is searched once in canonical order and its units handed back in
         # the caller's order: per class ascending, the lower indices holding the fewer
-        canonical = tuple(sorted(groups, key=class_key))
+        canonical = tuple(sorted(groups, key=GroupCoef.key))
         found = _split_cached(canonical, num_units)
         if found is None or canonical == tuple(groups):
             return found
@@ -672,28 +672,6 @@ def start_bound(groups: Iterable[GroupCoef], share: int, lin: float) -> float:
     return max(finite) if finite else 1e6
 
 
-def class_key(g: GroupCoef) -> tuple:
-    """A total order of group coefficients (equal keys: equal coefficients), independent of where
-    the groups are listed."""
-    return (
-        g.size,
-        g.a,
-        g.s,
-        g.b,
-        g.c,
-        g.e,
-        g.free,
-        g.mt,
-        g.mh,
-        g.heads,
-        g.num_units,
-        g.start,
-        g.end,
-        g.band,
-        g.kv_extra,
-    )
-
-
 def _hand_out(
     groups: Sequence[GroupCoef],
     distinct: dict[GroupCoef, int],
@@ -702,7 +680,7 @@ def _hand_out(
 ) -> list[int]:
     """Units per group inside the feasible ranges, summing to ``num_units``: every group starts at its
     lower end and the rest goes to the classes of identical groups in proportion to their room
-    (largest remainder, ties by ``class_key``); inside a class the groups differ by at most one unit, the
+    (largest remainder, ties by ``GroupCoef.key``); inside a class the groups differ by at most one unit, the
     lower group indices holding the fewer."""
     rest = num_units - sum(k * ranges[g][0] for g, k in distinct.items())
     room = {g: k * (ranges[g][1] - ranges[g][0]) for g, k in distinct.items()}
@@ -714,9 +692,7 @@ def _hand_out(
         left = rest - sum(extra.values())
         # ties by the classes' coefficients, not their order: the split of a multiset of groups is
         # the same in any order (``split_sequence`` caches it so)
-        for g in sorted(
-            distinct, key=lambda g: (-(shares[g] - math.floor(shares[g])), class_key(g))
-        ):
+        for g in sorted(distinct, key=lambda g: (-(shares[g] - math.floor(shares[g])), g.key())):
             if left <= 0:
                 break
             if extra[g] < room[g]:
