@@ -16,13 +16,20 @@ from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import alltoall_time_s, kv_exchange_forward
 from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
 from megatron_hexiseq.model import get_model
+from megatron_hexiseq.planner.arrange import (
+    _block_consts,
+    _block_upper,
+    _final_consts,
+    _final_range_coarse,
+    _placed_final,
+)
 from megatron_hexiseq.planner.baselines import baseline_layouts
 from megatron_hexiseq.planner.coef import INF, GroupCoef
 from megatron_hexiseq.planner.stage2_split import (
     _general_range,
     _identical_range,
     _identical_time,
-    closed_range,
+    units_range,
 )
 
 TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB")
@@ -159,25 +166,6 @@ def _identical_range_ref(g, z, lin, settle):
     return _general_range(g, z, lin)
 
 
-def test_closed_range_matches_reference() -> None:
-    rng = random.Random(11)
-    for _ in range(3000):
-        n, H = rng.randint(1, 16), rng.randint(1, 64)
-        args = (
-            n,
-            H,
-            rng.uniform(-1e3, 1e9),
-            rng.randint(0, 10**5),
-            rng.randint(0, 10**4),
-            rng.randint(0, 10**5),
-            rng.choice((0.0, rng.uniform(0, 50))),
-            rng.uniform(0, 1e4),
-            rng.choice((0.0, -rng.randint(1, 10**5), rng.randint(1, 10**5))),
-            rng.randint(0, 10**8),
-        )
-        assert closed_range(*args) == _closed_range_ref(*args)
-
-
 def _placed_group(
     rng: random.Random, n: int, N: int, col: Callable[[int, int], tuple[int, ...]]
 ) -> GroupCoef:
@@ -213,6 +201,59 @@ def test_identical_range_matches_reference() -> None:
                 assert _identical_range(g, z, lin, settle) == _identical_range_ref(
                     g, z, lin, settle
                 )
+
+
+def test_prefix_block_closed_form_matches_reference() -> None:
+    # arrange._block_upper: the closed form's upper end for k groups of identical members in a
+    # prefix block at P seeing V units (attention b T (2P + k T) / N, visible V + (k - 1) T),
+    # capped by memory and the linear bound
+    rng = random.Random(11)
+    found = empty = 0
+    for _ in range(300):
+        n, N = rng.choice((1, 2, 4, 8)), rng.randint(64, 4096)
+        g = _placed_group(rng, n, N, lambda lo, hi, n=n: (rng.randint(lo, hi),) * n)
+        H = g.heads
+        _, a, s, b, c, e, free, mt, mh, _ = g.rows[0]
+        for _ in range(20):
+            k, P, V = rng.randint(1, 4), rng.randint(0, N), rng.randint(0, 2 * N)
+            z = rng.choice((rng.uniform(-1e3, 1e6), rng.uniform(1e6, 1e12)))
+            lin = rng.choice((INF, rng.uniform(1e6, 1e12)))
+            real = _closed_range_ref(n, H, z, s, e, c, b * k / N, 2 * P * b / N, c * (k - 1), V * c)
+            want = None
+            if real is not None:
+                want = real[1]
+                if mt + H * mh > 0:
+                    want = min(want, n * free / (mt + H * mh))
+                if mh > 0:
+                    want = min(want, (free - mt) / (-(-H // n) * mh))
+                if a > 0 and math.isfinite(lin):
+                    want = min(want, n * lin / a)
+            got = _block_upper(_block_consts(g, k, lin), P, V, z)
+            assert got == want, (k, P, V, z, lin)
+            found += want is not None
+            empty += want is None
+    assert found > 1000 and empty > 100  # both outcomes were exercised
+
+
+def test_final_group_coarse_range_matches_the_placed_group() -> None:
+    # arrange._final_range_coarse: Stage I's coarse unit range of a final group of identical
+    # members placed at p with kv_extra kv, without building the placed group
+    rng = random.Random(13)
+    hits = 0
+    for _ in range(300):
+        n, N = rng.choice((1, 2, 4, 8)), rng.randint(64, 4096)
+        g = _placed_group(rng, n, N, lambda lo, hi, n=n: (rng.randint(lo, hi),) * n)
+        for _ in range(20):
+            p, kv = rng.randint(0, N - 1), rng.randint(0, N)
+            z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
+            placed = g.placed(p, 0, False, kv)
+            want = _identical_range_ref(placed, z, lin, False)
+            got = _final_range_coarse(_final_consts(g, lin), p, kv, z)
+            assert got == want == units_range(_placed_final(g, p, kv), z, lin, False)
+            hits += got is not None
+    assert hits > 500
+    mixed = _placed_group(rng, 4, 1024, lambda lo, hi: tuple(rng.randint(lo, hi) for _ in range(4)))
+    assert _final_consts(mixed, INF) is None  # members differ: the general range is used
 
 
 # ---- the layout check's one-pass path ------------------------------------------------------------

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from operator import mul
 
-from megatron_hexiseq.planner.coef import INF, GroupCoef
+from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.linsearch import best_lin
 from megatron_hexiseq.planner.stage2_split import (
     A_TOL,
@@ -41,7 +41,6 @@ from megatron_hexiseq.planner.stage2_split import (
     Split,
     _bracket,
     _hand_out,
-    closed_range,
     group_time,
     lin_floor,
     linear_phase,
@@ -167,9 +166,13 @@ def _final_kappa(coefs: Sequence[GroupCoef], arr: Arrangement) -> dict[int, floa
     count: dict[GroupCoef, int] = {}
     for g in arr.final:
         c = coefs[g]
-        count[c] = count.get(c, 0) + 1
-        size[c] = c.size
-        weight[c] = sum(1.0 / a for a in c.a if a > 0)
+        k = count.get(c)
+        if k is None:  # a class's size and weight once (they depend on its coefficients only)
+            count[c] = 1
+            size[c] = c.size
+            weight[c] = sum(1.0 / a for a in c.a if a > 0)
+        else:
+            count[c] = k + 1
     per: dict[GroupCoef, float] = {}
     for c in count:
         num = den = 0.0
@@ -187,14 +190,17 @@ def with_fan_out(coefs: Sequence[GroupCoef], arr: Arrangement) -> list[GroupCoef
     once their sizes are known (``_feasible``, ``positioned``), the prefix blocks' through their
     visible units (``_block_max``)."""
     out = list(coefs)
-    scaled: dict[tuple[GroupCoef, float], GroupCoef] = {}
     for g, mult in _final_kappa(coefs, arr).items():
         if mult > 1.0:
-            key = (coefs[g], mult)
-            if key not in scaled:
-                scaled[key] = replace(coefs[g], c=tuple(round(x * mult) for x in coefs[g].c))
-            out[g] = scaled[key]
+            out[g] = _kv_scaled(coefs[g], mult)
     return out
+
+
+@lru_cache(maxsize=100_000)
+def _kv_scaled(g: GroupCoef, mult: float) -> GroupCoef:
+    """``g`` with its K/V coefficients ``c`` times ``mult`` (rounded), one object per (g, mult):
+    every arrangement of every grouping scales the same few classes again."""
+    return replace(g, c=tuple(round(x * mult) for x in g.c))
 
 
 def ring_blocks(
@@ -294,13 +300,76 @@ def _block_time(g: GroupCoef, k: int, P: int, V: float, T: int, lin: float) -> f
     return max(s * t + H * beta / n, s + hmax * beta)
 
 
+@lru_cache(maxsize=100_000)
+def _block_consts(g: GroupCoef, k: int, lin: float) -> tuple:
+    """What ``_block_upper`` reads of a prefix block of k groups of identical members: per lower
+    bound of ``_block_time`` (the continuous even split, the member with ceil(H/n) heads) the parts
+    of ``stage2_split._closed_consts`` that do not depend on the block's start or what it sees, and
+    the smallest of the memory and linear-bound caps on the units."""
+    n, H, N = g.size, g.heads, g.num_units
+    a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
+    quad, kv_slope = b * k / N, c * (k - 1)
+    hmax = -(-H // n)
+    bounds = []
+    for alpha, heads in ((s / n, H / n), (0.0, hmax)):
+        qa = heads * quad
+        bounds.append((alpha, heads, 4 * qa, 2 * qa, qa > 0, alpha + heads * (kv_slope + e)))
+    cap = INF
+    if mt + H * mh > 0:
+        cap = min(cap, n * free / (mt + H * mh))
+    if mh > 0:
+        cap = min(cap, (free - mt) / (hmax * mh))
+    if a > 0 and math.isfinite(lin):
+        cap = min(cap, n * lin / a)
+    return (s, b, e, c, N, tuple(bounds), cap)
+
+
+def _block_upper(consts: tuple, P: int, V: int, z: float) -> float | None:
+    """The real upper end of the closed form (``stage2_split._closed_consts``) for a prefix block starting at P that
+    sees V units (attention ``b T (2P + k T) / N`` per head, visible ``V + (k - 1) T``: the outermost
+    group sees the block's other units and what lies before it), capped by memory and the linear
+    bound; None when the range is empty. The same IEEE operations in the same order as
+    ``_closed_eval`` on its ``_closed_consts`` (Stage I's coarse tests move the blocks on almost
+    every call, so the cached constants missed)."""
+    s, b, e, c, N, bounds, cap = consts
+    lin_att, kv_const = 2 * P * b / N, V * c
+    lo, hi = 0.0, INF
+    budget = z
+    for alpha, heads, qa4, qa2, quadratic, m in bounds:
+        if budget < 0:
+            return None
+        qb = alpha + heads * (lin_att + e)
+        root = (
+            (-qb + math.sqrt(qb * qb + qa4 * budget)) / qa2
+            if quadratic
+            else (budget / qb if qb > 0 else INF)
+        )
+        if root < hi:
+            hi = root
+        k0 = heads * kv_const
+        if m > 0:
+            x = (budget - k0) / m
+            if x < hi:
+                hi = x
+        elif m < 0:
+            x = (k0 - budget) / -m
+            if x > lo:
+                lo = x
+        elif k0 > budget:
+            return None
+        budget = z - s
+    if not lo <= hi + 1.0:
+        return None
+    return hi if hi < cap else cap
+
+
 def _block_max(
     g: GroupCoef, k: int, P: int, V: float, z: float, lin: float, room: int
 ) -> int | None:
     """Most units per group (all k groups equal) of a prefix block starting at P that sees V units
     before it (fan-out counted), within attention bound z, at most ``room`` units for the block;
     None when not even each group's minimum fits."""
-    n, H, N = g.size, g.heads, g.num_units
+    n, N = g.size, g.num_units
     tmax = room // k
     if tmax < n:
         return None
@@ -320,20 +389,10 @@ def _block_max(
             else:
                 hi = mid - 1
         return lo
-    a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
-    # attention b T (2P + k T) / N per head; the outermost group sees the block's other units and
-    # what lies before it: visible = V + (k - 1) T
-    real = closed_range(n, H, z, s, e, c, b * k / N, 2 * P * b / N, c * (k - 1), round(V) * c)
-    if real is None:
+    x = _block_upper(_block_consts(g, k, lin), P, round(V), z)
+    if x is None:
         return None
-    x = min(real[1], float(tmax))
-    hmax = -(-H // n)
-    if mt + H * mh > 0:
-        x = min(x, n * free / (mt + H * mh))
-    if mh > 0:
-        x = min(x, (free - mt) / (hmax * mh))
-    if a > 0 and math.isfinite(lin):
-        x = min(x, n * lin / a)
+    x = min(x, float(tmax))
     T = min(tmax, math.floor(x + 1e-9)) if math.isfinite(x) else tmax
     for _ in range(6):  # settle on integers (att() rounds down)
         if T < n:
@@ -403,19 +462,31 @@ def _feasible(
         sizes.append(T)
         P += T * k
 
+    fast = None if exact else [_final_consts(key[0], lin) for key in count]
+
     def state(
         P_target: int,
-    ) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef, tuple[int, int]]]] | None:
+    ) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef | None, int, tuple[int, int]]]] | None:
+        """The prefix's block sizes shortened to ``P_target``, its length and per final key (the
+        placed group, None when the closed form skipped placing it; its kv_extra; its unit range);
+        None when a final range is empty or their lower ends do not fit."""
         sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
         p = sum(map(mul, sz, block_len))
-        out = {}
+        out: dict[tuple, tuple[GroupCoef | None, int, tuple[int, int]]] = {}
         lo_sum = 0
-        for key, k in count.items():
-            moved = _placed_final(key[0], p, round(sum(map(mul, key[1], sz))))
-            r = units_range(moved, z, lin, exact)
+        for i, (key, k) in enumerate(count.items()):
+            kv = round(sum(map(mul, key[1], sz)))
+            consts = fast[i] if fast is not None else None
+            moved: GroupCoef | None = None
+            r: tuple[int, int] | None
+            if consts is not None:  # the coarse range in closed form, the group placed at the end
+                r = _final_range_coarse(consts, p, kv, z)
+            else:
+                moved = _placed_final(key[0], p, kv)
+                r = units_range(moved, z, lin, exact)
             if r is None:
                 return None
-            out[key] = (moved, r)
+            out[key] = (moved, kv, r)
             lo_sum += k * r[0]
         return (sz, p, out) if p + lo_sum <= N else None
 
@@ -435,10 +506,14 @@ def _feasible(
         if hint:
             hint[0] = length
     sz, p, out = got
-    if p + sum(k * out[key][1][1] for key, k in count.items()) < N:
+    if p + sum(k * out[key][2][1] for key, k in count.items()) < N:
         return None
-    pos = [out[key][0] for key in keys]
-    return sz, p, {m: r for m, r in out.values()}, pos
+    placed = {
+        key: moved if moved is not None else _placed_final(key[0], p, kv)
+        for key, (moved, kv, _) in out.items()
+    }
+    pos = [placed[key] for key in keys]
+    return sz, p, {placed[key]: r for key, (_, _, r) in out.items()}, pos
 
 
 def _longest(
@@ -483,6 +558,71 @@ def _longest(
         else:
             a, got = mid, at
     return a, got
+
+
+@lru_cache(maxsize=100_000)
+def _final_consts(g: GroupCoef, lin: float) -> tuple | None:
+    """What ``_final_range_coarse`` reads of a final group of identical members (None when its
+    members differ): the parts of ``stage2_split._range_consts`` that do not depend on where the
+    group is placed."""
+    if len(g.rows) != 1:
+        return None
+    n, H, N = g.size, g.heads, g.num_units
+    k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
+    hmax = -(-H // n)
+    caps = [float(min(N, n * cap))]
+    if a > 0 and math.isfinite(lin):
+        caps.append(n * lin / a)
+    if mt + H * mh > 0:
+        caps.append(n * free / (mt + H * mh))
+    if mh > 0:
+        caps.append((free - mt) / (hmax * mh))
+    # per lower bound (the continuous even split, the member with ceil(H/n) heads): alpha, heads,
+    # and the K/V branch's slope (``_closed_consts`` with kv_slope = -c)
+    alpha0, heads0 = s / n, H / n
+    m0, m1 = alpha0 + heads0 * (-c + e), 0.0 + hmax * (-c + e)
+    return (n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, min(caps), n * MIN_UNITS_PER_RANK)
+
+
+def _final_range_coarse(consts: tuple, p: int, kv: int, z: float) -> tuple[int, int] | None:
+    """``units_range(_placed_final(g, p, kv), z, lin, settle=False)`` for a group of identical
+    members (``consts``: ``_final_consts(g, lin)``), the same IEEE operations in the same order
+    without building the placed group or its caches (Stage I's coarse tests place the final groups
+    at a new start on almost every call). The final block ends at N: attention ``b T (p + N) / N``
+    per head and unit, visible ``N - T + kv`` units."""
+    n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor = consts
+    lin_att = b * (p + N) / N
+    kv_const = (N + kv) * c
+    lo, hi = 0.0, INF
+    budget = z
+    for alpha, heads, m in ((alpha0, heads0, m0), (0.0, hmax, m1)):
+        if budget < 0:
+            return None
+        qb = alpha + heads * (lin_att + e)
+        root = budget / qb if qb > 0 else INF
+        if root < hi:
+            hi = root
+        k0 = heads * kv_const
+        if m > 0:
+            x = (budget - k0) / m
+            if x < hi:
+                hi = x
+        elif m < 0:
+            x = (k0 - budget) / -m
+            if x > lo:
+                lo = x
+        elif k0 > budget:
+            return None
+        budget = z - s
+    if not lo <= hi + 1.0:
+        return None
+    if hi_cap < hi:
+        hi = hi_cap
+    lo = max(lo, float(floor))
+    if not (lo <= hi + 1.0):
+        return None
+    ilo, ihi = max(floor, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
+    return None if ilo > ihi else (ilo, ihi)
 
 
 @lru_cache(maxsize=100_000)

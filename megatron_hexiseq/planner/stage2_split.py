@@ -149,25 +149,6 @@ def _identical_time_cached(g: GroupCoef, T: int, lin: float) -> float:
     return _identical_time(g, T, lin)
 
 
-def closed_range(
-    n: int,
-    H: int,
-    z: float,
-    s: float,
-    e: float,
-    c: float,
-    quad: float,
-    lin_att: float,
-    kv_slope: float,
-    kv_const: float,
-) -> tuple[float, float] | None:
-    """Real range of T (per group) where both lower bounds of ``_identical_time`` stay within z, for
-    an attention term ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const`` per
-    head (``c`` times the visible units) plus ``e T`` A2A per head; None when empty. Used by the
-    closed forms of Stage II's unit ranges and of the arrangement's prefix blocks."""
-    return _closed_eval(_closed_consts(n, H, s, e, quad, lin_att, kv_slope, kv_const), z, s)
-
-
 @lru_cache(maxsize=100_000)
 def _closed_consts(
     n: int,
@@ -179,8 +160,11 @@ def _closed_consts(
     kv_slope: float,
     kv_const: float,
 ) -> tuple[tuple[float, ...], ...]:
-    """The parts of ``closed_range`` that do not depend on z, per lower bound (the continuous even
-    split, the member with ceil(H/n) heads): (4 qa, 2 qa, -qb, qb^2, qb, m, k0, qa > 0)."""
+    """The closed form's parts that do not depend on the attention bound z: the real range of T (per
+    group) where both lower bounds of ``_identical_time`` stay within z, for an attention term
+    ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const`` per head (``c`` times
+    the visible units) plus ``e T`` A2A per head. Per lower bound (the continuous even split, the
+    member with ceil(H/n) heads): (4 qa, 2 qa, -qb, qb^2, qb, m, k0, qa > 0)."""
     out = []
     hmax = -(-H // n)
     for alpha, heads in ((s / n, H / n), (0.0, hmax)):
@@ -195,7 +179,9 @@ def _closed_consts(
 def _closed_eval(
     consts: tuple[tuple[float, ...], ...], z: float, s: float
 ) -> tuple[float, float] | None:
-    """``closed_range`` at attention bound z from its ``_closed_consts`` (budgets z and z - s)."""
+    """The closed form's range at attention bound z from its ``_closed_consts`` (budgets z and
+    z - s); None when empty. (``arrange._block_upper`` and ``arrange._final_range_coarse`` inline it
+    for Stage I's coarse tests.)"""
     lo, hi = 0.0, INF
     budget = z
     for qa4, qa2, nqb, qb2, qb, m, k0, quadratic in consts:
@@ -292,7 +278,7 @@ def _range_consts(
 def _identical_range(
     g: GroupCoef, z: float, lin: float, settle: bool = True
 ) -> tuple[int, int] | None:
-    """``units_range`` of a group of identical members, in closed form (``closed_range``), then
+    """``units_range`` of a group of identical members, in closed form (``_closed_consts``, ``_closed_eval``), then
     settled on integers with the exact ``_identical_time`` (``settle=False``: the closed form's
     integers as they are, for Stage I's coarse split)."""
     n, N, s, consts, hi_cap = _range_consts(g, lin)
