@@ -426,6 +426,9 @@ def _prepared(coefs: tuple[GroupCoef, ...], arr: Arrangement) -> tuple:
     return block_w, final_min, prefix_min, count, keys, heads, [len(b) for b in arr.prefix]
 
 
+_Final = dict[tuple, tuple[GroupCoef | None, int, tuple[int, int]]]  # ``_feasible``'s final block
+
+
 def _feasible(
     coefs: Sequence[GroupCoef],
     arr: Arrangement,
@@ -435,9 +438,10 @@ def _feasible(
     exact: bool = True,
     prep: tuple | None = None,
     hint: list[int] | None = None,
-) -> tuple[list[int], int, dict[GroupCoef, tuple[int, int]], list[GroupCoef]] | None:
-    """Per prefix block its units per group, the final block's start and its groups' positioned
-    coefficients and unit ranges, or None when the arrangement cannot hold N within z.
+) -> tuple[list[int], int, _Final] | None:
+    """Per prefix block its units per group, the final block's start and per final key (see
+    ``_prepared``) its placed group (None when not built yet: ``_final_placed``), its ``kv_extra``
+    and its unit range; None when the arrangement cannot hold N within z.
 
     The prefix blocks first take the most units each can hold (a later block's most units only grow
     with its start). The final block's ranges then depend on the prefix's length P: their attention
@@ -466,13 +470,13 @@ def _feasible(
 
     def state(
         P_target: int,
-    ) -> tuple[list[int], int, dict[tuple, tuple[GroupCoef | None, int, tuple[int, int]]]] | None:
+    ) -> tuple[list[int], int, _Final] | None:
         """The prefix's block sizes shortened to ``P_target``, its length and per final key (the
         placed group, None when the closed form skipped placing it; its kv_extra; its unit range);
         None when a final range is empty or their lower ends do not fit."""
         sz = _shrink(coefs, arr, sizes, P - P_target) if P_target < P else sizes
         p = sum(map(mul, sz, block_len))
-        out: dict[tuple, tuple[GroupCoef | None, int, tuple[int, int]]] = {}
+        out: _Final = {}
         lo_sum = 0
         for i, (key, k) in enumerate(count.items()):
             kv = round(sum(map(mul, key[1], sz)))
@@ -508,12 +512,21 @@ def _feasible(
     sz, p, out = got
     if p + sum(k * out[key][2][1] for key, k in count.items()) < N:
         return None
+    return got
+
+
+def _final_placed(
+    keys: Sequence[tuple], p: int, out: _Final
+) -> tuple[dict[GroupCoef, tuple[int, int]], list[GroupCoef]]:
+    """The final groups' positioned coefficients and unit ranges from ``_feasible``'s answer (built
+    once for the bound a search settles on, not on every test that holds): per positioned group its
+    range, and per final group (``keys``: ``_prepared``'s, in ``arr.final`` order) its positioned
+    coefficients."""
     placed = {
         key: moved if moved is not None else _placed_final(key[0], p, kv)
         for key, (moved, kv, _) in out.items()
     }
-    pos = [placed[key] for key in keys]
-    return sz, p, {placed[key]: r for key, (_, _, r) in out.items()}, pos
+    return {placed[key]: r for key, (_, _, r) in out.items()}, [placed[key] for key in keys]
 
 
 def _longest(
@@ -672,7 +685,8 @@ def _split_at(
     )
     if got is None:
         return None
-    hi, (sizes, P, ranges, pos) = got
+    hi, (sizes, P, final) = got
+    ranges, pos = _final_placed(prep[4], P, final)
     units = [0] * len(coefs)
     for block, T in zip(arr.prefix, sizes):
         for g in block:
