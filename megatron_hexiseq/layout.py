@@ -231,17 +231,28 @@ def make_layout(
     for gid, members in enumerate(groups):
         for r in members:
             rank_group[r] = gid
-    ranks = tuple(
-        RankPlan(
+    # The planner builds ~30 layouts of every rank per plan: each RankPlan is filled in directly
+    # (what the frozen dataclass's __init__ does, at half its cost; the Layout validates it) and
+    # only values that are not ints already are converted.
+    new, plan_type = object.__new__, RankPlan
+    ranks_list = []
+    for r in range(world):
+        plan = new(plan_type)
+        plan.__dict__.update(
             rank=r,
             host=hosts[r] if hosts else f"node{rank_group[r]}",
             gpu=gpus[r] if gpus else "CPU",
             group=rank_group[r],
-            segments=tuple((int(s), int(e)) for s, e in segments[r]),
+            segments=tuple(
+                [
+                    (s, e) if type(s) is int and type(e) is int else (int(s), int(e))
+                    for s, e in segments[r]
+                ]
+            ),
             heads=tuple(map(int, heads[r])),
         )
-        for r in range(world)
-    )
+        ranks_list.append(plan)
+    ranks = tuple(ranks_list)
     return Layout(
         seq_length=seq_length,
         num_attention_heads=num_attention_heads,

@@ -677,3 +677,39 @@ def test_split_of_groups_in_any_order_is_the_direct_search_in_that_order() -> No
             assert split_sequence(list(groups), N) == _split_search(list(groups), N, None)
             checked += 1
     assert checked > 150 and ties > 10
+
+
+def test_make_layout_rank_plans_equal_the_dataclass_ones() -> None:
+    # make_layout fills each RankPlan's fields directly (the planner builds ~30 layouts per plan):
+    # the objects must be what RankPlan(...) builds, every field set, ints converted
+    from dataclasses import fields
+
+    import numpy as np
+
+    from megatron_hexiseq.layout import RankPlan, make_layout
+
+    segments = [[(0, 3), (np.int64(9), 12)], [(np.int32(3), np.int64(6))], [(6, 9)]]
+    heads = [[0], [np.int64(1)], [0, 1]]
+    lay = make_layout(
+        seq_length=12,
+        num_attention_heads=2,
+        num_query_groups=1,
+        group_sizes=[2, 1],
+        segments=segments,
+        heads=heads,
+        hosts=["a", "a", "b"],
+        gpus=["G", "G", "G"],
+    )
+    names = {f.name for f in fields(RankPlan)}
+    for r, plan in enumerate(lay.ranks):
+        want = RankPlan(
+            rank=r,
+            host=["a", "a", "b"][r],
+            gpu="G",
+            group=0 if r < 2 else 1,
+            segments=tuple((int(s), int(e)) for s, e in segments[r]),
+            heads=tuple(int(h) for h in heads[r]),
+        )
+        assert plan == want and set(vars(plan)) == names
+        assert all(type(x) is int for seg in plan.segments for x in seg)
+        assert all(type(h) is int for h in plan.heads)

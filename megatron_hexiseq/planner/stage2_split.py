@@ -338,6 +338,7 @@ def fastest_units(g: GroupCoef, lin: float = INF) -> int:
     return min(range(lo, hi + 1), key=lambda T: (group_time(g, T, lin), T))
 
 
+@lru_cache(maxsize=100_000)
 def _general_range(g: GroupCoef, z: float, lin: float) -> tuple[int, int] | None:
     """``units_range`` by bisection on the exact continuous test (any members), on both sides of
     the group's fastest unit count."""
@@ -393,13 +394,14 @@ def _edge(ok: Callable[[int], bool], far: int, near: int) -> int:
     return near
 
 
-@lru_cache(maxsize=400_000)
 def units_range(
     g: GroupCoef, z: float, lin: float = INF, settle: bool = True
 ) -> tuple[int, int] | None:
     """The units ``[lo, hi]`` the group can hold within attention bound ``z`` and linear bound ``lin``
     (every member at least one unit), or None when none fits. ``settle=False``: Stage I's coarse
-    split, the closed form's ends unchecked on integers (within a unit or so)."""
+    split, the closed form's ends unchecked on integers (within a unit or so). Not cached: the
+    bisections ask at a new bound almost every time (136 hits in 5241 calls on suite row 5), and
+    the closed form costs about what the cache lookup did; the general range is cached."""
     if len(g.rows) == 1:
         return _identical_range(g, z, lin, settle)
     return _general_range(g, z, lin)
