@@ -20,7 +20,7 @@ from megatron_hexiseq.planner.arrange import (
     _block_consts,
     _block_upper,
     _final_consts,
-    _final_range_coarse,
+    _final_range,
     _placed_final,
 )
 from megatron_hexiseq.planner.baselines import baseline_layouts
@@ -235,9 +235,9 @@ def test_prefix_block_closed_form_matches_reference() -> None:
     assert found > 1000 and empty > 100  # both outcomes were exercised
 
 
-def test_final_group_coarse_range_matches_the_placed_group() -> None:
-    # arrange._final_range_coarse: Stage I's coarse unit range of a final group of identical
-    # members placed at p with kv_extra kv, without building the placed group
+def test_final_group_range_matches_the_placed_group() -> None:
+    # arrange._final_range: the unit range of a final group of identical members placed at p with
+    # kv_extra kv, without building the placed group: Stage I's coarse range and the settled one
     rng = random.Random(13)
     hits = 0
     for _ in range(300):
@@ -247,11 +247,12 @@ def test_final_group_coarse_range_matches_the_placed_group() -> None:
             p, kv = rng.randint(0, N - 1), rng.randint(0, N)
             z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
             placed = g.placed(p, 0, False, kv)
-            want = _identical_range_ref(placed, z, lin, False)
-            got = _final_range_coarse(_final_consts(g, lin), p, kv, z)
-            assert got == want == units_range(_placed_final(g, p, kv), z, lin, False)
-            hits += got is not None
-    assert hits > 500
+            for settle in (False, True):
+                want = _identical_range_ref(placed, z, lin, settle)
+                got = _final_range(_final_consts(g, lin), p, kv, z, lin, settle)
+                assert got == want == units_range(_placed_final(g, p, kv), z, lin, settle)
+                hits += got is not None
+    assert hits > 1000
     mixed = _placed_group(rng, 4, 1024, lambda lo, hi: tuple(rng.randint(lo, hi) for _ in range(4)))
     assert _final_consts(mixed, INF) is None  # members differ: the general range is used
 

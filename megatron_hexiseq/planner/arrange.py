@@ -40,6 +40,7 @@ from megatron_hexiseq.planner.stage2_split import (
     Found,
     Split,
     _bracket,
+    _general_range,
     _hand_out,
     group_time,
     lin_floor,
@@ -466,7 +467,7 @@ def _feasible(
         sizes.append(T)
         P += T * k
 
-    fast = None if exact else [_final_consts(key[0], lin) for key in count]
+    fast = [_final_consts(key[0], lin) for key in count]
 
     def state(
         P_target: int,
@@ -480,11 +481,11 @@ def _feasible(
         lo_sum = 0
         for i, (key, k) in enumerate(count.items()):
             kv = round(sum(map(mul, key[1], sz)))
-            consts = fast[i] if fast is not None else None
+            consts = fast[i]
             moved: GroupCoef | None = None
             r: tuple[int, int] | None
-            if consts is not None:  # the coarse range in closed form, the group placed at the end
-                r = _final_range_coarse(consts, p, kv, z)
+            if consts is not None:  # the range in closed form, the group placed at the end
+                r = _final_range(consts, p, kv, z, lin, exact)
             else:
                 moved = _placed_final(key[0], p, kv)
                 r = units_range(moved, z, lin, exact)
@@ -575,7 +576,7 @@ def _longest(
 
 @lru_cache(maxsize=100_000)
 def _final_consts(g: GroupCoef, lin: float) -> tuple | None:
-    """What ``_final_range_coarse`` reads of a final group of identical members (None when its
+    """What ``_final_range`` reads of a final group of identical members (None when its
     members differ): the parts of ``stage2_split._range_consts`` that do not depend on where the
     group is placed."""
     if len(g.rows) != 1:
@@ -594,16 +595,22 @@ def _final_consts(g: GroupCoef, lin: float) -> tuple | None:
     # and the K/V branch's slope (``_closed_consts`` with kv_slope = -c)
     alpha0, heads0 = s / n, H / n
     m0, m1 = alpha0 + heads0 * (-c + e), 0.0 + hmax * (-c + e)
-    return (n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, min(caps), n * MIN_UNITS_PER_RANK)
+    floor = n * MIN_UNITS_PER_RANK
+    closed = (n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, min(caps), floor)
+    return (*closed, H, a, free, mt, mh, cap, g)  # the rest: ``_identical_time``'s and the group
 
 
-def _final_range_coarse(consts: tuple, p: int, kv: int, z: float) -> tuple[int, int] | None:
-    """``units_range(_placed_final(g, p, kv), z, lin, settle=False)`` for a group of identical
-    members (``consts``: ``_final_consts(g, lin)``), the same IEEE operations in the same order
-    without building the placed group or its caches (Stage I's coarse tests place the final groups
-    at a new start on almost every call). The final block ends at N: attention ``b T (p + N) / N``
-    per head and unit, visible ``N - T + kv`` units."""
-    n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor = consts
+def _final_range(
+    consts: tuple, p: int, kv: int, z: float, lin: float, settle: bool
+) -> tuple[int, int] | None:
+    """``units_range(_placed_final(g, p, kv), z, lin, settle)`` for a group of identical members
+    (``consts``: ``_final_consts(g, lin)``), the same IEEE operations in the same order as
+    ``stage2_split._identical_range`` without building the placed group or its caches (the tests
+    of a search place the final groups at a new start on almost every call). The final block ends
+    at N: attention ``b T (p + N) / N`` per head and unit, visible ``N - T + kv`` units."""
+    n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor, H, a, free, mt, mh, cap, g = (
+        consts
+    )
     lin_att = b * (p + N) / N
     kv_const = (N + kv) * c
     lo, hi = 0.0, INF
@@ -635,7 +642,41 @@ def _final_range_coarse(consts: tuple, p: int, kv: int, z: float) -> tuple[int, 
     if not (lo <= hi + 1.0):
         return None
     ilo, ihi = max(floor, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
-    return None if ilo > ihi else (ilo, ihi)
+    if ilo > ihi:
+        return None
+    if not settle:
+        return ilo, ihi
+    # settle the ends on integers with the exact time (``_identical_range``'s loop)
+    head_share = H / n
+
+    def time_at(T: int) -> float:  # ``_identical_time`` of the placed group
+        t = T / n
+        if T < floor or T > N or t > cap or (a > 0 and t * a > lin):
+            return INF
+        if t * mt + head_share * T * mh > free or mt + hmax * T * mh > free:
+            return INF
+        beta = max(b * T * (p + N) // N, max(0, N - T + kv) * c) + T * e
+        return max(s * t + H * beta / n, s + hmax * beta)
+
+    settled = False
+    for _ in range(4):
+        if not time_at(ihi) <= z:
+            ihi -= 1
+            if ihi < ilo:
+                return None
+        elif ihi + 1 <= N and time_at(ihi + 1) <= z:
+            ihi += 1
+        else:
+            settled = True
+            break
+    for _ in range(4 if settled else 0):
+        if not time_at(ilo) <= z:
+            ilo += 1
+        elif ilo - 1 >= floor and time_at(ilo - 1) <= z:
+            ilo -= 1
+        else:
+            return ilo, ihi
+    return _general_range(_placed_final(g, p, kv), z, lin)  # off by more than the rounding
 
 
 @lru_cache(maxsize=100_000)

@@ -180,7 +180,7 @@ def _closed_eval(
     consts: tuple[tuple[float, ...], ...], z: float, s: float
 ) -> tuple[float, float] | None:
     """The closed form's range at attention bound z from its ``_closed_consts`` (budgets z and
-    z - s); None when empty. (``arrange._block_upper`` and ``arrange._final_range_coarse`` inline it
+    z - s); None when empty. (``arrange._block_upper`` and ``arrange._final_range`` inline it
     for Stage I's coarse tests.)"""
     lo, hi = 0.0, INF
     budget = z
