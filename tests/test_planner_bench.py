@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -104,3 +106,24 @@ def test_a_measured_process_that_dies_stops_the_bench_instead_of_hanging():
     assert not t.is_alive(), "the bench is still waiting for a process that died"
     assert len(raised) == 1 and isinstance(raised[0], SystemExit)
     assert "exited with code 1 before reporting" in str(raised[0])
+
+
+def test_planner_instructions_bad_input_and_smoke(tmp_path, capsys):
+    # bad input: one line, exit code 2, nothing written; with valgrind, one small case end to end
+    import shutil
+
+    import planner_instructions
+
+    for argv in (["--cases", "suite"], ["--cases", "gen:1:2"], ["--jobs", "0"]):
+        with pytest.raises(SystemExit) as e:
+            planner_instructions.main([*argv, "--out", str(tmp_path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("planner_instructions: ") and "\n" not in err
+    assert not list(tmp_path.iterdir())
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed: the count itself is not checked here")
+    assert planner_instructions.main(["--cases", "suite:1", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "planner_instructions.json").read_text())["rows"]
+    assert row["case"] == "suite:1" and row["this_minstr"] > 10  # a 32-GPU plan: ~10^8 or more
+    assert "| suite:1 |" in (tmp_path / "planner_instructions.md").read_text()

@@ -439,6 +439,7 @@ def _feasible(
     exact: bool = True,
     prep: tuple | None = None,
     hint: list[int] | None = None,
+    finals: list[tuple | None] | None = None,
 ) -> tuple[list[int], int, _Final] | None:
     """Per prefix block its units per group, the final block's start and per final key (see
     ``_prepared``) its placed group (None when not built yet: ``_final_placed``), its ``kv_extra``
@@ -453,6 +454,7 @@ def _feasible(
     split) tries a few shorter prefixes instead of the bisection. ``prep``: ``_prepared(tuple(coefs),
     arr)`` when the caller has it. ``hint``: a one-element list with the prefix length the last call
     of a search settled on, updated here (the next attention bound's is near it: ``_longest``).
+    ``finals``: ``_final_consts`` of each final key at ``lin`` when the caller has them.
     """
     block_w, final_min, prefix_min, count, keys, heads, block_len = (
         prep if prep is not None else _prepared(tuple(coefs), arr)
@@ -467,7 +469,7 @@ def _feasible(
         sizes.append(T)
         P += T * k
 
-    fast = [_final_consts(key[0], lin) for key in count]
+    fast = finals if finals is not None else [_final_consts(key[0], lin) for key in count]
 
     def state(
         P_target: int,
@@ -574,7 +576,10 @@ def _longest(
     return a, got
 
 
-@lru_cache(maxsize=100_000)
+_SEEN_MAX = 20_000  # exact times kept per (group, linear bound)
+
+
+@lru_cache(maxsize=4096)
 def _final_consts(g: GroupCoef, lin: float) -> tuple | None:
     """What ``_final_range`` reads of a final group of identical members (None when its
     members differ): the parts of ``stage2_split._range_consts`` that do not depend on where the
@@ -597,7 +602,9 @@ def _final_consts(g: GroupCoef, lin: float) -> tuple | None:
     m0, m1 = alpha0 + heads0 * (-c + e), 0.0 + hmax * (-c + e)
     floor = n * MIN_UNITS_PER_RANK
     closed = (n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, min(caps), floor)
-    return (*closed, H, a, free, mt, mh, cap, g)  # the rest: ``_identical_time``'s and the group
+    # the rest: ``_identical_time``'s coefficients, the group, and the exact times computed so far
+    # by (start, kv_extra, units) (a search probes the same places again and again)
+    return (*closed, H, a, free, mt, mh, cap, g, {})
 
 
 def _final_range(
@@ -608,9 +615,8 @@ def _final_range(
     ``stage2_split._identical_range`` without building the placed group or its caches (the tests
     of a search place the final groups at a new start on almost every call). The final block ends
     at N: attention ``b T (p + N) / N`` per head and unit, visible ``N - T + kv`` units."""
-    n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor, H, a, free, mt, mh, cap, g = (
-        consts
-    )
+    n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor = consts[:13]
+    H, a, free, mt, mh, cap, g, seen = consts[13:]
     lin_att = b * (p + N) / N
     kv_const = (N + kv) * c
     lo, hi = 0.0, INF
@@ -650,13 +656,22 @@ def _final_range(
     head_share = H / n
 
     def time_at(T: int) -> float:  # ``_identical_time`` of the placed group
+        key = (p, kv, T)
+        got = seen.get(key)
+        if got is not None:
+            return got
         t = T / n
         if T < floor or T > N or t > cap or (a > 0 and t * a > lin):
-            return INF
-        if t * mt + head_share * T * mh > free or mt + hmax * T * mh > free:
-            return INF
-        beta = max(b * T * (p + N) // N, max(0, N - T + kv) * c) + T * e
-        return max(s * t + H * beta / n, s + hmax * beta)
+            got = INF
+        elif t * mt + head_share * T * mh > free or mt + hmax * T * mh > free:
+            got = INF
+        else:
+            beta = max(b * T * (p + N) // N, max(0, N - T + kv) * c) + T * e
+            got = max(s * t + H * beta / n, s + hmax * beta)
+        if len(seen) >= _SEEN_MAX:
+            seen.clear()
+        seen[key] = got
+        return got
 
     settled = False
     for _ in range(4):
@@ -714,9 +729,10 @@ def _split_at(
     exact = tol <= A_TOL
     prep = _prepared(tuple(coefs), arr)
     hint = [-1]  # the prefix length the last test settled on (``_feasible``)
+    finals = [_final_consts(key[0], lin) for key in prep[3]]  # once per split, not per test
 
     def test(z: float) -> tuple | None:
-        return _feasible(coefs, arr, N, z, lin, exact, prep, hint)
+        return _feasible(coefs, arr, N, z, lin, exact, prep, hint, finals)
 
     got = smallest_bound(
         test,
