@@ -40,11 +40,14 @@ from megatron_hexiseq.planner.stage2_split import (
     Found,
     Split,
     _bracket,
+    _closed_eval,
     _general_range,
     _hand_out,
+    _range_consts,
     group_time,
     lin_floor,
     linear_phase,
+    settle_range,
     smallest_bound,
     start_bound,
     units_range,
@@ -329,39 +332,19 @@ def _block_upper(consts: tuple, P: int, V: int, z: float) -> float | None:
     """The real upper end of the closed form (``stage2_split._closed_consts``) for a prefix block starting at P that
     sees V units (attention ``b T (2P + k T) / N`` per head, visible ``V + (k - 1) T``: the outermost
     group sees the block's other units and what lies before it), capped by memory and the linear
-    bound; None when the range is empty. The same IEEE operations in the same order as
-    ``_closed_eval`` on its ``_closed_consts`` (Stage I's coarse tests move the blocks on almost
-    every call, so the cached constants missed)."""
+    bound; None when the range is empty: ``_closed_eval`` on constants built here the way
+    ``_closed_consts`` builds them (Stage I's coarse tests move the blocks on almost every call, so
+    its cache missed)."""
     s, b, e, c, N, bounds, cap = consts
     lin_att, kv_const = 2 * P * b / N, V * c
-    lo, hi = 0.0, INF
-    budget = z
+    parts = []
     for alpha, heads, qa4, qa2, quadratic, m in bounds:
-        if budget < 0:
-            return None
         qb = alpha + heads * (lin_att + e)
-        root = (
-            (-qb + math.sqrt(qb * qb + qa4 * budget)) / qa2
-            if quadratic
-            else (budget / qb if qb > 0 else INF)
-        )
-        if root < hi:
-            hi = root
-        k0 = heads * kv_const
-        if m > 0:
-            x = (budget - k0) / m
-            if x < hi:
-                hi = x
-        elif m < 0:
-            x = (k0 - budget) / -m
-            if x > lo:
-                lo = x
-        elif k0 > budget:
-            return None
-        budget = z - s
-    if not lo <= hi + 1.0:
+        parts.append((qa4, qa2, -qb, qb * qb, qb, m, heads * kv_const, quadratic))
+    real = _closed_eval(tuple(parts), z, s)
+    if real is None:
         return None
-    return hi if hi < cap else cap
+    return real[1] if real[1] < cap else cap
 
 
 def _block_max(
@@ -589,19 +572,13 @@ def _final_consts(g: GroupCoef, lin: float) -> tuple | None:
     n, H, N = g.size, g.heads, g.num_units
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     hmax = -(-H // n)
-    caps = [float(min(N, n * cap))]
-    if a > 0 and math.isfinite(lin):
-        caps.append(n * lin / a)
-    if mt + H * mh > 0:
-        caps.append(n * free / (mt + H * mh))
-    if mh > 0:
-        caps.append((free - mt) / (hmax * mh))
+    hi_cap = _range_consts(g, lin)[4]  # memory, the sequence, ``lin``: wherever the group is placed
     # per lower bound (the continuous even split, the member with ceil(H/n) heads): alpha, heads,
     # and the K/V branch's slope (``_closed_consts`` with kv_slope = -c)
     alpha0, heads0 = s / n, H / n
     m0, m1 = alpha0 + heads0 * (-c + e), 0.0 + hmax * (-c + e)
     floor = n * MIN_UNITS_PER_RANK
-    closed = (n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, min(caps), floor)
+    closed = (n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor)
     # the rest: ``_identical_time``'s coefficients, the group, and the exact times computed so far
     # by (start, kv_extra, units) (a search probes the same places again and again)
     return (*closed, H, a, free, mt, mh, cap, g, {})
@@ -619,40 +596,17 @@ def _final_range(
     H, a, free, mt, mh, cap, g, seen = consts[13:]
     lin_att = b * (p + N) / N
     kv_const = (N + kv) * c
-    lo, hi = 0.0, INF
-    budget = z
-    for alpha, heads, m in ((alpha0, heads0, m0), (0.0, hmax, m1)):
-        if budget < 0:
-            return None
-        qb = alpha + heads * (lin_att + e)
-        root = budget / qb if qb > 0 else INF
-        if root < hi:
-            hi = root
-        k0 = heads * kv_const
-        if m > 0:
-            x = (budget - k0) / m
-            if x < hi:
-                hi = x
-        elif m < 0:
-            x = (k0 - budget) / -m
-            if x > lo:
-                lo = x
-        elif k0 > budget:
-            return None
-        budget = z - s
-    if not lo <= hi + 1.0:
+    qb0, qb1 = alpha0 + heads0 * (lin_att + e), 0.0 + hmax * (lin_att + e)
+    real = _closed_eval(
+        (
+            (0.0, 0.0, -qb0, qb0 * qb0, qb0, m0, heads0 * kv_const, False),
+            (0.0, 0.0, -qb1, qb1 * qb1, qb1, m1, hmax * kv_const, False),
+        ),
+        z,
+        s,
+    )
+    if real is None:
         return None
-    if hi_cap < hi:
-        hi = hi_cap
-    lo = max(lo, float(floor))
-    if not (lo <= hi + 1.0):
-        return None
-    ilo, ihi = max(floor, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
-    if ilo > ihi:
-        return None
-    if not settle:
-        return ilo, ihi
-    # settle the ends on integers with the exact time (``_identical_range``'s loop)
     head_share = H / n
 
     def time_at(T: int) -> float:  # ``_identical_time`` of the placed group
@@ -673,25 +627,10 @@ def _final_range(
         seen[key] = got
         return got
 
-    settled = False
-    for _ in range(4):
-        if not time_at(ihi) <= z:
-            ihi -= 1
-            if ihi < ilo:
-                return None
-        elif ihi + 1 <= N and time_at(ihi + 1) <= z:
-            ihi += 1
-        else:
-            settled = True
-            break
-    for _ in range(4 if settled else 0):
-        if not time_at(ilo) <= z:
-            ilo += 1
-        elif ilo - 1 >= floor and time_at(ilo - 1) <= z:
-            ilo -= 1
-        else:
-            return ilo, ihi
-    return _general_range(_placed_final(g, p, kv), z, lin)  # off by more than the rounding
+    ok, got = settle_range(real, hi_cap, floor, N, z, settle, time_at)
+    return (
+        got if ok else _general_range(_placed_final(g, p, kv), z, lin)
+    )  # off by more than rounding
 
 
 @lru_cache(maxsize=100_000)

@@ -180,8 +180,8 @@ def _closed_eval(
     consts: tuple[tuple[float, ...], ...], z: float, s: float
 ) -> tuple[float, float] | None:
     """The closed form's range at attention bound z from its ``_closed_consts`` (budgets z and
-    z - s); None when empty. (``arrange._block_upper`` and ``arrange._final_range`` inline it
-    for Stage I's coarse tests.)"""
+    z - s); None when empty. (``arrange._block_upper`` and ``arrange._final_range`` call it with
+    constants they build per call, without ``_closed_consts``' cache.)"""
     lo, hi = 0.0, INF
     budget = z
     for qa4, qa2, nqb, qb2, qb, m, k0, quadratic in consts:
@@ -285,40 +285,62 @@ def _identical_range(
     real = _closed_eval(consts, z, s)
     if real is None:
         return None
+    ok, got = settle_range(
+        real,
+        hi_cap,
+        n * MIN_UNITS_PER_RANK,
+        N,
+        z,
+        settle,
+        lambda T: _identical_time_cached(g, T, lin),
+    )
+    return got if ok else _general_range(g, z, lin)  # the closed form was off by more than rounding
+
+
+def settle_range(
+    real: tuple[float, float],
+    hi_cap: float,
+    floor: int,
+    N: int,
+    z: float,
+    settle: bool,
+    time_at: Callable[[int], float],
+) -> tuple[bool, tuple[int, int] | None]:
+    """The closed form's real range ``real`` of an identical group as integers: capped at ``hi_cap``,
+    at least ``floor`` (one unit per member), at most N, and (``settle``) its ends settled with the
+    exact ``time_at(T) <= z`` (the closed form is exact up to the integer rounding of att()).
+    (True, the range or None when empty), or (False, None) when the closed form was off by more than
+    the rounding and the caller must use the general range."""
     lo, hi = real
     if hi_cap < hi:
         hi = hi_cap
-    lo = max(lo, float(n * MIN_UNITS_PER_RANK))
+    lo = max(lo, float(floor))
     if not (lo <= hi + 1.0):
-        return None
-    floor = n * MIN_UNITS_PER_RANK
+        return True, None
     ilo, ihi = max(floor, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
-    # the closed form is exact up to the integer rounding of att(): settle the ends on integers
-    # (time(T) <= z tested with the cached exact time; the planner's innermost loop)
     if ilo > ihi:
-        return None
+        return True, None
     if not settle:
-        return ilo, ihi
-    time_at = _identical_time_cached
+        return True, (ilo, ihi)
     settled = False
     for _ in range(4):
-        if not time_at(g, ihi, lin) <= z:
+        if not time_at(ihi) <= z:
             ihi -= 1
             if ihi < ilo:
-                return None
-        elif ihi + 1 <= N and time_at(g, ihi + 1, lin) <= z:
+                return True, None
+        elif ihi + 1 <= N and time_at(ihi + 1) <= z:
             ihi += 1
         else:
             settled = True
             break
     for _ in range(4 if settled else 0):
-        if not time_at(g, ilo, lin) <= z:
+        if not time_at(ilo) <= z:
             ilo += 1
-        elif ilo - 1 >= floor and time_at(g, ilo - 1, lin) <= z:
+        elif ilo - 1 >= floor and time_at(ilo - 1) <= z:
             ilo -= 1
         else:
-            return ilo, ihi
-    return _general_range(g, z, lin)  # the closed form was off by more than the rounding
+            return True, (ilo, ihi)
+    return False, None
 
 
 @lru_cache(maxsize=200_000)
