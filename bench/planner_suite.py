@@ -13,7 +13,8 @@ Per case, each in a fresh process (so no cache is shared between cases): ``plan(
 the figure; cases under ``REPEAT_BELOW_S`` run ``--repeats`` times and report the median), the
 winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``, its speed-up
 over the best symmetric baseline (Ring, Ulysses, USP over every hp; ``best_baseline``) and over each
-heuristic candidate, the Stage II bound and gap of the hierarchical candidate, and whether the time
+heuristic candidate, the Stage II bound and gap of the hierarchical candidate (none where its
+arrangement has two or more prefix blocks: not proven there), and whether the time
 limit cut the search. Memory mode: auto.
 
 Writes results/bench/planner_suite.{json,md,png} and prints the table.
@@ -176,6 +177,7 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
         speedup=None if best is None else best["iteration_time_s"] / t,
         over_heuristics=heur,
         bound_s=pl.get("bound"),
+        unproven_blocks=pl.get("stages", {}).get("prefix_blocks"),  # set when no bound is proven
         gap=pl.get("gap"),
         time_limit_reached=pl.get("time_limit_reached"),
         mode=lay.meta["options"]["memory_mode"]
@@ -267,10 +269,13 @@ def write(rows: list[dict], out: str) -> str:
             continue
         hv = min(r["over_heuristics"].values()) if r["over_heuristics"] else None
         gap = None if r.get("gap") is None else 100 * r["gap"]
+        bound = _fmt(r.get("bound_s"), 3)
+        if r.get("unproven_blocks"):
+            bound = f"none ({r['unproven_blocks']} prefix blocks)"
         lines.append(
             f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "
             f"{_fmt(r['plan_s'], 3)} | {r['best_symmetric'] or 'none fits'} | {_fmt(r['best_symmetric_s'], 3)} | "
-            f"{_fmt(r['speedup'])} | {_fmt(hv)} | {r['winner']} | {_fmt(r.get('bound_s'), 3)} | "
+            f"{_fmt(r['speedup'])} | {_fmt(hv)} | {r['winner']} | {bound} | "
             f"{_fmt(gap, 1)} | {r['cpu_s']:.2f} |"
         )
     lines += [

@@ -19,8 +19,11 @@ from megatron_hexiseq.planner.baselines import best_baseline
 from megatron_hexiseq.planner.build import build_layout
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
-from megatron_hexiseq.planner.plan import plan
+from megatron_hexiseq.planner.hierarchical import solve_grouping
+from megatron_hexiseq.planner.plan import GAP_MEANING, gap_meaning, plan
+from megatron_hexiseq.planner.stage1_groups import score_arranged
 from megatron_hexiseq.planner.stage2_split import group_time, split_sequence
+from megatron_hexiseq.planner.surrogate import build_surrogate
 from megatron_hexiseq.run_config import TrainOptions
 
 BIG = 10**15
@@ -159,6 +162,36 @@ def test_mirrored_bound_keeps_every_group_and_bounds_every_integer_split():
         if sum(units) == N
     )
     assert split.bound_ns <= brute * (1 + 1e-9) and split.z_rounded_ns <= brute * 1.005
+
+
+def test_bound_is_reported_only_where_it_is_proven():
+    # Stage II's bound is proven for the mirrored arrangement and one prefix block; with two or more
+    # blocks the prefix split is greedy ("Known gap"), so solve_grouping must not call it a bound and
+    # plan's gap_meaning must say why there is none
+    cl = _shuffled(range(6))  # nodes: H100, A100, L40S, A800, H100, L40S (4 GPUs each)
+    m = get_model("gpt-7b", overrides={"seq_length": 65536})
+    opts = TrainOptions(memory_mode="fsdp")
+    sur = build_surrogate(cl, m, opts, 65536)
+    grouping = tuple(tuple(range(4 * i, 4 * i + 4)) for i in range(6))
+    node_of = [d.node for d in cl.devices]
+    arrangements = {
+        0: Arrangement(prefix=(), final=(0, 4, 1, 3, 2, 5)),
+        1: Arrangement(prefix=((2, 5),), final=(0, 4, 1, 3), name="prefix-kv-1of4"),
+        2: Arrangement(prefix=((2, 5), (1,)), final=(0, 4, 3), name="prefix-kv-2of4"),
+    }
+    for blocks, arr in arrangements.items():
+        scored = score_arranged(sur, grouping, arr, node_of)
+        assert scored is not None
+        tokens, heads, info = solve_grouping(sur, scored)
+        assert info["status"] != "INFEASIBLE" and sum(tokens) == 65536
+        if blocks <= 1:
+            assert 0 < info["surrogate_bound_s"] <= info["surrogate_time_s"] * (1 + 1e-12)
+            assert "unproven_bound_s" not in info and gap_meaning(info) == GAP_MEANING
+        else:
+            assert "surrogate_bound_s" not in info and "surrogate_gap" not in info
+            assert info["prefix_blocks"] == 2 and info["unproven_bound_s"] > 0
+            meaning = gap_meaning(info)
+            assert meaning.startswith("bound: none") and "2 prefix blocks" in meaning
 
 
 # ---- order independence ------------------------------------------------------------------------------------

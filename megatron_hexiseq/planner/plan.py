@@ -51,6 +51,11 @@ GAP_MEANING = (
     "per rank); gap = (surrogate time of the planner's layout - bound) / surrogate time. It says how much "
     "rounding to whole tokens and heads cost; it bounds neither other groupings nor the cost model's time"
 )
+NO_BOUND_MEANING = (
+    "bound: none: the planner's chosen arrangement has {blocks} prefix blocks, which Stage II splits "
+    "greedily, so its figure ({figure:.6g} s, in stages.unproven_bound_s) is not a proven lower bound "
+    "(docs/planner.md, 'Known gap: two or more prefix blocks')"
+)
 Progress = Callable[[str], None]
 GC_GEN0 = 20_000  # the collector's first-generation threshold while plan() runs (Python's: 700)
 
@@ -298,7 +303,7 @@ def _plan(
         "planner_best_s": None if best_c is None else _sig(best_c.estimate.iteration_time_s),
         "bound": info.pop("surrogate_bound_s", None),
         "gap": info.pop("surrogate_gap", None),
-        "gap_meaning": GAP_MEANING if best_c is not None else None,
+        "gap_meaning": gap_meaning(info) if best_c is not None else None,
         "stages_time_s": 0.0 if reproducible else round(stages_s, 4),
         "baselines_time_s": 0.0 if reproducible else round(baselines_s, 4),
         "candidates_evaluated": sum(len(v) for v in ran.values()),
@@ -316,6 +321,14 @@ def _plan(
     return with_fields(
         layout, predicted=est.to_predicted(), baselines=tuple(records), planner=planner, meta=meta
     )
+
+
+def gap_meaning(info: dict[str, Any]) -> str:
+    """What ``planner.bound`` and ``planner.gap`` mean for the planner's best candidate: the proven
+    bound's sentence, or why there is none (``hierarchical.solve_grouping``)."""
+    if "unproven_bound_s" not in info:
+        return GAP_MEANING
+    return NO_BOUND_MEANING.format(blocks=info["prefix_blocks"], figure=info["unproven_bound_s"])
 
 
 def _sig(x: float) -> float:

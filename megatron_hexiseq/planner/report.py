@@ -142,7 +142,7 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
                 f"time limit of {pl.get('time_limit_s')} s reached: the search was cut short"
             )
         console.print("; ".join(bits))
-        if pl.get("gap_meaning") and pl.get("bound") is not None:
+        if pl.get("gap_meaning"):
             console.print(pl["gap_meaning"])
     opts = layout.meta.get("options")
     if opts:
