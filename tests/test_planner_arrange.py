@@ -14,15 +14,21 @@ from megatron_hexiseq.attention.peers import build_transfers
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import causal_pairs, estimate
 from megatron_hexiseq.model import get_model, model_from_dict
-from megatron_hexiseq.planner.arrange import Arrangement, positioned, split_arranged
+from megatron_hexiseq.planner.arrange import (
+    Arrangement,
+    arranged_bound,
+    positioned,
+    split_arranged,
+    with_fan_out,
+)
 from megatron_hexiseq.planner.baselines import best_baseline
 from megatron_hexiseq.planner.build import build_layout
-from megatron_hexiseq.planner.coef import GroupCoef
+from megatron_hexiseq.planner.coef import INF, GroupCoef
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
-from megatron_hexiseq.planner.hierarchical import solve_grouping
+from megatron_hexiseq.planner.hierarchical import prove_bound, solve_grouping
 from megatron_hexiseq.planner.plan import GAP_MEANING, gap_meaning, plan
 from megatron_hexiseq.planner.stage1_groups import score_arranged
-from megatron_hexiseq.planner.stage2_split import group_time, split_sequence
+from megatron_hexiseq.planner.stage2_split import group_time, split_sequence, units_range
 from megatron_hexiseq.planner.surrogate import build_surrogate
 from megatron_hexiseq.run_config import TrainOptions
 
@@ -166,8 +172,8 @@ def test_mirrored_bound_keeps_every_group_and_bounds_every_integer_split():
 
 def test_bound_is_reported_only_where_it_is_proven():
     # Stage II's bound is proven for the mirrored arrangement and one prefix block; with two or more
-    # blocks the prefix split is greedy ("Known gap"), so solve_grouping must not call it a bound and
-    # plan's gap_meaning must say why there is none
+    # blocks the prefix split is greedy ("Known gap"), so solve_grouping must not call its figure a
+    # bound; prove_bound replaces it by the relaxation's proven bound, and gap_meaning says which
     cl = _shuffled(range(6))  # nodes: H100, A100, L40S, A800, H100, L40S (4 GPUs each)
     m = get_model("gpt-7b", overrides={"seq_length": 65536})
     opts = TrainOptions(memory_mode="fsdp")
@@ -187,11 +193,93 @@ def test_bound_is_reported_only_where_it_is_proven():
         if blocks <= 1:
             assert 0 < info["surrogate_bound_s"] <= info["surrogate_time_s"] * (1 + 1e-12)
             assert "unproven_bound_s" not in info and gap_meaning(info) == GAP_MEANING
-        else:
-            assert "surrogate_bound_s" not in info and "surrogate_gap" not in info
-            assert info["prefix_blocks"] == 2 and info["unproven_bound_s"] > 0
-            meaning = gap_meaning(info)
-            assert meaning.startswith("bound: none") and "2 prefix blocks" in meaning
+            continue
+        assert "surrogate_bound_s" not in info and "surrogate_gap" not in info
+        assert info["prefix_blocks"] == 2 and info["unproven_bound_s"] > 0
+        meaning = gap_meaning(info)
+        assert meaning.startswith("bound: none") and "2 prefix blocks" in meaning
+        prove_bound(info, scored, sur.num_units)
+        assert "unproven_bound_s" not in info and info["bound_relaxed"] is True
+        assert 0 < info["surrogate_bound_s"] <= info["surrogate_time_s"] * (1 + 1e-12)
+        assert 0 <= info["surrogate_gap"] < 0.05
+        assert gap_meaning(info).startswith(GAP_MEANING) and "2 prefix blocks" in gap_meaning(info)
+
+
+def _brute_blocks(coefs, arr, N):
+    """The best phase objective over every split in ``arr`` with each prefix block's groups holding
+    equal units (brute force; groups of identical members split evenly)."""
+    fanned = with_fan_out(coefs, arr)
+    best = INF
+
+    def walk(i, P, sizes):
+        nonlocal best
+        if i < len(arr.prefix):
+            k, n = len(arr.prefix[i]), coefs[arr.prefix[i][0]].size
+            for T in range(n, (N - P) // k + 1):
+                walk(i + 1, P + k * T, sizes + [T])
+            return
+        for rest in itertools.product(*[range(coefs[g].size, N + 1) for g in arr.final]):
+            if P + sum(rest) != N:
+                continue
+            units = [0] * len(coefs)
+            for block, T in zip(arr.prefix, sizes):
+                for g in block:
+                    units[g] = T
+            for g, u in zip(arr.final, rest):
+                units[g] = u
+            placed = positioned(fanned, arr, units)
+            att = max(group_time(c, u) for c, u in zip(placed, units))
+            lin = max(u / c.size * c.a[0] for c, u in zip(coefs, units))
+            best = min(best, lin + att)
+
+    walk(0, 0, [])
+    return best
+
+
+def test_relaxed_bound_bounds_every_split_with_several_prefix_blocks():
+    # the relaxation behind prove_bound against brute force: 2 and 3 single-rank prefix blocks, and a
+    # block of two 2-rank groups after a 1-rank one (K/V fan-out 2 into it and into the final group);
+    # it must lie below every split (the greedy split found none on about half of these) and close to
+    # the best one (median within 3%; seed 2..8 x 60 instances: median 0.987-0.998, min 0.81)
+    rng = random.Random(2)
+
+    def group(n, N):
+        return _coef(
+            [rng.randint(1, 9)] * n,
+            [rng.randint(5, 60)] * n,
+            [rng.randint(0, 40)] * n,
+            heads=2,
+            units=N,
+        )
+
+    for shape in ("2 blocks", "3 blocks", "fan-out"):
+        ratios = []
+        for _ in range(20):
+            N = rng.choice((12, 16, 20))
+            if shape == "fan-out":
+                two = group(2, N)
+                coefs = [group(1, N), two, two, group(2, N)]
+                arr = Arrangement(prefix=((0,), (1, 2)), final=(3,), name="prefix")
+            else:
+                blocks = 2 if shape == "2 blocks" else 3
+                coefs = [group(1, N) for _ in range(blocks + 1)]
+                arr = Arrangement(
+                    prefix=tuple((i,) for i in range(blocks)), final=(blocks,), name="prefix"
+                )
+            best = _brute_blocks(coefs, arr, N)
+            bound = arranged_bound(with_fan_out(coefs, arr), arr, N)
+            assert bound is not None and bound <= best * (1 + 1e-9), (shape, bound, best)
+            ratios.append(bound / best)
+        assert sorted(ratios)[len(ratios) // 2] >= 0.97 and min(ratios) >= 0.6, (shape, ratios)
+
+
+def test_unit_range_between_two_integers_keeps_the_upper_one():
+    # the closed form's real range (7.0, 6.95) is empty, but att() rounds down: 7 units fit exactly
+    # (b T (P + N) // N = 14 * 7 * 17 // 12 = 138 = z, K/V (12 - 7) * 26 = 130); the range was None
+    final = _coef([1], [14], [26], units=12).placed(5, 0, False, 0)
+    assert group_time(final, 7) == 138.0
+    assert units_range(final, 138.0) == (7, 7)
+    assert units_range(final, 137.9) is None
 
 
 # ---- order independence ------------------------------------------------------------------------------------

@@ -51,6 +51,11 @@ GAP_MEANING = (
     "per rank); gap = (surrogate time of the planner's layout - bound) / surrogate time. It says how much "
     "rounding to whole tokens and heads cost; it bounds neither other groupings nor the cost model's time"
 )
+RELAXED_MEANING = (
+    "; with the chosen arrangement's {blocks} prefix blocks the bound is a relaxation's (each block's "
+    "most units taken at the earliest start any split gives it), so the gap can read larger than the "
+    "rounding alone"
+)
 NO_BOUND_MEANING = (
     "bound: none: the planner's chosen arrangement has {blocks} prefix blocks, which Stage II splits "
     "greedily, so its figure ({figure:.6g} s, in stages.unproven_bound_s) is not a proven lower bound "
@@ -325,10 +330,15 @@ def _plan(
 
 def gap_meaning(info: dict[str, Any]) -> str:
     """What ``planner.bound`` and ``planner.gap`` mean for the planner's best candidate: the proven
-    bound's sentence, or why there is none (``hierarchical.solve_grouping``)."""
-    if "unproven_bound_s" not in info:
-        return GAP_MEANING
-    return NO_BOUND_MEANING.format(blocks=info["prefix_blocks"], figure=info["unproven_bound_s"])
+    bound's sentence (with the relaxation's when the arrangement has two or more prefix blocks), or
+    why there is none (``hierarchical.solve_grouping``, ``hierarchical.prove_bound``)."""
+    if "unproven_bound_s" in info:
+        return NO_BOUND_MEANING.format(
+            blocks=info["prefix_blocks"], figure=info["unproven_bound_s"]
+        )
+    if info.get("bound_relaxed"):
+        return GAP_MEANING + RELAXED_MEANING.format(blocks=info["prefix_blocks"])
+    return GAP_MEANING
 
 
 def _sig(x: float) -> float:

@@ -318,10 +318,13 @@ def settle_range(
     if not (lo <= hi + 1.0):
         return True, None
     ilo, ihi = max(floor, math.ceil(lo - 1e-9)), min(N, math.floor(hi + 1e-9))
-    if ilo > ihi:
+    if ilo > ihi and not (settle and ilo == ihi + 1 <= N):
         return True, None
     if not settle:
         return True, (ilo, ihi)
+    # a real range between two integers can still hold the upper one: att() rounds down (the
+    # settling below probes it as the upper end)
+    ihi = max(ihi, ilo)
     settled = False
     for _ in range(4):
         if not time_at(ihi) <= z:
