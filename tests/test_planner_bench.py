@@ -127,3 +127,15 @@ def test_planner_instructions_bad_input_and_smoke(tmp_path, capsys):
     (row,) = json.loads((tmp_path / "planner_instructions.json").read_text())["rows"]
     assert row["case"] == "suite:1" and row["this_minstr"] > 10  # a 32-GPU plan: ~10^8 or more
     assert "| suite:1 |" in (tmp_path / "planner_instructions.md").read_text()
+
+
+def test_arranged_bound_smoke(tmp_path):
+    import arranged_bound
+
+    assert arranged_bound.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "arranged_bound.json").read_text())
+    assert [r["shape"] for r in data["rows"]] == list(arranged_bound.SHAPES)
+    assert all(r["instances"] == 5 and r["violations"] == 0 for r in data["rows"])
+    assert "| fan-out |" in (tmp_path / "arranged_bound.md").read_text()
+    assert arranged_bound.main(["--count", "0", "--out", str(tmp_path / "no")]) == 2
+    assert not (tmp_path / "no").exists()
