@@ -13,8 +13,8 @@ Per case, each in a fresh process (so no cache is shared between cases): ``plan(
 the figure; cases under ``REPEAT_BELOW_S`` run ``--repeats`` times and report the median), the
 winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``, its speed-up
 over the best symmetric baseline (Ring, Ulysses, USP over every hp; ``best_baseline``) and over each
-heuristic candidate, the Stage II bound and gap of the hierarchical candidate (none where its
-arrangement has two or more prefix blocks: not proven there), and whether the time
+heuristic candidate, the bound and gap of the hierarchical candidate (with two or more prefix
+blocks the relaxation's, ``arrange.arranged_bound``), and whether the time
 limit cut the search. Memory mode: auto.
 
 Writes results/bench/planner_suite.{json,md,png} and prints the table.
@@ -177,7 +177,8 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
         speedup=None if best is None else best["iteration_time_s"] / t,
         over_heuristics=heur,
         bound_s=pl.get("bound"),
-        unproven_blocks=pl.get("stages", {}).get("prefix_blocks"),  # set when no bound is proven
+        prefix_blocks=pl.get("stages", {}).get("prefix_blocks"),  # set with 2+ prefix blocks
+        bound_relaxed=bool(pl.get("stages", {}).get("bound_relaxed")),
         gap=pl.get("gap"),
         time_limit_reached=pl.get("time_limit_reached"),
         mode=lay.meta["options"]["memory_mode"]
@@ -270,8 +271,10 @@ def write(rows: list[dict], out: str) -> str:
         hv = min(r["over_heuristics"].values()) if r["over_heuristics"] else None
         gap = None if r.get("gap") is None else 100 * r["gap"]
         bound = _fmt(r.get("bound_s"), 3)
-        if r.get("unproven_blocks"):
-            bound = f"none ({r['unproven_blocks']} prefix blocks)"
+        if r.get("prefix_blocks") and r.get("bound_s") is None:
+            bound = f"none ({r['prefix_blocks']} prefix blocks)"
+        elif r.get("bound_relaxed"):  # arrange.arranged_bound
+            bound += f" (relaxed, {r['prefix_blocks']} prefix blocks)"
         lines.append(
             f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "
             f"{_fmt(r['plan_s'], 3)} | {r['best_symmetric'] or 'none fits'} | {_fmt(r['best_symmetric_s'], 3)} | "
