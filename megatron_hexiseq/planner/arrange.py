@@ -442,9 +442,9 @@ def _feasible(
     of a search settled on, updated here (the next attention bound's is near it: ``_longest``).
     ``finals``: ``_final_consts`` of each final key at ``lin`` when the caller has them.
     """
-    block_w, final_min, prefix_min, count, keys, heads, block_len = (
-        prep if prep is not None else _prepared(tuple(coefs), arr)
-    )
+    if prep is None:
+        prep = _prepared(tuple(coefs), arr)
+    block_w, final_min, prefix_min, count, keys, heads, block_len = prep
     sizes: list[int] = []
     P = 0
     for i, (g, k) in enumerate(heads):
@@ -455,7 +455,7 @@ def _feasible(
         sizes.append(T)
         P += T * k
 
-    fast = finals if finals is not None else [_final_consts(key[0], lin) for key in count]
+    fast = finals if finals is not None else _finals_at(prep, lin)
 
     def state(
         P_target: int,
@@ -469,14 +469,7 @@ def _feasible(
         lo_sum = 0
         for i, (key, k) in enumerate(count.items()):
             kv = round(sum(map(mul, key[1], sz)))
-            consts = fast[i]
-            moved: GroupCoef | None = None
-            r: tuple[int, int] | None
-            if consts is not None:  # the range in closed form, the group placed at the end
-                r = _final_range(consts, p, kv, z, lin, exact)
-            else:
-                moved = _placed_final(key[0], p, kv)
-                r = units_range(moved, z, lin, exact)
+            moved, r = _key_range(fast[i], key[0], p, kv, z, lin, exact)
             if r is None:
                 return None
             out[key] = (moved, kv, r)
@@ -502,6 +495,23 @@ def _feasible(
     if p + sum(k * out[key][2][1] for key, k in count.items()) < N:
         return None
     return got
+
+
+def _key_range(
+    consts: tuple | None, g: GroupCoef, p: int, kv: int, z: float, lin: float, settle: bool
+) -> tuple[GroupCoef | None, tuple[int, int] | None]:
+    """The unit range of a final group ``g`` placed at ``p`` with ``kv`` fan-out units: in closed
+    form from ``consts`` (``_final_consts(g, lin)``) without placing it, else from the placed group,
+    which is returned too (None when not placed)."""
+    if consts is not None:
+        return None, _final_range(consts, p, kv, z, lin, settle)
+    moved = _placed_final(g, p, kv)
+    return moved, units_range(moved, z, lin, settle)
+
+
+def _finals_at(prep: tuple, lin: float) -> list[tuple | None]:
+    """``_final_consts`` of each final key of ``_prepared``'s answer at linear bound ``lin``."""
+    return [_final_consts(key[0], lin) for key in prep[3]]
 
 
 def _final_placed(
@@ -671,7 +681,7 @@ def _split_at(
     exact = tol <= A_TOL
     prep = _prepared(tuple(coefs), arr)
     hint = [-1]  # the prefix length the last test settled on (``_feasible``)
-    finals = [_final_consts(key[0], lin) for key in prep[3]]  # once per split, not per test
+    finals = _finals_at(prep, lin)  # once per split, not per test
 
     def test(z: float) -> tuple | None:
         return _feasible(coefs, arr, N, z, lin, exact, prep, hint, finals)
@@ -752,7 +762,7 @@ def split_arranged(
     return replace(split, bound_ns=min(proven, split.z_rounded_ns)), placed
 
 
-BOUND_GRID = 16
+BOUND_GRID = 16  # starts tried per prefix block in the relaxed test (``_relaxed_feasible``)
 
 
 def _least_weighted(
@@ -833,11 +843,7 @@ def _relaxed_feasible(
             kv = (
                 fixed if fixed is not None else round(_least_weighted(rates, least, most, P - s_lo))
             )
-            consts = finals[i]
-            if consts is not None:
-                r = _final_range(consts, P, kv, z, lin, True)
-            else:
-                r = units_range(_placed_final(key[0], P, kv), z, lin, True)
+            r = _key_range(finals[i], key[0], P, kv, z, lin, True)[1]
             if r is None:
                 return None
             lo_sum += k * r[0]
@@ -868,7 +874,7 @@ def arranged_bound(coefs: Sequence[GroupCoef], arr: Arrangement, N: int) -> floa
     share = max(1, N // len(coefs))
 
     def att(lin: float) -> float | None:
-        finals = [_final_consts(key[0], lin) for key in prep[3]]
+        finals = _finals_at(prep, lin)
         got = smallest_bound(
             lambda z: True if _relaxed_feasible(coefs, arr, N, z, lin, prep, finals) else None,
             None,
@@ -883,17 +889,13 @@ def arranged_bound(coefs: Sequence[GroupCoef], arr: Arrangement, N: int) -> floa
     # where L stops: the greedy split's linear phase, else where no member's linear bound can bind
     free = _split_at(coefs, arr, N, INF, tol)
     hi = free[0].lin_ns if free is not None else N * max(max(g.a) for g in coefs)
-    values: dict[float, float] = {}
 
     def f(L: float) -> float:
-        if L not in values:
-            a = att(L)
-            values[L] = INF if a is None else L + a
-        return values[L]
+        a = att(L)
+        return INF if a is None else L + a
 
     def ok(L: float) -> bool:
-        finals = [_final_consts(key[0], L) for key in prep[3]]
-        return _relaxed_feasible(coefs, arr, N, 1e30, L, prep, finals)
+        return _relaxed_feasible(coefs, arr, N, 1e30, L, prep, _finals_at(prep, L))
 
     _, bound = best_lin(f, min(lin_floor(coefs, N), hi), hi, ok)
     # beyond ``hi`` every L + A(L) >= hi + A(inf)

@@ -77,9 +77,10 @@ def solve_grouping(sur: Surrogate, scored: Scored) -> tuple[list[int], list[int]
     # so it is reported apart, never as ``surrogate_bound_s``, until ``prove_bound`` replaces it
     lower = min(math.floor(split.bound_ns), z_ns)
     blocks = len(scored.arrangement.prefix)
-    bound = _bound_info(lower, z_ns)
     if blocks > MAX_PROVEN_PREFIX_BLOCKS:
-        bound = {"unproven_bound_s": lower * 1e-9, "prefix_blocks": blocks}
+        bound: dict[str, Any] = {"unproven_bound_s": lower * 1e-9, "prefix_blocks": blocks}
+    else:
+        bound = _bound_info(lower, z_ns)
     return (
         tokens,
         heads,
@@ -93,7 +94,8 @@ def solve_grouping(sur: Surrogate, scored: Scored) -> tuple[list[int], list[int]
     )
 
 
-def _bound_info(lower_ns: float, z_ns: float) -> dict[str, float]:
+def _bound_info(lower_ns: float, z_ns: float) -> dict[str, Any]:
+    """The reported bound and gap of a candidate whose surrogate time is ``z_ns``."""
     return {
         "surrogate_bound_s": lower_ns * 1e-9,
         "surrogate_gap": (z_ns - lower_ns) / z_ns if z_ns else 0.0,
