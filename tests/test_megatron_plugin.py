@@ -62,6 +62,72 @@ def test_post_parse_hook_configures_overlap_once(monkeypatch):
     assert calls == ["tune.json"]
 
 
+def _megatron_parser() -> argparse.ArgumentParser:
+    """The plugin's provider on a parser with the Megatron-LM flags its post-parse hook reads
+    (names, destinations and defaults as core_v0.16.1 declares them)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        action="store_false",
+        dest="create_attention_mask_in_dataloader",
+    )
+    parser.add_argument("--seq-length", type=int)
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--cuda-graph-impl", default="none")
+    parser.add_argument("--enable-cuda-graph", action="store_true")
+    parser.add_argument("--external-cuda-graph", action="store_true")
+    parser.add_argument("--rope-type", choices=["rope", "yarn"])
+    parser.add_argument("--position-embedding-type", default="learned_absolute")
+    return plugin.extra_args_provider(None)(parser)
+
+
+def test_post_parse_hook_drops_the_dataloader_mask_and_says_so_on_rank_zero(monkeypatch, capsys):
+    hexiseq = ["--hexiseq-layout", "l.json", "--seq-length", "131072", "--micro-batch-size", "2"]
+    monkeypatch.setenv("RANK", "0")
+    args = _megatron_parser().parse_args(hexiseq)
+    assert args.create_attention_mask_in_dataloader is False
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "hexiseq: not building the dataloader's attention mask "
+        "(--no-create-attention-mask-in-dataloader): HexiSeq attention never reads it "
+        "(it would take 32.0 GiB per GPU: [mbs, 1, S, S] bool)"
+    ]
+    monkeypatch.setenv("RANK", "3")  # other ranks: the same decision, silently
+    assert _megatron_parser().parse_args(hexiseq).create_attention_mask_in_dataloader is False
+    monkeypatch.setenv("RANK", "0")  # already off: nothing to say
+    args = _megatron_parser().parse_args(hexiseq + ["--no-create-attention-mask-in-dataloader"])
+    assert args.create_attention_mask_in_dataloader is False
+    assert _megatron_parser().parse_args([]).create_attention_mask_in_dataloader  # stock: as is
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            "--cuda-graph-impl local",
+            "--cuda-graph-impl local: HexiSeq attention does not run "
+            "inside CUDA graphs yet; drop --cuda-graph-impl local (or run without --hexiseq-layout)",
+        ),
+        ("--cuda-graph-impl transformer_engine", "drop --cuda-graph-impl transformer_engine"),
+        ("--enable-cuda-graph", "--enable-cuda-graph: HexiSeq attention does not run inside"),
+        ("--external-cuda-graph", "drop --external-cuda-graph"),
+        (
+            "--rope-type yarn",
+            "--rope-type yarn: HexiSeq's layout RoPE does not implement YaRN "
+            "yet; use --rope-type rope",
+        ),
+        ("--position-embedding-type yarn", "position_embedding_type yarn: HexiSeq's layout RoPE"),
+    ],
+)
+def test_post_parse_hook_refuses_cuda_graphs_and_yarn(flags, message):
+    parser = _megatron_parser()
+    with pytest.raises(HexiSeqError) as err:
+        parser.parse_args(["--hexiseq-layout", "l.json", *flags.split()])
+    assert message in str(err.value) and "\n" not in str(err.value)
+    parser.parse_args(flags.split())  # a stock run keeps the flag
+
+
 def test_cp_comm_type_hexiseq_needs_a_layout():
     args = argparse.Namespace(cp_comm_type=["hexiseq"], hexiseq_overlap_configured=True)
     with pytest.raises(HexiSeqError, match="--cp-comm-type hexiseq needs --hexiseq-layout"):

@@ -5,11 +5,14 @@ can pick (``run_config.AUTO_MODES``: distributed optimizer or Megatron-FSDP, eac
 full recompute; forced with ``PLAN_ARGS="--memory-mode M [--recompute]"``) and once with the
 planner's own choice for llama3-8b at 128K tokens on four H100s (Megatron-FSDP with recompute).
 Every rank's printed command line and environment then go through the real Megatron-LM
-``parse_args`` (with the plugin's ``extra_args_provider``) and ``validate_args`` of the shared
-snapshot, on a Hopper GPU as far as ``validate_args`` can tell (``get_device_arch_version`` = 9:
+``parse_args`` (with the plugin's ``extra_args_provider`` and its post-parse hook) and
+``validate_args`` of the shared snapshot, on a Hopper GPU as far as ``validate_args`` can tell (``get_device_arch_version`` = 9:
 the architectures where ``CUDA_DEVICE_MAX_CONNECTIONS`` matters). Megatron-FSDP needs
 ``CUDA_DEVICE_MAX_CONNECTIONS`` other than 1, context parallelism without FSDP needs exactly 1:
-a launcher that exports 1 for every run fails here.
+a launcher that exports 1 for every run fails here. The same parse checks the post-parse hook's
+decisions on Megatron-LM's real flags: the dataloader's dense attention mask is off for every
+HexiSeq run (rank 0 says so once, with its size: 16 GiB per GPU at 128K), and CUDA graphs and
+YaRN RoPE are refused with one line naming the flag.
 
 Needs ``MEGATRON_LM`` (a Megatron-LM ``core_v0.16.1`` checkout; skipped when unset). About 40 s.
 """
@@ -44,24 +47,35 @@ MODEL_ARGV = (
 ).split()
 
 # parse + validate every (env, argv) of a JSON list with Megatron-LM's own functions; one JSON
-# line out: the assertion message per command, or null
+# line out: per command, the error (validate_args' assertion or the plugin's one-line refusal)
+# or null, and the parsed create_attention_mask_in_dataloader
 VALIDATE = """if True:
     import json, os, sys
     import megatron.training.arguments as margs
+    from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.megatron import plugin
     margs.get_device_arch_version = lambda: 9  # Hopper: a CUDA-only query inside validate_args
     verdicts = []
     for env, argv in json.load(open(sys.argv[1])):
         os.environ.update(env)
         sys.argv = ["pretrain_gpt.py"] + argv
-        args = margs.parse_args(extra_args_provider=plugin.extra_args_provider(None))
         try:
+            args = margs.parse_args(extra_args_provider=plugin.extra_args_provider(None))
             margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-            verdicts.append(None)
-        except AssertionError as e:
-            verdicts.append(str(e))
+            verdicts.append([None, args.create_attention_mask_in_dataloader])
+        except (AssertionError, HexiSeqError) as e:
+            verdicts.append([f"{type(e).__name__}: {e}", None])
     print(json.dumps(verdicts))
 """
+
+# flags a HexiSeq run refuses at argument parsing, and the start of each one-line refusal
+REFUSED = {
+    "--cuda-graph-impl local": "HexiSeqError: --cuda-graph-impl local: HexiSeq attention does not",
+    "--cuda-graph-impl transformer_engine": "HexiSeqError: --cuda-graph-impl transformer_engine:",
+    "--enable-cuda-graph": "HexiSeqError: --enable-cuda-graph: HexiSeq attention does not run",
+    "--external-cuda-graph": "HexiSeqError: --external-cuda-graph: HexiSeq attention does not",
+    "--rope-type yarn": "HexiSeqError: --rope-type yarn: HexiSeq's layout RoPE does not",
+}
 
 stand_ins = test_slurm.stand_ins  # the fixture: stand-in srun/scontrol on PATH, DRY_RUN=1
 
@@ -119,8 +133,10 @@ def test_dry_run_commands_pass_megatron_validate_args_in_every_memory_mode(stand
             assert ("--recompute-granularity" in run[0][1]) == name.endswith("+recompute"), name
         commands += run
         fsdp += [uses_fsdp == {True}] * len(run)
+    # the same command lines with a flag HexiSeq refuses, then rank 0 of the first run again
+    refused = [(commands[0][0], commands[0][1] + flag.split()) for flag in REFUSED]
     path = tmp_path / "commands.json"
-    path.write_text(json.dumps(commands))
+    path.write_text(json.dumps(commands + refused + commands[:1]))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(MEGATRON_LM)]),
@@ -135,8 +151,18 @@ def test_dry_run_commands_pass_megatron_validate_args_in_every_memory_mode(stand
     )
     assert res.returncode == 0, res.stderr[-3000:]
     verdicts = json.loads(res.stdout.strip().splitlines()[-1])
-    failed = [(c[0], v) for c, v in zip(commands, verdicts) if v is not None]
+    failed = [(c[0], v) for c, v in zip(commands, verdicts) if v[0] is not None]
     assert not failed, failed[:3]
     assert any(fsdp) and not all(fsdp)
     for (renv, _), uses_fsdp in zip(commands, fsdp):  # no FSDP rank gets 1, every other rank 1
         assert renv["CUDA_DEVICE_MAX_CONNECTIONS"] == ("8" if uses_fsdp else "1"), renv
+    # Megatron's default would build a [mbs, 1, S, S] mask; the post-parse hook turned it off,
+    # and rank 0 said so once per parse (a refused run stops before)
+    assert all(v[1] is False for v in verdicts[: len(commands)])
+    said = res.stdout.count("hexiseq: not building the dataloader's attention mask")
+    assert said == sum(renv["RANK"] == "0" for renv, _ in commands) + 1
+    assert "(it would take 16.0 GiB per GPU" in res.stdout  # micro-batch 1 at 131072 tokens
+    for (flag, message), (error, _) in zip(REFUSED.items(), verdicts[len(commands) :]):
+        assert error is not None and error.startswith(message), (flag, error)
+        assert "drop" in error or "use --rope-type rope" in error
+    assert verdicts[-1] == [None, False]

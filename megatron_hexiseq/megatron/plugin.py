@@ -10,9 +10,11 @@
 
 Order of events inside Megatron's ``pretrain``:
 ``parse_args(extra_args_provider)``: our ``--hexiseq-*`` flags; right after argparse has parsed,
-a post-parse hook on that parser hands a HexiSeq run's ``--seq-length`` to ``validate_args`` as
-``encoder_seq_length`` when it is not a multiple of 2 x CP (``defer_seq_length_check``), and calls
-the overlap tuner's
+a post-parse hook on that parser refuses what a HexiSeq run does not support yet (CUDA graphs,
+YaRN: ``post_parse.refuse_unsupported``), hands a HexiSeq run's ``--seq-length`` to
+``validate_args`` as ``encoder_seq_length`` when it is not a multiple of 2 x CP
+(``defer_seq_length_check``), turns the dataloader's dense attention mask off
+(``post_parse.drop_dataloader_mask``), and calls the overlap tuner's
 ``megatron_hexiseq.overlap.megatron_hooks.configure_from_args(args)`` (before ``validate_args``
 and before the process groups exist, so bucket size and NCCL options take effect) ->
 ``validate_args`` -> ``initialize_model_parallel`` (CP size = layout world size) -> ``get_model``
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -43,6 +44,7 @@ import torch
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron import post_parse
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
 from megatron_hexiseq.megatron.checkpoint import check_before_training
@@ -96,8 +98,11 @@ def _after_parse(
 
 
 def after_parse(args: argparse.Namespace) -> None:
-    """The post-parse hook: ``defer_seq_length_check`` then ``configure_overlap``."""
+    """The post-parse hook: ``post_parse.refuse_unsupported``, ``defer_seq_length_check``,
+    ``post_parse.drop_dataloader_mask``, then ``configure_overlap``."""
+    post_parse.refuse_unsupported(args)
     defer_seq_length_check(args)
+    post_parse.drop_dataloader_mask(args)
     configure_overlap(args)
 
 
@@ -186,15 +191,6 @@ def setup(
         ),
         fp32_grad_wire=hs.fp32_grad_wire,
     )
-    if (
-        getattr(args, "create_attention_mask_in_dataloader", False)
-        and getattr(args, "rank", 0) == 0
-    ):
-        warnings.warn(
-            "hexiseq: the dataloader's attention mask is not used (HexiSeq attention is causal "
-            "by construction); pass --no-create-attention-mask-in-dataloader to save memory",
-            stacklevel=2,
-        )
     if pretrain_module is not None:
         # pretrain_gpt's module-level function, replaced on purpose (the batch seam)
         pretrain_module.get_batch_on_this_cp_rank = (  # type: ignore[attr-defined]
