@@ -158,16 +158,20 @@ def test_forward_step_wrapper_hands_online_tuning_to_the_tuning_step():
     assert plain(None, model) == "out" and plain._inner is plain.forward_step
     args = argparse.Namespace(hexiseq_overlap_tune=True, hexiseq_layout="layout.json", save=None)
     tuned = plugin.forward_step(
-        lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x",
-        get_args=lambda: args,
-        num_microbatches=lambda: 2,
+        lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x", get_args=lambda: args
     )
-    assert tuned(None, [model]) == "x"
-    assert isinstance(tuned._inner, OnlineTuningStep) and tuned._inner.num_microbatches == 2
+    finalized = []
+    model.config = types.SimpleNamespace(  # what Megatron's train() sets before the first step
+        finalize_model_grads_func=lambda models, n, **kw: finalized.append(n)
+    )
+    assert tuned(None, model) == "x" and isinstance(tuned._inner, OnlineTuningStep)
+    model.config.finalize_model_grads_func([model], 7, pg_collection=None)  # end of iteration 1
+    assert tuned(None, model) == "x" and finalized == [7]
     assert seen == [
         [3, 3, 3],
+        [3, 3, 3],
         [1, 1, 1],
-    ]  # the tuner's first configuration reached every core attention
+    ]  # the tuner's first configuration reached every core attention at the iteration's end
     assert plugin.set_comm_chunks(model, 1) == 0 and plugin.set_comm_chunks([model], 2) == 3
 
 

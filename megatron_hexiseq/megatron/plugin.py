@@ -26,7 +26,8 @@ collective), and replaces
 through ``build_gpt_model``: the stock layer spec with ``HexiSeqCoreAttention`` swapped in, RoPE at
 this rank's global positions. During training, with ``--hexiseq-overlap-tune``, our
 ``forward_step`` wrapper owns the online tuner
-(``megatron_hooks.OnlineTuningStep``), times iterations and puts the ``comm_chunks`` it chooses into
+(``megatron_hooks.OnlineTuningStep``): it hooks the end of every training iteration (Megatron's
+``finalize_model_grads_func``), times iterations there and puts the ``comm_chunks`` it chooses into
 the core-attention modules. Without ``--hexiseq-layout`` everything is stock Megatron.
 """
 
@@ -359,33 +360,26 @@ def set_comm_chunks(model: torch.nn.Module | Sequence[torch.nn.Module], comm_chu
 
 class HexiSeqForwardStep:
     """Megatron ``forward_step_func`` wrapper. With ``--hexiseq-overlap-tune`` (and a layout) its
-    first call hands over to ``megatron_hooks.OnlineTuningStep``, which owns the online tuner and
-    puts the ``comm_chunks`` it chooses into the model; otherwise it calls ``forward_step`` as is."""
+    first call hands over to ``megatron_hooks.OnlineTuningStep``, which owns the online tuner (it
+    decides at the end of each training iteration, in Megatron's ``finalize_model_grads_func``)
+    and puts the ``comm_chunks`` it chooses into the model; otherwise it calls ``forward_step`` as
+    is."""
 
     def __init__(
         self,
         forward_step: Callable,
         *,
         get_args: Callable[[], argparse.Namespace] | None = None,
-        num_microbatches: Callable[[], int] | None = None,
     ) -> None:
         self.forward_step = forward_step
         self._get_args = get_args
-        self._num_microbatches = num_microbatches
         self._inner: Callable | None = None
 
     def _setup(self, args: argparse.Namespace) -> Callable:
         if not megatron_hooks.online_tuning_wanted(args):
             return self.forward_step
-        if self._num_microbatches is None:
-            from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-            self._num_microbatches = get_num_microbatches
         return megatron_hooks.OnlineTuningStep.from_args(
-            self.forward_step,
-            args,
-            num_microbatches=self._num_microbatches(),
-            apply_chunks=set_comm_chunks,
+            self.forward_step, args, apply_chunks=set_comm_chunks
         )
 
     def __call__(
