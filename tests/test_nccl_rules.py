@@ -22,7 +22,8 @@ backend, and a gloo group created while a member waits for a message.
 The online overlap tuner of the Megatron plugin (``overlap.megatron_hooks.OnlineTuningStep``) runs
 under the simulator too, with its ``dist`` replaced, in a two-stage pipeline whose stages run
 different numbers of forward steps per iteration, on an NCCL and on a gloo default group: both
-stages must apply the same chunk counts at the same iterations and agree on the result.
+stages must apply the same chunk counts at the same iterations and agree on the result; and when
+one rank alone drifts after tuning, every rank re-tunes at the same iteration.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from megatron_hexiseq.attention.testing_layouts import random_layout
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.overlap import megatron_hooks, online, search
 from megatron_hexiseq.overlap.knobs import Ladder, SearchSpace
+from megatron_hexiseq.overlap.monitor import DriftMonitor, MonitorConfig
 
 LAYOUTS = 200
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
@@ -337,3 +339,34 @@ def test_online_tuner_agrees_across_two_pipeline_stages(
     assert saved[0] == saved[1] and saved[0][0].config.comm_chunks == 2
     assert m0.config.finalize_model_grads_func is not m1.config.finalize_model_grads_func
     assert sim.groups[1].backend == "gloo"  # the side group; group 0 is the pipeline's
+
+
+def test_online_tuner_retunes_on_every_rank_when_one_rank_drifts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After tuning, only rank 1 gets slower: every rank sees the slowest rank's times, so the drift
+    monitor fires on both at the same iteration and they re-tune together (a monitor fed with its
+    own rank's times fires on rank 1 alone, whose re-tune then waits for rank 0 forever)."""
+    sim = NcclSim(2, backend="nccl")
+    monkeypatch.setattr(online, "dist", sim)
+    monkeypatch.setattr(search, "dist", sim)
+    space = SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),))
+
+    def rank_fn(r: int) -> tuple[list[int], int]:
+        applied: list[int] = []
+        tuner = online.OnlineTuner(
+            space,
+            lambda c: applied.append(c.comm_chunks),
+            settle_steps=0,
+            steps_per_trial=1,
+            gallop=False,
+            group=sim.new_group(backend="gloo"),
+            monitor=DriftMonitor(MonitorConfig(window=2, patience=1, cooldown=0)),
+        )
+        for it in range(20):
+            step_s = {1: 1.0, 2: 0.8}[applied[-1]] * (1.5 if r == 1 and it >= 8 else 1.0)
+            tuner.on_step(step_s, 0.0, [step_s])
+        return applied, tuner.monitor.triggers
+
+    (applied0, fired0), (applied1, fired1) = sim.run(rank_fn)
+    assert applied0 == applied1 == [1, 2, 2, 1, 2, 2] and fired0 == fired1 == 1
