@@ -128,6 +128,24 @@ def test_post_parse_hook_refuses_cuda_graphs_and_yarn(flags, message):
     parser.parse_args(flags.split())  # a stock run keeps the flag
 
 
+def test_setup_decides_again_on_the_final_args(tmp_path, capsys):
+    """``--yaml-cfg`` replaces Megatron's parsed args after the post-parse hook: ``setup`` (before
+    any collective, before the datasets) refuses and drops the mask on the final args too."""
+    yaml_args = argparse.Namespace(
+        hexiseq_layout=str(tmp_path / "missing.json"),
+        hexiseq_overlap_configured=True,
+        position_embedding_type="yarn",
+    )
+    with pytest.raises(HexiSeqError, match="position_embedding_type yarn: HexiSeq's layout RoPE"):
+        plugin.setup(yaml_args, None)
+    yaml_args.position_embedding_type = "rope"
+    yaml_args.create_attention_mask_in_dataloader = True
+    with pytest.raises(HexiSeqError, match="does not exist"):  # the layout file, read after
+        plugin.setup(yaml_args, None, cp_group=object())
+    assert yaml_args.create_attention_mask_in_dataloader is False
+    assert "not building the dataloader's attention mask" in capsys.readouterr().out
+
+
 def test_cp_comm_type_hexiseq_needs_a_layout():
     args = argparse.Namespace(cp_comm_type=["hexiseq"], hexiseq_overlap_configured=True)
     with pytest.raises(HexiSeqError, match="--cp-comm-type hexiseq needs --hexiseq-layout"):

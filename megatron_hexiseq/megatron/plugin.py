@@ -158,6 +158,10 @@ def setup(
     """
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
+    # again on the final args: no-ops after the post-parse hook, but --yaml-cfg replaces the parsed
+    # args (after the hook); the datasets are built after the model, so the mask is still in time
+    post_parse.refuse_unsupported(args)
+    post_parse.drop_dataloader_mask(args)
     hs = HexiSeqArgs.from_namespace(
         args
     )  # after it: the overlap hook may set --hexiseq-comm-chunks

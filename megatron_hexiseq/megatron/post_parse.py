@@ -1,8 +1,10 @@
 """What the plugin's post-parse hook decides about Megatron's own flags for a HexiSeq run.
 
 Runs right after argparse has parsed Megatron-LM's command line (``plugin.after_parse``), before
-``validate_args`` and before anything is built, on every rank alike; a run without
-``--hexiseq-layout`` is left as it is.
+``validate_args`` and before anything is built, on every rank alike, and once more on the final
+args in ``plugin.setup`` (the model provider's first call, before any collective and before the
+datasets are built): Megatron-LM's ``--yaml-cfg`` replaces the parsed args after the hook. A run
+without ``--hexiseq-layout`` is left as it is.
 
 * ``refuse_unsupported(args)``: Megatron features HexiSeq attention does not support yet end the
   run here with one line naming the flag and what to do (``HexiSeqError``: exit 2 through
