@@ -459,6 +459,13 @@ def test_online_tuning_step_from_args_saves_on_rank_zero(tmp_path):
         lambda it, m: None, args, apply_chunks=lambda m, n: None
     )
     assert step.space.ladders[0].values == megatron_hooks.COMM_CHUNKS_LADDER
+    assert step.make_group is megatron_hooks.side_group  # gloo agreement, whatever the backend
+    args.enable_gloo_process_groups = False  # --disable-gloo-process-groups: the default group
+    no_gloo = megatron_hooks.OnlineTuningStep.from_args(
+        lambda it, m: None, args, apply_chunks=lambda m, n: None
+    )
+    assert no_gloo.make_group is megatron_hooks.default_group
+    assert megatron_hooks.default_group() is megatron_hooks.side_group() is None  # one process
     assert step.on_done is not None
     step.on_done(TuneResult(config=OverlapConfig(comm_chunks=4)))
     assert load_result(tmp_path / "hexiseq_overlap.json").config.comm_chunks == 4

@@ -145,6 +145,15 @@ def side_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
+def default_group() -> dist.ProcessGroup | None:
+    """The default group (None: a single process): the agreement group with
+    ``--disable-gloo-process-groups``. On NCCL the tuner's all-reduce then runs on the CUDA device
+    (``search.collective_device``) and its result costs one device synchronisation per iteration."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
+
+
 class _FinalizeThenTune:
     """Megatron's ``config.finalize_model_grads_func``, then the tuner's end of iteration."""
 
@@ -214,7 +223,9 @@ class OnlineTuningStep:
         apply_chunks: Callable[[Any, int], Any],
     ) -> OnlineTuningStep:
         """The wrapper for ``--hexiseq-overlap-tune``: ``comm_chunks`` over ``COMM_CHUNKS_LADDER``,
-        the result saved at ``result_path(args)`` by rank 0."""
+        the result saved at ``result_path(args)`` by rank 0, agreement on a gloo side group
+        (``side_group``), or on the default group when Megatron's
+        ``--disable-gloo-process-groups`` says gloo is not to be used (``default_group``)."""
         space = SearchSpace(
             ladders=(Ladder(name="hexiseq_attn", knob="comm_chunks", values=COMM_CHUNKS_LADDER),)
         )
@@ -224,7 +235,15 @@ class OnlineTuningStep:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 save_result(result, out)
 
-        return cls(forward_step, space=space, apply_chunks=apply_chunks, on_done=save)
+        # --disable-gloo-process-groups stores False in enable_gloo_process_groups (default True)
+        no_gloo = not getattr(args, "enable_gloo_process_groups", True)
+        return cls(
+            forward_step,
+            space=space,
+            apply_chunks=apply_chunks,
+            on_done=save,
+            make_group=default_group if no_gloo else side_group,
+        )
 
     def _choose(self, config: OverlapConfig) -> None:
         self.comm_chunks = config.comm_chunks
