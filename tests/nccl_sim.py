@@ -15,7 +15,15 @@ them:
 - a batch finishes when all its messages have been transferred, a collective when every member is
   running it (the k-th collective of every member on that communicator; kinds and splits must agree);
 - ``work.wait()`` blocks the calling rank (stricter than NCCL's stream wait, with the same
-  dependencies: nothing the rank posts later can run before the awaited operation).
+  dependencies: nothing the rank posts later can run before the awaited operation);
+- backends (``NcclSim(world, backend=...)`` for the default group and every ``new_group`` without
+  one; ``new_group(backend="gloo")`` for a side group): a group created with ``"nccl"`` rejects CPU
+  tensors in P2P and collectives as ProcessGroupNCCL does ("No backend type associated with device
+  type cpu"; tests stand in for CUDA tensors with ``meta`` ones); a ``"gloo"`` group is created
+  eagerly, so ``new_group`` blocks until every member has called it (gloo connects its members at
+  creation); ``None`` (the default) checks no device: CPU tensors stand in for CUDA tensors, as the
+  attention runtime's tests use them. ``broadcast_object_list`` works on every backend (PyTorch
+  moves the pickled bytes to the current CUDA device for NCCL).
 If every live rank is blocked, that is a deadlock: every rank gets ``SimError`` naming what each one
 waits for. ``run`` returns each rank's result or raises the first error.
 """
@@ -23,11 +31,13 @@ waits for. ``run`` returns each rank's result or raises the first error.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class SimError(RuntimeError):
@@ -37,8 +47,8 @@ class SimError(RuntimeError):
 class SimGroup:
     """A communicator over global ranks (what ``dist.new_group`` returns)."""
 
-    def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
-        self.id, self.ranks = gid, ranks
+    def __init__(self, gid: int, ranks: tuple[int, ...], backend: str | None = None) -> None:
+        self.id, self.ranks, self.backend = gid, ranks, backend
         self.first_posted: set[int] = set()
 
     @property
@@ -110,8 +120,8 @@ class _Work:
 class NcclSim:
     """See the module docstring. Counters: ``batches``, ``messages`` (all ranks)."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self, world: int, *, backend: str | None = None) -> None:
+        self.world, self.backend = world, backend
         self.cond = threading.Condition()
         self.local = threading.local()
         self.groups: list[SimGroup] = []
@@ -123,13 +133,27 @@ class NcclSim:
         self.alive = 0
         self.error: str | None = None
         self.batches = self.messages = 0
-        self.world_group = SimGroup(-1, tuple(range(world)))
+        self.world_group = SimGroup(-1, tuple(range(world)), backend)
         self.world_group.first_posted = set(range(world))  # the default group exists already
+        self.group = SimpleNamespace(WORLD=self.world_group)
 
     # ---- the torch.distributed surface the runtime uses ----------------------------------------
     P2POp = P2POp
+    ReduceOp = dist.ReduceOp
     isend = staticmethod(isend)
     irecv = staticmethod(irecv)
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_backend(self, group: SimGroup | None = None) -> str:
+        return str((group or self.world_group).backend)
+
+    def get_global_rank(self, group: SimGroup, group_rank: int) -> int:
+        return group.ranks[group_rank]
 
     def get_rank(self, group: SimGroup | None = None) -> int:
         me = self.local.rank
@@ -140,19 +164,26 @@ class NcclSim:
     def get_world_size(self, group: SimGroup | None = None) -> int:
         return self.world if group is None else len(group.ranks)
 
-    def new_group(self, ranks: list[int], **kwargs: Any) -> SimGroup:
+    def new_group(
+        self, ranks: list[int] | None = None, backend: str | None = None, **kwargs: Any
+    ) -> SimGroup:
+        ranks = list(range(self.world)) if ranks is None else ranks
+        backend = backend or self.backend
         with self.cond:
             k = self.local.groups_made
             self.local.groups_made += 1
             if k == len(self.groups):
-                self.groups.append(SimGroup(k, tuple(sorted(ranks))))
+                self.groups.append(SimGroup(k, tuple(sorted(ranks)), backend))
             g = self.groups[k]
-            if g.ranks != tuple(sorted(ranks)):
+            if g.ranks != tuple(sorted(ranks)) or g.backend != backend:
                 self._fail(
-                    f"rank {self.local.rank}: new_group call {k} has ranks {sorted(ranks)}, another rank "
-                    f"created {list(g.ranks)} (new_group calls out of order)"
+                    f"rank {self.local.rank}: new_group call {k} has ranks {sorted(ranks)} "
+                    f"({backend}), another rank created {list(g.ranks)} ({g.backend}) "
+                    "(new_group calls out of order)"
                 )
-            return g
+        if backend == "gloo" and self.local.rank in g.ranks:
+            self._collective("create", g, ())  # gloo connects every member at creation
+        return g
 
     def batch_isend_irecv(self, ops: list[P2POp]) -> list[_Work]:
         me = self.local.rank
@@ -160,6 +191,7 @@ class NcclSim:
         if any((o.group or self.world_group) is not group for o in ops):
             raise SimError("one batch spans several communicators")
         with self.cond:
+            self._check_devices(me, group, "batch_isend_irecv", [o.tensor for o in ops])
             op = self._post(me, group, "batch")
             for o in ops:
                 is_send = o.op is isend
@@ -182,13 +214,28 @@ class NcclSim:
         group: SimGroup | None = None,
     ) -> None:
         self._collective(
-            "all_to_all", group, (output, input, list(output_split_sizes), list(input_split_sizes))
+            "all_to_all",
+            group,
+            (output, input, list(output_split_sizes), list(input_split_sizes)),
+            tensors=(output, input),
         )
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: SimGroup | None = None, **kwargs: Any
+        self,
+        tensor: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: SimGroup | None = None,
+        **kwargs: Any,
     ) -> None:
-        self._collective("all_reduce", group, (tensor,))
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            raise SimError(f"all_reduce: the simulator implements SUM and MAX, got {op}")
+        self._collective("all_reduce", group, (tensor, op), tensors=(tensor,))
+
+    def broadcast_object_list(
+        self, object_list: list[Any], src: int = 0, group: SimGroup | None = None, **kwargs: Any
+    ) -> None:
+        """``src`` is a global rank, as in ``torch.distributed``."""
+        self._collective("broadcast_object_list", group, (object_list, src))
 
     # ---- running ranks -----------------------------------------------------------------------
     def run(self, fn: Callable[[int], Any], *, timeout_s: float = 120.0) -> list[Any]:
@@ -235,10 +282,29 @@ class NcclSim:
         self.streams.setdefault((me, group.id), []).append(op)
         return op
 
-    def _collective(self, kind: str, group: SimGroup | None, payload: Any) -> None:
+    def _check_devices(
+        self, me: int, group: SimGroup, call: str, tensors: Sequence[torch.Tensor]
+    ) -> None:
+        """ProcessGroupNCCL has no CPU backend: a CPU tensor on an NCCL group is an error."""
+        if group.backend == "nccl" and any(t.device.type == "cpu" for t in tensors):
+            self._fail(
+                f"rank {me}: {call} on {group} (nccl) with a CPU tensor: No backend type "
+                "associated with device type cpu"
+            )
+            raise SimError(self.error)
+
+    def _collective(
+        self,
+        kind: str,
+        group: SimGroup | None,
+        payload: Any,
+        *,
+        tensors: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         group = group or self.world_group
         me = self.local.rank
         with self.cond:
+            self._check_devices(me, group, kind, tensors)
             op = self._post(me, group, kind)
             op.payload = payload
             op.seq = self.coll_seq.get((me, group.id), 0)
@@ -309,9 +375,16 @@ class NcclSim:
                 return False
             members.append(head)
         if op.kind == "all_reduce":
-            total = sum(m.payload[0].clone() for m in members)
+            values = torch.stack([m.payload[0].clone() for m in members])
+            total = values.amax(0) if op.payload[1] == dist.ReduceOp.MAX else values.sum(0)
             for m in members:
                 m.payload[0].copy_(total)
+        elif op.kind == "broadcast_object_list":
+            source = next(m for m in members if m.rank == op.payload[1])
+            for m in members:
+                m.payload[0][:] = list(source.payload[0])
+        elif op.kind == "create":
+            pass
         else:
             for i, mi in enumerate(members):  # member i receives chunk i of every member j
                 out, _, out_splits, _ = mi.payload

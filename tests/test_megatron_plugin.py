@@ -62,6 +62,90 @@ def test_post_parse_hook_configures_overlap_once(monkeypatch):
     assert calls == ["tune.json"]
 
 
+def _megatron_parser() -> argparse.ArgumentParser:
+    """The plugin's provider on a parser with the Megatron-LM flags its post-parse hook reads
+    (names, destinations and defaults as core_v0.16.1 declares them)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        action="store_false",
+        dest="create_attention_mask_in_dataloader",
+    )
+    parser.add_argument("--seq-length", type=int)
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--cuda-graph-impl", default="none")
+    parser.add_argument("--enable-cuda-graph", action="store_true")
+    parser.add_argument("--external-cuda-graph", action="store_true")
+    parser.add_argument("--rope-type", choices=["rope", "yarn"])
+    parser.add_argument("--position-embedding-type", default="learned_absolute")
+    return plugin.extra_args_provider(None)(parser)
+
+
+def test_post_parse_hook_drops_the_dataloader_mask_and_says_so_on_rank_zero(monkeypatch, capsys):
+    hexiseq = ["--hexiseq-layout", "l.json", "--seq-length", "131072", "--micro-batch-size", "2"]
+    monkeypatch.setenv("RANK", "0")
+    args = _megatron_parser().parse_args(hexiseq)
+    assert args.create_attention_mask_in_dataloader is False
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "hexiseq: not building the dataloader's attention mask "
+        "(--no-create-attention-mask-in-dataloader): HexiSeq attention never reads it "
+        "(it would take 32.0 GiB per GPU: [mbs, 1, S, S] bool)"
+    ]
+    monkeypatch.setenv("RANK", "3")  # other ranks: the same decision, silently
+    assert _megatron_parser().parse_args(hexiseq).create_attention_mask_in_dataloader is False
+    monkeypatch.setenv("RANK", "0")  # already off: nothing to say
+    args = _megatron_parser().parse_args(hexiseq + ["--no-create-attention-mask-in-dataloader"])
+    assert args.create_attention_mask_in_dataloader is False
+    assert _megatron_parser().parse_args([]).create_attention_mask_in_dataloader  # stock: as is
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            "--cuda-graph-impl local",
+            "--cuda-graph-impl local: HexiSeq attention does not run "
+            "inside CUDA graphs yet; drop --cuda-graph-impl local (or run without --hexiseq-layout)",
+        ),
+        ("--cuda-graph-impl transformer_engine", "drop --cuda-graph-impl transformer_engine"),
+        ("--enable-cuda-graph", "--enable-cuda-graph: HexiSeq attention does not run inside"),
+        ("--external-cuda-graph", "drop --external-cuda-graph"),
+        (
+            "--rope-type yarn",
+            "--rope-type yarn: HexiSeq's layout RoPE does not implement YaRN "
+            "yet; use --rope-type rope",
+        ),
+        ("--position-embedding-type yarn", "position_embedding_type yarn: HexiSeq's layout RoPE"),
+    ],
+)
+def test_post_parse_hook_refuses_cuda_graphs_and_yarn(flags, message):
+    parser = _megatron_parser()
+    with pytest.raises(HexiSeqError) as err:
+        parser.parse_args(["--hexiseq-layout", "l.json", *flags.split()])
+    assert message in str(err.value) and "\n" not in str(err.value)
+    parser.parse_args(flags.split())  # a stock run keeps the flag
+
+
+def test_setup_decides_again_on_the_final_args(tmp_path, capsys):
+    """``--yaml-cfg`` replaces Megatron's parsed args after the post-parse hook: ``setup`` (before
+    any collective, before the datasets) refuses and drops the mask on the final args too."""
+    yaml_args = argparse.Namespace(
+        hexiseq_layout=str(tmp_path / "missing.json"),
+        hexiseq_overlap_configured=True,
+        position_embedding_type="yarn",
+    )
+    with pytest.raises(HexiSeqError, match="position_embedding_type yarn: HexiSeq's layout RoPE"):
+        plugin.setup(yaml_args, None)
+    yaml_args.position_embedding_type = "rope"
+    yaml_args.create_attention_mask_in_dataloader = True
+    with pytest.raises(HexiSeqError, match="does not exist"):  # the layout file, read after
+        plugin.setup(yaml_args, None, cp_group=object())
+    assert yaml_args.create_attention_mask_in_dataloader is False
+    assert "not building the dataloader's attention mask" in capsys.readouterr().out
+
+
 def test_cp_comm_type_hexiseq_needs_a_layout():
     args = argparse.Namespace(cp_comm_type=["hexiseq"], hexiseq_overlap_configured=True)
     with pytest.raises(HexiSeqError, match="--cp-comm-type hexiseq needs --hexiseq-layout"):
@@ -92,16 +176,20 @@ def test_forward_step_wrapper_hands_online_tuning_to_the_tuning_step():
     assert plain(None, model) == "out" and plain._inner is plain.forward_step
     args = argparse.Namespace(hexiseq_overlap_tune=True, hexiseq_layout="layout.json", save=None)
     tuned = plugin.forward_step(
-        lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x",
-        get_args=lambda: args,
-        num_microbatches=lambda: 2,
+        lambda it, m: seen.append([c.comm_chunks for c in cores]) or "x", get_args=lambda: args
     )
-    assert tuned(None, [model]) == "x"
-    assert isinstance(tuned._inner, OnlineTuningStep) and tuned._inner.num_microbatches == 2
+    finalized = []
+    model.config = types.SimpleNamespace(  # what Megatron's train() sets before the first step
+        finalize_model_grads_func=lambda models, n, **kw: finalized.append(n)
+    )
+    assert tuned(None, model) == "x" and isinstance(tuned._inner, OnlineTuningStep)
+    model.config.finalize_model_grads_func([model], 7, pg_collection=None)  # end of iteration 1
+    assert tuned(None, model) == "x" and finalized == [7]
     assert seen == [
         [3, 3, 3],
+        [3, 3, 3],
         [1, 1, 1],
-    ]  # the tuner's first configuration reached every core attention
+    ]  # the tuner's first configuration reached every core attention at the iteration's end
     assert plugin.set_comm_chunks(model, 1) == 0 and plugin.set_comm_chunks([model], 2) == 3
 
 

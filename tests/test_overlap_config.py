@@ -5,6 +5,7 @@ non-tuning paths (user errors: one line, exit 2)."""
 import argparse
 import dataclasses
 import json
+import types
 
 import pytest
 import yaml
@@ -419,44 +420,52 @@ def test_bench_bucket_is_the_target_bucket_times_the_parameter_ratio():
     )
 
 
-def test_online_tuning_step_times_iterations_and_owns_the_chunk_count(tmp_path):
+def test_online_tuning_step_decides_at_the_end_of_each_iteration():
     clock = iter(float(t) for t in range(0, 1000, 1))
-    seen, pushed, saved = [], [], []
+    seen, pushed, saved, finalized = [], [], [], []
+    config = types.SimpleNamespace(finalize_model_grads_func=None)
+    model = types.SimpleNamespace(config=config)  # a model chunk as get_model_config finds it
     step = megatron_hooks.OnlineTuningStep(
-        lambda it, model: seen.append(it) or "out",
+        lambda it, m: seen.append(it) or "out",
         space=SearchSpace(ladders=(Ladder(name="attn", knob="comm_chunks", values=(1, 2)),)),
-        num_microbatches=2,
-        apply_chunks=lambda model, n: pushed.append((model, n)),
+        apply_chunks=lambda models, n: pushed.append((models, n)),
         on_done=saved.append,
         clock=lambda: next(clock),
-    )  # no process group yet: the tuner's "world" is a single process
-    assert step.tuner.group is None and step.comm_chunks == 1 and step.model_chunks is None
-    for i in range(24):  # 2 micro-batches per iteration: the clock is read on every 1st one only
-        assert step(i, "model") == "out"
-    assert seen == list(range(24))
-    # each trial: 1 settling + 4 timed iterations; every iteration takes 1 clock tick whatever the
-    # configuration: chunks=2 is accepted within the 5% noise tolerance, the ladder ends, and the
-    # tie goes to fewer resources -> back to 1 at the start of iteration 11 (call 22)
-    assert pushed == [("model", 1), ("model", 2), ("model", 1)] and not step.tuner.tuning
-    assert [s.decision for s in saved[0].trials] == ["start", "accept"] and saved[
-        0
-    ].config.comm_chunks == 1
+    )  # no process group: make_group() gives None, a single process
+    assert step(-1, model) == "out" and not step.installed  # before train(): nothing to hook yet
+    config.finalize_model_grads_func = lambda models, n, **kw: finalized.append(n) or "reduced"
+    for i in range(11):  # 2 micro-batches per iteration, then Megatron's finalize_model_grads
+        assert step(2 * i, model) == "out" and step(2 * i + 1, model) == "out"
+        assert config.finalize_model_grads_func(["chunk"], i, pg_collection=None) == "reduced"
+    assert seen == list(range(-1, 22)) and finalized == list(range(11))  # Megatron's still runs
+    assert step.installed and step.tuner is not None and step.tuner.group is None
+    # the clock is read once per iteration end (1 tick per iteration whatever the configuration):
+    # the tuner starts at the end of iteration 1 (1 chunk); each trial is 1 settling + 4 timed
+    # iterations; chunks=2 (end of iteration 6) is accepted within the 5% noise tolerance, the
+    # ladder ends, and the tie goes to fewer resources -> back to 1 at the end of iteration 11
+    assert pushed == [(["chunk"], 1), (["chunk"], 2), (["chunk"], 1)] and not step.tuner.tuning
+    assert [s.decision for s in saved[0].trials] == ["start", "accept"]
+    assert saved[0].config.comm_chunks == 1
     assert [s.trial.z_us for s in saved[0].trials] == [1e6, 1e6]
     assert step.comm_chunks == step.model_chunks == 1
-    with pytest.raises(ValueError, match="num_microbatches"):
-        megatron_hooks.OnlineTuningStep(
-            lambda *a: None,
-            space=step.tuner.space,
-            num_microbatches=0,
-            apply_chunks=lambda m, n: None,
-        )
+    hook = config.finalize_model_grads_func
+    step._install(model)  # installing again does not wrap the wrapper
+    assert config.finalize_model_grads_func is hook
 
 
 def test_online_tuning_step_from_args_saves_on_rank_zero(tmp_path):
     args = _megatron_args(hexiseq_overlap_tune=True, hexiseq_layout="l.json", save=str(tmp_path))
     step = megatron_hooks.OnlineTuningStep.from_args(
-        lambda it, m: None, args, num_microbatches=1, apply_chunks=lambda m, n: None
+        lambda it, m: None, args, apply_chunks=lambda m, n: None
     )
-    assert step.tuner.space.ladders[0].values == megatron_hooks.COMM_CHUNKS_LADDER
-    step.tuner.on_done(TuneResult(config=OverlapConfig(comm_chunks=4)))
+    assert step.space.ladders[0].values == megatron_hooks.COMM_CHUNKS_LADDER
+    assert step.make_group is megatron_hooks.side_group  # gloo agreement, whatever the backend
+    args.enable_gloo_process_groups = False  # --disable-gloo-process-groups: the default group
+    no_gloo = megatron_hooks.OnlineTuningStep.from_args(
+        lambda it, m: None, args, apply_chunks=lambda m, n: None
+    )
+    assert no_gloo.make_group is megatron_hooks.default_group
+    assert megatron_hooks.default_group() is megatron_hooks.side_group() is None  # one process
+    assert step.on_done is not None
+    step.on_done(TuneResult(config=OverlapConfig(comm_chunks=4)))
     assert load_result(tmp_path / "hexiseq_overlap.json").config.comm_chunks == 4

@@ -10,9 +10,11 @@
 
 Order of events inside Megatron's ``pretrain``:
 ``parse_args(extra_args_provider)``: our ``--hexiseq-*`` flags; right after argparse has parsed,
-a post-parse hook on that parser hands a HexiSeq run's ``--seq-length`` to ``validate_args`` as
-``encoder_seq_length`` when it is not a multiple of 2 x CP (``defer_seq_length_check``), and calls
-the overlap tuner's
+a post-parse hook on that parser refuses what a HexiSeq run does not support yet (CUDA graphs,
+YaRN: ``post_parse.refuse_unsupported``), hands a HexiSeq run's ``--seq-length`` to
+``validate_args`` as ``encoder_seq_length`` when it is not a multiple of 2 x CP
+(``defer_seq_length_check``), turns the dataloader's dense attention mask off
+(``post_parse.drop_dataloader_mask``), and calls the overlap tuner's
 ``megatron_hexiseq.overlap.megatron_hooks.configure_from_args(args)`` (before ``validate_args``
 and before the process groups exist, so bucket size and NCCL options take effect) ->
 ``validate_args`` -> ``initialize_model_parallel`` (CP size = layout world size) -> ``get_model``
@@ -24,7 +26,8 @@ collective), and replaces
 through ``build_gpt_model``: the stock layer spec with ``HexiSeqCoreAttention`` swapped in, RoPE at
 this rank's global positions. During training, with ``--hexiseq-overlap-tune``, our
 ``forward_step`` wrapper owns the online tuner
-(``megatron_hooks.OnlineTuningStep``), times iterations and puts the ``comm_chunks`` it chooses into
+(``megatron_hooks.OnlineTuningStep``): it hooks the end of every training iteration (Megatron's
+``finalize_model_grads_func``), times iterations there and puts the ``comm_chunks`` it chooses into
 the core-attention modules. Without ``--hexiseq-layout`` everything is stock Megatron.
 """
 
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -43,6 +45,7 @@ import torch
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron import post_parse
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
 from megatron_hexiseq.megatron.checkpoint import check_before_training
@@ -96,8 +99,11 @@ def _after_parse(
 
 
 def after_parse(args: argparse.Namespace) -> None:
-    """The post-parse hook: ``defer_seq_length_check`` then ``configure_overlap``."""
+    """The post-parse hook: ``post_parse.refuse_unsupported``, ``defer_seq_length_check``,
+    ``post_parse.drop_dataloader_mask``, then ``configure_overlap``."""
+    post_parse.refuse_unsupported(args)
     defer_seq_length_check(args)
+    post_parse.drop_dataloader_mask(args)
     configure_overlap(args)
 
 
@@ -152,6 +158,10 @@ def setup(
     """
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
+    # again on the final args: no-ops after the post-parse hook, but --yaml-cfg replaces the parsed
+    # args (after the hook); the datasets are built after the model, so the mask is still in time
+    post_parse.refuse_unsupported(args)
+    post_parse.drop_dataloader_mask(args)
     hs = HexiSeqArgs.from_namespace(
         args
     )  # after it: the overlap hook may set --hexiseq-comm-chunks
@@ -186,15 +196,6 @@ def setup(
         ),
         fp32_grad_wire=hs.fp32_grad_wire,
     )
-    if (
-        getattr(args, "create_attention_mask_in_dataloader", False)
-        and getattr(args, "rank", 0) == 0
-    ):
-        warnings.warn(
-            "hexiseq: the dataloader's attention mask is not used (HexiSeq attention is causal "
-            "by construction); pass --no-create-attention-mask-in-dataloader to save memory",
-            stacklevel=2,
-        )
     if pretrain_module is not None:
         # pretrain_gpt's module-level function, replaced on purpose (the batch seam)
         pretrain_module.get_batch_on_this_cp_rank = (  # type: ignore[attr-defined]
@@ -363,33 +364,26 @@ def set_comm_chunks(model: torch.nn.Module | Sequence[torch.nn.Module], comm_chu
 
 class HexiSeqForwardStep:
     """Megatron ``forward_step_func`` wrapper. With ``--hexiseq-overlap-tune`` (and a layout) its
-    first call hands over to ``megatron_hooks.OnlineTuningStep``, which owns the online tuner and
-    puts the ``comm_chunks`` it chooses into the model; otherwise it calls ``forward_step`` as is."""
+    first call hands over to ``megatron_hooks.OnlineTuningStep``, which owns the online tuner (it
+    decides at the end of each training iteration, in Megatron's ``finalize_model_grads_func``)
+    and puts the ``comm_chunks`` it chooses into the model; otherwise it calls ``forward_step`` as
+    is."""
 
     def __init__(
         self,
         forward_step: Callable,
         *,
         get_args: Callable[[], argparse.Namespace] | None = None,
-        num_microbatches: Callable[[], int] | None = None,
     ) -> None:
         self.forward_step = forward_step
         self._get_args = get_args
-        self._num_microbatches = num_microbatches
         self._inner: Callable | None = None
 
     def _setup(self, args: argparse.Namespace) -> Callable:
         if not megatron_hooks.online_tuning_wanted(args):
             return self.forward_step
-        if self._num_microbatches is None:
-            from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-            self._num_microbatches = get_num_microbatches
         return megatron_hooks.OnlineTuningStep.from_args(
-            self.forward_step,
-            args,
-            num_microbatches=self._num_microbatches(),
-            apply_chunks=set_comm_chunks,
+            self.forward_step, args, apply_chunks=set_comm_chunks
         )
 
     def __call__(

@@ -10,11 +10,12 @@ Megatron parsed its arguments and before the model and DDP are built:
   ``args.nccl_communicator_config_path`` at it. NCCL options only act if this runs before
   ``initialize_model_parallel``; when the groups exist already it warns with the flags to pass.
 * ``--hexiseq-overlap-tune``: warn when no knob can change during training (no HexiSeq
-  attention). The online tuner itself belongs to the forward-step wrapper:
-  ``OnlineTuningStep.from_args`` builds an ``OnlineTuner`` over the knobs that can change between
-  iterations (``comm_chunks``), puts the chunk count it chooses into the model's core attentions,
-  times iterations (Megatron calls ``forward_step_func`` once per micro-batch; an iteration runs
-  from one first micro-batch to the next) and saves the result to
+  attention). The online tuner itself belongs to the forward-step wrapper
+  ``OnlineTuningStep.from_args``: it hooks the end of every training iteration (Megatron's
+  ``config.finalize_model_grads_func``, which every rank of every pipeline stage passes once per
+  iteration), agrees on a gloo side group (``side_group``: no CPU tensor on an NCCL group),
+  drives an ``OnlineTuner`` over the knobs that can change between iterations (``comm_chunks``),
+  puts the chunk count it chooses into the model's core attentions and saves the result to
   ``<args.save or .>/hexiseq_overlap.json`` (rank 0).
 
 Not possible through seams (docs/overlap.md): Megatron's ``train()`` builds DDP buckets and NCCL
@@ -132,14 +133,59 @@ def online_tuning_wanted(args: argparse.Namespace) -> bool:
     )
 
 
+def side_group() -> dist.ProcessGroup | None:
+    """A gloo group over every rank for the online tuner's agreement (None: a single process).
+
+    Host tensors on a gloo group: the tuner's one small all-reduce per iteration needs no CUDA
+    device and no device synchronisation, whatever backend the default group has (under NCCL a
+    CPU tensor is refused). Collective: every rank of the job must call it, at the same point of
+    its sequence of ``new_group`` calls (gloo connects the members when the group is created)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def default_group() -> dist.ProcessGroup | None:
+    """The default group (None: a single process): the agreement group with
+    ``--disable-gloo-process-groups``. On NCCL the tuner's all-reduce then runs on the CUDA device
+    (``search.collective_device``) and its result costs one device synchronisation per iteration."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
+
+
+class _FinalizeThenTune:
+    """Megatron's ``config.finalize_model_grads_func``, then the tuner's end of iteration."""
+
+    def __init__(self, finalize: Callable[..., Any], end_of_iteration: Callable[[Any], None]):
+        self.finalize, self.end_of_iteration = finalize, end_of_iteration
+
+    def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        out = self.finalize(model, *args, **kwargs)
+        self.end_of_iteration(model)
+        return out
+
+
 class OnlineTuningStep:
     """Megatron ``forward_step_func`` wrapper that owns the online tuning state: the tuner, the
     ``comm_chunks`` it put in force, the value the model runs with, and the iteration clock.
 
-    Every ``num_microbatches``-th call starts an iteration: the time since the previous start is
-    one iteration (step time only: ``trial_from_exposed`` with y = 0), fed to the tuner, which may
-    choose new ``comm_chunks``; ``apply_chunks(model, n)`` puts a changed value into the model
-    before the forward step runs.
+    The decision point is the end of each training iteration, on every rank of the job, the same
+    number of times: Megatron's ``config.finalize_model_grads_func``, which every schedule calls
+    exactly once per ``forward_backward_func`` call that trains (never in evaluation), on every
+    pipeline stage, after the last backward. (``forward_step`` itself runs a schedule-dependent
+    number of times per iteration on each stage, and a non-first pipeline stage only after it
+    received its activations: a collective there deadlocks the pipeline.) The wrapper's first call
+    that finds ``finalize_model_grads_func`` set (Megatron's ``train()`` sets it before the first
+    iteration) wraps it; ``get_config(model)`` finds the config, Megatron's ``get_model_config``
+    by default.
+
+    At the end of the first iteration ``make_group()`` builds the agreement group (a gloo side
+    group over every rank, ``side_group``) and the ``OnlineTuner``; from then on the time since the
+    previous end is one iteration (step time only: ``trial_from_exposed`` with y = 0), fed to the
+    tuner, which may choose new ``comm_chunks``; ``apply_chunks(model, n)`` puts a changed value
+    into the model chunks that ``finalize_model_grads_func`` received, before the next iteration's
+    forward steps.
     """
 
     def __init__(
@@ -147,24 +193,26 @@ class OnlineTuningStep:
         forward_step: Callable,
         *,
         space: SearchSpace,
-        num_microbatches: int,
         apply_chunks: Callable[[Any, int], Any],
         on_done: Callable[[TuneResult], None] | None = None,
-        group: dist.ProcessGroup | str | None = "world",
+        make_group: Callable[[], dist.ProcessGroup | None] = side_group,
+        get_config: Callable[[Any], Any] | None = None,
         tolerance: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-        self.forward_step, self.num_microbatches = forward_step, num_microbatches
-        self.apply_chunks, self.clock = apply_chunks, clock
-        self.comm_chunks = 1
-        self.model_chunks: int | None = None
-        self.calls = 0
-        self.iteration_start_s: float | None = None
-        self.tuner = OnlineTuner(
-            space, self._choose, on_done=on_done, group=group, tolerance=tolerance
+        self.forward_step, self.space, self.apply_chunks = forward_step, space, apply_chunks
+        self.on_done, self.make_group, self.tolerance, self.clock = (
+            on_done,
+            make_group,
+            tolerance,
+            clock,
         )
+        self._get_config = get_config
+        self.installed = False
+        self.tuner: OnlineTuner | None = None
+        self.comm_chunks: int | None = None  # chosen by the tuner
+        self.model_chunks: int | None = None  # in force in the model
+        self.iteration_end_s: float | None = None
 
     @classmethod
     def from_args(
@@ -172,11 +220,12 @@ class OnlineTuningStep:
         forward_step: Callable,
         args: argparse.Namespace,
         *,
-        num_microbatches: int,
         apply_chunks: Callable[[Any, int], Any],
     ) -> OnlineTuningStep:
         """The wrapper for ``--hexiseq-overlap-tune``: ``comm_chunks`` over ``COMM_CHUNKS_LADDER``,
-        the result saved at ``result_path(args)`` by rank 0."""
+        the result saved at ``result_path(args)`` by rank 0, agreement on a gloo side group
+        (``side_group``), or on the default group when Megatron's
+        ``--disable-gloo-process-groups`` says gloo is not to be used (``default_group``)."""
         space = SearchSpace(
             ladders=(Ladder(name="hexiseq_attn", knob="comm_chunks", values=COMM_CHUNKS_LADDER),)
         )
@@ -186,26 +235,53 @@ class OnlineTuningStep:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 save_result(result, out)
 
+        # --disable-gloo-process-groups stores False in enable_gloo_process_groups (default True)
+        no_gloo = not getattr(args, "enable_gloo_process_groups", True)
         return cls(
             forward_step,
             space=space,
-            num_microbatches=num_microbatches,
             apply_chunks=apply_chunks,
             on_done=save,
+            make_group=default_group if no_gloo else side_group,
         )
 
     def _choose(self, config: OverlapConfig) -> None:
         self.comm_chunks = config.comm_chunks
 
-    def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.calls % self.num_microbatches == 0:
-            now = self.clock()
-            if self.iteration_start_s is not None:
-                step_s = now - self.iteration_start_s
-                self.tuner.on_step(step_s, 0.0, [step_s] * len(self.tuner.space.ladders))
-            self.iteration_start_s = now
-        self.calls += 1
-        if self.comm_chunks != self.model_chunks:
+    def _install(self, model: Any) -> None:
+        if self._get_config is None:
+            from megatron.core.utils import get_model_config
+
+            self._get_config = get_model_config
+        config = self._get_config(model)
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is None:  # not training yet (evaluation only): try again on the next call
+            return
+        if not isinstance(finalize, _FinalizeThenTune):
+            config.finalize_model_grads_func = _FinalizeThenTune(finalize, self.end_of_iteration)
+        self.installed = True
+
+    def end_of_iteration(self, model: Any) -> None:
+        """Every rank, once per training iteration, after its gradients are final (collective
+        over the agreement group)."""
+        now = self.clock()
+        if self.tuner is None:
+            self.tuner = OnlineTuner(
+                self.space,
+                self._choose,
+                on_done=self.on_done,
+                group=self.make_group(),
+                tolerance=self.tolerance,
+            )
+        elif self.iteration_end_s is not None:
+            step_s = now - self.iteration_end_s
+            self.tuner.on_step(step_s, 0.0, [step_s] * len(self.space.ladders))
+        self.iteration_end_s = now
+        if self.comm_chunks is not None and self.comm_chunks != self.model_chunks:
             self.apply_chunks(model, self.comm_chunks)
             self.model_chunks = self.comm_chunks
+
+    def __call__(self, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.installed:
+            self._install(model)
         return self.forward_step(data_iterator, model, *args, **kwargs)

@@ -1,14 +1,20 @@
 """Online tuning inside a training loop: one search trial every few iterations, then monitoring.
 
 ``OnlineTuner.on_step(step_s, compute_s, exposed_s)`` is called once per training iteration by
-every rank of ``group``. It drives ``search.search_steps``: after a configuration is applied it
+every rank of ``group``, the same number of times on every rank. Its first act is one all-reduce
+(MAX) of that iteration's times over the group (a synchronous step is as slow as its slowest
+rank), so every rank holds the same numbers and takes every decision below identically, with no
+other collective: ``search.search_steps`` runs on every rank; after a configuration is applied it
 skips ``settle_steps`` iterations, collects ``steps_per_trial``, turns their medians into a
-``Trial`` (``search.trial_from_exposed``), maximises it over the group, lets rank ``src`` advance
-the search and broadcasts the next levels, which ``apply(config)`` puts in force (only knobs that
-can change between iterations: HexiSeq's ``comm_chunks``; DDP buckets and NCCL communicators are
-built once, see docs/overlap.md). When the search ends the best configuration is applied,
-``on_done(result)`` is called (it saves the result file), and a ``DriftMonitor`` watches step time
-and exposed share; when it fires the search starts again from minimal resources.
+``Trial`` (``search.trial_from_exposed``) and picks the next levels, which ``apply(config)`` puts
+in force (only knobs that can change between iterations: HexiSeq's ``comm_chunks``; DDP buckets
+and NCCL communicators are built once, see docs/overlap.md). When the search ends the best
+configuration is applied, ``on_done(result)`` is called (it saves the result file), and a
+``DriftMonitor`` watches step time and exposed share; when it fires (on every rank at once: it
+sees the same numbers) the search starts again from minimal resources.
+
+The all-reduce's tensor lives where the group's backend wants it (``search.collective_device``):
+the Megatron glue passes a gloo side group, so it is a host tensor and needs no device sync.
 """
 
 from __future__ import annotations
@@ -25,15 +31,14 @@ from megatron_hexiseq.overlap.search import (
     Levels,
     SearchResult,
     Trial,
-    broadcast_from,
-    max_trial_over_ranks,
+    max_over_ranks,
     search_steps,
     trial_from_exposed,
 )
 
 
 class OnlineTuner:
-    """Step-driven Lagom search with agreement over ``group`` (None: a single process)."""
+    """Step-driven Lagom search, replicated on every rank of ``group`` (None: a single process)."""
 
     def __init__(
         self,
@@ -48,7 +53,6 @@ class OnlineTuner:
         tolerance: float = 0.0,
         monitor: DriftMonitor | None = None,
         group: dist.ProcessGroup | str | None = None,
-        src: int = 0,
     ) -> None:
         if steps_per_trial < 1 or settle_steps < 0:
             raise ValueError(
@@ -61,7 +65,7 @@ class OnlineTuner:
             steps_per_trial,
             hidden_tol,
         )
-        self.gallop, self.tolerance, self._group, self.src = gallop, tolerance, group, src
+        self.gallop, self.tolerance, self._group = gallop, tolerance, group
         self.monitor = monitor or DriftMonitor()
         self.results: list[TuneResult] = []
         self._samples: list[tuple[float, tuple[float, ...], float]] = []
@@ -84,21 +88,11 @@ class OnlineTuner:
     def tuning(self) -> bool:
         return self._levels is not None
 
-    def _leader(self) -> bool:
-        return self.group is None or dist.get_rank(self.group) == self.src
-
-    def _agree(self, levels: Levels | None) -> Levels | None:
-        if self.group is None:
-            return levels
-        return broadcast_from(levels, dist.get_global_rank(self.group, self.src), self.group)
-
     def _start(self) -> None:
-        self._gen = (
-            search_steps(self.space.num_levels, gallop=self.gallop, tolerance=self.tolerance)
-            if self._leader()
-            else None
+        self._gen = search_steps(
+            self.space.num_levels, gallop=self.gallop, tolerance=self.tolerance
         )
-        self._set(self._agree(next(self._gen) if self._gen is not None else None))
+        self._set(next(self._gen))
 
     def _set(self, levels: Levels | None) -> None:
         self._levels, self._samples, self._skip = levels, [], self.settle_steps
@@ -106,7 +100,13 @@ class OnlineTuner:
             self.apply(self.space.config_at(levels))
 
     def on_step(self, step_s: float, compute_s: float, exposed_s: Sequence[float]) -> None:
-        """Record one iteration: its time, its computation time and each communication's wait (s)."""
+        """Record one iteration: its time, its computation time and each communication's wait (s).
+
+        Collective over ``group``: every rank calls it once per iteration."""
+        values = (step_s, compute_s, *exposed_s)
+        if self.group is not None:
+            values = max_over_ranks(values, self.group)
+        step_s, compute_s, exposed_s = values[0], values[1], values[2:]
         if not self.tuning:
             if self.monitor.observe(step_s, float(sum(exposed_s))):
                 self._start()
@@ -121,28 +121,15 @@ class OnlineTuner:
         y = statistics.median(s[0] for s in self._samples)
         exposed = [statistics.median(s[1][j] for s in self._samples) for j in range(n)]
         z = statistics.median(s[2] for s in self._samples)
-        trial = trial_from_exposed(y, exposed, z, hidden_tol=self.hidden_tol)
-        if self.group is not None:
-            trial = max_trial_over_ranks(trial, self.group)
-        self._advance(trial)
+        self._advance(trial_from_exposed(y, exposed, z, hidden_tol=self.hidden_tol))
 
     def _advance(self, trial: Trial) -> None:
-        nxt, result = None, None
-        if self._gen is not None:
-            try:
-                nxt = self._gen.send(trial)
-            except StopIteration as stop:
-                result = stop.value
-        nxt = self._agree(nxt)
-        if nxt is not None:
-            self._set(nxt)
+        assert self._gen is not None
+        try:
+            self._set(self._gen.send(trial))
             return
-        result = (
-            result
-            if self.group is None
-            else broadcast_from(result, dist.get_global_rank(self.group, self.src), self.group)
-        )
-        assert result is not None
+        except StopIteration as stop:
+            result: SearchResult = stop.value
         tuned = TuneResult.from_search(
             self.space,
             result,

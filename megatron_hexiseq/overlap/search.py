@@ -193,11 +193,25 @@ def _check(trial: Trial, n: int) -> None:
         raise ValueError(f"measure must return a Trial with {n} communication times, got {trial!r}")
 
 
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: the current CUDA device on an NCCL
+    group (ProcessGroupNCCL has no CPU backend: "No backend type associated with device type cpu"),
+    the CPU otherwise (gloo, or a default group initialised with both, ``cpu:gloo,cuda:nccl``)."""
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def max_over_ranks(values: Sequence[float], group: dist.ProcessGroup) -> tuple[float, ...]:
+    """Each value maximised over the group's ranks (float64; the same result on every rank)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return tuple(t.tolist())
+
+
 def max_trial_over_ranks(trial: Trial, group: dist.ProcessGroup) -> Trial:
     """Every time maximised over the group's ranks: a synchronous step is as slow as its slowest rank."""
-    t = torch.tensor([trial.y_us, trial.z_us, *trial.x_us], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    values = t.tolist()
+    values = max_over_ranks([trial.y_us, trial.z_us, *trial.x_us], group)
     return Trial(y_us=values[0], x_us=tuple(values[2:]), z_us=values[1])
 
 
