@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import gpu_check_breaks  # noqa: E402
+import gpu_check_multi  # noqa: E402
 
 from megatron_hexiseq.attention import kernels, subring  # noqa: E402
 
@@ -97,3 +98,81 @@ def test_unknown_break_and_bad_arguments_are_one_line() -> None:
         assert proc.stdout.strip() == (
             "gpu_check: no CUDA GPU visible to torch; use --device cpu for the CPU stand-ins"
         )
+
+
+# ---- bench/gpu_check_multi.py -------------------------------------------------------------------
+LOG = (
+    " [2026-12-04 10:00:00] iteration        {i}/       3 | consumed samples:            2 | "
+    "elapsed time per iteration (ms): 812.3 | learning rate: 1.000000E-04 | global batch size:     2 "
+    "| lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {gn:.3f} | number of skipped iterations:   0 |"
+)
+
+
+def _log(values) -> str:
+    return "\n".join(LOG.format(i=i + 1, loss=l_, gn=g) for i, (l_, g) in enumerate(values))
+
+
+def test_multi_compares_megatron_logs_against_the_yardstick() -> None:
+    stock = [(10.4, 5.0), (10.1, 4.0), (9.8, 3.0)]
+    runs = {
+        "stock_cp": gpu_check_multi.parse_log(_log(stock)),
+        "stock_no_cp": gpu_check_multi.parse_log(_log([(l_ * 1.001, g * 1.01) for l_, g in stock])),
+        "hexiseq": gpu_check_multi.parse_log(_log([(l_ * 1.002, g * 1.02) for l_, g in stock])),
+    }
+    assert runs["stock_cp"] == {1: (10.4, 5.0), 2: (10.1, 4.0), 3: (9.8, 3.0)}
+    res = gpu_check_multi.compare_runs(runs, 3)
+    assert res["pass"], res
+    runs["hexiseq"] = gpu_check_multi.parse_log(_log([(l_ * 1.05, g) for l_, g in stock]))
+    res = gpu_check_multi.compare_runs(runs, 3)
+    assert not res["pass"] and res["lm_loss"]["hexiseq_vs_stock_cp"] > res["lm_loss"]["allowed"]
+    del runs["hexiseq"][3]
+    assert "without 3 logged steps: ['hexiseq']" in gpu_check_multi.compare_runs(runs, 3)["error"]
+
+
+def test_multi_pretrain_dry_run_and_bad_arguments(tmp_path) -> None:
+    fake = tmp_path / "Megatron-LM"
+    fake.mkdir()
+    (fake / "pretrain_gpt.py").write_text("")
+    out = tmp_path / "out"
+    argv = ["pretrain", "--nproc", "4", "--megatron-lm", str(fake), "--out", str(out), "--dry-run"]
+    proc = _bench("bench/gpu_check_multi.py", *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("torch.distributed.run") == 3
+    assert "--cp-comm-type p2p" in proc.stdout and "--hexiseq-layout" in proc.stdout
+    lay = gpu_check_multi.Layout.load(out / "pretrain_layout.json")
+    assert lay.world_size == 2 and len({r.num_tokens for r in lay.ranks}) == 2  # uneven
+    proc = _bench("bench/gpu_check_multi.py", *argv[:2], "3", *argv[3:])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    proc = _bench(
+        "bench/gpu_check_multi.py", "pretrain", "--nproc", "4", "--megatron-lm", "/nonexistent"
+    )
+    assert proc.returncode == 2 and "no pretrain_gpt.py" in proc.stderr
+    env = _env() | {"NPROC": "1"}
+    proc = subprocess.run(
+        ["scripts/gpu_check_multi.sh"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "needs 2+ GPUs, found 1" in proc.stderr
+    proc = subprocess.run(
+        ["scripts/gpu_check_multi.sh", "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "unknown argument '--bogus'" in proc.stderr
+
+
+def test_multi_attention_part_on_two_gloo_processes(tmp_path) -> None:
+    proc = _bench(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "bench/gpu_check_multi.py", "attention", "--device", "cpu", "--layouts", "2",
+        "--min-tokens", "24", "--max-tokens", "48", "--iters", "3", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "attention.json").read_text())
+    assert res["pass"] and res["cases"] == 4 and res["world_size"] == 2
+    proc = _bench(
+        "bench/gpu_check_multi.py",
+        "report",
+        "--out",
+        str(tmp_path),
+        "--parts",
+        "attention,pretrain",
+    )
+    assert proc.returncode == 1 and "| pretrain | NO | missing" in proc.stdout
