@@ -47,10 +47,21 @@ from megatron_hexiseq.errors import HexiSeqError  # noqa: E402
 from megatron_hexiseq.layout import Layout  # noqa: E402
 
 
+class PromptSim(NcclSim):
+    """``NcclSim`` that wakes waiting ranks as soon as a posted batch completes their operation
+    (the plain one lets them sleep until their next 1 s poll or another rank's wait returns)."""
+
+    def batch_isend_irecv(self, ops: list[Any]) -> list[Any]:
+        works = super().batch_isend_irecv(ops)
+        with self.cond:
+            self.cond.notify_all()
+        return works
+
+
 @contextlib.contextmanager
 def simulated_dist(world: int) -> Iterator[NcclSim]:
     """The attention runtime talks to an ``NcclSim`` of ``world`` ranks inside the block."""
-    sim = NcclSim(world)
+    sim = PromptSim(world)
     saved = comm_mod.dist, groups_mod.dist
     comm_mod.dist = groups_mod.dist = sim  # type: ignore[assignment]
     try:
