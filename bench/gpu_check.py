@@ -324,7 +324,7 @@ def main() -> None:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=225.0,
+        default=190.0,
         help="start no part (or break) after this many seconds; it fails as not run",
     )
     a = p.parse_args()

@@ -131,6 +131,8 @@ def attention_main(a: argparse.Namespace) -> int:
             seq_length=rng.randint(a.min_tokens, a.max_tokens),
             heads=rng.choice([(32, 8), (16, 4), (8, 8), (8, 1), (12, 4)]),
         )
+        while not all(lay.group_num_tokens(g.id) for g in lay.groups):  # see gpu_check_sim
+            lay = random_layout(rng, world, seq_length=lay.seq_length, heads=(32, 8))
         layouts.append(lay)
         groups = build_hexiseq_groups(lay, device=device)
         for dtype in (torch.bfloat16, torch.float16):
