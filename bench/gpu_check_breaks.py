@@ -34,8 +34,13 @@ def _zeros_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _heads_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    def block_forward(q_SBHD: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(q_SBHD.roll(1, dims=2), *args, **kwargs)
+    def block_forward(*args: Any, **kwargs: Any) -> Any:
+        if args:  # the queries come first: [S, B, H, D]
+            args = (args[0].roll(1, dims=2), *args[1:])
+        else:
+            name = next(n for n in kwargs if n.startswith("q"))
+            kwargs[name] = kwargs[name].roll(1, dims=2)
+        return original(*args, **kwargs)
 
     return block_forward
 
