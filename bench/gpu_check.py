@@ -403,9 +403,9 @@ def main() -> None:
         save(False)
     result["pass"] = ok
     table = save(True)
+    print(f"\n(everything in {a.out}/gpu_check.json and .md)")
     print(f"\n# {title} ({result['seconds']} s): {'PASS' if ok else 'FAIL'}\n")
     print(table, flush=True)
-    print(f"\n(written to {a.out}/gpu_check.json and .md)")
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
 
