@@ -39,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -262,7 +263,11 @@ def run_part(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         res = fn()
     except Exception as e:  # report and go on with the other parts  # noqa: BLE001
-        res = {"pass": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        res = {
+            "pass": False,
+            "error": f"{type(e).__name__}: {str(e)[:500]}",
+            "traceback": traceback.format_exc(limit=-6),  # for a one-shot GPU run: where it broke
+        }
     res["seconds"] = round(time.perf_counter() - start, 1)
     return res
 
@@ -383,6 +388,8 @@ def main() -> None:
             f"{name}: {'PASS' if r['pass'] else 'FAIL'} ({r['seconds']} s) {key_figures(name, r)}",
             flush=True,
         )
+        if "traceback" in r:
+            print(r["traceback"], flush=True)
         save(False)
     ok = all(result["parts"][n]["pass"] for n in parts)
     if a.self_test:
