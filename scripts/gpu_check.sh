@@ -10,13 +10,14 @@
 #   scripts/gpu_check.sh [--self-test] [--quick] [--parts ranks,pytest,...]
 #   scripts/gpu_check.sh --device cpu --quick --self-test     # CPU stand-ins (no GPU needed)
 # Needs torch, megatron-core and this package's pure-Python deps (PyYAML, jsonschema): on a machine
-# without network, put their wheels in .whl/ and they are installed to a temp folder.
+# without network, put their wheels in .whl/ and they are installed to a temp folder (only when
+# megatron-core is not importable already, so a prepared environment is used as it is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT_DIR=${GPU_CHECK_OUT:-results/gpu_check}
 LIMIT_S=${GPU_CHECK_TIMEOUT:-420}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import megatron.core" 2>/dev/null; then
   site=$(mktemp -d)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
