@@ -8,7 +8,8 @@ above 16K, capped at 1M), several seeds each.
 1. **Counts** (exact, from the schedules every rank derives; no compute): per micro-batch, summed
    over the ranks of a layout, the (query, key) pairs computed x query heads, the K/V bytes received
    by the sub-ring exchange (bf16, forward; backward re-fetches the same and returns as many dK/dV
-   bytes) and the kernel calls (a CUDA varlen call counts once per block), with documents
+   bytes) and the kernel calls, from ``attention.counts.rank_counts`` (equal to the runtime's
+   ``CommStats``, tested) (a CUDA varlen call counts once per block), with documents
    (``document_schedule``) and without (``build_schedule``). Compared with ``sum(len^2) / S^2``,
    the fraction of causal work a document mask keeps. Blocks = (query block, key block) pairs
    computed = kernel calls on CUDA (one varlen call per block); CPU calls = windows (a loop).
@@ -35,12 +36,8 @@ import time
 import torch
 from _common import in_fresh_process, write_outputs
 
-from megatron_hexiseq.attention.documents import (
-    document_schedule,
-    parse_cu_seqlens,
-    window_pairs,
-)
-from megatron_hexiseq.attention.peers import build_schedule
+from megatron_hexiseq.attention.counts import rank_counts
+from megatron_hexiseq.attention.documents import parse_cu_seqlens
 from megatron_hexiseq.layout import Layout, make_layout
 
 H, G, D = 8, 2, 128  # counts: a Llama-like head shape
@@ -115,33 +112,17 @@ def layout_8(S: int) -> Layout:
 
 
 def counts(lay: Layout, bounds: list[int] | None) -> dict[str, int]:
-    pairs = kv_bytes = calls = windows = 0
+    """Totals over the ranks of ``counts.rank_counts`` (what ``CommStats`` records), bf16, B = 1."""
     docs = parse_cu_seqlens(bounds, seq_length=lay.seq_length, batch=1) if bounds else None
+    out = {"pairs": 0, "kv_bytes": 0, "calls": 0, "windows": 0}
     for r in range(lay.world_size):
-        heads = len(lay.ranks[r].heads)
-        if not heads:
-            continue
-        s = build_schedule(lay, r) if docs is None else document_schedule(lay, r, docs)
-        S_g = sum(e - a for a, e, _ in s.q_runs)
-        if s.local_windows is None:
-            pairs += heads * S_g * (S_g + 1) // 2
-            windows += 1
-        else:
-            pairs += heads * window_pairs(s.local_windows, 1, causal=True)
-            windows += len(s.local_windows)
-        calls += 1
-        for st in s.steps:
-            for x in st.recvs:
-                kv_bytes += x.num_tokens * len(x.dst_heads) * 2 * D * 2
-            if st.recvs:
-                calls += 1
-                if st.windows is None:
-                    pairs += heads * sum((hi - lo) * k for lo, hi, k in st.calls)
-                    windows += len(st.calls)
-                else:
-                    pairs += heads * window_pairs(st.windows, 1, causal=False)
-                    windows += len(st.windows)
-    return {"pairs": pairs, "kv_bytes": kv_bytes, "calls": calls, "windows": windows}
+        kw = dict(documents=docs, head_dim=D, element_bytes=2)
+        cuda, cpu = rank_counts(lay, r, varlen=True, **kw), rank_counts(lay, r, **kw)  # type: ignore[arg-type]
+        out["pairs"] += sum(cuda.pairs.values())
+        out["kv_bytes"] += cuda.received["kv"]
+        out["calls"] += sum(cuda.calls.values())
+        out["windows"] += sum(cpu.calls.values())
+    return out
 
 
 def count_rows(seqs: list[int], seeds: list[int]) -> list[dict]:

@@ -21,11 +21,13 @@ Layer (c): ``test_flash_varlen_on_cuda`` (skipped without CUDA).
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 from nccl_sim import NcclSim, SimError
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_hexiseq.attention.comm as comm
 import megatron_hexiseq.attention.groups as groups_mod
@@ -36,6 +38,7 @@ from megatron_hexiseq.attention import (
     hexiseq_attn_func,
     reference_attention,
 )
+from megatron_hexiseq.attention.counts import rank_counts
 from megatron_hexiseq.attention.documents import (
     DocumentBounds,
     document_schedule,
@@ -373,6 +376,36 @@ def test_stats_count_pruned_bytes_pairs_and_backward(_sim_dist) -> None:
     assert sum(s.calls["remote"] for s in docs) <= sum(s.calls["remote"] for s in full) + 4
 
 
+def test_rank_counts_equal_the_runtime_stats(_sim_dist) -> None:
+    """``counts.rank_counts`` (no processes) predicts every ``CommStats`` total of every rank."""
+    rng = random.Random(23)
+    for i in range(24):
+        lay = random_layout(rng, rng.randint(1, 6))
+        batch, chunks, D = 1 + i % 2, 1 + i % 3, 4
+        cu = None if i % 4 == 0 else random_bounds(rng, lay)
+        stats = [CommStats() for _ in range(lay.world_size)]
+        _run(lay, cu, chunks=chunks, kernel="auto", batch=batch, seed=i, head_dim=D, stats=stats)
+        bounds = (
+            None if cu is None else parse_cu_seqlens(cu, seq_length=lay.seq_length, batch=batch)
+        )
+        for r, st in enumerate(stats):
+            want = rank_counts(
+                lay,
+                r,
+                documents=bounds,
+                comm_chunks=chunks,
+                batch=batch,
+                head_dim=D,
+                element_bytes=8,
+            )
+            for kind in want.sent:
+                assert st.total_sent(kind) == want.sent[kind], (i, r, kind)
+                assert st.total_received(kind) == want.received[kind], (i, r, kind)
+            for name in ("blocks", "calls", "pairs"):
+                got = {k: v for k, v in getattr(st, name).items() if v}
+                assert got == {k: v for k, v in getattr(want, name).items() if v}, (i, r, name)
+
+
 # ---- the variable-length (CUDA) path, emulated on CPU ------------------------------------------
 def _emulated_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
     """``aten._flash_attention_forward`` in float64: packed [N, H, D], K/V [M, G, D], LSE [H, N]."""
@@ -463,6 +496,63 @@ def test_varlen_path_on_meta_tensors() -> None:
         dk, dv = varlen.windows_backward(wk, remote, 0, q, q, kb, kb, q, lse, dq, causal=False)
         assert dk.shape == dv.shape == (T, B, G, D)
         assert set(wk.cache) == {("local", B, torch.device("meta")), (0, B, torch.device("meta"))}
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("emulated_varlen", [False, True])
+def test_hot_path_reuses_the_micro_batch_schedule(
+    _sim_dist, monkeypatch: pytest.MonkeyPatch, emulated_varlen: bool
+) -> None:
+    """A second layer (call) of the same micro-batch builds no tensor from host data (on a GPU a
+    host-to-device copy): schedules and packed index tensors are cached per boundaries. On the
+    loop path no tensor has S x T elements per head pair (no mask, no scores)."""
+    if emulated_varlen:
+        monkeypatch.setattr(varlen, "uses_varlen", lambda kernel: True)
+        monkeypatch.setattr(varlen, "_varlen_ops", lambda: (_emulated_fwd, _emulated_bwd))
+    lay = make_layout(
+        seq_length=96,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[2, 1, 1],
+        segments=[[(0, 10), (70, 80)], [(10, 20), (80, 96)], [(20, 45)], [(45, 70)]],
+        heads=[[0, 2, 5, 7], [1, 3, 4, 6], list(range(8)), list(range(8))],
+    )
+    cu = [0, 7, 10, 11, 30, 46, 71, 90, 96]
+    sim = NcclSim(lay.world_size)
+    comm.dist, groups_mod.dist = sim, sim
+
+    def fn(r: int) -> _Recorder:
+        groups = build_hexiseq_groups(lay)
+        s = lay.ranks[r].num_tokens
+        rec = _Recorder()
+        for call in range(2):
+            q = torch.randn(s, 1, 8, 8, dtype=torch.float64, requires_grad=True)
+            k, v = (torch.randn(s, 1, 2, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+            with rec if call == 1 else contextlib.nullcontext():
+                out = hexiseq_attn_func(
+                    q, k, v, groups=groups, kernel="cpu-flash", cu_seqlens=list(cu)
+                )
+                out.sum().backward()
+        return rec
+
+    for r, rec in enumerate(sim.run(fn)):
+        assert rec.ops and "aten.lift_fresh.default" not in rec.ops, r
+        if not emulated_varlen:
+            assert rec.max_numel <= 96 * 8 * 8, (r, rec.max_numel)
 
 
 # ---- gloo processes ----------------------------------------------------------------------------
