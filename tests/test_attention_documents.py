@@ -114,6 +114,15 @@ def test_boundaries_parse() -> None:
     assert not two.shared and two.samples == ((0, 4, 12), (0, 1, 12))
 
 
+def test_document_bounds_must_fit_the_micro_batch() -> None:
+    two = parse_cu_seqlens([[0, 4, 12], [0, 1, 12]], seq_length=12, batch=2)
+    assert two.for_batch(12, 2) is two
+    with pytest.raises(HexiSeqError, match="for 2 samples given to a micro-batch of 3"):
+        two.for_batch(12, 3)
+    with pytest.raises(HexiSeqError, match="end at 12 but the sequence has 16 tokens"):
+        two.for_batch(16, 2)
+
+
 def test_hexiseq_attn_func_refuses_bad_boundaries(_sim_dist) -> None:
     lay = make_layout(
         seq_length=6,
@@ -262,7 +271,9 @@ def _sim_dist(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4])
 def test_document_masked_attention_on_random_layouts(_sim_dist, chunks: int) -> None:
     rng = random.Random(300 + chunks)
-    seen = dict(zero_tokens=0, zero_heads=0, per_sample=0, one_doc=0, single_token_doc=0)
+    seen = dict(
+        zero_tokens=0, zero_heads=0, per_sample=0, one_doc=0, single_token_doc=0, segment_edge=0
+    )
     for i in range(30):
         lay = random_layout(rng, rng.randint(2, 7))
         batch = 1 + i % 2
@@ -276,6 +287,8 @@ def test_document_masked_attention_on_random_layouts(_sim_dist, chunks: int) -> 
         seen["per_sample"] += per_sample
         seen["one_doc"] += not per_sample and len(cu) == 2
         seen["single_token_doc"] += any(b - a == 1 for a, b in zip(flat, flat[1:]) if b > a)
+        edges = {e for r in lay.ranks for _, e in r.segments if e < lay.seq_length}
+        seen["segment_edge"] += bool(edges & set(flat[1:-1]))
         seen["zero_tokens"] += any(r.num_tokens == 0 for r in lay.ranks)
         seen["zero_heads"] += any(not r.heads for r in lay.ranks)
         try:

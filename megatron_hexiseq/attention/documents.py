@@ -70,6 +70,20 @@ class DocumentBounds:
             return [(None, self.samples[0])]
         return list(enumerate(self.samples))
 
+    def for_batch(self, seq_length: int, batch: int) -> DocumentBounds:
+        """Itself, after checking it fits a sequence of ``seq_length`` and a micro-batch of ``batch``."""
+        if self.seq_length != seq_length:
+            raise HexiSeqError(
+                f"document boundaries end at {self.seq_length} but the sequence has {seq_length} "
+                "tokens; derive them from this micro-batch"
+            )
+        if not self.shared and len(self.samples) != batch:
+            raise HexiSeqError(
+                f"document boundaries for {len(self.samples)} samples given to a micro-batch of "
+                f"{batch}; derive them from this micro-batch"
+            )
+        return self
+
     @property
     def num_documents(self) -> int:
         return sum(len(b) - 1 for b in self.samples)

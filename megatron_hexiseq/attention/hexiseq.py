@@ -248,14 +248,10 @@ def hexiseq_attn_func(
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     documents = None
-    if cu_seqlens is not None:
-        documents = (
-            cu_seqlens
-            if isinstance(cu_seqlens, DocumentBounds)
-            and cu_seqlens.seq_length == lay.seq_length
-            and (cu_seqlens.shared or len(cu_seqlens.samples) == q.shape[1])
-            else parse_cu_seqlens(cu_seqlens, seq_length=lay.seq_length, batch=q.shape[1])
-        )
+    if isinstance(cu_seqlens, DocumentBounds):
+        documents = cu_seqlens.for_batch(lay.seq_length, q.shape[1])
+    elif cu_seqlens is not None:
+        documents = parse_cu_seqlens(cu_seqlens, seq_length=lay.seq_length, batch=q.shape[1])
     concrete = resolve_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[3])
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     q_SBHD, k_SBGD, v_SBGD = heads_to_group(q, k, v, groups=groups, stats=stats)
