@@ -23,6 +23,9 @@ therefore computed as unmasked calls ``(row_lo, row_hi, keys)``: rows ``[row_lo,
 sequence against the first ``keys`` keys of the block; consecutive runs with the same prefix share
 one call, runs that see nothing are skipped. No ``[S, T]`` mask exists anywhere.
 
+Documents. ``documents.document_schedule`` reuses ``build_transfers``/``build_schedule`` with a
+``needed`` rule (only tokens some later token of the same document needs) and ``Window`` calls.
+
 Chunks. ``comm_chunks = c`` splits every round's trimmed tokens into up to c contiguous pieces of
 near-equal length (an empty piece is dropped); each piece is one *step*: one batch of P2P posted
 before the previous step's block is computed, and one (q, kv) block computed. Step index =

@@ -8,7 +8,10 @@ Input (after the head all-to-all): ``q [S, B, H, D]``, ``k, v [S, B, G, D]``; ou
 
 Blocks. The local block (my group's own K/V) is one square causal call; a received block is one
 unmasked call per run of query rows with the same visible key prefix (``peers.block_calls``). No
-mask or score tensor exists on this path; memory is O(S * D) with the fused kernels.
+mask or score tensor exists on this path; memory is O(S * D) with the fused kernels. With document
+boundaries the schedule carries *windows* instead (``documents.py``: pruned transfers, one causal
+window per document in the local block, unmasked key ranges in received blocks), run by
+``varlen.py`` (a loop of block calls, or one CUDA varlen call per block); the events are the same.
 
 Ordering rule (NCCL pairs P2P messages per (src, dst) in posting order and ignores tags). Every rank
 walks the same global sequence of *events* and posts, for each event, one ``batch_isend_irecv`` with
