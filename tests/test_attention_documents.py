@@ -16,7 +16,8 @@ Layer (a), and threads under NCCL's rules (``tests/nccl_sim.py``) for the multi-
 - ``CommStats``: bytes after pruning equal the brute-force count, backward all-to-all and K/V
   re-fetch counted, pairs equal the brute-force visible pairs.
 Layer (b): one gloo process world (4 ranks) repeats named document cases.
-Layer (c): ``test_flash_varlen_on_cuda`` (skipped without CUDA).
+Layer (c), skipped without CUDA: ``test_flash_varlen_on_cuda`` (varlen windows, bf16 vs float64) and
+``test_documents_end_to_end_flash_on_cuda`` (the runtime with ``flash`` on random layouts).
 """
 
 from __future__ import annotations
@@ -652,3 +653,50 @@ def test_flash_varlen_on_cuda() -> None:
             rounds = FORWARD_ROUNDINGS if i == 0 else BACKWARD_ROUNDINGS
             bound = normwise_bound(torch.bfloat16, roundings=rounds, reduction=S + T)
             assert normwise_error(got, want) <= bound, (i, normwise_error(got, want), bound)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_documents_end_to_end_flash_on_cuda(_sim_dist) -> None:
+    """The whole runtime (threads under the NCCL-rule simulator, one GPU) with ``flash`` in bf16 on
+    random layouts x boundaries x comm_chunks, against the float64 document-masked oracle on the
+    same bf16-rounded inputs, within the normwise bounds of ``kernel_check``."""
+    from megatron_hexiseq.attention.kernel_check import (
+        BACKWARD_ROUNDINGS,
+        FORWARD_ROUNDINGS,
+        normwise_bound,
+        normwise_error,
+    )
+
+    rng = random.Random(5)
+    for i in range(6):
+        lay = random_layout(rng, rng.randint(2, 5), seq_length=rng.randint(300, 700), heads=(8, 2))
+        cu = random_bounds(rng, lay)
+        B, D = 1 + i % 2, 64
+        gen = torch.Generator().manual_seed(i)
+        S, H, G = lay.seq_length, lay.num_attention_heads, lay.num_query_groups
+        q, k, v = (
+            torch.randn(S, B, n, D, generator=gen).bfloat16().double().requires_grad_()
+            for n in (H, G, G)
+        )
+        dout = torch.randn(S, B, H * D, generator=gen).bfloat16().double()
+        ref = reference_attention(q, k, v, cu_seqlens=cu)
+        ref.backward(dout)
+        sim = NcclSim(lay.world_size)
+        comm.dist, groups_mod.dist = sim, sim
+
+        def fn(r: int, lay=lay, cu=cu, q=q, k=k, v=v, dout=dout, i=i):
+            groups = build_hexiseq_groups(lay)
+            pos = torch.tensor(lay.ranks[r].positions(), dtype=torch.long)
+            ql, kl, vl = (x.detach()[pos].bfloat16().cuda().requires_grad_() for x in (q, k, v))
+            out = hexiseq_attn_func(
+                ql, kl, vl, groups=groups, kernel="flash", comm_chunks=1 + i % 3, cu_seqlens=cu
+            )
+            out.backward(dout[pos].bfloat16().cuda())
+            return pos, [t.detach().double().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
+
+        for pos, got in sim.run(fn):
+            for name, g, want in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
+                rounds = FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS
+                bound = normwise_bound(torch.bfloat16, roundings=rounds, reduction=S)
+                err = normwise_error(g, want.detach()[pos])
+                assert err <= bound, (i, name, err, bound)
