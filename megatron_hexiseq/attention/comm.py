@@ -20,7 +20,7 @@ No ``synchronize()`` anywhere; buffers come from ``x.new_empty``; dtypes follow 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +33,12 @@ from torch.distributed import ProcessGroup
 class CommStats:
     """Bytes this rank sent/received per kind and peer (layout rank), and blocks it computed.
 
-    Kinds: ``"a2a"`` (head all-to-all, forward and the output all-to-all), ``"kv"`` (sub-ring K/V in
-    forward), ``"kv_bwd"`` (the K/V fetched again in backward), ``"dkv"`` (dK/dV returned to holders).
-    ``blocks`` counts (q-block, kv-block) pairs computed in forward, ``"local"`` or ``"remote"``.
+    Kinds: ``"a2a"`` (head all-to-all, forward and the output all-to-all), ``"a2a_bwd"`` (their
+    duals in backward), ``"kv"`` (sub-ring K/V in forward), ``"kv_bwd"`` (the K/V fetched again in
+    backward), ``"dkv"`` (dK/dV returned to holders). Per kind ``"local"`` (my group's own K/V) or
+    ``"remote"`` (received blocks), counted in forward (backward computes the same again):
+    ``blocks`` (q-block, kv-block) pairs computed, ``calls`` kernel calls (a variable-length call
+    counts once), ``pairs`` (query, key) token pairs computed, summed over samples and my query heads.
     """
 
     sent: dict[str, dict[int, int]] = field(
@@ -45,6 +48,8 @@ class CommStats:
         default_factory=lambda: defaultdict(lambda: defaultdict(int))
     )
     blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    pairs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(
         self,
@@ -96,14 +101,19 @@ class _UnevenAllToAll(torch.autograd.Function):
         group: ProcessGroup,
         send_splits: tuple[int, ...],
         recv_splits: tuple[int, ...],
+        count: Callable[[str, Sequence[int], Sequence[int], Tensor], None] | None,
     ) -> Tensor:
         ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
+        ctx.count = count
         return _all_to_all_flat(x_N, group, send_splits, recv_splits)
 
     @staticmethod
     def backward(ctx, grad_N: Tensor):
+        if ctx.count is not None:
+            ctx.count("a2a_bwd", ctx.recv_splits, ctx.send_splits, grad_N)
         return (
             _all_to_all_flat(grad_N, ctx.group, ctx.recv_splits, ctx.send_splits),
+            None,
             None,
             None,
             None,
@@ -133,14 +143,19 @@ def uneven_all_to_all(
     if group is None or dist.get_world_size(group) == 1:
         assert tuple(send_splits) == tuple(recv_splits), (send_splits, recv_splits)
         return x_N
+    count = None
     if stats is not None:
         me = dist.get_rank(group)
-        for i, (ns, nr) in enumerate(zip(send_splits, recv_splits)):
-            if i != me:
-                peer = peers[i] if peers is not None else i
-                stats.add(kind, sent_to=peer, nbytes=_nbytes(ns, x_N))
-                stats.add(kind, received_from=peer, nbytes=_nbytes(nr, x_N))
-    return _UnevenAllToAll.apply(x_N, group, tuple(send_splits), tuple(recv_splits))
+
+        def count(name: str, sends: Sequence[int], recvs: Sequence[int], like: Tensor) -> None:
+            for i, (ns, nr) in enumerate(zip(sends, recvs)):
+                if i != me:
+                    peer = peers[i] if peers is not None else i
+                    stats.add(name, sent_to=peer, nbytes=_nbytes(ns, like))
+                    stats.add(name, received_from=peer, nbytes=_nbytes(nr, like))
+
+        count(kind, send_splits, recv_splits, x_N)
+    return _UnevenAllToAll.apply(x_N, group, tuple(send_splits), tuple(recv_splits), count)
 
 
 # ---- batched point-to-point -------------------------------------------------------------------

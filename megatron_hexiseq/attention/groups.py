@@ -20,6 +20,7 @@ hot path never copies index lists from host to device after the first call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,9 +32,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_hexiseq.attention.comm import warm_up
+from megatron_hexiseq.attention.documents import DocumentBounds, document_schedule
 from megatron_hexiseq.attention.peers import RankSchedule, build_schedule
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
+
+DOCUMENT_SCHEDULES_KEPT = 4  # micro-batches whose document schedules stay cached
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,32 @@ class HexiSeqGroups:
     a2a_global_ranks: tuple[int, ...]  # global ranks of my A2A group, in layout-rank order
     _schedules: dict = field(default_factory=dict, compare=False, repr=False)
     _indices: dict = field(default_factory=dict, compare=False, repr=False)
+    _documents: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
 
     def schedule(self, comm_chunks: int = 1) -> RankSchedule:
         if comm_chunks not in self._schedules:
             self._schedules[comm_chunks] = build_schedule(self.layout, self.rank, comm_chunks)
         return self._schedules[comm_chunks]
+
+    def document_schedule(self, bounds: DocumentBounds, comm_chunks: int = 1) -> RankSchedule:
+        """The schedule for one micro-batch's document boundaries (``documents.py``), cached for
+        the last few micro-batches: every layer of a micro-batch reuses it (and its index tensors)."""
+        key = (bounds, comm_chunks)
+        if key in self._documents:
+            self._documents.move_to_end(key)
+        else:
+            sched = document_schedule(self.layout, self.rank, bounds, comm_chunks)
+            self._documents[key] = (sched, {})
+            while len(self._documents) > DOCUMENT_SCHEDULES_KEPT:
+                self._documents.popitem(last=False)
+        return self._documents[key][0]
+
+    def window_cache(self, sched: RankSchedule) -> dict:
+        """The packed-index cache that belongs to a document schedule (``varlen.py``)."""
+        for cached, cache in self._documents.values():
+            if cached is sched:
+                return cache
+        return {}
 
     def global_rank(self, layout_rank: int) -> int:
         return self.cp_global_ranks[layout_rank]

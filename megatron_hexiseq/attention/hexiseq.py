@@ -22,11 +22,13 @@ A K/V head needed by several members is packed once per member (backward sums th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from megatron_hexiseq.attention.comm import CommStats, uneven_all_to_all
+from megatron_hexiseq.attention.documents import DocumentBounds, parse_cu_seqlens
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.attention.kernels import Kernel, resolve_kernel
 from megatron_hexiseq.attention.peers import group_pieces
@@ -212,6 +214,7 @@ def hexiseq_attn_func(
     comm_chunks: int = 1,
     stats: CommStats | None = None,
     fp32_grad_wire: bool = False,
+    cu_seqlens: Any = None,
 ) -> Tensor:
     """Exact causal (GQA/MQA) attention of the full sequence, restricted to this rank's tokens.
 
@@ -221,7 +224,11 @@ def hexiseq_attn_func(
     each sub-ring round's K/V is sent in this many token pieces, each a separate P2P step overlapped
     with the previous piece's block compute (see ``peers.py``); every rank must pass the same value in
     a given call. ``fp32_grad_wire``: return dK/dV to their holders in float32 instead of the input
-    dtype. ``stats``: optional byte/block counter.
+    dtype. ``stats``: optional byte/block counter. ``cu_seqlens``: packed documents, boundaries in
+    global positions ``[0, b1, ..., S]`` (the same on every rank), or one such list per sample, or a
+    ``documents.DocumentBounds``; attention is then causal inside each document and nothing crosses
+    a boundary, and only K/V some document needs is exchanged (``documents.py``). ``None``: one
+    document (today's behaviour, bit for bit).
     """
     lay = groups.layout
     H, G = lay.num_attention_heads, lay.num_query_groups
@@ -240,6 +247,11 @@ def hexiseq_attn_func(
             f"layout rank {groups.rank} expects q [{s_r}, b, {H}, d] and k, v [{s_r}, b, {G}, d]; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    documents = None
+    if isinstance(cu_seqlens, DocumentBounds):
+        documents = cu_seqlens.for_batch(lay.seq_length, q.shape[1])
+    elif cu_seqlens is not None:
+        documents = parse_cu_seqlens(cu_seqlens, seq_length=lay.seq_length, batch=q.shape[1])
     concrete = resolve_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[3])
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     q_SBHD, k_SBGD, v_SBGD = heads_to_group(q, k, v, groups=groups, stats=stats)
@@ -253,5 +265,6 @@ def hexiseq_attn_func(
         comm_chunks=comm_chunks,
         stats=stats,
         fp32_grad_wire=fp32_grad_wire,
+        documents=documents,
     )
     return group_to_tokens(out_SBHD, groups=groups, num_heads=H, stats=stats)

@@ -23,6 +23,9 @@ therefore computed as unmasked calls ``(row_lo, row_hi, keys)``: rows ``[row_lo,
 sequence against the first ``keys`` keys of the block; consecutive runs with the same prefix share
 one call, runs that see nothing are skipped. No ``[S, T]`` mask exists anywhere.
 
+Documents. ``documents.document_schedule`` reuses ``build_transfers``/``build_schedule`` with a
+``needed`` rule (only tokens some later token of the same document needs) and ``Window`` calls.
+
 Chunks. ``comm_chunks = c`` splits every round's trimmed tokens into up to c contiguous pieces of
 near-equal length (an empty piece is dropped); each piece is one *step*: one batch of P2P posted
 before the previous step's block is computed, and one (q, kv) block computed. Step index =
@@ -31,8 +34,10 @@ before the previous step's block is computed, and one (q, kv) block computed. St
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from megatron_hexiseq.layout import Layout, split_evenly
 
@@ -142,6 +147,19 @@ class KVTransfer:
 Call = tuple[int, int, int]
 
 
+class Window(NamedTuple):
+    """One kernel call of a document-masked block (``documents.py``): rows ``[row_lo, row_hi)`` of
+    the group sequence against keys ``[key_lo, key_hi)`` of the block, for micro-batch sample
+    ``sample`` (``None``: every sample, their boundaries are the same). A local-block window is
+    square and causal (``key_lo, key_hi == row_lo, row_hi``); a received-block window is unmasked."""
+
+    sample: int | None
+    row_lo: int
+    row_hi: int
+    key_lo: int
+    key_hi: int
+
+
 @dataclass(frozen=True)
 class RankStep:
     """What one rank does in one step: its sends as holder, its receives (and block) as receiver."""
@@ -150,6 +168,7 @@ class RankStep:
     sends: tuple[KVTransfer, ...]
     recvs: tuple[KVTransfer, ...]
     calls: tuple[Call, ...]  # the received block's unmasked calls (empty when I receive nothing)
+    windows: tuple[Window, ...] | None = None  # with document boundaries: the calls instead
 
     @property
     def computes(self) -> bool:
@@ -172,6 +191,9 @@ class RankSchedule:
     q_runs: tuple[Run, ...]  # my group sequence (= my queries and my own K/V after A2A)
     steps: tuple[RankStep, ...]  # only steps where I send or receive, in global step order
     num_steps: int  # global number of steps (tags of backward dK/dV offset by it)
+    local_windows: tuple[Window, ...] | None = (
+        None  # with documents: the local block's causal calls
+    )
 
     def step_at(self, step: int) -> RankStep | None:
         """My part in global step ``step``, or None when I neither send nor receive in it."""
@@ -189,8 +211,17 @@ def kv_of_head(
     return tuple(kv_heads.index(h // hpg) for h in heads)
 
 
-def build_transfers(layout: Layout, comm_chunks: int = 1) -> tuple[tuple[KVTransfer, ...], int]:
-    """All K/V transfers of all steps (sorted by step, dst, src) and the number of steps."""
+# (source group id, destination group id, source group runs) -> the runs the destination needs
+Needed = Callable[[int, int, tuple[Run, ...]], tuple[Run, ...]]
+
+
+def build_transfers(
+    layout: Layout, comm_chunks: int = 1, needed: Needed | None = None
+) -> tuple[tuple[KVTransfer, ...], int]:
+    """All K/V transfers of all steps (sorted by step, dst, src) and the number of steps.
+
+    ``needed`` chooses the source tokens a destination group receives; by default the trim (every
+    source token before the destination's last position); ``documents.py`` passes its pruning."""
     if comm_chunks < 1:
         raise ValueError(f"comm_chunks must be >= 1, got {comm_chunks}")
     groups = layout.groups
@@ -201,7 +232,11 @@ def build_transfers(layout: Layout, comm_chunks: int = 1) -> tuple[tuple[KVTrans
     for t in range(1, n):
         for gi, g in enumerate(groups):
             src_group = groups[(gi - t) % n]
-            runs = trim_runs(group_runs(layout, src_group.id), max_pos[g.id])
+            src_runs = group_runs(layout, src_group.id)
+            if needed is None:
+                runs = trim_runs(src_runs, max_pos[g.id])
+            else:
+                runs = needed(src_group.id, g.id, src_runs)
             if not runs:
                 continue  # every token of the source group is in the future of group g
             tokens = runs_num_tokens(runs)
@@ -247,9 +282,19 @@ def block_calls(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]) -> tuple[Call,
     return tuple(calls)
 
 
-def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSchedule:
-    """The schedule of one rank (see the module docstring)."""
-    transfers, num_steps = build_transfers(layout, comm_chunks)
+def build_schedule(
+    layout: Layout,
+    rank: int,
+    comm_chunks: int = 1,
+    *,
+    needed: Needed | None = None,
+    windows: Callable[[tuple[Run, ...], tuple[Run, ...]], tuple[Window, ...]] | None = None,
+    local_windows: tuple[Window, ...] | None = None,
+) -> RankSchedule:
+    """The schedule of one rank (see the module docstring). With document boundaries
+    (``documents.document_schedule``) ``needed`` prunes the transfers, ``windows(q_runs, k_runs)``
+    gives a received block's calls and ``local_windows`` the local block's."""
+    transfers, num_steps = build_transfers(layout, comm_chunks, needed)
     plan = layout.ranks[rank]
     group = layout.group(plan.group)
     q_runs = group_runs(layout, group.id)
@@ -260,8 +305,13 @@ def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSched
             (sends if x.src == rank else recvs).append(x)
     steps = []
     for step, (sends, recvs) in sorted(mine.items()):
-        calls = block_calls(q_runs, recvs[0].runs) if recvs else ()
-        steps.append(RankStep(step=step, sends=tuple(sends), recvs=tuple(recvs), calls=calls))
+        if windows is None:
+            calls, wins = (block_calls(q_runs, recvs[0].runs) if recvs else ()), None
+        else:
+            calls, wins = (), (windows(q_runs, recvs[0].runs) if recvs else ())
+        steps.append(
+            RankStep(step=step, sends=tuple(sends), recvs=tuple(recvs), calls=calls, windows=wins)
+        )
     kv_heads = layout.kv_heads(rank)
     return RankSchedule(
         rank=rank,
@@ -272,4 +322,5 @@ def build_schedule(layout: Layout, rank: int, comm_chunks: int = 1) -> RankSched
         q_runs=q_runs,
         steps=tuple(steps),
         num_steps=num_steps,
+        local_windows=local_windows,
     )

@@ -8,7 +8,10 @@ Input (after the head all-to-all): ``q [S, B, H, D]``, ``k, v [S, B, G, D]``; ou
 
 Blocks. The local block (my group's own K/V) is one square causal call; a received block is one
 unmasked call per run of query rows with the same visible key prefix (``peers.block_calls``). No
-mask or score tensor exists on this path; memory is O(S * D) with the fused kernels.
+mask or score tensor exists on this path; memory is O(S * D) with the fused kernels. With document
+boundaries the schedule carries *windows* instead (``documents.py``: pruned transfers, one causal
+window per document in the local block, unmasked key ranges in received blocks), run by
+``varlen.py`` (a loop of block calls, or one CUDA varlen call per block); the events are the same.
 
 Ordering rule (NCCL pairs P2P messages per (src, dst) in posting order and ignores tags). Every rank
 walks the same global sequence of *events* and posts, for each event, one ``batch_isend_irecv`` with
@@ -52,6 +55,7 @@ import torch
 from torch import Tensor
 
 from megatron_hexiseq.attention.comm import CommStats, post_p2p, wait_all
+from megatron_hexiseq.attention.documents import DocumentBounds, window_pairs
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.attention.kernels import (
     Kernel,
@@ -61,6 +65,13 @@ from megatron_hexiseq.attention.kernels import (
     merge_into,
 )
 from megatron_hexiseq.attention.peers import RankSchedule, RankStep, Run, runs_num_tokens
+from megatron_hexiseq.attention.varlen import (
+    WindowKernel,
+    local_forward,
+    merge_forward,
+    uses_varlen,
+    windows_backward,
+)
 
 Posted = tuple[list, list[Tensor], list[Tensor]]  # (works, send buffers, receive buffers)
 
@@ -76,6 +87,7 @@ class _Ctx:
     stats: CommStats | None
     kv_of_head_H: Tensor | None  # None when query head i reads K/V head i (no GQA expansion)
     fp32_grad_wire: bool
+    wk: WindowKernel | None = None  # with document boundaries: how the windows run
 
     def index(self, ix: tuple[int, ...], like: Tensor) -> Tensor:
         return self.groups.index(ix, like.device)
@@ -199,6 +211,25 @@ def _block_backward(
     return dkv2_TBGD
 
 
+def _count_block(c: _Ctx, step: RankStep | None, q_SBHD: Tensor) -> None:
+    """Forward counters: one block, its kernel calls and its (query, key) pairs x my query heads."""
+    if c.stats is None:
+        return
+    kind = "local" if step is None else "remote"
+    S, B, H, _ = q_SBHD.shape
+    c.stats.blocks[kind] += 1
+    windows = c.sched.local_windows if step is None else step.windows
+    if windows is not None:
+        c.stats.calls[kind] += len(windows) if not c.wk or not uses_varlen(c.wk.kernel) else 1
+        c.stats.pairs[kind] += H * window_pairs(windows, B, causal=step is None)
+    elif step is None:
+        c.stats.calls[kind] += 1
+        c.stats.pairs[kind] += H * B * S * (S + 1) // 2
+    else:
+        c.stats.calls[kind] += len(step.calls)
+        c.stats.pairs[kind] += H * B * sum((hi - lo) * keys for lo, hi, keys in step.calls)
+
+
 def subring_forward(
     c: _Ctx, q_SBHD: Tensor, k_SBGD: Tensor, v_SBGD: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -206,18 +237,20 @@ def subring_forward(
     acc = acc_dtype(q_SBHD.dtype)
     N = c.sched.num_steps
     kv_next = _post_kv(c, c.sched.step_at(0), k_SBGD, v_SBGD, "kv")
-    out_SBHD, lse_SBH = block_forward(
-        q_SBHD,
-        k_SBGD,
-        v_SBGD,
-        causal=True,
-        kv_of_head_H=c.kv_of_head_H,
-        scale=c.scale,
-        kernel=c.kernel,
-    )
-    out_SBHD, lse_SBH = out_SBHD.to(acc), lse_SBH.to(acc)
-    if c.stats is not None:
-        c.stats.blocks["local"] += 1
+    if c.wk is not None and c.sched.local_windows is not None:
+        out_SBHD, lse_SBH = local_forward(c.wk, c.sched.local_windows, q_SBHD, k_SBGD, v_SBGD)
+    else:
+        out_SBHD, lse_SBH = block_forward(
+            q_SBHD,
+            k_SBGD,
+            v_SBGD,
+            causal=True,
+            kv_of_head_H=c.kv_of_head_H,
+            scale=c.scale,
+            kernel=c.kernel,
+        )
+        out_SBHD, lse_SBH = out_SBHD.to(acc), lse_SBH.to(acc)
+    _count_block(c, None, q_SBHD)
     for t in range(N):
         step, kv_cur = c.sched.step_at(t), kv_next
         if kv_cur is not None:
@@ -225,16 +258,21 @@ def subring_forward(
         kv_next = _post_kv(c, c.sched.step_at(t + 1), k_SBGD, v_SBGD, "kv") if t + 1 < N else None
         if step is not None and step.computes:
             assert kv_cur is not None  # a computing step received its K/V in the previous event
-            _block_forward(
-                c,
-                step,
-                q_SBHD,
-                _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2]),
-                out_SBHD,
-                lse_SBH,
-            )
-            if c.stats is not None:
-                c.stats.blocks["remote"] += 1
+            kv2_TBGD = _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2])
+            if c.wk is not None and step.windows is not None:
+                merge_forward(
+                    c.wk,
+                    step.windows,
+                    step.step,
+                    q_SBHD,
+                    kv2_TBGD[0],
+                    kv2_TBGD[1],
+                    out_SBHD,
+                    lse_SBH,
+                )
+            else:
+                _block_forward(c, step, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH)
+            _count_block(c, step, q_SBHD)
     return out_SBHD, lse_SBH
 
 
@@ -302,18 +340,34 @@ def subring_backward(
     wire = torch.float32 if c.fp32_grad_wire else k_SBGD.dtype
     N = c.sched.num_steps
     kv_next = _post_kv(c, c.sched.step_at(0), k_SBGD, v_SBGD, "kv_bwd")
-    dq_SBHD, dk_SBGD, dv_SBGD = block_backward(
-        dout_SBHD,
-        q_SBHD,
-        k_SBGD,
-        v_SBGD,
-        out_SBHD,
-        lse_SBH,
-        causal=True,
-        kv_of_head_H=c.kv_of_head_H,
-        scale=c.scale,
-        kernel=c.kernel,
-    )
+    if c.wk is not None and c.sched.local_windows is not None:
+        dq_SBHD = q_SBHD.new_zeros(q_SBHD.shape, dtype=acc_dtype(q_SBHD.dtype))
+        dk_SBGD, dv_SBGD = windows_backward(
+            c.wk,
+            c.sched.local_windows,
+            "local",
+            dout_SBHD,
+            q_SBHD,
+            k_SBGD,
+            v_SBGD,
+            out_SBHD,
+            lse_SBH,
+            dq_SBHD,
+            causal=True,
+        )
+    else:
+        dq_SBHD, dk_SBGD, dv_SBGD = block_backward(
+            dout_SBHD,
+            q_SBHD,
+            k_SBGD,
+            v_SBGD,
+            out_SBHD,
+            lse_SBH,
+            causal=True,
+            kv_of_head_H=c.kv_of_head_H,
+            scale=c.scale,
+            kernel=c.kernel,
+        )
     if not c.sched.steps:  # a single group: nothing to exchange
         return dq_SBHD, dk_SBGD, dv_SBGD
     dkv2_SBGD = torch.stack([dk_SBGD, dv_SBGD])
@@ -331,9 +385,26 @@ def subring_backward(
         if step.computes:
             assert kv_cur is not None  # a computing step received its K/V in the previous event
             kv2_TBGD = _assemble_kv2(c, step, kv_cur[2], k_SBGD.shape[2])
-            dkv2_TBGD = _block_backward(
-                c, step, dout_SBHD, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH, dq_SBHD
-            )
+            if c.wk is not None and step.windows is not None:
+                dkv2_TBGD = torch.stack(
+                    windows_backward(
+                        c.wk,
+                        step.windows,
+                        step.step,
+                        dout_SBHD,
+                        q_SBHD,
+                        kv2_TBGD[0],
+                        kv2_TBGD[1],
+                        out_SBHD,
+                        lse_SBH,
+                        dq_SBHD,
+                        causal=False,
+                    )
+                )
+            else:
+                dkv2_TBGD = _block_backward(
+                    c, step, dout_SBHD, q_SBHD, kv2_TBGD, out_SBHD, lse_SBH, dq_SBHD
+                )
         posted = _post_dkv(c, step, dkv2_TBGD, wire, dkv2_SBGD)
         _finish_dkv(c, dkv2_SBGD, pending)
         pending = (step, posted)
@@ -373,28 +444,42 @@ def subring_attn_func(
     comm_chunks: int = 1,
     stats: CommStats | None = None,
     fp32_grad_wire: bool = False,
+    documents: DocumentBounds | None = None,
 ) -> Tensor:
     """Exact causal attention of my group sequence (all groups' K/V taken into account).
 
     ``q [S, B, H, D]``, ``k, v [S, B, G, D]`` for my group sequence, my query heads and my K/V heads
     (``groups.schedule(comm_chunks)``) -> ``[S, B, H, D]``. ``kernel`` is a concrete kernel (see
     ``kernels.resolve_kernel``). A rank with no query heads returns an empty ``[S, B, 0, D]`` and
-    takes no part in the exchange (its groups were warmed up at creation).
+    takes no part in the exchange (its groups were warmed up at creation). ``documents``: causal
+    inside each document only, with the pruned exchange (``documents.py``).
     """
-    sched = groups.schedule(comm_chunks)
+    if documents is None:
+        sched = groups.schedule(comm_chunks)
+    else:
+        sched = groups.document_schedule(documents, comm_chunks)
     if not sched.heads:
         return q_SBHD * 0  # [S, B, 0, D], keeps the autograd graph
     assert q_SBHD.shape[0] == runs_num_tokens(sched.q_runs), (q_SBHD.shape, sched.q_runs)
     identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(sched.kv_heads) == len(
         sched.heads
     )
+    kv_of_head_H = None if identity else groups.index(sched.kv_of_head, q_SBHD.device)
+    wk = None
+    if documents is not None:
+        per = len(sched.heads) // len(sched.kv_heads)
+        regular = len(sched.heads) % len(sched.kv_heads) == 0 and sched.kv_of_head == tuple(
+            i // per for i in range(len(sched.heads))
+        )
+        wk = WindowKernel(kernel, scale, kv_of_head_H, regular, groups.window_cache(sched))
     c = _Ctx(
         sched=sched,
         groups=groups,
         scale=scale,
         kernel=kernel,
         stats=stats,
-        kv_of_head_H=None if identity else groups.index(sched.kv_of_head, q_SBHD.device),
+        kv_of_head_H=kv_of_head_H,
         fp32_grad_wire=fp32_grad_wire,
+        wk=wk,
     )
     return _SubRingAttention.apply(q_SBHD, k_SBGD, v_SBGD, c)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 
 Segment = tuple[int, int]
 BatchValue = TypeVar("BatchValue", bound=torch.Tensor | None)  # a batch's values keep their type
@@ -58,17 +59,60 @@ def slice_batch(
 class LayoutBatchSlicer:
     """Callable with ``get_batch_on_this_cp_rank``'s signature, bound to one rank's segments.
 
-    ``pretrain_gpt.get_batch_on_this_cp_rank = LayoutBatchSlicer(segments, seq_length)``.
+    ``pretrain_gpt.get_batch_on_this_cp_rank = LayoutBatchSlicer(segments, seq_length)``. With
+    ``documents`` (``--reset-attention-mask``) it first records the micro-batch's document
+    boundaries from the EOD tokens of the whole batch (the same on every CP rank). ``thd`` replaces
+    ``pretrain_gpt.get_thd_batch_on_this_cp_rank``: it records ``cu_seqlens_padded`` (else
+    ``cu_seqlens``) as the boundaries and slices like the SBHD path (no ``PackedSeqParams``).
     """
 
-    def __init__(self, segments: Sequence[Segment], seq_length: int) -> None:
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        seq_length: int,
+        documents: MicroBatchDocuments | None = None,
+        *,
+        reset_attention_mask: bool = False,
+    ) -> None:
         self.segments = tuple((int(s), int(e)) for s, e in segments)
         self.seq_length = seq_length
+        self.documents = documents
+        self.reset_attention_mask = reset_attention_mask
 
     def __call__(
         self, batch: Mapping[str, BatchValue], cp_group: dist.ProcessGroup | None = None
     ) -> dict[str, BatchValue]:
+        if self.documents is not None:
+            if self.reset_attention_mask:
+                tokens = batch.get("tokens")
+                if tokens is None:
+                    raise HexiSeqError(
+                        "--reset-attention-mask with HexiSeq needs the batch's tokens on every "
+                        "rank that computes attention (pipeline parallelism is not supported)"
+                    )
+                self.documents.update_from_tokens(tokens)
+            else:
+                self.documents.bounds = None
         return slice_batch(batch, segments=self.segments, seq_length=self.seq_length)
+
+    def thd(
+        self,
+        batch: Mapping[str, BatchValue],
+        cu_seqlens: torch.Tensor,
+        cu_seqlens_padded: torch.Tensor | None,
+        max_seqlen: torch.Tensor | None = None,
+        cp_size: int | None = None,
+        cp_rank: int | None = None,
+    ) -> tuple[dict[str, BatchValue], None]:
+        """``get_thd_batch_on_this_cp_rank``'s signature: my slice and no ``PackedSeqParams``."""
+        if self.documents is None:
+            raise HexiSeqError("packed (THD) batches need the HexiSeq document runtime")
+        bounds = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        values = [int(x) for x in bounds.reshape(-1).tolist() if int(x) >= 0]
+        while len(values) > 1 and values[-1] == values[-2]:
+            values.pop()  # trailing repeats pad a fixed-size cu_seqlens
+        self.documents.update(values, batch=1)
+        return slice_batch(batch, segments=self.segments, seq_length=self.seq_length), None
 
     def __repr__(self) -> str:
         return f"LayoutBatchSlicer(segments={list(self.segments)}, seq_length={self.seq_length})"

@@ -102,7 +102,9 @@ class HexiSeqCoreAttention(MegatronModule):
     ) -> Tensor:
         """``query [s_r, b, H, d]``, ``key/value [s_r, b, G, d]`` -> ``[s_r, b, H*d]``.
 
-        ``attention_mask`` is ignored: the mask is causal over global positions by construction.
+        ``attention_mask`` is ignored: the mask is causal over global positions by construction,
+        inside each document when the runtime carries the micro-batch's document boundaries
+        (``--reset-attention-mask``, THD batches: ``megatron/documents.py``).
         """
         if packed_seq_params is not None or attention_bias is not None:
             raise HexiSeqError(
@@ -113,6 +115,10 @@ class HexiSeqCoreAttention(MegatronModule):
                 f"HexiSeq attention is causal, got attn_mask_type {attn_mask_type.name}"
             )
         assert query.size(0) == self.runtime.num_tokens, (query.shape, self.runtime.num_tokens)
+        docs = self.runtime.documents
+        cu_seqlens = None
+        if docs is not None:
+            cu_seqlens = docs.current() if docs.required else docs.bounds
         return hexiseq_attn_func(
             query,
             key,
@@ -122,4 +128,5 @@ class HexiSeqCoreAttention(MegatronModule):
             kernel=self.runtime.kernel,
             comm_chunks=self.comm_chunks,
             fp32_grad_wire=self.runtime.fp32_grad_wire,
+            cu_seqlens=cu_seqlens,
         )

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from types import ModuleType
@@ -50,6 +51,7 @@ from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexise
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
 from megatron_hexiseq.megatron.checkpoint import check_before_training
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
+from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.runtime import (
     HexiSeqRuntime,
@@ -196,12 +198,43 @@ def setup(
         ),
         fp32_grad_wire=hs.fp32_grad_wire,
     )
+    runtime = replace(runtime, documents=micro_batch_documents(args, layout.seq_length))
     if pretrain_module is not None:
-        # pretrain_gpt's module-level function, replaced on purpose (the batch seam)
-        pretrain_module.get_batch_on_this_cp_rank = (  # type: ignore[attr-defined]
-            LayoutBatchSlicer(runtime.segments, layout.seq_length)
+        # pretrain_gpt's module-level functions, replaced on purpose (the batch seams)
+        slicer = LayoutBatchSlicer(
+            runtime.segments,
+            layout.seq_length,
+            runtime.documents,
+            reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
         )
+        pretrain_module.get_batch_on_this_cp_rank = slicer  # type: ignore[attr-defined]
+        pretrain_module.get_thd_batch_on_this_cp_rank = slicer.thd  # type: ignore[attr-defined]
     return runtime
+
+
+def micro_batch_documents(args: argparse.Namespace, seq_length: int) -> MicroBatchDocuments:
+    """The document slot of a HexiSeq run: boundaries from EOD tokens with
+    ``--reset-attention-mask``, from THD ``cu_seqlens`` otherwise (see megatron/documents.py)."""
+    reset_mask = bool(getattr(args, "reset_attention_mask", False))
+    if reset_mask and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise HexiSeqError(
+            "--reset-attention-mask with --hexiseq-layout does not support pipeline parallelism "
+            "yet (middle stages do not load the batch); use --pipeline-model-parallel-size 1"
+        )
+    eod = None
+    if reset_mask:
+        try:
+            from megatron.training import get_tokenizer
+
+            eod = get_tokenizer().eod
+        except (AssertionError, AttributeError, ImportError, NotImplementedError):
+            eod = None
+    return MicroBatchDocuments(
+        seq_length=seq_length,
+        eod_token=eod,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        required=reset_mask,
+    )
 
 
 def _stock_layer_spec(
@@ -289,7 +322,7 @@ def build_gpt_model(
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    install_rope(model, [p for s, e in runtime.segments for p in range(s, e)])
+    install_rope(model, [p for s, e in runtime.segments for p in range(s, e)], runtime.documents)
     return model
 
 

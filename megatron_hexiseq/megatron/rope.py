@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.megatron.documents import MicroBatchDocuments, positions_in_documents
 
 if TYPE_CHECKING:  # for annotations only: importing it at run time loads much of megatron.core
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -59,8 +60,17 @@ class LayoutRotaryEmbedding(nn.Module):
     inv_freq_bits: torch.Tensor  # [rotary_dim / 2] int32 buffer (float32 bits)
     emb: torch.Tensor  # [s_r, 1, 1, rotary_dim] float32 buffer
 
-    def __init__(self, original: RotaryEmbedding, positions: Sequence[int]) -> None:
+    def __init__(
+        self,
+        original: RotaryEmbedding,
+        positions: Sequence[int],
+        documents: MicroBatchDocuments | None = None,
+    ) -> None:
         super().__init__()
+        self.documents = documents
+        self._host_positions = tuple(int(p) for p in positions)
+        self._doc_key: object = None
+        self._doc_emb: torch.Tensor | None = None
         for name in ("inv_freq", "rotary_interleaved", "seq_len_interpolation_factor"):
             if not hasattr(original, name):
                 raise HexiSeqError(
@@ -92,7 +102,30 @@ class LayoutRotaryEmbedding(nn.Module):
     ) -> LayoutRotaryEmbedding:
         super()._apply(fn, recurse)
         self.emb = self._angles()  # float32 again, on the (possibly new) device
+        self._doc_key, self._doc_emb = None, None
         return self
+
+    def _document_angles(self) -> torch.Tensor | None:
+        """With ``--reset-position-ids``: float32 angles at each token's position inside its
+        document (once per micro-batch; one small host-to-device copy). None when the micro-batch's
+        samples have different boundaries (the angles are per token, shared by the samples: the
+        global positions are used then, which is the same attention since RoPE is relative and no
+        score crosses a document)."""
+        docs = self.documents
+        if docs is None or not docs.reset_position_ids or docs.bounds is None:
+            return None
+        if not docs.bounds.shared:
+            return None
+        if self._doc_key != docs.bounds:
+            local = positions_in_documents(self._host_positions, docs.bounds.samples[0])
+            self._doc_emb = rope_angles(
+                torch.tensor(local, dtype=torch.int64).to(self.positions.device),
+                self.inv_freq_bits.view(torch.float32),
+                interleaved=self.rotary_interleaved,
+                interpolation_factor=self.interpolation_factor,
+            )
+            self._doc_key = docs.bounds
+        return self._doc_emb
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         """GPTModel asks for a length before calling forward; ours is fixed by the layout."""
@@ -109,14 +142,18 @@ class LayoutRotaryEmbedding(nn.Module):
             raise HexiSeqError(
                 "HexiSeq RoPE supports neither packed sequences nor position offsets"
             )
-        return self.emb
+        emb = self._document_angles()
+        return self.emb if emb is None else emb
 
 
-def install_rope(model: nn.Module, positions: Sequence[int]) -> None:
-    """Replace ``model.rotary_pos_emb`` (a megatron-core ``GPTModel`` using RoPE) in place."""
+def install_rope(
+    model: nn.Module, positions: Sequence[int], documents: MicroBatchDocuments | None = None
+) -> None:
+    """Replace ``model.rotary_pos_emb`` (a megatron-core ``GPTModel`` using RoPE) in place;
+    ``documents``: restart the angles in each document (``--reset-position-ids``)."""
     original = getattr(model, "rotary_pos_emb", None)
     if original is None:
         return  # learned absolute or no position embedding: sliced position_ids already suffice
     if isinstance(original, LayoutRotaryEmbedding):
         return
-    model.rotary_pos_emb = LayoutRotaryEmbedding(original, positions)
+    model.rotary_pos_emb = LayoutRotaryEmbedding(original, positions, documents)

@@ -33,6 +33,7 @@ from megatron_hexiseq.attention.kernels import Kernel
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
+from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 
 DTYPES = {
     "float32": torch.float32,
@@ -193,6 +194,8 @@ class HexiSeqRuntime:
     kernel: Kernel
     comm_chunks: int = 1
     fp32_grad_wire: bool = False
+    # packed documents (--reset-attention-mask, THD batches): the current micro-batch's boundaries
+    documents: MicroBatchDocuments | None = None
 
     @property
     def rank(self) -> int:
