@@ -208,8 +208,10 @@ def auto_kernel_order(gpu: GpuType) -> tuple[str, ...]:
     cc = gpu.compute_capability
     if cc is None:
         return ("flash", "efficient")
-    return (("cudnn",) if 9.0 <= cc < 10.0 else ()) + (("flash",) if cc >= 8.0 else ()) + (
-        "efficient",
+    return (
+        (("cudnn",) if 9.0 <= cc < 10.0 else ())
+        + (("flash",) if cc >= 8.0 else ())
+        + ("efficient",)
     )
 
 

@@ -73,7 +73,9 @@ def _attention(
             continue
         for dtype in DTYPES:
             for dim in HEAD_DIMS:
-                out[f"{kernel}/{dtype}/{dim}"] = round(base * DTYPE_DIM_RATIOS[kernel][(dtype, dim)], 1)
+                out[f"{kernel}/{dtype}/{dim}"] = round(
+                    base * DTYPE_DIM_RATIOS[kernel][(dtype, dim)], 1
+                )
     return out
 
 
@@ -169,7 +171,10 @@ _MEASURED = {
     "efficient/causal": (0.0462, 0.1283, 0.3552, 0.4965, 0.6921, 0.8381, 0.9254, 0.9799, 1.0),
     "efficient/full": (0.0908, 0.2623, 0.695, 0.8587, 0.9448, 0.9919, 1.0129, 1.0221, 1.0276),
 }
-_ALIAS = {"flash-attn": "flash", "flash-attn3": "cudnn"}  # same code / the other Hopper wgmma kernel
+_ALIAS = {
+    "flash-attn": "flash",
+    "flash-attn3": "cudnn",
+}  # same code / the other Hopper wgmma kernel
 ATTENTION_CURVES: Mapping[str, Curve] = MappingProxyType(
     {
         f"{kernel}/{mask}": tuple(

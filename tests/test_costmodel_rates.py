@@ -1,14 +1,16 @@
 """Achieved rates: the calibrated catalog, the kernel ``auto`` picks, head-dim interpolation, the
 achieved fraction of a call against its work, and ``estimate`` pricing every block as one call.
 
-Layer (a): no processes. The catalog checks test structure (sources, no single efficiency, every
-GPU priced), never particular figures; the cost-model checks build their own GPU types.
+Layers: (a) no processes -- the catalog checks test structure (no single efficiency, every GPU
+priced), never particular figures; the cost-model checks build their own GPU types; ``profile``'s
+spec from measured kernel rows. (c) one GPU-only test: the kernel measurement on a real GPU.
 """
 
 import math
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_hexiseq import gpu_rates
 from megatron_hexiseq.cluster import GPU_CATALOG, cluster_from_dict, cluster_to_dict
@@ -193,3 +195,94 @@ def test_spec_rates_and_curves_validate_and_round_trip():
     }
     d = cluster_from_dict(spec).devices[0]
     assert d.flops_per_s == pytest.approx(312e12 * 0.4) and pick_kernel(d.gpu, 128) is None
+
+
+def _kernel_rows(kernel: str, top: float) -> list[dict]:
+    """Rows as ``profile.kernels.measure_kernel_rates`` returns them: rates rising with the size."""
+    return [
+        {"kernel": kernel, "dtype": "bf16", "D": 128, "causal": c, "S": S, "H": 4,
+         "fwd_bwd_tflops": top * f}
+        for c in (True, False)
+        for S, f in ((512, 0.2), (2048, 0.6), (8192, 1.0))
+    ]  # fmt: skip
+
+
+def test_profiled_kernel_rates_become_the_gpus_priced_rates():
+    """``profile`` on a GPU: each kernel's long-block rate and curves go into the spec's GPU type
+    (mean over the node's ranks), no flat ``attention_tflops``; the cost model then prices them."""
+    from megatron_hexiseq.profile.kernels import pair_heads, rates_to_spec
+    from megatron_hexiseq.profile.run import cluster_spec_from_measurements
+
+    refused = [{"kernel": "efficient", "dtype": "bf16", "D": 128, "causal": True, "S": 512,
+                "H": 4, "error": "RuntimeError: no"}]  # fmt: skip
+    ranks = [
+        {
+            "rank": r,
+            "node": "g0",
+            "device": "NVIDIA H200",
+            "dtype": "bfloat16",
+            "matmul_flops": 600e12,
+            "attention_flops": 300e12,
+            "memory_gib": 140.0,
+            "alltoall_Bps": 1e11,
+            "pair_Bps": {"0-1": 2e11} if r == 0 else {},
+            "kernel_rates": _kernel_rows("flash", 300 + 20 * r)
+            + _kernel_rows("cudnn", 500)
+            + refused,
+            "compute_capability": 9.0,
+        }
+        for r in range(2)
+    ]
+    spec = cluster_spec_from_measurements(ranks)
+    (gpu,) = spec["gpus"].values()
+    assert "attention_tflops" not in gpu and gpu["compute_capability"] == 9.0
+    assert gpu["achieved_tflops"] == {
+        "cudnn/bf16/128": 500,
+        "flash/bf16/128": 310,
+        "matmul/bf16": 600,
+    }
+    assert gpu["attention_curves"]["flash/full"] == [
+        [float(pair_heads(S, 4, False)), f] for S, f in ((512, 0.2), (2048, 0.6), (8192, 1.0))
+    ]
+    assert set(rates_to_spec(refused)["achieved_tflops"]) == set()  # a refused kernel is left out
+    g = cluster_from_dict(spec).devices[0].gpu
+    rate = attention_rate(g, 128)
+    assert rate.kernel == "cudnn" and rate.flops_per_s == pytest.approx(500e12 * 12 / 14)
+    assert rate.causal == tuple((float(pair_heads(S, 4, True)), f) for S, f in
+                                ((512, 0.2), (2048, 0.6), (8192, 1.0)))  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="layer (c): needs a CUDA GPU")
+def test_measure_kernel_rates_on_a_gpu():
+    from megatron_hexiseq.profile.kernels import measure_kernel_rates, rates_to_spec
+
+    rows = measure_kernel_rates(torch.bfloat16, 4, 64, sizes=(256, 1024))
+    spec = rates_to_spec(rows)
+    assert "flash/bf16/64" in spec["achieved_tflops"]  # compute capability >= 8.0
+    assert all(v > 0 for v in spec["achieved_tflops"].values())
+    assert [p[1] for p in spec["attention_curves"]["flash/causal"]][-1] == 1.0
+
+
+def test_cli_attention_kernel_flag(tmp_path, capsys):
+    """``plan --attention-kernel`` prices the forced kernel and records it; a kernel one of the GPUs
+    has no figure for is one line, exit 2, no file; ``simulate --layout`` re-uses the record."""
+    from megatron_hexiseq.cli import main
+    from megatron_hexiseq.io import read_json
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text(
+        "name: t\nnodes:\n"
+        "  - {name: h0, gpu: H100-SXM-80GB, count: 2, network_GBps: 25}\n"
+        "  - {name: a0, gpu: A100-SXM-80GB, count: 2, network_GBps: 25}\n"
+    )
+    args = ["plan", "--cluster", str(spec), "--model", "gpt-7b", "--seq-length", "8192"]
+    out = tmp_path / "l.json"
+    assert main([*args, "--attention-kernel", "flash", "-o", str(out)]) == 0
+    assert read_json(out, "layout")["meta"]["options"]["attention_kernel"] == "flash"
+    assert main(["simulate", "--layout", str(out), "--format", "json"]) == 0
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    assert main([*args, "--attention-kernel", "flash-attn3", "-o", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'flash-attn3' has no rate on A100-SXM-80GB" in err
+    assert not bad.exists()

@@ -38,7 +38,6 @@ import numpy as np
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays, group_links, rank_times_from_links
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
-from megatron_hexiseq.costmodel.rates import cluster_rates
 from megatron_hexiseq.costmodel.formulas import (
     BF16_BYTES,
     a2a_buffer_bytes_per_token,
@@ -50,6 +49,7 @@ from megatron_hexiseq.costmodel.formulas import (
     linear_s_per_token,
     static_memory_bytes,
 )
+from megatron_hexiseq.costmodel.rates import cluster_rates
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions

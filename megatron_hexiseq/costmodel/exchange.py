@@ -39,7 +39,9 @@ class ExchangeForward:
     exposed_s: tuple[float, ...]  # transfer time not hidden behind attention compute
     max_block_tokens: tuple[int, ...]  # largest visible block received (sizes the buffers)
     rounds: tuple[int, ...] = ()  # rounds with something to receive, per layer (fixed-cost steps)
-    slowdown: tuple[float, ...] = ()  # attention time at the calls' achieved rates / at long-block rates
+    slowdown: tuple[
+        float, ...
+    ] = ()  # attention time at the calls' achieved rates / at long-block rates
 
 
 def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
@@ -233,7 +235,9 @@ def kv_exchange_forward(
         exposed_s=tuple(exposed.tolist()),
         max_block_tokens=tuple(int(v) for v in vmax),
         rounds=tuple(int(v) for v in blocks),
-        slowdown=tuple(np.where(ideal > 0, comp_sum / np.where(ideal > 0, ideal, 1.0), 1.0).tolist()),
+        slowdown=tuple(
+            np.where(ideal > 0, comp_sum / np.where(ideal > 0, ideal, 1.0), 1.0).tolist()
+        ),
     )
 
 
