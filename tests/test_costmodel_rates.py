@@ -286,3 +286,34 @@ def test_cli_attention_kernel_flag(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'flash-attn3' has no rate on A100-SXM-80GB" in err
     assert not bad.exists()
+
+
+def test_paper_tables_smoke(tmp_path):
+    """``bench/paper_tables.py --quick`` runs, writes its files, puts the paper's figures beside the
+    predictions and summarises a sim_suite JSON; the reconciling fixed time solves its equation."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import paper_tables
+
+    sim = tmp_path / "sim.json"
+    sim.write_text(
+        json.dumps(
+            {
+                "summary": {"mean_speedup": 1.5, "max_speedup": 1.9, "with_baseline": 3},
+                "flop_pairs": [{"label": "a vs b", "model": "gpt-13b", "ratio": 0.9}],
+            }
+        )
+    )
+    assert paper_tables.main(["--quick", "--sim-json", str(sim), "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "paper_tables.json").read_text())
+    rows = {(r["seq_length"], r["kernel"]): r for r in data["rows"]}
+    assert set(rows) == {(s, k) for s in (16384, 32768) for k in ("auto", "flash")}
+    r = rows[(32768, "flash")]
+    assert r["paper"] == 1.17 and r["speedup"] >= 1.0 and r["grad_sync_s"] > 0
+    g = r["implied_fixed_s"]
+    assert (r["baseline_s"] + g) / (r["plan_s"] + g) == pytest.approx(1.17)
+    assert data["summary"]["simulated"]["mean_speedup"] == 1.5
+    assert "a vs b (gpt-13b): 0.900" in (tmp_path / "paper_tables.md").read_text()
