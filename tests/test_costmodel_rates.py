@@ -317,3 +317,44 @@ def test_paper_tables_smoke(tmp_path):
     assert (r["baseline_s"] + g) / (r["plan_s"] + g) == pytest.approx(1.17)
     assert data["summary"]["simulated"]["mean_speedup"] == 1.5
     assert "a vs b (gpt-13b): 0.900" in (tmp_path / "paper_tables.md").read_text()
+
+
+def _runs(segments):
+    """Merged segments as the runtime's runs ``(local start, local end, position)``."""
+    out, off = [], 0
+    for s, e in segments:
+        out.append((off, off + e - s, s))
+        off += e - s
+    return tuple(out)
+
+
+def test_block_calls_vec_matches_the_runtime_calls():
+    """The vectorised calls of a received block are the runtime's ``block_calls`` (same rows merged
+    into the same calls): compared through a nonlinear price of each call on random segments."""
+    import random
+
+    from megatron_hexiseq.attention.peers import block_calls
+    from megatron_hexiseq.costmodel.exchange import _merged, block_calls_vec
+
+    rng = random.Random(5)
+    for _ in range(300):
+        seq = rng.randint(4, 60)
+        cuts = sorted(rng.sample(range(1, seq), rng.randint(1, min(8, seq - 1))))
+        pieces = list(zip([0, *cuts], [*cuts, seq]))
+        owner = [rng.randrange(2) for _ in pieces]
+        if len(set(owner)) < 2:
+            continue
+        mine = _merged(tuple(p for p, o in zip(pieces, owner) if o == 0))
+        theirs = _merged(tuple(p for p, o in zip(pieces, owner) if o == 1))
+        calls = block_calls(_runs(mine), _runs(theirs))
+        want = sum(((e - s) * k) ** 0.5 for s, e, k in calls)  # a call priced by sqrt(pairs)
+        w = max(len(mine), len(theirs)) + 1  # padded with an empty segment, as exchange does
+        arr = np.zeros((4, w), dtype=np.int64)
+        arr[0, : len(mine)] = [s for s, _ in mine]
+        arr[1, : len(mine)] = [e for _, e in mine]
+        arr[2, : len(theirs)] = [s for s, _ in theirs]
+        arr[3, : len(theirs)] = [e for _, e in theirs]
+        work, total = block_calls_vec(arr[0], arr[1], arr[2], arr[3])
+        got = sum(wk / t**0.5 for wk, t in zip(work.tolist(), total.tolist()) if wk)
+        assert got == pytest.approx(want), (mine, theirs, calls)
+        assert work.sum() == sum((e - s) * k for s, e, k in calls)

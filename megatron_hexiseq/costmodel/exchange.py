@@ -191,9 +191,12 @@ def kv_exchange_forward(
     ideal = comp_end.copy()  # attention compute at the long-block rate
     comp_end /= rates.fraction(p0[gi] * heads * b, "causal")
     comp_sum, comm_end, comm_sum = comp_end.copy(), np.zeros(W), np.zeros(W)
+    curved = np.zeros(W, dtype=bool)  # ranks whose rate depends on the call size
+    for _, where in rates.groups:
+        curved |= where
     free0, free1 = np.zeros(W), np.zeros(W)  # when each receive buffer can be overwritten
     blocks, vmax = np.zeros(W, dtype=np.int64), np.zeros(W, dtype=np.int64)
-    chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
+    chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W * width))
     for t0 in range(1, n, chunk):
         # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
         src = (np.arange(n)[None, :] - np.arange(t0, min(n, t0 + chunk))[:, None]) % n
@@ -202,7 +205,13 @@ def kv_exchange_forward(
         gp = src[:, gi]  # [T, W] sending group
         comp = flops_per_pair_head * pairs_g[:, gi] * (heads / rate)
         ideal += np.where((vis > 0) & (heads > 0), comp, 0.0).sum(axis=0)
-        comp = comp / rates.fraction(pairs_g[:, gi] * heads * b, "full")
+        if curved.any():  # each of the block's calls at its own achieved fraction
+            work, total = block_calls_vec(QS[None], QE[None], QS[src], QE[src])  # [T, n, w]
+            work_r = work.transpose(0, 2, 1)[:, :, gi]  # [T, w, W]
+            total_r = total.transpose(0, 2, 1)[:, :, gi]
+            frac = rates.fraction(total_r * heads * b, "full")
+            slow_pairs = (work_r / frac).sum(axis=1)  # [T, W]
+            comp = np.where(curved, flops_per_pair_head * slow_pairs * (heads / rate), comp)
         link = np.where(gnode[gp] == node, np.minimum(gnv[gp], nv), np.minimum(gnet[gp], net))
         comm = bytes_per_token_head * vis * fan[sig_id[gp], sig_id[gi], pos] / link
         active = (vis > 0) & (heads > 0)
@@ -239,6 +248,31 @@ def kv_exchange_forward(
             np.where(ideal > 0, comp_sum / np.where(ideal > 0, ideal, 1.0), 1.0).tolist()
         ),
     )
+
+
+def block_calls_vec(
+    qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The runtime's unmasked calls of received blocks (``attention.peers.block_calls``), per query
+    run: receiver runs ``[..., w]`` (a group's merged segments, padded with empty ones at the end),
+    the block's key segments ``[..., wk]`` (same leading shape). A run sees the keys below its first
+    position; consecutive runs that see the same (non-zero) count share one call. Returns, per run,
+    its pairs (``length x keys``) and the pairs of the call it belongs to (0 for a run that sees
+    nothing), both ``[..., w]``."""
+    keys = np.maximum(np.minimum(ke[..., None, :], qs[..., :, None]) - ks[..., None, :], 0).sum(-1)
+    keys = np.where(qe > qs, keys, 0)
+    work = (qe - qs) * keys
+    zero = np.zeros_like(keys[..., :1])
+    prev = np.concatenate([zero, keys[..., :-1]], axis=-1)
+    start = (keys > 0) & (keys != prev)
+    w = keys.shape[-1]
+    idx = np.broadcast_to(np.arange(w), keys.shape)
+    first = np.maximum.accumulate(np.where(start, idx, 0), axis=-1)  # the call's first run
+    after = np.concatenate([start[..., 1:] | (keys[..., 1:] == 0), zero + 1 > 0], axis=-1)
+    last = np.minimum.accumulate(np.where(after, idx, w - 1)[..., ::-1], axis=-1)[..., ::-1]
+    csum = np.cumsum(work, axis=-1)
+    total = np.take_along_axis(csum, last, -1) - np.take_along_axis(csum - work, first, -1)
+    return work, np.where(work > 0, total, 0)
 
 
 def causal_pairs_one(layout: Layout) -> int:
