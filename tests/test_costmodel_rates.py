@@ -53,6 +53,8 @@ def test_auto_mirrors_the_runtime_choice():
     v100 = cat["V100-SXM-32GB"]
     assert v100.train_dtype == "fp16" and pick_kernel(v100, 128) == "efficient"
     assert pick_kernel(cat["H100-SXM-80GB"], 128, "flash") == "flash"
+    assert pick_kernel(cat["H100-SXM-80GB"], 128, dtype="fp16") == "cudnn"
+    assert pick_kernel(cat["A100-SXM-80GB"], 128, dtype="fp32") is None  # no fp32 figures
     assert pick_kernel(cat["H100-SXM-80GB"], 128, "sdpa") == "cudnn"  # the runtime's old auto
     assert pick_kernel(cat["H100-SXM-80GB"], 128, "reference") is None  # flat rate
     with pytest.raises(HexiSeqError, match=r"'flash' has no rate on V100-SXM-32GB for fp16"):

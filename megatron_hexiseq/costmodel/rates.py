@@ -45,6 +45,8 @@ class AttentionRate(NamedTuple):
 def _applies(kernel: str, gpu: GpuType, dtype: str, head_dim: int) -> bool:
     """Would ``kernel`` take these inputs on ``gpu``, as the runtime's checks decide."""
     cc = gpu.compute_capability
+    if kernel != "efficient" and dtype not in ("bf16", "fp16"):
+        return False
     if kernel in ("flash", "flash-attn"):
         return (cc is None or cc >= 8.0) and head_dim % 8 == 0 and head_dim <= 256
     if kernel == "cudnn":
@@ -70,10 +72,14 @@ def _kernel_tflops(gpu: GpuType, kernel: str, dtype: str, head_dim: int) -> floa
     return low + (high - low) * (head_dim - 64) / 64
 
 
-def pick_kernel(gpu: GpuType, head_dim: int, forced: str = "auto") -> str | None:
-    """The kernel the runtime would run on ``gpu`` for ``head_dim`` (None: no kernel figures, so a
-    flat rate). ``forced`` other than ``auto`` must run there and have a figure."""
-    dtype = gpu.train_dtype
+def pick_kernel(
+    gpu: GpuType, head_dim: int, forced: str = "auto", dtype: str | None = None
+) -> str | None:
+    """The kernel the runtime would run on ``gpu`` for ``dtype`` (default: the GPU's training dtype)
+    and ``head_dim`` (None: no kernel figures, so a flat rate). ``forced`` other than ``auto`` must
+    run there and have a figure. The runtime's rule (``attention/kernels.py``): cuDNN on compute
+    capability 9.x, else flash, else memory-efficient."""
+    dtype = dtype or gpu.train_dtype
     forced = "auto" if forced == "sdpa" else forced  # the runtime's old name of auto
     if forced in FLAT_KERNELS or not gpu.achieved_tflops:
         return None
