@@ -17,6 +17,9 @@ events (median of repeated calls after a warm-up, fresh random inputs, never zer
 
     python bench/gpu_kernel_rates.py --out results/gpu_kernel_rates     # on a GPU
     python bench/gpu_kernel_rates.py --quick --out /tmp/r               # fewer sizes
+
+The timing, the kernel calls and the FLOP count live in ``megatron_hexiseq/profile/kernels.py``
+(``profile`` measures with the same code).
 """
 
 from __future__ import annotations
@@ -24,109 +27,18 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from _common import write_outputs
 
-F = torch.nn.functional
+from megatron_hexiseq.profile.kernels import (
+    KERNEL_CALLS,
+    attention_rates,
+    measure_gemm,
+)
 
-
-class Timing(NamedTuple):
-    median_ms: float
-    reps: int
-
-
-def _time(fn, *, budget_s: float = 0.25, max_reps: int = 50) -> Timing:
-    """Median CUDA-event time of ``fn()`` after two warm-up calls, about ``budget_s`` in all."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once = max(time.perf_counter() - t0, 1e-5)
-    reps = int(max(3, min(max_reps, budget_s / once)))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return Timing(times[len(times) // 2], reps)
-
-
-# ---- kernels, called as the runtime calls them ([B, H, S, D] views) ------------------------------
-def _flash(q, k, v, causal, scale, grad):
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale
-    )
-    if grad is None:
-        return out
-    rng = torch.empty(2, dtype=torch.int64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        None,
-        None,
-        q.shape[2],
-        k.shape[2],
-        0.0,
-        causal,
-        rng,
-        rng[:1],
-        scale=scale,
-    )
-
-
-def _efficient(q, k, v, causal, scale, grad):
-    out, lse, seed, off = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale
-    )
-    if grad is None:
-        return out
-    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad,
-        q,
-        k,
-        v,
-        None,
-        out,
-        lse,
-        seed,
-        off,
-        0.0,
-        [True, True, True, False],
-        causal,
-        scale=scale,
-    )
-
-
-def _cudnn(q, k, v, causal, scale, grad):
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale
-    )
-    out, lse, cq, ck, mq, mk, seed, off = res[:8]
-    if grad is None:
-        return out
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse, seed, off, None, cq, ck, mq, mk, 0.0, causal, scale=scale
-    )
-
-
-KERNELS = {"flash": _flash, "efficient": _efficient, "cudnn": _cudnn}
-
-
-def _attn_flops(S: int, T: int, H: int, D: int, causal: bool) -> float:
-    pairs = S * (S + 1) / 2 if causal else S * T
-    return 4.0 * pairs * H * D
+KERNELS = KERNEL_CALLS
 
 
 def measure_matmul(quick: bool) -> list[dict[str, Any]]:
@@ -136,39 +48,11 @@ def measure_matmul(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         for M, K, N in shapes:
-            a = torch.randn(M, K, device="cuda", dtype=dtype)
-            b = torch.randn(K, N, device="cuda", dtype=dtype)
-            t = _time(lambda a=a, b=b: torch.matmul(a, b))
             rows.append(
-                {
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "M": M,
-                    "K": K,
-                    "N": N,
-                    "ms": t.median_ms,
-                    "tflops": 2.0 * M * N * K / t.median_ms / 1e9,
-                }
+                {"dtype": str(dtype).removeprefix("torch."), "M": M, "K": K, "N": N}
+                | measure_gemm(dtype, M, K, N)
             )
-            del a, b
     return rows
-
-
-def _attention_rates(fn, dtype: torch.dtype, H: int, S: int, D: int, causal: bool) -> dict:
-    """Forward and forward+backward time and TFLOP/s of one kernel on one square block."""
-    try:
-        q, k, v, g = (torch.randn(1, H, S, D, device="cuda", dtype=dtype) for _ in range(4))
-        sc = D**-0.5
-        fl = _attn_flops(S, S, H, D, causal)
-        tf = _time(lambda: fn(q, k, v, causal, sc, None))
-        tb = _time(lambda: fn(q, k, v, causal, sc, g))
-    except Exception as e:  # noqa: BLE001 (record what does not run)
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    return {
-        "fwd_ms": tf.median_ms,
-        "fwd_tflops": fl / tf.median_ms / 1e9,
-        "fwd_bwd_ms": tb.median_ms,
-        "fwd_bwd_tflops": 3.5 * fl / tb.median_ms / 1e9,
-    }
 
 
 def measure_attention(quick: bool) -> list[dict[str, Any]]:
@@ -193,7 +77,7 @@ def measure_attention(quick: bool) -> list[dict[str, Any]]:
                             "S": S,
                             "H": H,
                         }
-                        row.update(_attention_rates(fn, dtype, H, S, D, causal))
+                        row.update(attention_rates(fn, dtype, H, S, D, causal))
                         rows.append(row)
                         print(row, flush=True)
     return rows

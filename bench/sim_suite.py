@@ -7,8 +7,9 @@ plus the FLOP-comparable pairs 48 H100 + 8 A100 vs 152 A100 and 52 H100 + 4 A100
 168 A100 (the homogeneous side is scored by its best baseline: on identical GPUs the planner and
 Ulysses/USP coincide).
 
-Hardware numbers are the catalog's (``megatron_hexiseq.cluster.GPU_CATALOG``: datasheet dense BF16
-peak x efficiency 0.5, memory, NVLink one direction: H100 450, A100 300, A800 200, L40S PCIe 32 GB/s)
+Hardware numbers are the catalog's (``megatron_hexiseq.cluster.GPU_CATALOG``: achieved matmul and
+attention rates per GPU and kernel, the kernel ``auto`` picks, docs/specs.md "Achieved rates";
+memory, NVLink one direction: H100 450, A100 300, A800 200, L40S PCIe 32 GB/s)
 and 25 GB/s per GPU between nodes (12.5 GB/s for L40S nodes). Memory mode: auto (distributed
 optimizer, then fsdp, then each with recompute). ``speedup`` = strongest feasible baseline's
 iteration time / planned iteration time. A setting no baseline fits is reported as such (the

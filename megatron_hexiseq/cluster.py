@@ -29,19 +29,24 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from megatron_hexiseq import spec_schema
+from megatron_hexiseq import gpu_rates, spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
 
 DEFAULT_EFFICIENCY = 0.5
-"""Achievable fraction of the datasheet's dense BF16 peak for the transformer's matmuls and
-attention kernels (large-model training reaches roughly 40-55% MFU on H100/A100; the HexiSeq
-and Megatron papers report numbers in that range). ``profile`` replaces it with a measurement."""
+"""Achievable fraction of the peak for a GPU type described only by its peak (``bf16_tflops``):
+custom types without ``achieved_tflops``. The catalog's GPUs carry achieved rates per operation
+and kernel instead (``megatron_hexiseq.gpu_rates``, docs/specs.md "Achieved rates")."""
+
+Curve = tuple[tuple[float, float], ...]
+RATE_KEY = re.compile(r"^(matmul/(bf16|fp16)|[a-z0-9-]+/(bf16|fp16)/[1-9][0-9]*)$")
+CURVE_KEY = re.compile(r"^[a-z0-9-]+/(causal|full)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +56,18 @@ class GpuType:
     ``bf16_tflops``: dense BF16 tensor-core peak (no sparsity); ``efficiency``: the achievable
     fraction of it; ``attention_tflops``: optional separate peak for the attention kernel (same
     efficiency scale; ``profile`` measures it), default = ``bf16_tflops``.
+
+    Achieved rates (docs/specs.md "Achieved rates"; the catalog's come from
+    :mod:`megatron_hexiseq.gpu_rates`, ``profile`` measures them on GPUs): ``achieved_tflops`` as
+    ``(key, TFLOP/s)`` pairs, keys ``matmul/<dtype>`` (the linear work in training) and
+    ``<kernel>/<dtype>/<head dim>`` (attention forward + backward on long causal blocks, the
+    FlashAttention papers' FLOP count); ``attention_curves``: ``(kernel/mask, points)`` pairs that
+    replace the catalog's measured curves of achieved rate against the work of one call;
+    ``compute_capability`` decides the kernel ``auto`` picks and the training dtype (fp16 below 8.0).
+    When ``achieved_tflops`` has a ``matmul`` figure it replaces ``bf16_tflops * efficiency`` for
+    the linear work, and its attention figures replace it for attention, unless
+    ``attention_tflops`` is given (one flat rate for every kernel and call size, as on the CPU
+    testbed).
 
     Fixed costs (default 0, which is what the catalog assumes for GPUs; ``profile`` measures them on
     the CPU testbed, where they are large; docs/cost_model.md "Fixed costs"):
@@ -69,6 +86,23 @@ class GpuType:
     step_overhead_ms: float = 0.0
     collective_latency_us: float = 0.0
     p2p_latency_us: float = 0.0
+    compute_capability: float | None = None
+    achieved_tflops: tuple[tuple[str, float], ...] = ()
+    attention_curves: tuple[tuple[str, Curve], ...] = ()
+
+    @property
+    def train_dtype(self) -> str:
+        """``bf16``, or ``fp16`` on GPUs without BF16 tensor cores (compute capability < 8.0)."""
+        cc = self.compute_capability
+        return "fp16" if cc is not None and cc < 8.0 else "bf16"
+
+    def rate(self, key: str) -> float | None:
+        """The achieved TFLOP/s under ``key`` (``matmul/bf16``, ``flash/bf16/128``), or None."""
+        return dict(self.achieved_tflops).get(key)
+
+    def curve(self, key: str) -> Curve | None:
+        """This type's own curve for ``kernel/mask`` (``profile`` writes them), or None."""
+        return dict(self.attention_curves).get(key)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,18 +131,27 @@ class Device:
 
     @property
     def flops_per_s(self) -> float:
-        """Achievable matmul FLOP/s: ``bf16_tflops * 1e12 * efficiency``."""
+        """Achieved FLOP/s of the linear work: the type's ``matmul/<train dtype>`` figure, else
+        ``bf16_tflops * 1e12 * efficiency``."""
+        achieved = self.gpu.rate(f"matmul/{self.gpu.train_dtype}")
+        if achieved is not None:
+            return achieved * 1e12
         return self.gpu.bf16_tflops * 1e12 * self.gpu.efficiency
 
     @property
     def attention_flops_per_s(self) -> float:
-        """Achievable attention-kernel FLOP/s (``attention_tflops`` or ``bf16_tflops``, times efficiency)."""
-        peak = (
-            self.gpu.attention_tflops
-            if self.gpu.attention_tflops is not None
-            else self.gpu.bf16_tflops
-        )
-        return peak * 1e12 * self.gpu.efficiency
+        """Attention FLOP/s on long blocks in the cost model's count (12 d per pair and head): the
+        figure of the kernel ``auto`` picks at head dim 128 (``costmodel.rates`` has the rate for
+        any head dim, kernel and call size), else ``attention_tflops`` or ``bf16_tflops`` times
+        efficiency."""
+        g = self.gpu
+        if g.attention_tflops is None:
+            for kernel in auto_kernel_order(g):
+                achieved = g.rate(f"{kernel}/{g.train_dtype}/128")
+                if achieved is not None:
+                    return achieved * 1e12 * gpu_rates.FA_TO_MODEL
+        peak = g.attention_tflops if g.attention_tflops is not None else g.bf16_tflops
+        return peak * 1e12 * g.efficiency
 
     @property
     def step_overhead_s(self) -> float:
@@ -159,6 +202,19 @@ class Cluster:
         return min(da.network_GBps, db.network_GBps)
 
 
+def auto_kernel_order(gpu: GpuType) -> tuple[str, ...]:
+    """The CUDA kernels ``auto`` tries on ``gpu``, first choice first (attention/kernels.py):
+    cudnn on compute capability 9.x, flash from 8.0, efficient everywhere."""
+    cc = gpu.compute_capability
+    if cc is None:
+        return ("flash", "efficient")
+    return (
+        (("cudnn",) if 9.0 <= cc < 10.0 else ())
+        + (("flash",) if cc >= 8.0 else ())
+        + ("efficient",)
+    )
+
+
 # ---- catalog ----------------------------------------------------------------------------------
 def _gpu(
     name: str,
@@ -175,6 +231,8 @@ def _gpu(
         nvlink_GBps=nvlink_GBps,
         efficiency=efficiency,
         source=source,
+        compute_capability=gpu_rates.COMPUTE_CAPABILITY.get(name),
+        achieved_tflops=tuple(sorted(gpu_rates.ACHIEVED_TFLOPS.get(name, {}).items())),
     )
 
 
@@ -308,6 +366,12 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         for key in _FIXED_COST_KEYS:
             if getattr(g, key):
                 entry[key] = getattr(g, key)
+        if g.compute_capability is not None:
+            entry["compute_capability"] = g.compute_capability
+        if g.achieved_tflops:
+            entry["achieved_tflops"] = dict(g.achieved_tflops)
+        if g.attention_curves:
+            entry["attention_curves"] = {k: [list(p) for p in pts] for k, pts in g.attention_curves}
         gpus[g.name] = entry
     nodes = [
         {
@@ -385,7 +449,30 @@ def _gpu_type(name: str, spec: Mapping[str, Any], base: GpuType | None, source: 
                 f"gpus.{name} is not in the catalog, so it needs {', '.join(missing)}"
             )
         base = GpuType(name=name, bf16_tflops=1.0, memory_gib=1.0, nvlink_GBps=1.0, source=source)
-    return replace(base, **spec)
+    fields = dict(spec)
+    if "achieved_tflops" in fields:
+        bad = [k for k in fields["achieved_tflops"] if not RATE_KEY.match(k)]
+        if bad:
+            raise HexiSeqError(
+                f"gpus.{name}.achieved_tflops: key {short(bad[0])} is not matmul/<bf16|fp16> or "
+                "<kernel>/<bf16|fp16>/<head dim> (e.g. flash/bf16/128)"
+            )
+        fields["achieved_tflops"] = tuple(sorted(fields["achieved_tflops"].items()))
+    elif "bf16_tflops" in fields or "efficiency" in fields:
+        # a peak or efficiency given for a catalog type means: model it by peak x efficiency
+        fields["achieved_tflops"] = ()
+    if "attention_curves" in fields:
+        curves = []
+        for key, points in fields["attention_curves"].items():
+            xs = [p[0] for p in points]
+            if not CURVE_KEY.match(key) or xs != sorted(set(xs)):
+                raise HexiSeqError(
+                    f"gpus.{name}.attention_curves.{short(key)}: expected key <kernel>/<causal|full> "
+                    "and points [pair-heads, fraction] with pair-heads strictly increasing"
+                )
+            curves.append((key, tuple((float(x), float(f)) for x, f in points)))
+        fields["attention_curves"] = tuple(sorted(curves))
+    return replace(base, **fields)
 
 
 def _node(raw: Mapping[str, Any], types: Mapping[str, GpuType]) -> Node:

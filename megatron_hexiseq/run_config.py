@@ -68,6 +68,7 @@ OPTION_FIELDS = (
     "memory_mode",
     "data_parallel_size",
     "capacity_fraction",
+    "attention_kernel",
 )
 _RECORD_TYPES = {
     "micro_batch_size": int,
@@ -75,6 +76,7 @@ _RECORD_TYPES = {
     "memory_mode": str,
     "data_parallel_size": int,
     "capacity_fraction": float,
+    "attention_kernel": str,
     "memory_modes_tried": list,
     "megatron_flags": list,
 }
@@ -92,6 +94,8 @@ class TrainOptions:
     ``data_parallel_size``: replicas of the layout; the optimizer shards over
     ``data_parallel_size * world_size`` ranks (Megatron's ``dp_cp`` group).
     ``capacity_fraction``: usable share of each device's memory.
+    ``attention_kernel``: the block kernel the run forces (``--hexiseq-kernel``), ``auto`` for the
+    runtime's choice per GPU; the cost model prices that kernel's achieved rate.
     """
 
     micro_batch_size: int = 1
@@ -99,6 +103,7 @@ class TrainOptions:
     memory_mode: str = "distributed_optimizer"
     data_parallel_size: int = 1
     capacity_fraction: float = 0.95
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "data_parallel_size"):
@@ -106,6 +111,10 @@ class TrainOptions:
         if self.memory_mode not in MEMORY_MODES:
             raise HexiSeqError(
                 f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}"
+            )
+        if not isinstance(self.attention_kernel, str) or not self.attention_kernel:
+            raise HexiSeqError(
+                f"attention_kernel must be a kernel name, got {short(self.attention_kernel)}"
             )
         if not isinstance(self.recompute, bool):
             raise HexiSeqError(f"recompute must be true or false, got {self.recompute!r}")
@@ -150,6 +159,7 @@ def options_record(options: TrainOptions, tried: Sequence[TrainOptions]) -> dict
         "memory_mode": options.memory_mode,
         "data_parallel_size": options.data_parallel_size,
         "capacity_fraction": options.capacity_fraction,
+        "attention_kernel": options.attention_kernel,
         "memory_modes_tried": [mode_label(o) for o in tried],
         "megatron_flags": megatron_flags(options),
     }

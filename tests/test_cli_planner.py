@@ -10,6 +10,8 @@ import pytest
 
 from megatron_hexiseq.cli import main
 
+pytestmark = pytest.mark.usefixtures("pinned_catalog")  # tests/conftest.py
+
 CLUSTER = """name: small
 nodes:
   - {name: h0, gpu: H100-SXM-80GB, count: 2, network_GBps: 25}

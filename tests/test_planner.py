@@ -31,6 +31,8 @@ from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import build_surrogate, granularity
 from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
+pytestmark = pytest.mark.usefixtures("pinned_catalog")  # tests/conftest.py
+
 BIG = 10**15
 
 

@@ -39,6 +39,8 @@ sys.path.insert(
 )
 import arranged_bound as bound_bench  # noqa: E402  (its brute force and random instances)
 
+pytestmark = pytest.mark.usefixtures("pinned_catalog")  # tests/conftest.py
+
 BIG = 10**15
 TINY_GQA = {
     "name": "gpt-tiny-gqa",

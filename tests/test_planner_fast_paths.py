@@ -12,6 +12,8 @@ import math
 import random
 from collections.abc import Callable
 
+import pytest
+
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import alltoall_time_s, kv_exchange_forward
 from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
@@ -31,6 +33,8 @@ from megatron_hexiseq.planner.stage2_split import (
     _identical_time,
     units_range,
 )
+
+pytestmark = pytest.mark.usefixtures("pinned_catalog")  # tests/conftest.py
 
 TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB")
 
@@ -556,7 +560,12 @@ def test_estimate_per_rank_columns_equal_the_scalar_formulas() -> None:
                         * max(cl.devices[m].collective_latency_s for m in g.ranks)
                     )
                 linear = t * linear_s_per_token(model, d, opts) + d.step_overhead_s
-                att = pairs[p.group] * len(p.heads) * attention_s_per_pair_head(model, d, opts)
+                att = (
+                    pairs[p.group]
+                    * len(p.heads)
+                    * attention_s_per_pair_head(model, d, opts)
+                    * ex.slowdown[r]
+                )
                 lat = (passes + 2) * L * ex.rounds[r] * d.p2p_latency_s
                 kv_s = (passes + 2) * ex.comm_s[r] + lat
                 kv_exp = (passes + 2) * ex.exposed_s[r] + lat

@@ -17,6 +17,8 @@ from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.surrogate import build_surrogate
 from megatron_hexiseq.run_config import TrainOptions
 
+pytestmark = pytest.mark.usefixtures("pinned_catalog")  # tests/conftest.py
+
 TINY_GQA = {
     "name": "gpt-tiny-gqa",
     "num_layers": 2,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_hexiseq.cluster import Cluster, cluster_from_dict, load_cluster
+from megatron_hexiseq.costmodel.rates import FLAT_KERNELS, RUNTIME_KERNELS
 from megatron_hexiseq.elastic import Survivors, exclude, parse_exclusions
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.layout import Layout
@@ -101,6 +102,17 @@ def add_problem_args(
         help="data-parallel replicas (default 1): D copies of this cluster, each running the layout on "
         "its own sequences; tokens/s are those of all D copies, the cluster file describes one",
     )
+    p.add_argument(
+        "--attention-kernel",
+        choices=KERNEL_CHOICES,
+        default="auto",
+        help="the attention kernel the run will force (--hexiseq-kernel), priced at its achieved "
+        "rate on each GPU; auto (default): the kernel the runtime picks per GPU (cuDNN on Hopper, "
+        "flash from Ampere, else memory-efficient)",
+    )
+
+
+KERNEL_CHOICES = (*RUNTIME_KERNELS, *FLAT_KERNELS)
 
 
 def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Problem:
@@ -145,6 +157,7 @@ def _problem(args: argparse.Namespace, cluster: Cluster, model: ModelSpec) -> Pr
         recompute=bool(args.recompute),
         memory_mode=modes[0][0],
         data_parallel_size=args.data_parallel_size,
+        attention_kernel=getattr(args, "attention_kernel", "auto"),
         **({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else {}),
     )
     return Problem(

@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             memory_mode=planned[0].get("memory_mode", options.memory_mode),
             recompute=bool(planned[0].get("recompute", False)) or bool(args.recompute),
         )
+    if args.attention_kernel == "auto" and planned:  # the kernel the layout was planned for
+        options = replace(options, attention_kernel=planned[0].get("attention_kernel", "auto"))
     with waiting("simulating", enabled=args.format != "json"):
         rows = simulate(prob.cluster, prob.model, options, layouts, baselines=args.baselines)
     if args.format == "json":

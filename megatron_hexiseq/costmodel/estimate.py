@@ -5,7 +5,9 @@ Per rank (all layers, one iteration = one micro-batch of ``b`` sequences, forwar
 - ``linear_s``    = b * tokens_r * train_flops(linear_flops_per_token) / flops_per_s + ``overhead_s``
                     (the device's fixed ``step_overhead_s`` per iteration: optimizer, framework)
 - ``attention_s`` = b * causal_pairs(group segments, [0, S)) * heads_r
-                    * train_flops(attention_flops_per_pair_head) / attention_flops_per_s
+                    * train_flops(attention_flops_per_pair_head) / (the kernel's long-block rate)
+                    * slowdown_r (its calls' time at their achieved rates over their time at the
+                    long-block rate: ``rates.call_fraction``, one call per block and layer)
 - ``a2a_s``       = passes * sum over q, k, v, out of alltoall_time_s(one layer) * L, the group's
                     slowest member (a collective: everyone waits); passes = 2 (fwd, bwd) or 3 (+recompute)
 - ``kv_exchange_s`` / ``kv_exposed_s``: (forward passes + 2) x one forward exchange (backward moves
@@ -47,6 +49,7 @@ from megatron_hexiseq.costmodel.formulas import (
     linear_s_per_token,
     static_memory_bytes,
 )
+from megatron_hexiseq.costmodel.rates import cluster_rates
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
@@ -142,7 +145,8 @@ def estimate(
     kv_of = [
         tuple(sorted({h // hpg for h in r.heads})) for r in layout.ranks
     ]  # layout.kv_heads of each rank
-    exchange = kv_exchange_forward(layout, cluster, model, b, kv_heads=kv_of)
+    rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
+    exchange = kv_exchange_forward(layout, cluster, model, b, kv_heads=kv_of, rates=rates)
 
     tokens = [r.num_tokens for r in layout.ranks]
     kv_count = [len(k) for k in kv_of]
@@ -205,7 +209,8 @@ def estimate(
     g_a2a = np.array(group_a2a_s)[gi]
     g_tokens = np.array(group_tokens_of, dtype=np.int64)[gi]
     linear_s = t * lin_rate + dev.overhead_s
-    attention_s = g_pairs * heads_n * att_rate
+    # at the long-block rate, then at the achieved rate of the rank's calls (1.0 for a flat rate)
+    attention_s = g_pairs * heads_n * att_rate * np.array(exchange.slowdown)
     kv_latency_s = steps * np.array(exchange.rounds, dtype=np.int64) * dev.p2p_latency_s
     kv_s = (passes_fwd + 2) * np.array(exchange.comm_s) + kv_latency_s
     kv_exposed_s = (passes_fwd + 2) * np.array(exchange.exposed_s) + kv_latency_s

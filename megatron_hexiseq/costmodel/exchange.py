@@ -24,6 +24,7 @@ import numpy as np
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays
 from megatron_hexiseq.costmodel.formulas import kv_block_bytes_per_token
+from megatron_hexiseq.costmodel.rates import ClusterRates, cluster_rates
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 
@@ -38,6 +39,9 @@ class ExchangeForward:
     exposed_s: tuple[float, ...]  # transfer time not hidden behind attention compute
     max_block_tokens: tuple[int, ...]  # largest visible block received (sizes the buffers)
     rounds: tuple[int, ...] = ()  # rounds with something to receive, per layer (fixed-cost steps)
+    slowdown: tuple[
+        float, ...
+    ] = ()  # attention time at the calls' achieved rates / at long-block rates
 
 
 def pairs_vec(qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
@@ -115,14 +119,27 @@ def kv_exchange_forward(
     micro_batch_size: int,
     *,
     kv_heads: Sequence[tuple[int, ...]] | None = None,
+    rates: ClusterRates | None = None,
 ) -> ExchangeForward:
     """Simulate the forward exchange rounds of every rank at once (see module docstring).
-    ``kv_heads[r]``: ``layout.kv_heads(r)`` when the caller has them."""
+    ``kv_heads[r]``: ``layout.kv_heads(r)`` when the caller has them; ``rates``: the attention rates
+    of the devices (``rates.cluster_rates``; default: ``auto``'s kernels for the model's head dim).
+    Every block is one kernel call per layer, priced at its achieved fraction of the rate."""
     W, groups = layout.world_size, layout.groups
     n = len(groups)
+    if rates is None:
+        rates = cluster_rates(cluster, model.kv_channels)
+    heads = np.array([len(r.heads) for r in layout.ranks], dtype=np.float64)
+    b = micro_batch_size
     if n == 1:
+        p0 = np.full(W, float(causal_pairs_one(layout)))
+        slow = 1.0 / rates.fraction(p0 * heads * b, "causal")
         return ExchangeForward(
-            comm_s=(0.0,) * W, exposed_s=(0.0,) * W, max_block_tokens=(0,) * W, rounds=(0,) * W
+            comm_s=(0.0,) * W,
+            exposed_s=(0.0,) * W,
+            max_block_tokens=(0,) * W,
+            rounds=(0,) * W,
+            slowdown=tuple(slow.tolist()),
         )
     # data: padded group segments (touching segments merged: the same positions, so the same causal
     # pairs and visible tokens, and a mirrored group of 8 ranks has 2 segments instead of 16), per-group
@@ -136,7 +153,7 @@ def kv_exchange_forward(
         QE[i, : len(s)] = [e for _, e in s]
     q_end = QE.max(axis=1)
     arrays = cluster_arrays(cluster)
-    node, nv, net, rate = arrays.node, arrays.nv, arrays.net, arrays.rate
+    node, nv, net, rate = arrays.node, arrays.nv, arrays.net, rates.flops_per_s
     members = np.array(
         [r for g in groups for r in g.ranks]
     )  # every group's ranks, group after group
@@ -153,7 +170,6 @@ def kv_exchange_forward(
         for j, r in enumerate(g.ranks):
             gi_of[r], pos_of[r] = i, j
     gi, pos = np.array(gi_of), np.array(pos_of)
-    heads = np.array([len(r.heads) for r in layout.ranks], dtype=np.float64)
     # fan-out table per (sending group structure, receiving group structure): O(#structures^2)
     # Python calls; layouts repeat a few head splits, so there are few distinct structures
     kv_of = kv_heads if kv_heads is not None else [layout.kv_heads(r) for r in range(W)]
@@ -166,16 +182,21 @@ def kv_exchange_forward(
     for a, sa in enumerate(sigs):
         for c, sc in enumerate(sigs):
             fan[a, c, : len(sc)] = _fan_units_cached(sa, sc)
-    L, b = model.num_layers, micro_batch_size
+    L = model.num_layers
     flops_per_pair_head = 4 * model.kv_channels * L * b  # forward only, all layers
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
     # round 0: own group's K/V, no transfer
     p0 = pairs_vec(QS, QE, QS, QE)
     comp_end = flops_per_pair_head * p0[gi] * heads / rate
+    ideal = comp_end.copy()  # attention compute at the long-block rate
+    comp_end /= rates.fraction(p0[gi] * heads * b, "causal")
     comp_sum, comm_end, comm_sum = comp_end.copy(), np.zeros(W), np.zeros(W)
+    curved = np.zeros(W, dtype=bool)  # ranks whose rate depends on the call size
+    for _, where in rates.groups:
+        curved |= where
     free0, free1 = np.zeros(W), np.zeros(W)  # when each receive buffer can be overwritten
     blocks, vmax = np.zeros(W, dtype=np.int64), np.zeros(W, dtype=np.int64)
-    chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W))
+    chunk = max(1, _CHUNK_ELEMENTS // (n * width * width + W * width))
     for t0 in range(1, n, chunk):
         # rounds t0..t1-1 at once: src[t, i] = the group G_i receives from in round t
         src = (np.arange(n)[None, :] - np.arange(t0, min(n, t0 + chunk))[:, None]) % n
@@ -183,6 +204,14 @@ def kv_exchange_forward(
         vis = visible_vec(QS[src], QE[src], q_end[None])[:, gi]  # [T, W]
         gp = src[:, gi]  # [T, W] sending group
         comp = flops_per_pair_head * pairs_g[:, gi] * (heads / rate)
+        ideal += np.where((vis > 0) & (heads > 0), comp, 0.0).sum(axis=0)
+        if curved.any():  # each of the block's calls at its own achieved fraction
+            work, total = block_calls_vec(QS[None], QE[None], QS[src], QE[src])  # [T, n, w]
+            work_r = work.transpose(0, 2, 1)[:, :, gi]  # [T, w, W]
+            total_r = total.transpose(0, 2, 1)[:, :, gi]
+            frac = rates.fraction(total_r * heads * b, "full")
+            slow_pairs = (work_r / frac).sum(axis=1)  # [T, W]
+            comp = np.where(curved, flops_per_pair_head * slow_pairs * (heads / rate), comp)
         link = np.where(gnode[gp] == node, np.minimum(gnv[gp], nv), np.minimum(gnet[gp], net))
         comm = bytes_per_token_head * vis * fan[sig_id[gp], sig_id[gi], pos] / link
         active = (vis > 0) & (heads > 0)
@@ -215,4 +244,38 @@ def kv_exchange_forward(
         exposed_s=tuple(exposed.tolist()),
         max_block_tokens=tuple(int(v) for v in vmax),
         rounds=tuple(int(v) for v in blocks),
+        slowdown=tuple(
+            np.where(ideal > 0, comp_sum / np.where(ideal > 0, ideal, 1.0), 1.0).tolist()
+        ),
     )
+
+
+def block_calls_vec(
+    qs: np.ndarray, qe: np.ndarray, ks: np.ndarray, ke: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The runtime's unmasked calls of received blocks (``attention.peers.block_calls``), per query
+    run: receiver runs ``[..., w]`` (a group's merged segments, padded with empty ones at the end),
+    the block's key segments ``[..., wk]`` (same leading shape). A run sees the keys below its first
+    position; consecutive runs that see the same (non-zero) count share one call. Returns, per run,
+    its pairs (``length x keys``) and the pairs of the call it belongs to (0 for a run that sees
+    nothing), both ``[..., w]``."""
+    keys = np.maximum(np.minimum(ke[..., None, :], qs[..., :, None]) - ks[..., None, :], 0).sum(-1)
+    keys = np.where(qe > qs, keys, 0)
+    work = (qe - qs) * keys
+    zero = np.zeros_like(keys[..., :1])
+    prev = np.concatenate([zero, keys[..., :-1]], axis=-1)
+    start = (keys > 0) & (keys != prev)
+    w = keys.shape[-1]
+    idx = np.broadcast_to(np.arange(w), keys.shape)
+    first = np.maximum.accumulate(np.where(start, idx, 0), axis=-1)  # the call's first run
+    after = np.concatenate([start[..., 1:] | (keys[..., 1:] == 0), zero + 1 > 0], axis=-1)
+    last = np.minimum.accumulate(np.where(after, idx, w - 1)[..., ::-1], axis=-1)[..., ::-1]
+    csum = np.cumsum(work, axis=-1)
+    total = np.take_along_axis(csum, last, -1) - np.take_along_axis(csum - work, first, -1)
+    return work, np.where(work > 0, total, 0)
+
+
+def causal_pairs_one(layout: Layout) -> int:
+    """Causal pairs of the whole sequence (one group holds it all)."""
+    s = layout.seq_length
+    return s * (s + 1) // 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_hexiseq.cluster import Device
+from megatron_hexiseq.costmodel.rates import attention_rate
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
@@ -177,9 +178,12 @@ def linear_s_per_token(model: ModelSpec, device: Device, options: TrainOptions) 
 
 
 def attention_s_per_pair_head(model: ModelSpec, device: Device, options: TrainOptions) -> float:
-    """Seconds of attention per visible (q, k) pair per query head per iteration on ``device``."""
+    """Seconds of attention per visible (q, k) pair per query head per iteration on ``device``, at
+    the long-block rate of the kernel the options choose (``rates.attention_rate``); ``estimate``
+    scales it by the achieved fraction of the rank's actual calls."""
+    rate = attention_rate(device.gpu, model.kv_channels, options.attention_kernel)
     return (
         options.micro_batch_size
         * train_flops(attention_flops_per_pair_head(model), options)
-        / device.attention_flops_per_s
+        / rate.flops_per_s
     )

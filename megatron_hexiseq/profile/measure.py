@@ -43,6 +43,14 @@ class ProfileOptions:
     )
     model: ModelSpec | None = None  # measure with the model's own layer shapes (calibration)
     layer_tokens: int = 1024
+    kernel_sizes: tuple[int, ...] = (
+        512,
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+    )  # GPU: block sizes per kernel
 
 
 def timed_rate(work: Callable[[], None], work_units: float, seconds: float) -> float:

@@ -11,6 +11,11 @@ power/thermal budget see the speed they will see in training. Measurements
   three token counts, fitted as a FLOP rate plus a fixed ``step_overhead_ms``;
 - causal attention forward+backward throughput (the model's head shape when a model is given; on
   CPU with a calibration, HexiSeq's own attention instead of PyTorch SDPA);
+- on GPUs, every attention kernel that runs there (flash, efficient, cudnn) at several square block
+  sizes, causal and full (:func:`megatron_hexiseq.profile.kernels.measure_kernel_rates`): the
+  spec's GPU type then carries ``achieved_tflops`` (matmul and each kernel's long-block rate),
+  ``attention_curves`` and ``compute_capability``, which the cost model prices instead of the
+  catalog's figures (and no flat ``attention_tflops``);
 - bandwidth of every pair of ranks (one pair at a time, ping-pong of ``message_bytes``) and the
   all-to-all bandwidth of all ranks together;
 - on CPU with a calibration, a model and more than one rank: the fixed cost of each head
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.profile.kernels import measure_kernel_rates, rates_to_spec
 from megatron_hexiseq.profile.measure import (
     ProfileOptions,
     device_name,
@@ -117,6 +123,19 @@ def run_profile(
         attn = calibrate.attention_flops(model, model_attention_seq(model), opts)
     else:
         attn = measure_attention_flops(device, dtype, opts)
+    kernel_rows: list[dict[str, Any]] = []
+    capability = None
+    if device.type == "cuda":
+        say("attention kernels at several block sizes (all ranks at once)")
+        dist.barrier()
+        heads, head_dim = (
+            (model.num_attention_heads, model.kv_channels)
+            if model is not None
+            else (opts.attention_heads, opts.head_dim)
+        )
+        kernel_rows = measure_kernel_rates(dtype, heads, head_dim, opts.kernel_sizes)
+        major, minor = torch.cuda.get_device_capability(device)
+        capability = major + minor / 10
     pair_bw: dict[str, float] = {}
     for a in range(world):
         for b in range(a + 1, world):
@@ -143,6 +162,8 @@ def run_profile(
         "alltoall_Bps": a2a,
         "pair_Bps": pair_bw,
         "memory_gib": memory_gib(device, opts),
+        "kernel_rates": kernel_rows,
+        "compute_capability": capability,
         **fixed,
     }
     everyone: list[dict[str, Any]] = [None] * world  # type: ignore[list-item]
@@ -206,6 +227,8 @@ def cluster_spec_from_measurements(
             "nvlink_GBps": significant(intra / 1e9),
             "efficiency": 1.0,
         }
+        if all(r.get("kernel_rates") for r in members):  # a GPU: per-kernel rates and curves
+            _add_kernel_rates(gpus[type_name], members)
         if all("step_overhead_s" in r for r in members):
             gpus[type_name]["step_overhead_ms"] = significant(
                 statistics.mean(r["step_overhead_s"] for r in members) * 1e3
@@ -220,3 +243,21 @@ def cluster_spec_from_measurements(
             }
         )
     return {"name": name, "gpus": gpus, "nodes": nodes}
+
+
+def _add_kernel_rates(gpu: dict[str, Any], members: list[dict[str, Any]]) -> None:
+    """Put the node's measured kernel rates into its GPU type (in place): ``achieved_tflops`` (the
+    mean over the node's ranks of each kernel's long-block rate, and the matmul rate in the
+    training dtype), ``attention_curves`` (the first rank's) and ``compute_capability``; the flat
+    ``attention_tflops`` is dropped so the per-kernel figures apply."""
+    specs = [rates_to_spec(r["kernel_rates"]) for r in members]
+    keys = set.intersection(*(set(s["achieved_tflops"]) for s in specs))
+    dtype = "bf16" if members[0]["dtype"] == "bfloat16" else "fp16"
+    gpu["achieved_tflops"] = {
+        k: significant(statistics.mean(s["achieved_tflops"][k] for s in specs))
+        for k in sorted(keys)
+    } | {f"matmul/{dtype}": gpu["bf16_tflops"]}
+    gpu["attention_curves"] = specs[0]["attention_curves"]
+    if members[0].get("compute_capability") is not None:
+        gpu["compute_capability"] = members[0]["compute_capability"]
+    gpu.pop("attention_tflops", None)
