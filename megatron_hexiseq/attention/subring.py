@@ -55,9 +55,11 @@ from megatron_hexiseq.attention.comm import CommStats, post_p2p, wait_all
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.attention.kernels import (
     Kernel,
+    KVMap,
     acc_dtype,
     block_backward,
     block_forward,
+    kv_map,
     merge_into,
 )
 from megatron_hexiseq.attention.peers import RankSchedule, RankStep, Run, runs_num_tokens
@@ -74,7 +76,7 @@ class _Ctx:
     scale: float
     kernel: Kernel
     stats: CommStats | None
-    kv_of_head_H: Tensor | None  # None when query head i reads K/V head i (no GQA expansion)
+    kv_of_head_H: KVMap  # the K/V head each query head reads (host-side: no index tensor)
     fp32_grad_wire: bool
 
     def index(self, ix: tuple[int, ...], like: Tensor) -> Tensor:
@@ -385,16 +387,13 @@ def subring_attn_func(
     if not sched.heads:
         return q_SBHD * 0  # [S, B, 0, D], keeps the autograd graph
     assert q_SBHD.shape[0] == runs_num_tokens(sched.q_runs), (q_SBHD.shape, sched.q_runs)
-    identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(sched.kv_heads) == len(
-        sched.heads
-    )
     c = _Ctx(
         sched=sched,
         groups=groups,
         scale=scale,
         kernel=kernel,
         stats=stats,
-        kv_of_head_H=None if identity else groups.index(sched.kv_of_head, q_SBHD.device),
+        kv_of_head_H=kv_map(sched.kv_of_head, len(sched.kv_heads)),
         fp32_grad_wire=fp32_grad_wire,
     )
     return _SubRingAttention.apply(q_SBHD, k_SBGD, v_SBGD, c)
