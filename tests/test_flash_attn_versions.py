@@ -235,3 +235,16 @@ def test_unsupported_flash_attn_version_is_one_line(monkeypatch, version: str) -
     with pytest.raises(HexiSeqError, match=f"flash-attn {version} is not supported") as err:
         resolve_kernel("flash-attn", device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=64)
     assert "\n" not in str(err.value)
+
+
+def test_flash_attn_refuses_what_its_kernel_cannot_take(monkeypatch) -> None:
+    from megatron_hexiseq.attention.kernels import resolve_kernel
+
+    _install(monkeypatch, "2.8.3", fwd_27, bwd_27)
+    cuda = torch.device("cuda")
+    assert resolve_kernel("flash-attn", device=cuda, dtype=torch.float16, head_dim=64) is (
+        Kernel.FLASH_ATTN
+    )
+    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 100), (torch.bfloat16, 264)):
+        with pytest.raises(HexiSeqError, match="'flash-attn' needs bf16/fp16"):
+            resolve_kernel("flash-attn", device=cuda, dtype=dtype, head_dim=head_dim)

@@ -197,6 +197,11 @@ def resolve_kernel(
             f"{CUDNN_MAX_HEAD_DIM}, cuDNN >= 9 and compute capability 8.0-12.1 {got}; use 'auto'"
         )
     if k is Kernel.FLASH_ATTN:
+        if not _half(dtype) or head_dim % 8 or head_dim > 256:
+            raise HexiSeqError(
+                f"attention kernel 'flash-attn' needs bf16/fp16 and head dim a multiple of 8 up to "
+                f"256 {got}; use 'auto'"
+            )
         flash_attn_ops.load_api()  # missing package or unsupported version: one line
     return k
 
