@@ -234,3 +234,19 @@ def test_megatron_flag_accepts_every_kernel() -> None:
     from megatron_hexiseq.megatron.args import KERNELS
 
     assert set(KERNELS) == {k.value for k in Kernel} | {"sdpa"}
+
+
+def test_cudnn_backward_gets_one_layout_for_q_out_and_dout() -> None:
+    """cuDNN caches its backward plan by q/k/v strides only: out and dout must come with q's
+    strides even when the caller's dout is laid out differently (here [B, S, H, D] in memory)."""
+    S, B, H, G, D = 24, 2, 4, 2, 16
+    q = torch.empty(S, B, H, D, dtype=torch.bfloat16, device=META)
+    k = torch.empty(S, B, G, D, dtype=torch.bfloat16, device=META)
+    dout = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=META).transpose(0, 1)
+    kw = dict(causal=True, kv_of_head_H=kv_map((0, 0, 1, 1), G), scale=0.25, kernel=Kernel.CUDNN)
+    out, lse = block_forward(q, k, k, **kw)
+    rec = _Calls()
+    with rec:
+        block_backward(dout, q, k, k, out, lse, **kw)
+    (a,) = [a for n, a in rec.calls if n == "aten::_scaled_dot_product_cudnn_attention_backward"]
+    assert a["grad_out"].stride() == a["out"].stride() == a["query"].stride()

@@ -400,15 +400,18 @@ def block_backward(
     """Recompute backward of one block with the FINAL ``out`` (input dtype for the fused kernels)
     and ``lse``: ``dq [S, B, H, D]``, ``dk, dv [T, B, G, D]`` in the accumulation dtype.
 
-    Memory beyond the results: one call's dq/dk/dv in the kernel's dtype (G heads for K/V). The
-    query-side tensors are made [S, B, H, D]-contiguous (a no-op for the runtime's tensors) so q, out
-    and dout reach the kernel with the same strides (cuDNN caches its plan by q's strides)."""
+    Memory beyond the results: one call's dq/dk/dv in the kernel's dtype (G heads for K/V). For
+    ``cudnn`` the query-side tensors are made [S, B, H, D]-contiguous (a no-op for the runtime's
+    tensors) so q, out and dout reach it with the same strides (cuDNN caches its plan by q's
+    strides)."""
     acc = acc_dtype(q_SBHD.dtype)
     S, B, H, D = q_SBHD.shape
     T, _, G, _ = k_TBGD.shape
     m = _map_of(kv_of_head_H, H, G)
     bwd, native = _BACKWARD[kernel], kernel in NATIVE_GQA
-    side = [x.contiguous() for x in (dout_SBHD, q_SBHD, out_SBHD)]
+    side = [dout_SBHD, q_SBHD, out_SBHD]
+    if kernel is Kernel.CUDNN:  # its plan cache keys on q's strides only: give all three q's layout
+        side = [x.contiguous() for x in side]
     lse_BHS = lse_SBH.permute(1, 2, 0).to(acc)
     do_BHSD, q_BHSD, o_BHSD = (x.permute(1, 2, 0, 3) for x in side)
     k_BGTD, v_BGTD = k_TBGD.permute(1, 2, 0, 3), v_TBGD.permute(1, 2, 0, 3)
