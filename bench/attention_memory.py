@@ -12,18 +12,35 @@ The linear claim is: MiB / token stays flat for ``auto`` while it grows with S f
 
     python bench/attention_memory.py                       # S = 4K..32K, writes results/bench/attention_memory.*
     python bench/attention_memory.py --seqs 2048 4096 --reference-up-to 4096
+
+``--gqa``: peak memory of ONE layer's attention forward+backward with GQA (H = 32 query heads,
+H/G = 4 and 8, head dim 128, bf16, B = 1, all tokens on one rank: the local causal block, the
+largest call) at 16K-64K tokens, beyond its inputs q, k, v, dout, written to attention_memory_gqa.*:
+- ``--device meta`` (default, any machine): the CUDA path's tensors on the ``meta`` device (the
+  sizes the GPU would allocate, no compute), counted by ``_live_bytes.LiveBytes`` at the
+  dispatcher; buffers a kernel allocates and frees inside its own call (FlashAttention's float32
+  dq accumulator, its dK/dV expanded to H heads under GQA) are not seen;
+- ``--device cuda``: ``torch.cuda.max_memory_allocated`` over the call (everything, kernels included).
+
+    python bench/attention_memory.py --gqa                                  # meta, flash and cudnn
+    python bench/attention_memory.py --gqa --device cuda --kernels auto flash --out results/gpu
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
 
 import torch
 from _common import write_outputs
+from _live_bytes import LiveBytes
 
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
+from megatron_hexiseq.attention.hexiseq import group_to_tokens, heads_to_group
+from megatron_hexiseq.attention.kernels import Kernel, resolve_kernel
+from megatron_hexiseq.attention.subring import subring_attn_func
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
 
@@ -76,6 +93,112 @@ def _worker(rank: int, world: int, layout: Layout, kernel: str) -> dict:
     }
 
 
+GQA_H, GQA_D = 32, 128
+
+
+def _gqa_layer(S: int, G: int, kernel: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """One layer's attention fwd+bwd on a one-rank layout: peak bytes beyond the inputs."""
+    lay = make_layout(
+        seq_length=S,
+        num_attention_heads=GQA_H,
+        num_query_groups=G,
+        group_sizes=[1],
+        segments=[[(0, S)]],
+        heads=[list(range(GQA_H))],
+    )
+    groups = build_hexiseq_groups(lay)
+    if device.type == "meta":
+        concrete = Kernel(kernel)
+        q, dout = (torch.empty(S, 1, GQA_H, GQA_D, dtype=dtype, device=device) for _ in "qd")
+        k, v = (torch.empty(S, 1, G, GQA_D, dtype=dtype, device=device) for _ in "kv")
+    else:
+        concrete = resolve_kernel(kernel, device=device, dtype=dtype, head_dim=GQA_D)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, dout = (
+            torch.randn(S, 1, GQA_H, GQA_D, generator=gen, device=device, dtype=dtype) for _ in "qd"
+        )
+        k, v = (
+            torch.randn(S, 1, G, GQA_D, generator=gen, device=device, dtype=dtype) for _ in "kv"
+        )
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def layer() -> None:  # what hexiseq_attn_func runs once the kernel is resolved
+        qg, kg, vg = heads_to_group(q, k, v, groups=groups)
+        o = subring_attn_func(qg, kg, vg, groups=groups, scale=GQA_D**-0.5, kernel=concrete)
+        out = group_to_tokens(o, groups=groups, num_heads=GQA_H)
+        out.backward(dout.reshape(out.shape))
+
+    start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        layer()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with LiveBytes(exclude=(q, k, v, dout)) as m:
+            layer()
+        peak = m.peak
+    return {
+        "kernel": concrete.value,
+        "peak_bytes": int(peak),
+        "time_s": time.perf_counter() - start,
+    }
+
+
+def _gqa_worker(rank: int, world: int, seqs, ratios, kernels, device: str, dtype: str) -> list:
+    rows = []
+    for kernel in kernels:
+        for r in ratios:
+            for S in seqs:
+                res = _gqa_layer(S, GQA_H // r, kernel, torch.device(device), getattr(torch, dtype))
+                kv_bytes = 2 * S * (GQA_H // r) * GQA_D * getattr(torch, dtype).itemsize
+                rows.append({"seq_length": S, "h_over_g": r, "kv_bytes": kv_bytes, **res})
+                print(
+                    f"{res['kernel']:9s} H/G={r} S={S:6d}: peak {res['peak_bytes'] / 2**20:9.1f} "
+                    f"MiB beyond the inputs (K+V {kv_bytes / 2**20:.0f} MiB)",
+                    flush=True,
+                )
+    return rows
+
+
+def main_gqa(a) -> None:
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("attention_memory: --device cuda needs a CUDA GPU")
+    seqs = a.seqs if a.seqs_given else [16384, 32768, 65536]
+    rows = run_ranks(_gqa_worker, 1, seqs, a.ratios, a.kernels, a.device, a.dtype, timeout_s=3600)[
+        0
+    ]
+    for r in rows:
+        r["peak_mib"] = round(r["peak_bytes"] / 2**20, 1)
+        r["kv_mib"] = round(r["kv_bytes"] / 2**20, 1)
+    table = [
+        "| kernel | H/G | S | K+V MiB | peak MiB beyond inputs |",
+        "|---|---|---|---|---|",
+    ] + [
+        f"| {r['kernel']} | {r['h_over_g']} | {r['seq_length']} | {r['kv_mib']} | {r['peak_mib']} |"
+        for r in rows
+    ]
+    write_outputs(
+        a.out,
+        "attention_memory_gqa",
+        data={
+            "device": a.device,
+            "dtype": a.dtype,
+            "heads": GQA_H,
+            "head_dim": GQA_D,
+            "batch": 1,
+            "rows": rows,
+        },
+        title=(
+            f"One layer's attention fwd+bwd, peak beyond inputs ({a.device}, {a.dtype}, "
+            f"H={GQA_H}, D={GQA_D}, one rank)"
+        ),
+        table="\n".join(table),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -87,7 +210,18 @@ def main() -> None:
         help="run the reference kernel for S up to this (its memory grows like S^2)",
     )
     p.add_argument("--out", default="results/bench")
+    p.add_argument("--gqa", action="store_true", help="the GQA study (see the docstring)")
+    p.add_argument("--device", default="meta", choices=("meta", "cpu", "cuda"), help="--gqa only")
+    p.add_argument("--dtype", default="bfloat16", help="--gqa only")
+    p.add_argument("--ratios", type=int, nargs="+", default=[4, 8], help="--gqa: H/G values")
+    p.add_argument(
+        "--kernels", nargs="+", default=["flash", "cudnn"], help="--gqa: kernels (names)"
+    )
     a = p.parse_args()
+    a.seqs_given = "--seqs" in sys.argv
+    if a.gqa:
+        main_gqa(a)
+        return
     rows = []
     plan = [
         (name, fn, "auto") for name, fn in (("1 rank", one_rank), ("4 ranks [2,1,1]", four_ranks))

@@ -1,7 +1,8 @@
 """Layer (c): GPU-only checks of the attention kernels (skipped without CUDA).
 
-Each CUDA kernel (flash, efficient, and flash-attn when installed) is run on a square causal block
-and a non-square full block (GQA) in every dtype it takes, forward and recompute backward, against
+Each CUDA kernel (cudnn and flash where they apply, efficient, and flash-attn when installed) is
+run on a square causal block and a non-square full block with two GQA maps (aligned: one call;
+unaligned: two calls) in every dtype it takes, forward and recompute backward, against
 the reference kernel in float64 on the same rounded inputs, with the normwise bounds of
 ``kernel_check`` (derived from the dtype's unit roundoff); ``auto`` must pass its start-up check;
 and a received block's peak memory must grow linearly with the key count (no [S, T] tensor).
@@ -22,7 +23,13 @@ from megatron_hexiseq.attention.kernel_check import (
     normwise_bound,
     normwise_error,
 )
-from megatron_hexiseq.attention.kernels import Kernel, block_backward, block_forward
+from megatron_hexiseq.attention.kernels import (
+    Kernel,
+    block_backward,
+    block_forward,
+    cudnn_applies,
+    kv_map,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,14 +40,17 @@ CASES = [
     (Kernel.EFFICIENT, torch.float16),
     (Kernel.EFFICIENT, torch.float32),
 ]
+if torch.cuda.is_available() and cudnn_applies(torch.device("cuda"), torch.bfloat16, 128):
+    CASES += [(Kernel.CUDNN, torch.bfloat16), (Kernel.CUDNN, torch.float16)]
 if importlib.util.find_spec("flash_attn") is not None:
     CASES += [(Kernel.FLASH_ATTN, torch.bfloat16)]
+MAPS = {"aligned": (0, 0, 1, 1), "unaligned": (0, 1, 1, 1)}
 
 
-def _run(kernel, q, k, v, dout, causal, dtype):
+def _run(kernel, q, k, v, dout, causal, dtype, of_head=MAPS["aligned"]):
     kw = dict(
         causal=causal,
-        kv_of_head_H=torch.tensor([0, 0, 1, 1], device=q.device),
+        kv_of_head_H=kv_map(of_head, 2),
         scale=q.shape[-1] ** -0.5,
         kernel=kernel,
     )
@@ -52,16 +62,23 @@ def _run(kernel, q, k, v, dout, causal, dtype):
 @pytest.mark.parametrize("kernel,dtype", CASES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", list(MAPS))
 def test_cuda_kernels_match_float64_reference(
-    kernel: Kernel, dtype: torch.dtype, causal: bool, head_dim: int
+    kernel: Kernel, dtype: torch.dtype, causal: bool, head_dim: int, heads: str
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     S, T, B = 200, (200 if causal else 333), 2
     q = torch.randn(S, B, 4, head_dim, generator=gen).to(dtype).cuda()
     k, v = (torch.randn(T, B, 2, head_dim, generator=gen).to(dtype).cuda() for _ in range(2))
     dout = torch.randn(S, B, 4, head_dim, generator=gen).to(dtype).cuda()
-    got = _run(kernel, q, k, v, dout, causal, dtype)
-    want = _run(Kernel.REFERENCE, *(x.double() for x in (q, k, v, dout)), causal, torch.float64)
+    got = _run(kernel, q, k, v, dout, causal, dtype, MAPS[heads])
+    want = _run(
+        Kernel.REFERENCE,
+        *(x.double() for x in (q, k, v, dout)),
+        causal,
+        torch.float64,
+        MAPS[heads],
+    )
     for name, g, w, r in zip(
         ("out", "lse", "dq", "dk", "dv"),
         got,
@@ -80,7 +97,10 @@ def test_cuda_kernels_match_float64_reference(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_auto_passes_its_start_up_check(dtype: torch.dtype) -> None:
     kernel = check_kernel("auto", device=torch.device("cuda"), dtype=dtype, head_dim=128)
-    assert kernel is (Kernel.EFFICIENT if dtype == torch.float32 else Kernel.FLASH)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    cudnn = (torch.backends.cudnn.version() or 0) > 91500
+    half = Kernel.CUDNN if hopper and cudnn else Kernel.FLASH
+    assert kernel is (Kernel.EFFICIENT if dtype == torch.float32 else half)
 
 
 def test_received_block_memory_is_linear_in_keys() -> None:

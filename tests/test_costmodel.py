@@ -14,6 +14,7 @@ from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import (
     activation_bytes_per_token,
     alltoall_time_s,
+    attention_backward_bytes_per_group_token,
     attention_bytes_per_group_token,
     attention_flops_per_pair_head,
     causal_pairs,
@@ -137,17 +138,23 @@ def test_activation_memory_with_and_without_recompute():
         == 3 * 2 * 8 + layer + out + layer
         == 464
     )
-    # attention core per group token: q+out (bf16) + LSE (fp32) per head, k+v per kv head
-    assert attention_bytes_per_group_token(three, TrainOptions(), 2, 1) == (3 + 1) * (2 * 20 + 16)
-    assert attention_bytes_per_group_token(three, TrainOptions(recompute=True), 2, 1) == 2 * (
-        2 * 20 + 16
+    # attention core per group token: q+out (bf16) + LSE (fp32) per head, k+v per kv head, kept
+    # per layer, plus one layer's backward transients (d = 4, H = 2, G = 1: 12Hd + 4H + 16Gd)
+    bwd = 12 * 2 * 4 + 4 * 2 + 16 * 1 * 4
+    assert attention_backward_bytes_per_group_token(three, 2, 1) == bwd == 168
+    assert attention_bytes_per_group_token(three, TrainOptions(), 2, 1) == 3 * (2 * 20 + 16) + bwd
+    assert (
+        attention_bytes_per_group_token(three, TrainOptions(recompute=True), 2, 1)
+        == 2 * 20 + 16 + bwd
     )
     # Korthikanti et al.: a GPT layer keeps 34h bytes per token; ours drops the 2h of dropout masks and
     # keeps the 2h FlashAttention output: 26h of own-token tensors + 8h of q, k, v, out (+ LSE)
     m = MODEL_PRESETS["gpt-7b"]
     h, a = m.hidden_size, m.num_attention_heads
     assert layer_activation_bytes_per_token(m) == 26 * h
-    core = attention_bytes_per_group_token(m, TrainOptions(recompute=True), a, a) // 2
+    core = attention_bytes_per_group_token(
+        m, TrainOptions(recompute=True), a, a
+    ) - attention_backward_bytes_per_group_token(m, a, a)
     assert core == 8 * h + 4 * a
 
 
@@ -301,13 +308,14 @@ def test_ulysses_estimate_by_hand():
     assert r1.time_s == pytest.approx(19.2e-9 + 1.728e-9 + 32e-9)
     assert e.iteration_time_s == r1.time_s and e.bottleneck_rank == 1
     assert e.tokens_per_s == pytest.approx(8 / r1.time_s)
-    # memory of rank 0: static (domain 2) + 3 tokens x 416 + 8 group tokens x 72 + a2a buffer 3 x 48
+    # memory of rank 0: static (domain 2) + 3 tokens x 416 + 8 group tokens x (36 kept + 116 of
+    # the backward: 12Hd + 4H + 16Gd with H = G = 1, d = 4) + a2a buffer 3 x 48
     assert r0.breakdown["mem_static"] == 6 * 872 + 12 * 872 // 2
-    assert r0.memory_bytes == 10464 + 3 * 416 + 8 * 72 + 3 * 48
+    assert r0.memory_bytes == 10464 + 3 * 416 + 8 * (36 + 116) + 3 * 48
     assert r0.capacity_bytes == int(0.95 * 2**30) and e.feasible
-    # fsdp + recompute on rank 0: ceil(18 P / 2) + 3 x (2h + layer + out + layer) + 8 x 2 x 36 + 144
+    # fsdp + recompute on rank 0: ceil(18 P / 2) + 3 x (2h + layer + out + layer) + 8 x (36 + 116) + 144
     fr = estimate(lay, c, TINY, TrainOptions(memory_mode="fsdp", recompute=True)).per_rank[0]
-    assert fr.memory_bytes == 18 * 872 // 2 + 3 * (16 + 144 + 128 + 144) + 8 * 2 * 36 + 3 * 48
+    assert fr.memory_bytes == 18 * 872 // 2 + 3 * (16 + 144 + 128 + 144) + 8 * (36 + 116) + 3 * 48
     # recompute: one more forward of compute and of the all-to-alls
     rc = estimate(lay, c, TINY, TrainOptions(recompute=True)).per_rank[1]
     assert rc.breakdown["linear_s"] == pytest.approx(4 / 3 * r1.breakdown["linear_s"])

@@ -194,9 +194,11 @@ def test_stage3_evenness_solve_is_the_most_even_optimum():
 
 
 def test_memory_feedback_inside_a_track_resplits_its_grouping(monkeypatch):
-    # 3 L40S nodes + 1 H100 node, gpt-13b, 1M tokens (suite row 1): the time-feedback tracks go over
-    # memory and lower it; a track then re-splits its own grouping: Stage I runs once, for round 0
-    # (inside a track its factors made other groupings' members unequal: up to 2.1 of a 3.2 s plan)
+    # 3 L40S nodes + 1 H100 node, gpt-13b, 896K tokens: the time-feedback tracks go over memory and
+    # lower it; a track then re-splits its own grouping: Stage I runs once, for round 0 (inside a
+    # track its factors made other groupings' members unequal: up to 2.1 of a 3.2 s plan). At 1M
+    # tokens (suite row 1) round 0 itself is over memory since the cost model counts the attention
+    # backward's float32 transients, so the case needs the shorter sequence.
     import megatron_hexiseq.planner.hierarchical as hierarchical
 
     calls: list[str] = []
@@ -217,7 +219,7 @@ def test_memory_feedback_inside_a_track_resplits_its_grouping(monkeypatch):
             ],
         }
     )
-    seq = 1 << 20
+    seq = 7 << 17
     said: list[str] = []
     plan(
         cluster,

@@ -514,6 +514,7 @@ def test_estimate_per_rank_columns_equal_the_scalar_formulas() -> None:
     from megatron_hexiseq.costmodel.formulas import (
         a2a_buffer_bytes_per_token,
         activation_bytes_per_token,
+        attention_backward_bytes_per_block_token,
         attention_bytes_per_group_token,
         attention_s_per_pair_head,
         causal_pairs,
@@ -575,6 +576,9 @@ def test_estimate_per_rank_columns_equal_the_scalar_formulas() -> None:
                     + b
                     * sum(tok)
                     * attention_bytes_per_group_token(model, opts, len(p.heads), len(kv_of[r]))
+                    + b
+                    * ex.max_block_tokens[r]
+                    * attention_backward_bytes_per_block_token(model, len(p.heads), len(kv_of[r]))
                     + b * t * a2a_buffer_bytes_per_token(model)
                     + 4
                     * b

@@ -1,8 +1,9 @@
 """Start-up proof of a block kernel on the real device and dtype, and the tolerances it uses.
 
 ``check_kernel(kernel, device=..., dtype=..., head_dim=...)`` runs one tiny forward+backward of a
-square causal block and of a non-square full block (GQA: two query heads read one K/V head) with
-the chosen kernel, and compares them with the reference kernel evaluated in float64 on the same
+square causal block and of a non-square full block with the chosen kernel, each with two head maps
+(GQA, four query heads on two K/V heads: aligned 2 + 2, one kernel call; and 1 + 3, two calls as an
+unaligned head range makes them), and compares them with the reference kernel evaluated in float64 on the same
 (already rounded) inputs. Any exception or a normwise error above the dtype's bound is one
 ``HexiSeqError`` line naming the kernel, device, dtype and head dim, and what to do.
 
@@ -27,7 +28,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_hexiseq.attention.kernels import Kernel, block_backward, block_forward, resolve_kernel
+from megatron_hexiseq.attention.kernels import (
+    Kernel,
+    KVMap,
+    block_backward,
+    block_forward,
+    kv_map,
+    resolve_kernel,
+)
 from megatron_hexiseq.errors import HexiSeqError
 
 FORWARD_ROUNDINGS = 3
@@ -67,10 +75,10 @@ def _inputs(
 ) -> list[Tensor]:
     gen = torch.Generator().manual_seed(0)
     shapes = [
-        (S, 1, 2, head_dim),
-        (T, 1, 1, head_dim),
-        (T, 1, 1, head_dim),
-        (S, 1, 2, head_dim),
+        (S, 1, 4, head_dim),
+        (T, 1, 2, head_dim),
+        (T, 1, 2, head_dim),
+        (S, 1, 4, head_dim),
     ]  # q, k, v, dout
     return [torch.randn(*s, generator=gen).to(dtype).to(device) for s in shapes]
 
@@ -83,7 +91,7 @@ def _run(
     dout,
     *,
     causal: bool,
-    kv_of_head: Tensor,
+    kv_of_head: KVMap,
     scale: float,
     dtype: torch.dtype,
 ) -> tuple[Tensor, ...]:
@@ -118,8 +126,12 @@ def check_kernel(
     scale = head_dim**-0.5
     try:
         q, k, v, dout = _inputs(dtype, device, head_dim, S, T)
-        kv_of_head = torch.zeros(2, dtype=torch.long, device=device)
-        for causal, keys in ((True, S), (False, T)):
+        for causal, keys, kv_of_head in (
+            (True, S, kv_map((0, 0, 1, 1), 2)),
+            (False, T, kv_map((0, 0, 1, 1), 2)),
+            (True, S, kv_map((0, 1, 1, 1), 2)),
+            (False, T, kv_map((0, 1, 1, 1), 2)),
+        ):
             got = _run(
                 concrete,
                 q,

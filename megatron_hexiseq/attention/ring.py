@@ -20,9 +20,11 @@ from torch.distributed import ProcessGroup
 from megatron_hexiseq.attention.comm import post_p2p, wait_all
 from megatron_hexiseq.attention.kernels import (
     Kernel,
+    KVMap,
     acc_dtype,
     block_backward,
     block_forward,
+    kv_map,
     merge_into,
     resolve_kernel,
 )
@@ -130,9 +132,10 @@ def ring_backward(
     return dq, dkv2[0], dkv2[1]
 
 
-def _gqa_index(q: Tensor, k: Tensor) -> Tensor | None:
+def _gqa_index(q: Tensor, k: Tensor) -> KVMap:
+    """Query head h reads K/V head h // (H / G) (a host-side map: no index tensor, no copy)."""
     H, G = q.shape[2], k.shape[2]
-    return None if H == G else torch.arange(H, device=q.device) // (H // G)
+    return kv_map(tuple(h // (H // G) for h in range(H)), G)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -59,9 +59,11 @@ from megatron_hexiseq.attention.documents import DocumentBounds, window_pairs
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.attention.kernels import (
     Kernel,
+    KVMap,
     acc_dtype,
     block_backward,
     block_forward,
+    kv_map,
     merge_into,
 )
 from megatron_hexiseq.attention.peers import RankSchedule, RankStep, Run, runs_num_tokens
@@ -85,7 +87,7 @@ class _Ctx:
     scale: float
     kernel: Kernel
     stats: CommStats | None
-    kv_of_head_H: Tensor | None  # None when query head i reads K/V head i (no GQA expansion)
+    kv_of_head_H: KVMap  # the K/V head each query head reads (host-side: no index tensor)
     fp32_grad_wire: bool
     wk: WindowKernel | None = None  # with document boundaries: how the windows run
 
@@ -461,24 +463,25 @@ def subring_attn_func(
     if not sched.heads:
         return q_SBHD * 0  # [S, B, 0, D], keeps the autograd graph
     assert q_SBHD.shape[0] == runs_num_tokens(sched.q_runs), (q_SBHD.shape, sched.q_runs)
-    identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(sched.kv_heads) == len(
-        sched.heads
-    )
-    kv_of_head_H = None if identity else groups.index(sched.kv_of_head, q_SBHD.device)
+    kvm = kv_map(sched.kv_of_head, len(sched.kv_heads))
     wk = None
     if documents is not None:
+        identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(
+            sched.kv_heads
+        ) == len(sched.heads)
         per = len(sched.heads) // len(sched.kv_heads)
         regular = len(sched.heads) % len(sched.kv_heads) == 0 and sched.kv_of_head == tuple(
             i // per for i in range(len(sched.heads))
         )
-        wk = WindowKernel(kernel, scale, kv_of_head_H, regular, groups.window_cache(sched))
+        kv_of_head_H = None if identity else groups.index(sched.kv_of_head, q_SBHD.device)
+        wk = WindowKernel(kernel, scale, kv_of_head_H, regular, groups.window_cache(sched), kvm)
     c = _Ctx(
         sched=sched,
         groups=groups,
         scale=scale,
         kernel=kernel,
         stats=stats,
-        kv_of_head_H=kv_of_head_H,
+        kv_of_head_H=kvm,
         fp32_grad_wire=fp32_grad_wire,
         wk=wk,
     )

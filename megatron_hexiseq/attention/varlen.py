@@ -32,6 +32,7 @@ from torch import Tensor
 
 from megatron_hexiseq.attention.kernels import (
     Kernel,
+    KVMap,
     acc_dtype,
     block_backward,
     block_forward,
@@ -48,6 +49,14 @@ class WindowKernel(NamedTuple):
     kv_of_head_H: Tensor | None  # None: query head i reads K/V head i
     native_gqa: bool  # query head i reads K/V head i // (H / G): the varlen kernel maps it itself
     cache: dict  # (block key, B, device) -> _Packed; one schedule = one micro-batch
+    kv_map: KVMap | None = (
+        None  # the same map on the host, for block_forward (None: read the tensor)
+    )
+
+    @property
+    def block_map(self) -> KVMap | Tensor | None:
+        """What ``block_forward``/``block_backward`` take as ``kv_of_head_H`` (no device read)."""
+        return self.kv_map if self.kv_map is not None else self.kv_of_head_H
 
 
 class _Packed(NamedTuple):
@@ -205,7 +214,7 @@ def local_forward(
             _view(k_SBGD, w, w.key_lo, w.key_hi),
             _view(v_SBGD, w, w.key_lo, w.key_hi),
             causal=True,
-            kv_of_head_H=wk.kv_of_head_H,
+            kv_of_head_H=wk.block_map,
             scale=wk.scale,
             kernel=wk.kernel,
         )
@@ -243,7 +252,7 @@ def merge_forward(
             _view(k_TBGD, w, w.key_lo, w.key_hi),
             _view(v_TBGD, w, w.key_lo, w.key_hi),
             causal=False,
-            kv_of_head_H=wk.kv_of_head_H,
+            kv_of_head_H=wk.block_map,
             scale=wk.scale,
             kernel=wk.kernel,
         )
@@ -295,7 +304,7 @@ def windows_backward(
             _view(out_SBHD, w, w.row_lo, w.row_hi),
             _view(lse_SBH, w, w.row_lo, w.row_hi),
             causal=causal,
-            kv_of_head_H=wk.kv_of_head_H,
+            kv_of_head_H=wk.block_map,
             scale=wk.scale,
             kernel=wk.kernel,
         )

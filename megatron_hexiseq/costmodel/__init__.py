@@ -17,6 +17,8 @@ from megatron_hexiseq.costmodel.exchange import fan_units, kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
     a2a_buffer_bytes_per_token,
     activation_bytes_per_token,
+    attention_backward_bytes_per_block_token,
+    attention_backward_bytes_per_group_token,
     attention_bytes_per_group_token,
     attention_flops_per_pair_head,
     attention_s_per_pair_head,
@@ -41,6 +43,8 @@ __all__ = [
     "activation_bytes_per_token",
     "alltoall_rank_times_s",
     "alltoall_time_s",
+    "attention_backward_bytes_per_block_token",
+    "attention_backward_bytes_per_group_token",
     "attention_bytes_per_group_token",
     "attention_flops_per_pair_head",
     "attention_s_per_pair_head",

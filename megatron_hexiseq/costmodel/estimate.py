@@ -42,6 +42,7 @@ from megatron_hexiseq.costmodel.formulas import (
     BF16_BYTES,
     a2a_buffer_bytes_per_token,
     activation_bytes_per_token,
+    attention_backward_bytes_per_block_token,
     attention_bytes_per_group_token,
     attention_s_per_pair_head,
     causal_pairs,
@@ -218,8 +219,16 @@ def estimate(
     exposed_s = g_a2a + kv_exposed_s
     time_s = compute_s + exposed_s
     mem_activations = b * t * act_per_token
-    mem_attention = b * g_tokens * att_mem_n
     block = np.array(exchange.max_block_tokens, dtype=np.int64)
+    blk_bwd_n = np.array(
+        [
+            attention_backward_bytes_per_block_token(model, hq, hk)
+            for hq, hk in zip(head_count, kv_count)
+        ],
+        dtype=np.int64,
+    )
+    # the attention core kept per group token, and the key side of a received block's backward
+    mem_attention = b * g_tokens * att_mem_n + b * block * blk_bwd_n
     mem_comm = b * t * a2a_buf + 4 * b * block * kv_n * kv_block
     memory = static + mem_activations + mem_attention + mem_comm
     capacity = (options.capacity_fraction * dev.memory_bytes).astype(np.int64)

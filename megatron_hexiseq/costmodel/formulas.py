@@ -148,13 +148,50 @@ def attention_bytes_per_group_token(
     """Attention-core bytes per token of the rank's A2A group (after the head all-to-all).
 
     Per layer: q and out (bf16) + LSE (fp32) per query head, k and v per kv head:
-    ``heads*(4d + 4) + kv_heads*4d``. Kept for all L layers (one with full recompute), plus one layer
-    of gradients dq/dk/dv while its backward runs.
+    ``heads*(4d + 4) + kv_heads*4d``. Kept for all L layers (one with full recompute), plus the
+    transient tensors of one layer's attention backward
+    (:func:`attention_backward_bytes_per_group_token`).
     """
     d = model.kv_channels
     per_layer = heads * (2 * BF16_BYTES * d + FP32_BYTES) + kv_heads * 2 * BF16_BYTES * d
     kept = 1 if options.recompute else model.num_layers
-    return (kept + 1) * per_layer
+    return kept * per_layer + attention_backward_bytes_per_group_token(model, heads, kv_heads)
+
+
+def attention_backward_bytes_per_group_token(model: ModelSpec, heads: int, kv_heads: int) -> int:
+    """Transient bytes per group token while one layer's attention backward runs (H = ``heads``,
+    G = ``kv_heads``, every query row of the group in one kernel call at a time):
+
+    - dout (bf16) ``2Hd``;
+    - ``subring_backward``'s float32 accumulators: dq ``4Hd``, dK/dV ``8Gd`` and their stacked copy
+      ``8Gd``;
+    - the query side of a kernel call: FlashAttention-2's ``mha_bwd`` (PyTorch's flash op; counted
+      alike for cuDNN) keeps a float32 dq accumulator ``4Hd`` and ``softmax_d`` ``4H`` next to its dq
+      (bf16) ``2Hd``, which ``block_backward`` then copies to float32 ``4Hd`` (the accumulator is
+      gone by then): ``6Hd + 4H``.
+
+    Total ``12Hd + 4H + 16Gd``, an upper bound over the backward's phases (the local causal block's
+    key side, ``12Gd`` and with GQA ``4Hd``, is live before the accumulators are stacked). The
+    key side of a received block is :func:`attention_backward_bytes_per_block_token`. The
+    forward's transients (float32 out and LSE, a block's out, the merge) are smaller.
+    """
+    d = model.kv_channels
+    dout = BF16_BYTES * heads * d
+    accumulators = FP32_BYTES * (heads * d + 4 * kv_heads * d)
+    query_side = FP32_BYTES * (heads * d + heads) + BF16_BYTES * heads * d
+    return dout + accumulators + query_side
+
+
+def attention_backward_bytes_per_block_token(model: ModelSpec, heads: int, kv_heads: int) -> int:
+    """Transient bytes per token of a received K/V block during its backward (its key side; the
+    query rows are the group's tokens above): the block's float32 dK/dV accumulator ``8Gd``, the
+    kernel's dk/dv (bf16) ``4Gd`` and their float32 copies ``8Gd``; with GQA (G < H) also dK/dV
+    expanded to the H query heads inside FlashAttention-2's backward (bf16, ``4Hd``) — what is left
+    of the K/V expansion now that the runtime keeps K/V at G heads. ``20Gd`` (``+ 4Hd`` with GQA).
+    (The wire copy of the block's dK/dV is one of the exchange's double buffers.)"""
+    d = model.kv_channels
+    per = (2 * FP32_BYTES + BF16_BYTES) * 2 * kv_heads * d
+    return per + (2 * BF16_BYTES * heads * d if kv_heads < heads else 0)
 
 
 def a2a_buffer_bytes_per_token(model: ModelSpec) -> int:

@@ -24,7 +24,7 @@ CP_COMM_TYPE = "hexiseq"
 
 #: Attention kernels the flag accepts (``megatron_hexiseq.attention.kernels.Kernel``; ``sdpa`` is the
 #: former name of ``auto``).
-KERNELS = ("auto", "flash", "efficient", "cpu-flash", "flash-attn", "reference", "sdpa")
+KERNELS = ("auto", "cudnn", "flash", "efficient", "cpu-flash", "flash-attn", "reference", "sdpa")
 
 
 def _flag(help: str, *, default: Any, **argparse_kwargs: Any) -> Any:
