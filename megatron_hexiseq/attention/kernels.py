@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from megatron_hexiseq import kernel_rules
 from megatron_hexiseq.attention import flash_attn_ops, kernel_ops
 from megatron_hexiseq.attention.kernel_ops import acc_dtype
 from megatron_hexiseq.errors import HexiSeqError
@@ -92,10 +93,8 @@ class Kernel(str, Enum):  # noqa: UP042 (StrEnum changes str() of a member)
 KERNELS = tuple(k.value for k in Kernel)
 _ALIASES = {"sdpa": Kernel.AUTO}  # the name of the CPU fused kernel before the CUDA kernels existed
 _CUDA_KERNELS = (Kernel.FLASH, Kernel.EFFICIENT, Kernel.FLASH_ATTN, Kernel.CUDNN)
-CUDNN_MAX_HEAD_DIM = (
-    128  # torch 2.13 sdp_utils: 128, or 256 forward-only on new cuDNN + sm 9.0/10.x
-)
-CUDNN_PREFERRED_FROM = 91501  # torch prefers cuDNN SDPA only above 9.15 (seq len % 128 != 0 fix)
+CUDNN_MAX_HEAD_DIM = kernel_rules.CUDNN_MAX_HEAD_DIM
+CUDNN_PREFERRED_FROM = kernel_rules.CUDNN_PREFERRED_FROM
 
 
 def parse_kernel(name: str | Kernel) -> Kernel:
@@ -125,40 +124,39 @@ def _half(dtype: torch.dtype) -> bool:
     return dtype in (torch.float16, torch.bfloat16)
 
 
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _short(dtype: torch.dtype) -> str:
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def flash_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Would PyTorch's CUDA flash kernel take these inputs for training (fwd + bwd)?"""
-    if device.type != "cuda" or not _half(dtype) or head_dim % 8 or head_dim > 256:
+    if device.type != "cuda":
         return False
-    cap = _capability(device)
-    if not (8, 0) <= cap <= (12, 1):
-        return False
-    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: no backward there
-    consumer = (8, 6) <= cap <= (8, 9) or cap[0] == 12
-    return not (consumer and 192 < head_dim <= 224)
+    return kernel_rules.flash_takes(_capability(device), _short(dtype), head_dim)
 
 
 def cudnn_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Would PyTorch's cuDNN attention take these inputs for training (conservative)?"""
-    if device.type != "cuda" or not _half(dtype) or head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+    if device.type != "cuda":
         return False
-    if _cudnn_version() < 90000:
-        return False
-    return (8, 0) <= _capability(device) <= (12, 1)
+    return kernel_rules.cudnn_takes(_capability(device), _short(dtype), head_dim, _cudnn_version())
 
 
 def efficient_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Would PyTorch's memory-efficient kernel take these inputs (its GEMM alignment)?"""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    return head_dim > 0 and head_dim % (8 if _half(dtype) else 4) == 0
+    return device.type == "cuda" and kernel_rules.efficient_takes(_short(dtype), head_dim)
 
 
 def _cudnn_preferred(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return (
-        cudnn_applies(device, dtype, head_dim)
-        and _capability(device)[0] == 9
-        and _cudnn_version() >= CUDNN_PREFERRED_FROM
-        and not torch.are_deterministic_algorithms_enabled()
+    return kernel_rules.cudnn_preferred(
+        _capability(device),
+        _short(dtype),
+        head_dim,
+        _cudnn_version(),
+        torch.are_deterministic_algorithms_enabled(),
     )
 
 

@@ -74,7 +74,11 @@ def _varlen_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 def uses_varlen(kernel: Kernel) -> bool:
-    return kernel is Kernel.FLASH
+    """Whether document windows run as one variable-length flash call per block. ``cudnn`` goes
+    there too: wherever it applies flash does (bf16/fp16, head dim <= 128, Hopper), and cuDNN
+    builds an execution plan per distinct call shape, which one call per window would rebuild for
+    every document."""
+    return kernel in (Kernel.FLASH, Kernel.CUDNN)
 
 
 def _samples(w: Window, B: int) -> range:

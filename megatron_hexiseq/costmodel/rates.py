@@ -20,9 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_hexiseq import gpu_rates
+from megatron_hexiseq import gpu_rates, kernel_rules
 from megatron_hexiseq.cluster import Cluster, Curve, GpuType, auto_kernel_order
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.kernel_rules import capability_of
 
 RUNTIME_KERNELS = ("auto", "flash", "efficient", "cudnn", "flash-attn", "flash-attn3")
 """Kernel names the model prices; ``reference`` and ``cpu-flash`` (CPU, oracle) keep the flat rate."""
@@ -43,17 +44,17 @@ class AttentionRate(NamedTuple):
 
 
 def _applies(kernel: str, gpu: GpuType, dtype: str, head_dim: int) -> bool:
-    """Would ``kernel`` take these inputs on ``gpu``, as the runtime's checks decide."""
-    cc = gpu.compute_capability
-    if kernel != "efficient" and dtype not in ("bf16", "fp16"):
-        return False
+    """Would ``kernel`` take these inputs on ``gpu``, by the runtime's rules (``kernel_rules``); a
+    type without a compute capability is taken to be one the kernel runs on, and cuDNN to be
+    current."""
+    cc = capability_of(gpu.compute_capability) if gpu.compute_capability is not None else (9, 0)
     if kernel in ("flash", "flash-attn"):
-        return (cc is None or cc >= 8.0) and head_dim % 8 == 0 and head_dim <= 256
+        return kernel_rules.flash_takes(cc, dtype, head_dim)
     if kernel == "cudnn":
-        return (cc is None or cc >= 8.0) and head_dim % 8 == 0 and head_dim <= 128
+        return kernel_rules.cudnn_takes(cc, dtype, head_dim, kernel_rules.CUDNN_PREFERRED_FROM)
     if kernel == "flash-attn3":
-        return cc is not None and 9.0 <= cc < 10.0 and head_dim % 8 == 0 and head_dim <= 256
-    return kernel == "efficient"
+        return cc[0] == 9 and dtype in ("bf16", "fp16") and head_dim % 8 == 0 and head_dim <= 256
+    return kernel == "efficient" and kernel_rules.efficient_takes(dtype, head_dim)
 
 
 def _kernel_tflops(gpu: GpuType, kernel: str, dtype: str, head_dim: int) -> float | None:
