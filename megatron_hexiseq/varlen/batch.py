@@ -1,0 +1,434 @@
+"""The per-micro-batch planner: document-aware token assignments over a fixed process structure.
+
+The job keeps its structure (``plan``'s A2A groups and each rank's query heads). For every micro-batch,
+given its document lengths in packing order, ``BatchPlanner.plan`` assigns the tokens to ranks:
+
+- **Group costs.** Rank r of group g does linear work for its own tokens and attention for all of
+  its group's query tokens with its own heads. Inside a group tokens are split by linear speed
+  (member r takes ``share_r ∝ 1 / linear_s_per_token_r``), so the group's linear phase is
+  ``T_g / c_g`` (``c_g = sum 1 / linear_s_per_token``); its attention phase is
+  ``P_g * alpha_g`` (``alpha_g = max over members of heads_r * attention_s_per_pair_head_r``) plus
+  the head all-to-all, ``a_g`` seconds per group token (``costmodel``'s all-to-all of the speed
+  split, which is linear in the tokens). One scalar per group, ``tau_g = T_g (1/c_g + a_g) +
+  P_g alpha_g``, is balanced; rates come from ``costmodel.formulas`` (the calibrated cluster).
+- **Target level** ``Lambda = N / sum_g 1 / rho_g`` with ``rho_g = 1/c_g + a_g + kappa alpha_g``
+  and ``kappa`` = the micro-batch's document-masked pairs per token: every group's time if the work
+  were perfectly divisible.
+- **Documents, longest first.** A document goes whole to the group where it finishes earliest when
+  that stays within ``Lambda (1 + SLACK)`` (its tokens then spread over the group's members: no
+  cross-group K/V at all). Otherwise it is split over the fewest groups (lowest ``tau`` first)
+  that can take it below ``Lambda`` (all groups when none can), water-filled to one level, with
+  mirrored (zig-zag) pieces: group j takes a head piece and the mirrored tail piece of the document,
+  so its pairs are exactly ``x_j (l + 1) / 2`` for ``x_j`` tokens and each share costs the same per
+  token. Documents below ``SMALL`` of ``Lambda`` go by a heap to the least-loaded group.
+- **Memory.** A group takes at most ``M_g`` tokens (its tightest member's static memory,
+  activations of its share, attention core of the group's tokens and all-to-all buffer within the
+  usable capacity, ``MEMORY_MARGIN`` left for the K/V buffers).
+- **Members.** The group's pieces in position order are cut into consecutive member runs in rank
+  order (tokens by ``share_r``, largest remainders; every rank gets at least one token; a rank left
+  empty takes one token from the fullest rank).
+
+Deterministic (stable sorts, no randomness, no communication): every rank computes the same
+assignment from the same document lengths. docs/varlen.md.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.documents import check_cu_seqlens, cu_from_lengths
+from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
+from megatron_hexiseq.costmodel.formulas import (
+    a2a_buffer_bytes_per_token,
+    activation_bytes_per_token,
+    attention_bytes_per_group_token,
+    attention_s_per_pair_head,
+    kv_block_bytes_per_token,
+    linear_s_per_token,
+    static_memory_bytes,
+)
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout, Segment, check_matches, make_layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
+
+SLACK = 0.05  # a document stays whole when its group ends within Lambda * (1 + SLACK)
+SMALL = 0.02  # documents costing less than this share of Lambda go by the heap
+MEMORY_MARGIN = 0.9  # share of a group's free memory its tokens may take (the rest: K/V buffers)
+A2A_PROBE_TOKENS = 1 << 20  # the all-to-all of this many group tokens gives its cost per token
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchAssignment:
+    """One micro-batch's token assignment: ``layout`` (seq_length = the micro-batch's tokens, the
+    structure's groups and heads, each rank's segments in global positions, several runs allowed)
+    and ``cu_seqlens`` (the document boundaries). Validated: the layout's rules, and the boundaries
+    strictly increasing from 0 to ``layout.seq_length``. ``predicted_s``: the planner's own estimate
+    of the iteration (``costmodel.documents.estimate_documents`` is the cost model's)."""
+
+    layout: Layout
+    cu_seqlens: tuple[int, ...]
+    predicted_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_cu_seqlens(self.cu_seqlens, self.layout.seq_length)
+
+    @property
+    def doc_lengths(self) -> list[int]:
+        return np.diff(self.cu_seqlens).tolist()
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{cu_seqlens, ranks: [{rank, group, segments, heads}]}`` (JSON-ready)."""
+        return {
+            "cu_seqlens": list(self.cu_seqlens),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "group": r.group,
+                    "segments": [list(s) for s in r.segments],
+                    "heads": list(r.heads),
+                }
+                for r in self.layout.ranks
+            ],
+        }
+
+
+def same_structure(a: Layout, b: Layout) -> bool:
+    """True when two layouts have the same groups, hosts, GPUs and heads (segments may differ)."""
+    return (
+        a.groups == b.groups
+        and all(
+            (x.group, x.heads, x.host, x.gpu) == (y.group, y.heads, y.host, y.gpu)
+            for x, y in zip(a.ranks, b.ranks)
+        )
+        and a.world_size == b.world_size
+    )
+
+
+@dataclass
+class _State:
+    """Per group, while one micro-batch is planned: phase loads (seconds), tokens, pieces, and the
+    normalised costs (phase target = 1): ``u`` per token (linear), ``v`` per token (all-to-all) and
+    ``w`` per pair (attention)."""
+
+    lin: np.ndarray
+    att: np.ndarray
+    tokens: np.ndarray
+    pieces: list[list[Segment]]
+    u: np.ndarray
+    v: np.ndarray
+    w: np.ndarray
+    lin_target: float
+    att_target: float
+
+    def score(self) -> np.ndarray:
+        return np.maximum(self.lin / self.lin_target, self.att / self.att_target)
+
+    def score_of(self, g: int) -> float:
+        return max(self.lin[g] / self.lin_target, self.att[g] / self.att_target)
+
+    def add(
+        self,
+        g: int,
+        segs: list[Segment],
+        tokens: int,
+        pairs: float,
+        bp: BatchPlanner,
+        extra_s: float = 0.0,
+    ) -> None:
+        self.lin[g] += tokens * bp.linear_per_token[g]
+        self.att[g] += tokens * bp.a2a[g] + pairs * bp.alpha[g] + extra_s
+        self.tokens[g] += tokens
+        self.pieces[g].extend(segs)
+
+
+class BatchPlanner:
+    """Plans micro-batches over the structure of ``structure`` (a layout of ``cluster``; its segments
+    and sequence length are ignored). Build once per job, call ``plan`` per micro-batch."""
+
+    def __init__(
+        self, structure: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions
+    ) -> None:
+        check_matches(structure, cluster, None)
+        if (structure.num_attention_heads, structure.num_query_groups) != (
+            model.num_attention_heads,
+            model.num_query_groups,
+        ):
+            raise HexiSeqError(
+                f"the structure has {structure.num_attention_heads} heads in "
+                f"{structure.num_query_groups} query groups but model {model.name!r} has "
+                f"{model.num_attention_heads} in {model.num_query_groups}"
+            )
+        self.structure, self.cluster, self.model, self.options = structure, cluster, model, options
+        W, b, L = structure.world_size, options.micro_batch_size, model.num_layers
+        devs = cluster.devices
+        lin = np.array([linear_s_per_token(model, d, options) for d in devs])
+        att = np.array([attention_s_per_pair_head(model, d, options) for d in devs])
+        heads = np.array([len(r.heads) for r in structure.ranks])
+        hpg = structure.heads_per_query_group
+        kv = [len({h // hpg for h in r.heads}) for r in structure.ranks]
+        self.groups = [g.ranks for g in structure.groups]
+        n = len(self.groups)
+        self.shares = [1.0 / lin[list(g)] / (1.0 / lin[list(g)]).sum() for g in self.groups]
+        c = np.array([(1.0 / lin[list(g)]).sum() for g in self.groups])
+        self.alpha = np.array([float((heads[list(g)] * att[list(g)]).max()) for g in self.groups])
+        passes = 3 if options.recompute else 2
+        a2a, fixed = np.zeros(n), np.zeros(n)
+        for i, g in enumerate(self.groups):
+            if len(g) > 1:
+                tok = _round_shares(A2A_PROBE_TOKENS, self.shares[i])
+                layer = _a2a_layer_s(
+                    cluster, model, g, b, tok, [int(heads[r]) for r in g], [kv[r] for r in g]
+                )
+                a2a[i] = passes * L * layer / A2A_PROBE_TOKENS
+                fixed[i] = passes * L * 4 * max(devs[r].collective_latency_s for r in g)
+        self.a2a, self.fixed = a2a, fixed
+        # K/V of one received token for every member's K/V heads, all passes, over the network
+        steps = (2 if options.recompute else 1) + 2
+        kv_token = kv_block_bytes_per_token(model) * L * b * steps
+        self.kv_per_token = np.array(
+            [max(kv[r] * kv_token / (devs[r].network_GBps * 1e9) for r in g) for g in self.groups]
+        )
+        self.linear_per_token = 1.0 / c
+        self.overhead = np.array([max(devs[r].step_overhead_s for r in g) for g in self.groups])
+        # memory: the most tokens each group can hold
+        static = static_memory_bytes(model, options, options.data_parallel_size * W)
+        act = b * (activation_bytes_per_token(model, options) + a2a_buffer_bytes_per_token(model))
+        cap = np.zeros(n)
+        for i, g in enumerate(self.groups):
+            free = [
+                MEMORY_MARGIN * (options.capacity_fraction * devs[r].memory_bytes - static)
+                for r in g
+            ]
+            per = [
+                share * act
+                + b * attention_bytes_per_group_token(model, options, int(heads[r]), kv[r])
+                for r, share in zip(g, self.shares[i])
+            ]
+            cap[i] = max(0.0, min(f / p for f, p in zip(free, per)))
+        self.cap = np.floor(cap)
+
+    # ---- one micro-batch -------------------------------------------------------------------
+    def plan(self, doc_lengths: Sequence[int]) -> BatchAssignment:
+        """The assignment of one micro-batch whose documents (in packing order) have these lengths."""
+        cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
+        lengths = np.diff(cu)
+        N, n, W = int(cu[-1]), len(self.groups), self.structure.world_size
+        if (lengths <= 0).any():
+            raise HexiSeqError("every document length must be a positive number of tokens")
+        if N < W:
+            raise HexiSeqError(
+                f"the micro-batch has {N} tokens for {W} ranks; every rank needs at least one"
+            )
+        pairs = lengths * (lengths + 1) // 2
+        # the two phase targets: every group's linear and attention phase with perfectly divisible work
+        c = 1.0 / self.linear_per_token
+        lin_target = (N + float((self.overhead * c).sum())) / float(c.sum())
+        even = c * (lin_target - self.overhead)  # tokens per group at the linear target
+        att_target = (
+            float(pairs.sum()) + float(((even * self.a2a + self.fixed) / self.alpha).sum())
+        ) / float((1.0 / self.alpha).sum())
+        state = _State(
+            lin=self.overhead.copy(),
+            att=self.fixed.copy(),
+            tokens=np.zeros(n),
+            pieces=[[] for _ in range(n)],
+            u=self.linear_per_token / lin_target,  # normalised cost per token / per pair
+            v=self.a2a / att_target,
+            w=self.alpha / att_target,
+            lin_target=lin_target,
+            att_target=att_target,
+        )
+        order = np.argsort(-lengths, kind="stable")
+        small = SMALL * min(lin_target, att_target)
+        heap: list[tuple[float, int]] = []
+        for d in order.tolist():
+            l_d, start, p_d = int(lengths[d]), int(cu[d]), int(pairs[d])
+            if l_d * float(self.linear_per_token.min()) + p_d * float(self.alpha.min()) < small:
+                if not heap:
+                    heap = [(float(x), i) for i, x in enumerate(state.score())]
+                    heapq.heapify(heap)
+                self._place_small(heap, state, l_d, start, p_d)
+                continue
+            lin_max = max(lin_target, float(state.lin.max()))
+            att_max = max(att_target, float(state.att.max()))
+            lin_new = state.lin + l_d * self.linear_per_token
+            att_new = state.att + l_d * self.a2a + p_d * self.alpha
+            grow = np.maximum(lin_new - lin_max, 0) + np.maximum(att_new - att_max, 0)
+            key = grow + 1e-6 * (lin_new + att_new)  # ties: the least loaded
+            key = np.where(state.tokens + l_d <= self.cap, key, np.inf)
+            best = int(np.argmin(key))
+            if grow[best] <= SLACK * (lin_target + att_target) or l_d < 2:
+                state.add(best, [(start, start + l_d)], l_d, p_d, self)
+                continue
+            split = self._split(state, l_d, start)
+            if split is None or split[0] >= grow[best]:
+                if not np.isfinite(key[best]):
+                    raise HexiSeqError(
+                        f"a document of {l_d} tokens does not fit in the cluster's memory; use "
+                        "fewer tokens per batch"
+                    )
+                state.add(best, [(start, start + l_d)], l_d, p_d, self)
+                continue
+            for g, segs, share, penalty in split[1]:
+                state.add(g, segs, share, share * (l_d + 1) / 2, self, extra_s=penalty)
+        segments = self._members(state.pieces)
+        fill_empty(segments)
+        lay = make_layout(
+            seq_length=N,
+            num_attention_heads=self.structure.num_attention_heads,
+            num_query_groups=self.structure.num_query_groups,
+            groups=self.groups,
+            segments=segments,
+            heads=[r.heads for r in self.structure.ranks],
+            hosts=[r.host for r in self.structure.ranks],
+            gpus=[r.gpu for r in self.structure.ranks],
+        )
+        return BatchAssignment(
+            layout=lay,
+            cu_seqlens=tuple(cu.tolist()),
+            predicted_s=float(state.lin.max() + state.att.max()),
+        )
+
+    def _place_small(self, heap, state: _State, l_d: int, start: int, pairs: int) -> None:
+        """The group with the lowest phase score that has room (a full group leaves the heap)."""
+        while heap:
+            key, g = heapq.heappop(heap)
+            now = float(state.score_of(g))
+            if key != now:
+                heapq.heappush(heap, (now, g))  # stale entry: reinsert at its score
+                continue
+            if state.tokens[g] + l_d > self.cap[g]:
+                continue
+            state.add(g, [(start, start + l_d)], l_d, pairs, self)
+            heapq.heappush(heap, (float(state.score_of(g)), g))
+            return
+        raise HexiSeqError(
+            "the micro-batch does not fit in the cluster's memory; use fewer tokens per batch"
+        )
+
+    def _split(self, state: _State, l_d: int, start: int):
+        """Mirrored pieces of a long document over the fewest groups that take it within the
+        phase targets (all groups, water-filled to one phase score, when none can), with each
+        receiving group's K/V time its attention cannot hide. Returns (growth of the iteration,
+        [(group, segments, tokens, K/V seconds)]) or None when it does not fit in memory."""
+        u = state.u  # normalised linear cost per token
+        q = (
+            state.v + state.w * (l_d + 1) / 2
+        )  # normalised attention cost per token of a mirrored share
+        a, b = state.lin / state.lin_target, state.att / state.att_target
+        room = np.maximum(self.cap - state.tokens, 0)
+        score = np.maximum(a, b)
+        order = np.lexsort((np.arange(score.size), score))
+        take = np.minimum(np.maximum(np.minimum((1 - a) / u, (1 - b) / q), 0), room)[order]
+        k = int(np.searchsorted(np.cumsum(take), l_d)) + 1
+        chosen = np.sort(order[: min(k, score.size)])
+        x = _water_fill(a[chosen], u[chosen], b[chosen], q[chosen], room[chosen], l_d)
+        if x.sum() < l_d:
+            return None
+        keep = x > 0
+        chosen, x = chosen[keep], x[keep]
+        xf = x.astype(np.float64)
+        cross = xf * (l_d + 1) / 2 - xf * (xf + 1) / 2  # pairs with other groups' keys
+        penalty = np.maximum((l_d - xf) * self.kv_per_token[chosen] - cross * self.alpha[chosen], 0)
+        lin, att = state.lin.copy(), state.att.copy()
+        lin[chosen] += xf * self.linear_per_token[chosen]
+        att[chosen] += xf * self.a2a[chosen] + xf * (l_d + 1) / 2 * self.alpha[chosen] + penalty
+        lin_max = max(state.lin_target, float(state.lin.max()))
+        att_max = max(state.att_target, float(state.att.max()))
+        grow = max(float(lin.max()) - lin_max, 0) + max(float(att.max()) - att_max, 0)
+        out = []
+        front, back = start, start + l_d
+        for g, share, pen in zip(chosen.tolist(), x.tolist(), penalty.tolist()):
+            head, tail = share // 2, share - share // 2
+            segs = [(front, front + head)] if head else []
+            segs.append((back - tail, back))
+            front, back = front + head, back - tail
+            out.append((g, segs, share, pen))
+        return grow, out
+
+    def _members(self, pieces: list[list[Segment]]) -> list[list[Segment]]:
+        """Each group's pieces (position order) cut into consecutive member runs by speed."""
+        W = self.structure.world_size
+        out: list[list[Segment]] = [[] for _ in range(W)]
+        for g, members in enumerate(self.groups):
+            segs = sorted(pieces[g])
+            total = sum(e - s for s, e in segs)
+            counts = _round_shares(total, self.shares[g], at_least_one=total >= len(members))
+            i, pos = 0, segs[0][0] if segs else 0
+            for r, want in zip(members, counts):
+                while want > 0:
+                    s, e = segs[i]
+                    take = min(want, e - pos)
+                    if out[r] and out[r][-1][1] == pos:
+                        out[r][-1] = (out[r][-1][0], pos + take)
+                    else:
+                        out[r].append((pos, pos + take))
+                    want -= take
+                    pos += take
+                    if pos == e and i + 1 < len(segs):
+                        i += 1
+                        pos = segs[i][0]
+        return out
+
+
+def _round_shares(total: int, shares: np.ndarray, *, at_least_one: bool = False) -> list[int]:
+    """``total`` split by ``shares`` into integers (largest remainders, ties to the lower index);
+    with ``at_least_one`` every part gets one first."""
+    k = len(shares)
+    base = k if at_least_one else 0
+    raw = (total - base) * np.asarray(shares) / float(np.sum(shares))
+    counts = np.floor(raw).astype(np.int64)
+    left = total - base - int(counts.sum())
+    order = np.lexsort((np.arange(k), -(raw - counts)))
+    counts[order[:left]] += 1
+    return (counts + (1 if at_least_one else 0)).tolist()
+
+
+def _water_fill(
+    a: np.ndarray, u: np.ndarray, b: np.ndarray, q: np.ndarray, room: np.ndarray, total: int
+) -> np.ndarray:
+    """Integer shares x (sum ``total`` where room allows) that raise every chosen group's score
+    ``max(a + x u, b + x q)`` to one level, each x within ``room``: bisection on the level, then
+    largest remainders."""
+
+    def shares(level: float) -> np.ndarray:
+        return np.minimum(np.maximum(np.minimum((level - a) / u, (level - b) / q), 0), room)
+
+    lo, hi = float(np.minimum(a, b).min()), float(np.maximum(a + room * u, b + room * q).max())
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if shares(mid).sum() < total:
+            lo = mid
+        else:
+            hi = mid
+    raw = shares(hi)
+    x = np.minimum(np.floor(raw), room).astype(np.int64)
+    left = total - int(x.sum())
+    order = np.lexsort((np.arange(x.size), -(raw - x)))
+    order = order[room[order] - x[order] > 0][: max(left, 0)]
+    x[order] += 1
+    while x.sum() < total and (room - x > 0).any():  # rounding left tokens: the most room first
+        j = int(np.argmax(room - x))
+        x[j] += min(total - int(x.sum()), int(room[j] - x[j]))
+    return x
+
+
+def fill_empty(segments: list[list[Segment]]) -> None:
+    """A rank without tokens takes the last token of the rank holding the most (lowest index)."""
+    counts = [sum(e - s for s, e in segs) for segs in segments]
+    for r, c in enumerate(counts):
+        if c:
+            continue
+        donor = max(range(len(counts)), key=lambda i: (counts[i], -i))
+        s, e = segments[donor][-1]
+        segments[donor][-1:] = [(s, e - 1)] if e - 1 > s else []
+        segments[r].append((e - 1, e))
+        counts[donor] -= 1
+        counts[r] = 1
