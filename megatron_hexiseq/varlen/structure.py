@@ -71,7 +71,7 @@ def choose_structure(
     for b in baseline_layouts(cluster, model, N) + heuristic_layouts(cluster, model, N):
         if b.layout is not None:
             candidates.append((b.label, b.layout))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, lay in candidates:
         try:
             mean_s, feasible = score_structure(lay, cluster, model, options, sample)
