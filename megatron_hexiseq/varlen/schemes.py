@@ -106,6 +106,9 @@ class Schemes:
 
     ``fixed``: the structure's layout (``plan``'s, any sequence length: only its groups and heads
     are kept for ``hexiseq-batch``; ``hexiseq-fixed`` needs it planned for the micro-batch length).
+    The HexiSeq schemes run in ``options`` (the mode ``plan`` chose); the baselines in the first of
+    ``modes`` (memory modes in order of overhead) where the micro-batch fits, as ``plan`` scores its
+    baselines.
     """
 
     def __init__(
@@ -115,8 +118,10 @@ class Schemes:
         options: TrainOptions,
         fixed: Layout,
         structure: Layout | None = None,
+        modes: Sequence[TrainOptions] = (),
     ) -> None:
         self.cluster, self.options, self.fixed = cluster, options, fixed
+        self.modes = list(modes) or [options]
         self.model = model
         self.planner = BatchPlanner(structure or fixed, cluster, model, options)
         self.order = canonical_order(cluster)  # canonical device -> file device
@@ -154,9 +159,9 @@ class Schemes:
             _fill_empty(segs)
             lay = _ring_layout(self.cluster, model, N, segs)
             kind = "te-ring" if scheme == "megatron-thd-cp" else "pruned"
-            est = estimate_documents(lay, self.cluster, model, self.options, cu_t, exchange=kind)
+            est, mode = self._priced(lay, model, cu_t, kind, None)
             return SchemeRun(
-                scheme=scheme, layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": W}
+                scheme=scheme, layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": W, **mode}
             )
         if scheme == "dynamic-cp":
             best: SchemeRun | None = None
@@ -201,12 +206,20 @@ class Schemes:
             segs[r] = _merge(sorted(segs[r]))
         _fill_empty(segs)
         lay = _ring_layout(self.cluster, model, N, segs)
-        est = estimate_documents(
-            lay, self.cluster, model, self.options, cu_t, exchange="te-ring", rings=rings
-        )
+        est, mode = self._priced(lay, model, cu_t, "te-ring", rings)
         return SchemeRun(
-            scheme="dynamic-cp", layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": c}
+            scheme="dynamic-cp", layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": c, **mode}
         )
+
+    def _priced(
+        self, lay: Layout, model: ModelSpec, cu_t: tuple[int, ...], kind: str, rings
+    ) -> tuple[DocumentEstimate, dict]:
+        """The estimate in the first memory mode where it fits (else the last mode's)."""
+        for o in self.modes:
+            est = estimate_documents(lay, self.cluster, model, o, cu_t, exchange=kind, rings=rings)
+            if est.feasible:
+                break
+        return est, {"memory_mode": o.memory_mode, "recompute": o.recompute}
 
 
 def _better(a: DocumentEstimate, b: DocumentEstimate) -> bool:
