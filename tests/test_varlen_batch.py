@@ -156,8 +156,19 @@ def test_every_scheme_prices_the_same_micro_batch(setup):
     # is the micro-batch's pairs x heads (each group computes every head of its query tokens once)
     total = sum(length * (length + 1) // 2 for length in batch) * m.num_attention_heads
     assert set(pairs.values()) == {total}
-    thd, per_doc = runs["megatron-thd-cp"].estimate, runs["per-document"].estimate
-    assert (thd.kv_units >= per_doc.kv_units).all()
+    thd = runs["megatron-thd-cp"].estimate
+    tokens = np.array([r.num_tokens for r in runs["megatron-thd-cp"].layout.ranks])
+    assert thd.kv_units.tolist() == ((N - tokens) * m.num_query_groups).tolist()  # TE: no pruning
+    # per-document: every document of at least 2 tokens per group is held by every group
+    per_doc = runs["per-document"].layout
+    cu = np.cumsum([0, *batch])
+    n = len(per_doc.groups)
+    for d in range(len(batch)):
+        if batch[d] >= 64 * n:
+            held = {
+                r.group for r in per_doc.ranks for s, e in r.segments if s < cu[d + 1] and e > cu[d]
+            }
+            assert len(held) == n
     assert runs["dynamic-cp"].config["cp"] in schemes.cp_sizes
     assert (
         runs["dynamic-cp"].estimate.iteration_time_s <= thd.iteration_time_s * (1 + 1e-12)

@@ -296,6 +296,41 @@ class BatchPlanner:
             predicted_s=float(state.lin.max() + state.att.max()),
         )
 
+    def proportional(self, doc_lengths: Sequence[int]) -> BatchAssignment:
+        """The per-document split: every document in mirrored pieces over every group, each
+        group's share by its speed (``1 / rho_g``, as for the target level), members by speed.
+        Balanced whatever the documents, at the price of every group needing every document's K/V."""
+        cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
+        lengths = np.diff(cu)
+        N, n = int(cu[-1]), len(self.groups)
+        if N < self.structure.world_size or (lengths <= 0).any():
+            raise HexiSeqError("every document needs a positive length and every rank a token")
+        kappa = float((lengths * (lengths + 1) // 2).sum()) / N
+        weight = 1.0 / (self.linear_per_token + self.a2a + kappa * self.alpha)
+        pieces: list[list[Segment]] = [[] for _ in range(n)]
+        for d in range(lengths.size):
+            front, back = int(cu[d]), int(cu[d + 1])
+            for g, share in enumerate(_round_shares(int(lengths[d]), weight)):
+                head, tail = share // 2, share - share // 2
+                if head:
+                    pieces[g].append((front, front + head))
+                if tail:
+                    pieces[g].append((back - tail, back))
+                front, back = front + head, back - tail
+        segments = self._members(pieces)
+        fill_empty(segments)
+        lay = make_layout(
+            seq_length=N,
+            num_attention_heads=self.structure.num_attention_heads,
+            num_query_groups=self.structure.num_query_groups,
+            groups=self.groups,
+            segments=segments,
+            heads=[r.heads for r in self.structure.ranks],
+            hosts=[r.host for r in self.structure.ranks],
+            gpus=[r.gpu for r in self.structure.ranks],
+        )
+        return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()))
+
     def _place_small(self, heap, state: _State, l_d: int, start: int, pairs: int) -> None:
         """The group with the lowest phase score that has room (a full group leaves the heap)."""
         while heap:

@@ -18,9 +18,11 @@ prices it (document-masked pairs, K/V bytes, memory, the same rates):
   with the least work ``l^2/2 + l * LINEAR_PAIRS``, GPU speeds unknown to it, as Megatron's
   scheduler), THD zig-zag and TE's ring inside each group; the best c of each micro-batch is taken
   (an oracle choice, in the baseline's favour).
-- ``per-document``: the even per-document split (each document in 2 x W zig-zag chunks over all
-  GPUs, one rank per group, every head) run by the HexiSeq runtime: the pruned sub-ring exchange
-  instead of TE's ring.
+- ``per-document``: the per-document split on the job's structure: every document in mirrored
+  (zig-zag) pieces over every group, each group's share by its speed, members by speed
+  (``BatchPlanner.proportional``), the pruned exchange. Balanced by construction (each group gets
+  the same share of every document, so pairs follow tokens), but every group needs nearly every
+  document's K/V: the per-document sharding of WLB-LLM / THD made speed-aware.
 """
 
 from __future__ import annotations
@@ -154,12 +156,17 @@ class Schemes:
             return SchemeRun(
                 scheme=scheme, layout=self.fixed, cu_seqlens=cu_t, estimate=est, config={}
             )
-        if scheme in ("megatron-thd-cp", "per-document"):
+        if scheme == "per-document":
+            a = self.planner.proportional(doc_lengths)
+            est = estimate_documents(a.layout, self.cluster, model, self.options, cu_t)
+            return SchemeRun(
+                scheme=scheme, layout=a.layout, cu_seqlens=cu_t, estimate=est, config={}
+            )
+        if scheme == "megatron-thd-cp":
             segs = zigzag_docs(cu, list(range(W)), W)
             _fill_empty(segs)
             lay = _ring_layout(self.cluster, model, N, segs)
-            kind = "te-ring" if scheme == "megatron-thd-cp" else "pruned"
-            est, mode = self._priced(lay, model, cu_t, kind, None)
+            est, mode = self._priced(lay, model, cu_t, "te-ring", None)
             return SchemeRun(
                 scheme=scheme, layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": W, **mode}
             )
