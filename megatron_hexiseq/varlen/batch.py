@@ -128,10 +128,15 @@ class _State:
     att_target: float
 
     def score(self) -> np.ndarray:
+        """Per group, the larger of its two phases as a share of its target."""
         return np.maximum(self.lin / self.lin_target, self.att / self.att_target)
 
-    def score_of(self, g: int) -> float:
-        return max(self.lin[g] / self.lin_target, self.att[g] / self.att_target)
+    def small_key(self, g: int) -> float:
+        """A small document's key (lowest first): the group's linear phase plus how far its attention
+        phase is above the slowest one so far (small documents are mostly linear work; adding them
+        where the attention phase has slack does not lengthen the iteration)."""
+        att_max = max(self.att_target, float(self.att.max()))
+        return float(self.lin[g] + max(0.0, self.att[g] - att_max))
 
     def add(
         self,
@@ -252,7 +257,7 @@ class BatchPlanner:
             l_d, start, p_d = int(lengths[d]), int(cu[d]), int(pairs[d])
             if l_d * float(self.linear_per_token.min()) + p_d * float(self.alpha.min()) < small:
                 if not heap:
-                    heap = [(float(x), i) for i, x in enumerate(state.score())]
+                    heap = [(state.small_key(i), i) for i in range(n)]
                     heapq.heapify(heap)
                 self._place_small(heap, state, l_d, start, p_d)
                 continue
@@ -276,8 +281,8 @@ class BatchPlanner:
                     )
                 state.add(best, [(start, start + l_d)], l_d, p_d, self)
                 continue
-            for g, segs, share, penalty in split[1]:
-                state.add(g, segs, share, share * (l_d + 1) / 2, self, extra_s=penalty)
+            for g, segs, share, pairs_g, penalty in split[1]:
+                state.add(g, segs, share, pairs_g, self, extra_s=penalty)
         segments = self._members(state.pieces)
         fill_empty(segments)
         lay = make_layout(
@@ -332,60 +337,98 @@ class BatchPlanner:
         return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()))
 
     def _place_small(self, heap, state: _State, l_d: int, start: int, pairs: int) -> None:
-        """The group with the lowest phase score that has room (a full group leaves the heap)."""
+        """The group with the lowest ``small_key`` that has room (a full group leaves the heap)."""
         while heap:
             key, g = heapq.heappop(heap)
-            now = float(state.score_of(g))
+            now = state.small_key(g)
             if key != now:
                 heapq.heappush(heap, (now, g))  # stale entry: reinsert at its score
                 continue
             if state.tokens[g] + l_d > self.cap[g]:
                 continue
             state.add(g, [(start, start + l_d)], l_d, pairs, self)
-            heapq.heappush(heap, (float(state.score_of(g)), g))
+            heapq.heappush(heap, (state.small_key(g), g))
             return
         raise HexiSeqError(
             "the micro-batch does not fit in the cluster's memory; use fewer tokens per batch"
         )
 
     def _split(self, state: _State, l_d: int, start: int):
-        """Mirrored pieces of a long document over the fewest groups that take it within the
-        phase targets (all groups, water-filled to one phase score, when none can), with each
+        """Mirrored pieces of a long document over the fewest groups that take it without
+        lengthening either phase (all groups, water-filled to one relative growth, when none can),
+        with each
         receiving group's K/V time its attention cannot hide. Returns (growth of the iteration,
         [(group, segments, tokens, K/V seconds)]) or None when it does not fit in memory."""
         u = state.u  # normalised linear cost per token
         q = (
             state.v + state.w * (l_d + 1) / 2
         )  # normalised attention cost per token of a mirrored share
-        a, b = state.lin / state.lin_target, state.att / state.att_target
+        # each group's phases below the slowest ones so far (<= 0, in shares of the targets): a
+        # share that keeps both below them does not lengthen the iteration
+        lin_max = max(state.lin_target, float(state.lin.max()))
+        att_max = max(state.att_target, float(state.att.max()))
+        a = (state.lin - lin_max) / state.lin_target
+        b = (state.att - att_max) / state.att_target
         room = np.maximum(self.cap - state.tokens, 0)
-        score = np.maximum(a, b)
-        order = np.lexsort((np.arange(score.size), score))
-        take = np.minimum(np.maximum(np.minimum((1 - a) / u, (1 - b) / q), 0), room)[order]
-        k = int(np.searchsorted(np.cumsum(take), l_d)) + 1
-        chosen = np.sort(order[: min(k, score.size)])
+        free = np.minimum(np.maximum(np.minimum(-a / u, -b / q), 0), room)
+        order = np.lexsort((np.arange(free.size), -free))  # the most free room first
+        k = int(np.searchsorted(np.cumsum(free[order]), l_d)) + 1
+        chosen = np.sort(order[: min(k, free.size)])
         x = _water_fill(a[chosen], u[chosen], b[chosen], q[chosen], room[chosen], l_d)
         if x.sum() < l_d:
             return None
         keep = x > 0
         chosen, x = chosen[keep], x[keep]
+        mirrored = self._pieces_cost(state, chosen, x, l_d, start, mirrored=True)
+        # contiguous pieces send less K/V (a piece receives only what comes before it) but put
+        # more pairs on later pieces: the groups with the most attention room go last
+        later = np.lexsort((chosen, -b[chosen]))
+        contiguous = self._pieces_cost(state, chosen[later], x[later], l_d, start, mirrored=False)
+        return min(mirrored, contiguous, key=lambda c: c[0])
+
+    def _pieces_cost(
+        self,
+        state: _State,
+        groups: np.ndarray,
+        x: np.ndarray,
+        l_d: int,
+        start: int,
+        *,
+        mirrored: bool,
+    ) -> tuple[float, list[tuple[int, list[Segment], int, float, float]]]:
+        """(growth of the iteration, [(group, segments, tokens, pairs, K/V seconds)]) of giving
+        ``x[j]`` tokens of a document to ``groups[j]``: mirrored head + tail pieces (pairs
+        ``x (l + 1) / 2`` each, nearly the whole document received), or consecutive pieces in
+        order (a piece at offset o receives o tokens and has ``x (2 o + x + 1) / 2`` pairs)."""
         xf = x.astype(np.float64)
-        cross = xf * (l_d + 1) / 2 - xf * (xf + 1) / 2  # pairs with other groups' keys
-        penalty = np.maximum((l_d - xf) * self.kv_per_token[chosen] - cross * self.alpha[chosen], 0)
+        if mirrored:
+            pairs = xf * (l_d + 1) / 2
+            recv = l_d - xf
+            cross = pairs - xf * (xf + 1) / 2
+        else:
+            offset = np.cumsum(xf) - xf
+            pairs = xf * (2 * offset + xf + 1) / 2
+            recv = offset
+            cross = xf * offset
+        penalty = np.maximum(recv * self.kv_per_token[groups] - cross * self.alpha[groups], 0)
         lin, att = state.lin.copy(), state.att.copy()
-        lin[chosen] += xf * self.linear_per_token[chosen]
-        att[chosen] += xf * self.a2a[chosen] + xf * (l_d + 1) / 2 * self.alpha[chosen] + penalty
+        lin[groups] += xf * self.linear_per_token[groups]
+        att[groups] += xf * self.a2a[groups] + pairs * self.alpha[groups] + penalty
         lin_max = max(state.lin_target, float(state.lin.max()))
         att_max = max(state.att_target, float(state.att.max()))
         grow = max(float(lin.max()) - lin_max, 0) + max(float(att.max()) - att_max, 0)
         out = []
         front, back = start, start + l_d
-        for g, share, pen in zip(chosen.tolist(), x.tolist(), penalty.tolist()):
-            head, tail = share // 2, share - share // 2
-            segs = [(front, front + head)] if head else []
-            segs.append((back - tail, back))
-            front, back = front + head, back - tail
-            out.append((g, segs, share, pen))
+        for j, (g, share) in enumerate(zip(groups.tolist(), x.tolist())):
+            if mirrored:
+                head, tail = share // 2, share - share // 2
+                segs = [(front, front + head)] if head else []
+                segs.append((back - tail, back))
+                front, back = front + head, back - tail
+            else:
+                segs = [(front, front + share)]
+                front += share
+            out.append((g, segs, share, float(pairs[j]), float(penalty[j])))
         return grow, out
 
     def _members(self, pieces: list[list[Segment]]) -> list[list[Segment]]:
