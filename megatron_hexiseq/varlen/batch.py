@@ -34,6 +34,7 @@ assignment from the same document lengths. docs/varlen.md.
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from megatron_hexiseq.run_config import TrainOptions
 SLACK = 0.05  # a document stays whole when its group ends within Lambda * (1 + SLACK)
 SMALL = 0.02  # documents costing less than this share of Lambda go by the heap
 MEMORY_MARGIN = 0.9  # share of a group's free memory its tokens may take (the rest: K/V buffers)
+WATER_FILL_STEPS = 32  # bisection steps of a level (then whole tokens by largest remainders)
 A2A_PROBE_TOKENS = 1 << 20  # the all-to-all of this many group tokens gives its cost per token
 
 
@@ -218,10 +220,26 @@ class BatchPlanner:
             ]
             cap[i] = max(0.0, min(f / p for f, p in zip(free, per)))
         self.cap = np.floor(cap)
+        self.heads = [r.heads for r in structure.ranks]
+        self.hosts = [r.host for r in structure.ranks]
+        self.gpus = [r.gpu for r in structure.ranks]
 
     # ---- one micro-batch -------------------------------------------------------------------
     def plan(self, doc_lengths: Sequence[int]) -> BatchAssignment:
-        """The assignment of one micro-batch whose documents (in packing order) have these lengths."""
+        """The assignment of one micro-batch whose documents (in packing order) have these lengths.
+
+        The garbage collector is paused while it runs (and restored): a collection triggered by
+        its short-lived tuples would scan every object of the caller (a data loader holds many)
+        and cost several times the plan; nothing it allocates forms cycles."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._plan(doc_lengths)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _plan(self, doc_lengths: Sequence[int]) -> BatchAssignment:
         cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
         lengths = np.diff(cu)
         N, n, W = int(cu[-1]), len(self.groups), self.structure.world_size
@@ -291,9 +309,9 @@ class BatchPlanner:
             num_query_groups=self.structure.num_query_groups,
             groups=self.groups,
             segments=segments,
-            heads=[r.heads for r in self.structure.ranks],
-            hosts=[r.host for r in self.structure.ranks],
-            gpus=[r.gpu for r in self.structure.ranks],
+            heads=self.heads,
+            hosts=self.hosts,
+            gpus=self.gpus,
         )
         return BatchAssignment(
             layout=lay,
@@ -330,9 +348,9 @@ class BatchPlanner:
             num_query_groups=self.structure.num_query_groups,
             groups=self.groups,
             segments=segments,
-            heads=[r.heads for r in self.structure.ranks],
-            hosts=[r.host for r in self.structure.ranks],
-            gpus=[r.gpu for r in self.structure.ranks],
+            heads=self.heads,
+            hosts=self.hosts,
+            gpus=self.gpus,
         )
         return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()))
 
@@ -480,7 +498,7 @@ def _water_fill(
         return np.minimum(np.maximum(np.minimum((level - a) / u, (level - b) / q), 0), room)
 
     lo, hi = float(np.minimum(a, b).min()), float(np.maximum(a + room * u, b + room * q).max())
-    for _ in range(60):
+    for _ in range(WATER_FILL_STEPS):
         mid = (lo + hi) / 2
         if shares(mid).sum() < total:
             lo = mid
@@ -499,14 +517,18 @@ def _water_fill(
 
 
 def fill_empty(segments: list[list[Segment]]) -> None:
-    """A rank without tokens takes the last token of the rank holding the most (lowest index)."""
+    """A rank without tokens takes the last token of the rank holding the most (lowest index on
+    ties), in rank order."""
     counts = [sum(e - s for s, e in segs) for segs in segments]
-    for r, c in enumerate(counts):
-        if c:
-            continue
-        donor = max(range(len(counts)), key=lambda i: (counts[i], -i))
+    empty = [r for r, c in enumerate(counts) if c == 0]
+    if not empty:
+        return
+    donors = [(-c, r) for r, c in enumerate(counts) if c > 1]
+    heapq.heapify(donors)
+    for r in empty:
+        c, donor = heapq.heappop(donors)
         s, e = segments[donor][-1]
         segments[donor][-1:] = [(s, e - 1)] if e - 1 > s else []
         segments[r].append((e - 1, e))
-        counts[donor] -= 1
-        counts[r] = 1
+        if -c - 1 > 1:
+            heapq.heappush(donors, (c + 1, donor))

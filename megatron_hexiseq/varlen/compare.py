@@ -7,8 +7,8 @@ assignment of each micro-batch with ``costmodel.documents.estimate_documents``. 
 ``mean_step_s`` and ``p90_step_s`` over the micro-batches, ``imbalance`` (slowest rank's busy time
 over the mean rank's, averaged over micro-batches), ``kv_bytes`` (K/V bytes received per
 micro-batch, all ranks, layers and passes, averaged), ``feasible`` (every micro-batch fits in
-memory); ``hexiseq-batch`` adds ``plan_ms_p50`` / ``plan_ms_max`` (the planner's wall-clock time
-per micro-batch on this machine's one thread).
+memory); ``hexiseq-batch`` adds ``plan_ms_p50`` / ``plan_ms_max`` (the planner's CPU time per
+micro-batch, one thread: ``time.thread_time``, which a loaded machine does not inflate).
 """
 
 from __future__ import annotations
