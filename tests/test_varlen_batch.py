@@ -266,3 +266,20 @@ def test_plan_doc_lengths_records_the_choice(tmp_path):
     best = min(r["mean_step_s"] for r in rec["candidates"] if r.get("feasible"))
     assert next(r for r in rec["candidates"] if r["name"] == rec["chosen"])["mean_step_s"] == best
     random.seed(0)
+
+
+def test_plan_doc_lengths_bad_file_is_one_line_exit_2(tmp_path, capsys):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(
+        "name: t\nnodes:\n  - {name: a, gpu: H100-SXM-80GB, count: 2, network_GBps: 25}\n"
+    )
+    docs = _write(tmp_path, "d.json", "[100, -3]")
+    out = tmp_path / "l.json"
+    args = ["plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--seq-length", "4096",
+            "--doc-lengths", docs, "-o", str(out)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "list of positive integers" in err[0], err
+    assert not out.exists()
+    assert main([*args[:-2], "-o", docs]) == 2  # the output would clobber an input
+    assert json.loads(open(docs).read()) == [100, -3]
