@@ -67,7 +67,7 @@ def test_assignment_is_a_valid_deterministic_layout(setup):
 def test_short_documents_stay_whole_inside_one_group(setup):
     c, m, o, fixed = setup
     batch = [512] * (N // 512)
-    a = BatchPlanner(fixed, c, m, o).plan(batch)
+    a = BatchPlanner(fixed, c, m, o).plan(batch, or_structure=False)
     group_of = {r.rank: r.group for r in a.layout.ranks}
     for d in range(len(batch)):
         s, e = d * 512, (d + 1) * 512
@@ -84,7 +84,7 @@ def test_long_document_is_split_in_mirrored_pieces(setup):
     if len(fixed.groups) < 2:
         pytest.skip("one group: nothing to split over")
     batch = [N - 4096, 4096]
-    a = BatchPlanner(fixed, c, m, o).plan(batch)
+    a = BatchPlanner(fixed, c, m, o).plan(batch, or_structure=False)
     holders = {r.group for r in a.layout.ranks for s, e in r.segments if s < N - 4096}
     assert len(holders) >= 2
     # every group holding the long document holds a piece at its head and its mirror at its tail
@@ -113,6 +113,18 @@ def test_per_batch_plan_beats_or_matches_the_fixed_layout(setup):
         assert mine.feasible
         ratios.append(theirs.iteration_time_s / mine.iteration_time_s)
     assert np.median(ratios) >= 1.0
+
+
+def test_the_structures_layout_is_kept_when_predicted_faster(setup):
+    c, m, o, fixed = setup
+    bp = BatchPlanner(fixed, c, m, o)
+    for batch in pack_batches(heavy_tailed_lengths(800, seed=9), N, 4, seed=10):
+        cu = np.array([0, *np.cumsum(batch)])
+        own = bp.plan(batch, or_structure=False)
+        best = bp.plan(batch)
+        assert own.predicted_s == pytest.approx(bp.predict(own.layout, cu))
+        assert best.predicted_s == min(own.predicted_s, bp.predict(fixed, cu))
+        assert best.layout in (own.layout, fixed)
 
 
 def test_bad_micro_batches_are_one_clear_error(setup):

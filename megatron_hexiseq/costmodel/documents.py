@@ -345,7 +345,7 @@ def estimate_documents(
     )
 
 
-def _own_pairs(pieces: Pieces, group: np.ndarray, cu: np.ndarray) -> np.ndarray:
+def own_group_pairs(pieces: Pieces, group: np.ndarray, cu: np.ndarray) -> np.ndarray:
     """Per piece: its pairs with keys of the same group (own-group round 0): ``l * C + l(l+1)/2``,
     C = the group's tokens earlier in the same document."""
     length = pieces.end - pieces.start
@@ -422,7 +422,9 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     vis_dg = last_end - cu[cells // n] - np.rint(own_tok).astype(np.int64)
     recv_g = np.rint(np.bincount(cells % n, weights=vis_dg, minlength=n)).astype(np.int64)
     kv_units = recv_g[gi] * kv_n
-    own = np.rint(np.bincount(pg, weights=_own_pairs(pieces, pg, cu), minlength=n)).astype(np.int64)
+    own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
+        np.int64
+    )
     comp0 = flops_per_pair_head * own[gi] * heads / rate
     cross = _cross_rounds(pieces, gi)
     # link of a round: the sending group's slowest port, the receiver's own (estimate's rule)
@@ -481,7 +483,7 @@ def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces
     flops_per_pair_head = 4 * model.kv_channels * L * b
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
     own = np.rint(
-        np.bincount(pg, weights=_own_pairs(pieces, pg, cu), minlength=len(layout.groups))
+        np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=len(layout.groups))
     ).astype(np.int64)[gi]
     comp0 = flops_per_pair_head * own * heads / arrays.rate
     entries_r, entries_comm, entries_comp = [], [], []

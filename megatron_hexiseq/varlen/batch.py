@@ -43,7 +43,13 @@ from typing import Any
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel.documents import check_cu_seqlens, cu_from_lengths
+from megatron_hexiseq.costmodel.documents import (
+    check_cu_seqlens,
+    cu_from_lengths,
+    document_pieces,
+    own_group_pairs,
+    piece_pairs,
+)
 from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
 from megatron_hexiseq.costmodel.formulas import (
     a2a_buffer_bytes_per_token,
@@ -220,13 +226,20 @@ class BatchPlanner:
             ]
             cap[i] = max(0.0, min(f / p for f, p in zip(free, per)))
         self.cap = np.floor(cap)
+        self.group_index = np.zeros(W, dtype=np.int64)
+        for i, g in enumerate(self.groups):
+            self.group_index[list(g)] = i
+        self.rank_linear_s = lin
+        self.rank_overhead_s = np.array([d.step_overhead_s for d in devs])
         self.heads = [r.heads for r in structure.ranks]
         self.hosts = [r.host for r in structure.ranks]
         self.gpus = [r.gpu for r in structure.ranks]
 
     # ---- one micro-batch -------------------------------------------------------------------
-    def plan(self, doc_lengths: Sequence[int]) -> BatchAssignment:
+    def plan(self, doc_lengths: Sequence[int], *, or_structure: bool = True) -> BatchAssignment:
         """The assignment of one micro-batch whose documents (in packing order) have these lengths.
+        ``or_structure``: when the structure's own layout has the micro-batch's length, return it
+        instead if ``predict`` rates it faster.
 
         The garbage collector is paused while it runs (and restored): a collection triggered by
         its short-lived tuples would scan every object of the caller (a data loader holds many)
@@ -234,12 +247,12 @@ class BatchPlanner:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return self._plan(doc_lengths)
+            return self._plan(doc_lengths, or_structure)
         finally:
             if enabled:
                 gc.enable()
 
-    def _plan(self, doc_lengths: Sequence[int]) -> BatchAssignment:
+    def _plan(self, doc_lengths: Sequence[int], or_structure: bool) -> BatchAssignment:
         cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
         lengths = np.diff(cu)
         N, n, W = int(cu[-1]), len(self.groups), self.structure.world_size
@@ -313,11 +326,39 @@ class BatchPlanner:
             hosts=self.hosts,
             gpus=self.gpus,
         )
-        return BatchAssignment(
-            layout=lay,
-            cu_seqlens=tuple(cu.tolist()),
-            predicted_s=float(state.lin.max() + state.att.max()),
+        mine = self.predict(lay, cu)
+        if or_structure and self.structure.seq_length == N:  # the structure's layout fits it
+            theirs = self.predict(self.structure, cu)
+            if theirs < mine:
+                lay, mine = self.structure, theirs
+        return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()), predicted_s=mine)
+
+    def predict(self, layout: Layout, cu: np.ndarray) -> float:
+        """The planner's estimate of an assignment's iteration: the slowest rank's linear phase plus
+        the slowest group's attention phase (document-masked pairs x ``alpha_g``, all-to-all, fixed
+        cost, and the received K/V time its cross-group attention cannot hide, as ``_split``
+        charges it). O(pieces), so a plan can be checked against the structure's own layout."""
+        W, n = self.structure.world_size, len(self.groups)
+        pieces = document_pieces(layout, cu)
+        gi = self.group_index
+        pg = gi[pieces.rank]
+        length = pieces.end - pieces.start
+        tokens = np.bincount(pieces.rank, weights=length, minlength=W)
+        g_tokens = np.bincount(gi, weights=tokens, minlength=n)
+        g_pairs = np.bincount(
+            pg, weights=piece_pairs(pieces.start, pieces.end, cu[pieces.doc]), minlength=n
         )
+        own = np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)
+        key = pieces.doc * n + pg
+        cells, inv = np.unique(key, return_inverse=True)
+        last_end = np.zeros(cells.size, dtype=np.int64)
+        np.maximum.at(last_end, inv, pieces.end)
+        held = np.bincount(inv, weights=length, minlength=cells.size)
+        recv = np.bincount(cells % n, weights=last_end - cu[cells // n] - held, minlength=n)
+        penalty = np.maximum(recv * self.kv_per_token - (g_pairs - own) * self.alpha, 0)
+        att = g_pairs * self.alpha + g_tokens * self.a2a + self.fixed + penalty
+        lin = tokens * self.rank_linear_s + self.rank_overhead_s
+        return float(lin.max() + att.max())
 
     def proportional(self, doc_lengths: Sequence[int]) -> BatchAssignment:
         """The per-document split: every document in mirrored pieces over every group, each
