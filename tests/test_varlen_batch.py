@@ -295,3 +295,23 @@ def test_plan_doc_lengths_bad_file_is_one_line_exit_2(tmp_path, capsys):
     assert not out.exists()
     assert main([*args[:-2], "-o", docs]) == 2  # the output would clobber an input
     assert json.loads(open(docs).read()) == [100, -3]
+
+
+def test_varlen_suite_smoke(tmp_path):
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    import varlen_suite
+
+    if not os.path.exists(varlen_suite.PROLONG):
+        pytest.skip("the shared ProLong length list is not next to this checkout")
+    assert varlen_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "varlen_suite.json").read_text())
+    assert [r["dist"] for r in data["rows"]] == ["prolong", "heavy-tailed"]
+    for row in data["rows"]:
+        assert set(row["speedup"]) >= {"hexiseq-fixed", "megatron-thd-cp", "dynamic-cp"}
+        assert row["plan_ms_p50"] > 0
+    assert "| 0 |" in (tmp_path / "varlen_suite.md").read_text()
+    assert (tmp_path / "varlen_suite.png").exists()
