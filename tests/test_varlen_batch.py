@@ -62,6 +62,19 @@ def test_assignment_is_a_valid_deterministic_layout(setup):
         assert a.doc_lengths == list(batch)
         again = BatchPlanner(fixed, c, m, o).plan(batch)
         assert again.layout == a.layout and again.cu_seqlens == a.cu_seqlens
+        a.check_structure(fixed)
+        positions = np.concatenate([a.rank_positions(r) for r in range(a.layout.world_size)])
+        assert sorted(positions.tolist()) == list(range(N))
+    with pytest.raises(HexiSeqError, match="does not match the job's structure"):
+        a.check_structure(_other_structure(fixed, c, m))
+
+
+def _other_structure(layout, c, m):
+    """A symmetric layout whose groups differ from ``layout``'s (one group of all, or one per rank)."""
+    from megatron_hexiseq.planner.baselines import symmetric_layout
+
+    hp = c.world_size if len(layout.groups) > 1 else 1
+    return symmetric_layout(c, m, layout.seq_length, hp)
 
 
 def test_short_documents_stay_whole_inside_one_group(setup):

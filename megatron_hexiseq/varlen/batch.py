@@ -91,6 +91,23 @@ class BatchAssignment:
     def doc_lengths(self) -> list[int]:
         return np.diff(self.cu_seqlens).tolist()
 
+    def rank_positions(self, rank: int) -> np.ndarray:
+        """The micro-batch positions rank ``rank`` holds, in segment order (int64): what a batch
+        slicer gathers (``tokens[:, positions]``) on the host, in the data loader, before the step."""
+        segs = self.layout.ranks[rank].segments
+        if not segs:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in segs])
+
+    def check_structure(self, structure: Layout) -> None:
+        """One HexiSeqError unless this assignment runs on ``structure``'s groups and heads (the
+        job's process groups are built once, from the structure)."""
+        if not same_structure(self.layout, structure):
+            raise HexiSeqError(
+                "the micro-batch's assignment does not match the job's structure (groups, hosts, "
+                "GPUs or heads differ); plan it with a BatchPlanner built on the job's layout"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """``{cu_seqlens, ranks: [{rank, group, segments, heads}]}`` (JSON-ready)."""
         return {
