@@ -328,3 +328,31 @@ def test_varlen_suite_smoke(tmp_path):
         assert row["plan_ms_p50"] > 0
     assert "| 0 |" in (tmp_path / "varlen_suite.md").read_text()
     assert (tmp_path / "varlen_suite.png").exists()
+
+
+@pytest.mark.parametrize("hp", [1, 2, 8])
+def test_edge_micro_batches_give_valid_assignments(setup, hp):
+    from megatron_hexiseq.planner.baselines import symmetric_layout
+
+    c, m, o, _ = setup
+    rng = random.Random(hp)
+    W = c.world_size
+    for tokens in (W, W + 3, 4096, N):
+        structure = symmetric_layout(c, replace(m, seq_length=tokens), tokens, hp)
+        bp = BatchPlanner(structure, c, replace(m, seq_length=tokens), o)
+        shapes = [
+            [tokens],  # one document over everything
+            [1] * tokens if tokens <= 4096 else [1] * 4000 + [tokens - 4000],  # 1-token documents
+            [rng.randint(1, max(1, tokens // 3)) for _ in range(200)],
+        ]
+        for docs in shapes:
+            docs = list(docs)
+            while sum(docs) > tokens:
+                docs.pop()
+            if sum(docs) < tokens:
+                docs.append(tokens - sum(docs))
+            a = bp.plan(docs)
+            assert same_structure(a.layout, structure) and a.layout.seq_length == tokens
+            assert all(r.num_tokens >= 1 for r in a.layout.ranks)
+            est = estimate_documents(a.layout, c, replace(m, seq_length=tokens), o, a.cu_seqlens)
+            assert np.isfinite(est.iteration_time_s)
