@@ -3,33 +3,29 @@
 The job keeps its structure (``plan``'s A2A groups and each rank's query heads). For every micro-batch,
 given its document lengths in packing order, ``BatchPlanner.plan`` assigns the tokens to ranks:
 
-- **Group costs.** Rank r of group g does linear work for its own tokens and attention for all of
-  its group's query tokens with its own heads. Inside a group tokens are split by linear speed
-  (member r takes ``share_r ∝ 1 / linear_s_per_token_r``), so the group's linear phase is
-  ``T_g / c_g`` (``c_g = sum 1 / linear_s_per_token``); its attention phase is
-  ``P_g * alpha_g`` (``alpha_g = max over members of heads_r * attention_s_per_pair_head_r``) plus
-  the head all-to-all, ``a_g`` seconds per group token (``costmodel``'s all-to-all of the speed
-  split, which is linear in the tokens). One scalar per group, ``tau_g = T_g (1/c_g + a_g) +
-  P_g alpha_g``, is balanced; rates come from ``costmodel.formulas`` (the calibrated cluster).
-- **Target level** ``Lambda = N / sum_g 1 / rho_g`` with ``rho_g = 1/c_g + a_g + kappa alpha_g``
-  and ``kappa`` = the micro-batch's document-masked pairs per token: every group's time if the work
-  were perfectly divisible.
-- **Documents, longest first.** A document goes whole to the group where it finishes earliest when
-  that stays within ``Lambda (1 + SLACK)`` (its tokens then spread over the group's members: no
-  cross-group K/V at all). Otherwise it is split over the fewest groups (lowest ``tau`` first)
-  that can take it below ``Lambda`` (all groups when none can), water-filled to one level, with
-  mirrored (zig-zag) pieces: group j takes a head piece and the mirrored tail piece of the document,
-  so its pairs are exactly ``x_j (l + 1) / 2`` for ``x_j`` tokens and each share costs the same per
-  token. Documents below ``SMALL`` of ``Lambda`` go by a heap to the least-loaded group.
-- **Memory.** A group takes at most ``M_g`` tokens (its tightest member's static memory,
-  activations of its share, attention core of the group's tokens and all-to-all buffer within the
-  usable capacity, ``MEMORY_MARGIN`` left for the K/V buffers).
+- **Group costs.** Inside a group tokens are split by linear speed, so the group's linear phase is
+  ``T_g / c_g`` (``c_g = sum 1 / linear_s_per_token``); its attention phase is ``P_g alpha_g``
+  (``alpha_g`` = the slowest member's heads x ``attention_s_per_pair_head``) plus the head
+  all-to-all (``a_g`` per group token) and its fixed cost. The iteration is the slowest linear
+  phase plus the slowest attention phase (``costmodel.estimate``), so the two are kept apart.
+  Rates come from ``costmodel.formulas`` (the calibrated cluster).
+- **Targets** ``Lin*``, ``Att*``: both phases with perfectly divisible work.
+- **Documents, longest first.** Whole into the group where the iteration grows least, kept whole
+  when that growth is within ``SLACK`` of ``Lin* + Att*`` (no K/V crosses groups); otherwise split
+  over the fewest groups with room below the slowest phases so far (all groups, water-filled,
+  when none has enough), as mirrored head + tail pieces (pairs ``x (l + 1) / 2`` for ``x`` tokens)
+  or consecutive pieces (less K/V), whichever grows the iteration less counting each receiving
+  group's K/V time its cross attention cannot hide; whole again if the split is not cheaper.
+  Documents below ``SMALL`` of a target go by a heap (``_State.small_key``).
+- **Memory.** A group takes at most ``M_g`` tokens (its tightest member's usable memory less static
+  memory over its share of activations and all-to-all buffer plus the group's attention core;
+  ``MEMORY_MARGIN`` leaves room for the K/V buffers).
 - **Members.** The group's pieces in position order are cut into consecutive member runs in rank
-  order (tokens by ``share_r``, largest remainders; every rank gets at least one token; a rank left
-  empty takes one token from the fullest rank).
+  order (tokens by linear speed, at least one each; ``assignment.fill_empty`` for the rest).
+- **The structure's own layout** is returned instead when ``predict`` rates it faster.
 
-Deterministic (stable sorts, no randomness, no communication): every rank computes the same
-assignment from the same document lengths. docs/varlen.md.
+Deterministic (stable sorts, no randomness, no clock, no communication): every rank computes the
+same assignment from the same document lengths. docs/varlen.md.
 """
 
 from __future__ import annotations
@@ -38,13 +34,11 @@ import gc
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.documents import (
-    check_cu_seqlens,
     cu_from_lengths,
     document_pieces,
     own_group_pairs,
@@ -64,76 +58,20 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, Segment, check_matches, make_layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
+from megatron_hexiseq.varlen.assignment import (
+    BatchAssignment,
+    fill_empty,
+    round_shares,
+    same_structure,
+)
+
+__all__ = ["BatchAssignment", "BatchPlanner", "fill_empty", "same_structure"]
 
 SLACK = 0.05  # a document stays whole when its group ends within Lambda * (1 + SLACK)
 SMALL = 0.02  # documents costing less than this share of Lambda go by the heap
 MEMORY_MARGIN = 0.9  # share of a group's free memory its tokens may take (the rest: K/V buffers)
 WATER_FILL_STEPS = 32  # bisection steps of a level (then whole tokens by largest remainders)
 A2A_PROBE_TOKENS = 1 << 20  # the all-to-all of this many group tokens gives its cost per token
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchAssignment:
-    """One micro-batch's token assignment: ``layout`` (seq_length = the micro-batch's tokens, the
-    structure's groups and heads, each rank's segments in global positions, several runs allowed)
-    and ``cu_seqlens`` (the document boundaries). Validated: the layout's rules, and the boundaries
-    strictly increasing from 0 to ``layout.seq_length``. ``predicted_s``: the planner's own estimate
-    of the iteration (``costmodel.documents.estimate_documents`` is the cost model's)."""
-
-    layout: Layout
-    cu_seqlens: tuple[int, ...]
-    predicted_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_cu_seqlens(self.cu_seqlens, self.layout.seq_length)
-
-    @property
-    def doc_lengths(self) -> list[int]:
-        return np.diff(self.cu_seqlens).tolist()
-
-    def rank_positions(self, rank: int) -> np.ndarray:
-        """The micro-batch positions rank ``rank`` holds, in segment order (int64): what a batch
-        slicer gathers (``tokens[:, positions]``) on the host, in the data loader, before the step."""
-        segs = self.layout.ranks[rank].segments
-        if not segs:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in segs])
-
-    def check_structure(self, structure: Layout) -> None:
-        """One HexiSeqError unless this assignment runs on ``structure``'s groups and heads (the
-        job's process groups are built once, from the structure)."""
-        if not same_structure(self.layout, structure):
-            raise HexiSeqError(
-                "the micro-batch's assignment does not match the job's structure (groups, hosts, "
-                "GPUs or heads differ); plan it with a BatchPlanner built on the job's layout"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{cu_seqlens, ranks: [{rank, group, segments, heads}]}`` (JSON-ready)."""
-        return {
-            "cu_seqlens": list(self.cu_seqlens),
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "group": r.group,
-                    "segments": [list(s) for s in r.segments],
-                    "heads": list(r.heads),
-                }
-                for r in self.layout.ranks
-            ],
-        }
-
-
-def same_structure(a: Layout, b: Layout) -> bool:
-    """True when two layouts have the same groups, hosts, GPUs and heads (segments may differ)."""
-    return (
-        a.groups == b.groups
-        and all(
-            (x.group, x.heads, x.host, x.gpu) == (y.group, y.heads, y.host, y.gpu)
-            for x, y in zip(a.ranks, b.ranks)
-        )
-        and a.world_size == b.world_size
-    )
 
 
 @dataclass
@@ -212,7 +150,7 @@ class BatchPlanner:
         a2a, fixed = np.zeros(n), np.zeros(n)
         for i, g in enumerate(self.groups):
             if len(g) > 1:
-                tok = _round_shares(A2A_PROBE_TOKENS, self.shares[i])
+                tok = round_shares(A2A_PROBE_TOKENS, self.shares[i])
                 layer = _a2a_layer_s(
                     cluster, model, g, b, tok, [int(heads[r]) for r in g], [kv[r] for r in g]
                 )
@@ -391,7 +329,7 @@ class BatchPlanner:
         pieces: list[list[Segment]] = [[] for _ in range(n)]
         for d in range(lengths.size):
             front, back = int(cu[d]), int(cu[d + 1])
-            for g, share in enumerate(_round_shares(int(lengths[d]), weight)):
+            for g, share in enumerate(round_shares(int(lengths[d]), weight)):
                 head, tail = share // 2, share - share // 2
                 if head:
                     pieces[g].append((front, front + head))
@@ -514,7 +452,7 @@ class BatchPlanner:
         for g, members in enumerate(self.groups):
             segs = sorted(pieces[g])
             total = sum(e - s for s, e in segs)
-            counts = _round_shares(total, self.shares[g], at_least_one=total >= len(members))
+            counts = round_shares(total, self.shares[g], at_least_one=total >= len(members))
             i, pos = 0, segs[0][0] if segs else 0
             for r, want in zip(members, counts):
                 while want > 0:
@@ -530,19 +468,6 @@ class BatchPlanner:
                         i += 1
                         pos = segs[i][0]
         return out
-
-
-def _round_shares(total: int, shares: np.ndarray, *, at_least_one: bool = False) -> list[int]:
-    """``total`` split by ``shares`` into integers (largest remainders, ties to the lower index);
-    with ``at_least_one`` every part gets one first."""
-    k = len(shares)
-    base = k if at_least_one else 0
-    raw = (total - base) * np.asarray(shares) / float(np.sum(shares))
-    counts = np.floor(raw).astype(np.int64)
-    left = total - base - int(counts.sum())
-    order = np.lexsort((np.arange(k), -(raw - counts)))
-    counts[order[:left]] += 1
-    return (counts + (1 if at_least_one else 0)).tolist()
 
 
 def _water_fill(
@@ -572,21 +497,3 @@ def _water_fill(
         j = int(np.argmax(room - x))
         x[j] += min(total - int(x.sum()), int(room[j] - x[j]))
     return x
-
-
-def fill_empty(segments: list[list[Segment]]) -> None:
-    """A rank without tokens takes the last token of the rank holding the most (lowest index on
-    ties), in rank order."""
-    counts = [sum(e - s for s, e in segs) for segs in segments]
-    empty = [r for r, c in enumerate(counts) if c == 0]
-    if not empty:
-        return
-    donors = [(-c, r) for r, c in enumerate(counts) if c > 1]
-    heapq.heapify(donors)
-    for r in empty:
-        c, donor = heapq.heappop(donors)
-        s, e = segments[donor][-1]
-        segments[donor][-1:] = [(s, e - 1)] if e - 1 > s else []
-        segments[r].append((e - 1, e))
-        if -c - 1 > 1:
-            heapq.heappush(donors, (c + 1, donor))
