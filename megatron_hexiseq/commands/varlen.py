@@ -93,8 +93,10 @@ def _print_table(result: dict) -> None:
         f"{result['tokens_per_batch']:,} tokens x {result['batches_count']} micro-batches "
         f"(structure {result['structure']['chosen']})"
     )
-    for col in ("scheme", "mean step s", "p90 s", "imbalance", "K/V GB", "hexiseq-batch x", "fits"):
-        table.add_column(col, justify="left" if col == "scheme" else "right")
+    for col in ("scheme", "mean step s", "p90 s", "imbalance", "K/V GB", "x batch", "fits"):
+        table.add_column(
+            col, justify="left" if col == "scheme" else "right", no_wrap=col == "scheme"
+        )
     for name, r in rows.items():
         table.add_row(
             name,
