@@ -691,7 +691,10 @@ def test_documents_end_to_end_flash_on_cuda(_sim_dist) -> None:
             out = hexiseq_attn_func(
                 ql, kl, vl, groups=groups, kernel="flash", comm_chunks=1 + i % 3, cu_seqlens=cu
             )
-            out.backward(dout[pos].bfloat16().cuda())
+            # the backward on this rank's thread: autograd's shared CUDA device thread would carry
+            # no simulated rank (and one rank's wait would block the others' backward)
+            with torch.autograd.set_multithreading_enabled(False):
+                out.backward(dout[pos].bfloat16().cuda())
             return pos, [t.detach().double().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
 
         for pos, got in sim.run(fn):

@@ -6,7 +6,7 @@ recorded and bound to its torch 2.13 schema, and the test checks, for every CUDA
 block kind and head map (aligned GQA, an unaligned head range, heads out of order):
 
 - argument order and values: ``is_causal``, ``dropout_p = 0``, ``scale``; what the backward gets
-  (grad_out and out in the input dtype with q's strides, the LSE float32 in the layout the op wants:
+  (grad_out and out in the input dtype with q's strides, [B, S, H, D]-contiguous for efficient; the LSE float32 in the layout the op wants:
   ``[B, H, S]`` flash, ``[B, H, S, 1]`` contiguous cuDNN, padded to a multiple of 32 efficient;
   undefined cum_seq for cuDNN's dense call); a contiguous last dim for every tensor;
 - K/V stay at their head count: native-GQA kernels get fewer K/V heads than query heads, the
@@ -132,7 +132,14 @@ def test_cuda_kernel_calls_on_meta(kernel: Kernel, dtype: torch.dtype, causal: b
         q = a["query"]
         grad = a.get("grad_out", a.get("grad_out_"))
         for x in (grad, a["out"]):
-            assert x.dtype == dtype and x.shape == q.shape and x.stride() == q.stride()
+            assert x.dtype == dtype and x.shape == q.shape
+            if kernel is Kernel.EFFICIENT:
+                # its CUTLASS backward reads out as [B, S, H, D]-contiguous whatever the strides
+                # (o_strideM() = head_dim * num_heads): a strided head slice or B > 1 in [S, B, H, D]
+                # order gave dQ/dK errors of 0.2-1.0 on an H200
+                assert x.transpose(1, 2).is_contiguous()
+            else:
+                assert x.stride() == q.stride()
         lse_in = a["logsumexp"]
         assert lse_in.dtype == torch.float32 and lse_in.is_contiguous()
         Bq, Hq, Sq, _ = q.shape
