@@ -524,6 +524,158 @@ def test_hosts_for_a_slurm_node_list(d, capsys):
     _error(capsys, _plan(d, "--hosts", "gpu[01-02"), "unbalanced brackets")
 
 
+# ---- the sbatch script: every variable is data -------------------------------------------------
+SBATCH = ROOT / "scripts" / "slurm" / "hexiseq.sbatch"
+
+
+def _sbatch(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """The sbatch script in a dry run outside SLURM (no scontrol: python-hostlist expands)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HEXISEQ_"))}
+    full.update(
+        PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        PYTHON=sys.executable,
+        DRY_RUN="1",
+        GPU_TYPES="H100-SXM-80GB",
+        MODEL="gpt-7b",
+        SEQ_LENGTH="131072",
+        WORKDIR=str(tmp_path / "wd"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    full.update(env)
+    return subprocess.run(
+        ["bash", str(SBATCH)], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=120
+    )
+
+
+def _one_line(res: subprocess.CompletedProcess, match: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr + res.stdout
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], res.stderr
+    assert len(lines[0]) <= MAX_LINE
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        (
+            {"SLURM_HET_SIZE": "HOSTS[$(touch MARK)]", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01"},
+            "SLURM_HET_SIZE must be an integer",
+        ),
+        ({"SLURM_JOB_NODELIST": "gpu01", "DATA_PARALLEL": "a[$(touch MARK)]"}, "DATA_PARALLEL"),
+        ({"HEXISEQ_NODES": "gpu01", "SEQ_LENGTH": "x[$(touch MARK)]"}, "SEQ_LENGTH"),
+        ({"HEXISEQ_NODES": "gpu01", "MASTER_PORT": "abc"}, "MASTER_PORT must be an integer"),
+        ({"HEXISEQ_NODES": "gpu01", "MASTER_PORT": "70000"}, "MASTER_PORT must be an integer"),
+        ({"HEXISEQ_NODES": "gpu01", "GPUS_PER_NODE": "abc"}, "GPUS_PER_NODE must be an integer"),
+        (
+            {"HEXISEQ_NODES": "gpu01", "GPUS_PER_NODE": "8, memory_gib: 1000"},
+            "GPUS_PER_NODE must be an integer",
+        ),
+        ({"HEXISEQ_NODES": "gpu01", "NETWORK_GBPS": "25, memory_gib: 1"}, "NETWORK_GBPS"),
+        ({"HEXISEQ_NODES": "gpu01", "GPU_TYPES": "H100-SXM-80GB}"}, "GPU_TYPES must be a name"),
+        ({"HEXISEQ_NODES": "gpu01", "MODEL": "$(touch MARK)"}, "MODEL must be a name"),
+        ({"HEXISEQ_NODES": "gpu01", "DRY_RUN": "yes"}, "DRY_RUN must be one of"),
+        ({"HEXISEQ_NODES": "gpu01", "ENTRY": "x;touch MARK"}, "ENTRY must be one of"),
+        ({"HEXISEQ_NODES": "*"}, "is not a host name"),
+        ({"HEXISEQ_NODES": "gpu[[1-2]]"}, "nested or unbalanced"),
+        ({"HEXISEQ_NODES": "gpu[0-999999]-[0-999999]"}, "more than the 16,384 allowed"),
+        ({"HEXISEQ_NODES": "a:1 b"}, "is not a host name"),
+        (
+            {"HEXISEQ_NODES": "gpu1 gpu2", "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB L40S-48GB"},
+            "GPU_TYPES has 3 entries for 2 hosts",
+        ),
+        (
+            {
+                "SLURM_HET_SIZE": "2",
+                "SLURM_JOB_NODELIST_HET_GROUP_0": "a0",
+                "SLURM_JOB_NODELIST_HET_GROUP_1": "b0",
+                "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB L40S-48GB",
+            },
+            "GPU_TYPES has 3 entries for a job of 2 het components",
+        ),
+        (
+            {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "a0"},
+            "SLURM_JOB_NODELIST_HET_GROUP_1 is unset",
+        ),
+    ],
+)
+def test_sbatch_variables_are_data(tmp_path, env, match):
+    """Nothing the user sets is run, globbed or pasted into YAML: one line, exit 2, no command run,
+    no file written."""
+    for name in ("a", "b", "MARK0"):
+        (tmp_path / name).write_text("")  # what '*' would glob to
+    env = {k: v.replace("MARK", str(tmp_path / "MARK")) for k, v in env.items()}
+    _one_line(_sbatch(tmp_path, **env), match)
+    assert not (tmp_path / "MARK").exists()
+    assert not (tmp_path / "wd").exists() or not list((tmp_path / "wd").iterdir())
+
+
+def _tiny_layout(tmp_path: Path) -> Path:
+    from megatron_hexiseq.layout import make_layout
+
+    layout = make_layout(
+        seq_length=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[2],
+        segments=[[(0, 32)], [(32, 64)]],
+        heads=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        hosts=["gpu01", "gpu01"],
+        gpus=["H100-SXM-80GB"] * 2,
+    )
+    layout.save(tmp_path / "layout.json")
+    return tmp_path / "layout.json"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"format": "megatron-hexiseq/lay', "is not valid JSON"),
+        ("meta-string", "at meta"),
+        ("flags-number", "megatron_flags"),
+    ],
+)
+def test_sbatch_reads_layouts_through_the_loader(tmp_path, text, match):
+    """A truncated or hand-edited PREVIOUS_LAYOUT / LAYOUT: one line from the layout loader."""
+    good = json.loads(_tiny_layout(tmp_path).read_text())
+    if text == "meta-string":
+        good["meta"] = "x"
+        text = json.dumps(good)
+    elif text == "flags-number":
+        good["meta"] = {"options": {"megatron_flags": 5}}
+        text = json.dumps(good)
+    (tmp_path / "prev.json").write_text(text)
+    res = _sbatch(
+        tmp_path,
+        HEXISEQ_NODES="gpu01",
+        GPUS_PER_NODE="2",
+        PREVIOUS_LAYOUT=str(tmp_path / "prev.json"),
+    )
+    _one_line(res, match)
+    res = _sbatch(
+        tmp_path, HEXISEQ_NODES="gpu01", GPUS_PER_NODE="2", LAYOUT=str(tmp_path / "prev.json")
+    )
+    _one_line(res, match)
+
+
+def test_sbatch_quotes_what_it_prints(tmp_path):
+    """A SAVE folder with a space and a PLAN_ARGS-like glob in HEXISEQ_ARGS: printed quoted, passed
+    as one word, never globbed."""
+    (tmp_path / "x1").write_text("")
+    save = tmp_path / "my ckpt"
+    res = _sbatch(
+        tmp_path,
+        HEXISEQ_NODES="gpu01",
+        GPUS_PER_NODE="2",
+        LAYOUT=str(_tiny_layout(tmp_path)),
+        SAVE=str(save),
+        HEXISEQ_ARGS="x*",
+    )
+    assert res.returncode == 0, res.stderr + res.stdout
+    srun = [line for line in res.stdout.splitlines() if line.startswith("+ srun ")]
+    assert len(srun) == 1 and f"--save '{save}' --load '{save}'" in srun[0], srun
+    assert srun[0].endswith(" 'x*'") and "x1" not in res.stdout
+
+
 # ---- layer (b): real processes -----------------------------------------------------------------
 def _sleep_rank(rank: int, world: int) -> int:
     if rank == 1:
