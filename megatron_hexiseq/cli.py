@@ -20,9 +20,15 @@ from megatron_hexiseq.errors import run_user_command
 COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse's own errors: one line, exit 2
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its own errors as one line and exit 2 (no usage block): every entry point's
+    parser (``add_subparsers`` takes it as ``parser_class``)."""
+
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+
+
+_Parser = OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

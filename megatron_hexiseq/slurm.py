@@ -25,7 +25,6 @@ CLI (used by the sbatch script; errors are one line, exit 2)::
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Sequence
@@ -242,10 +241,12 @@ def layout_field(path: str, field: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    parser = argparse.ArgumentParser(
+    from megatron_hexiseq.cli import OneLineParser
+
+    parser = OneLineParser(
         prog="python -m megatron_hexiseq.slurm", description=__doc__.splitlines()[0]
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     p0 = sub.add_parser("hostnames", help="print the hosts of a SLURM host list, one per line")
     p0.add_argument("hostlist")
     p1 = sub.add_parser(

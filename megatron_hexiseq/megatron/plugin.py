@@ -96,9 +96,19 @@ def _after_parse(
 
 
 def after_parse(args: argparse.Namespace) -> None:
-    """The post-parse hook: ``defer_seq_length_check`` then ``configure_overlap``."""
+    """The post-parse hook: ``check_layout_file``, ``defer_seq_length_check``, ``configure_overlap``."""
+    check_layout_file(args)
     defer_seq_length_check(args)
     configure_overlap(args)
+
+
+def check_layout_file(args: argparse.Namespace) -> None:
+    """``--hexiseq-layout`` names a readable, valid layout: checked right after Megatron parses its
+    flags, before ``initialize_megatron`` starts the process group (a typo would otherwise cost
+    the distributed start-up of every rank)."""
+    path = getattr(args, "hexiseq_layout", None)
+    if path:
+        Layout.load(path)
 
 
 def defer_seq_length_check(args: argparse.Namespace) -> None:

@@ -15,22 +15,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_hexiseq.cluster import Cluster, load_cluster
 from megatron_hexiseq.costmodel import estimate
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.megatron.runtime import check_run
 from megatron_hexiseq.model import ModelSpec, get_model
 from megatron_hexiseq.planner.baselines import best_symmetric
 from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.run_config import TrainOptions, check_options_record, options_from_record
 from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
 from megatron_hexiseq.testbed.spawn import run_ranks
-from megatron_hexiseq.testbed.train import TrainConfig, run_shape, train_rank
+
+if TYPE_CHECKING:
+    from megatron_hexiseq.testbed.train import TrainConfig
+
+# Megatron warns on import that Apex and Transformer Engine are missing (a dozen lines on a CPU
+# run, nothing to act on): the rank processes (testbed.spawn) and this driver both silence it
+NOT_INSTALLED_WARNING = r".*(Apex|Transformer Engine).* not installed"
 
 LOSS_RTOL = 1e-4
 
@@ -92,6 +98,9 @@ def driver_config(
     layout: Layout, model: ModelSpec, *, steps: int, kernel: str = "auto"
 ) -> TrainConfig:
     """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
+    from megatron_hexiseq.megatron.runtime import check_run  # torch, megatron.core: 5-40 s
+    from megatron_hexiseq.testbed.train import TrainConfig, run_shape
+
     cfg = TrainConfig(
         model=model, layout=layout, steps=steps, kernel=kernel, bucket_size=None, lr=1e-3
     )
@@ -101,6 +110,8 @@ def driver_config(
 
 def train_on_testbed(cfg: TrainConfig, shape: str) -> tuple[list[float], list[list[float]]]:
     """Train ``cfg`` on pinned testbed ranks: (losses, step times per rank)."""
+    from megatron_hexiseq.testbed.train import train_rank
+
     tb = TestbedShape.parse(shape)
     if tb.world_size != cfg.layout.world_size:
         raise HexiSeqError(
@@ -264,7 +275,9 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    from megatron_hexiseq.cli import OneLineParser
+
+    p = OneLineParser(
         prog="python -m megatron_hexiseq.testbed.demo", description=__doc__.splitlines()[0]
     )
     p.add_argument(
@@ -314,6 +327,14 @@ def _run(args: argparse.Namespace) -> int:
     options = options_from_record(
         check_options_record(layout.meta.get("options"), f"layout {args.layout}")
     )
+    shape = TestbedShape.parse(args.testbed)
+    if shape.world_size != layout.world_size:
+        raise HexiSeqError(
+            f"layout {args.layout} has {layout.world_size} ranks but testbed {args.testbed} has "
+            f"{shape.world_size}; give the --testbed the layout was planned for"
+        )
+    cpu_sets(shape)  # the cores exist
+    warnings.filterwarnings("ignore", message=NOT_INSTALLED_WARNING, category=UserWarning)
     with waiting(f"training twice on testbed {args.testbed}, {args.steps} steps each"):
         rec = compare(
             cluster,
