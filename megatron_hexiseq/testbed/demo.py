@@ -223,6 +223,7 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     x, ticks, labels = 0.0, [], []
+    labels_at: list[tuple[float, float, str]] = []
     for i, key in enumerate(("symmetric", "hexiseq")):
         r = rec[key]
         for rank, part in enumerate(r["predicted_per_rank"]):
@@ -250,15 +251,24 @@ def plot(rec: dict[str, Any], path: str) -> None:
             colors="k",
             label="measured step (median)" if i == 0 else None,
         )
-        ax1.text(
-            x - len(r["predicted_per_rank"]) / 2 - 0.5,
-            r["measured_step_s"] * 1.02,
-            r["name"],
-            ha="center",
-            fontsize=8,
+        labels_at.append(
+            (x - len(r["predicted_per_rank"]) / 2 - 0.5, r["measured_step_s"], r["name"])
         )
         x += 0.8
         ax2.plot(r["losses"], label=r["name"], linestyle="-" if i == 0 else "--")
+    # the y axis holds every bar, every measured-step line and the layout name above each line
+    # (names are placed in data coordinates: autoscaling ignores text, so the limit is set here)
+    top = max(
+        max(
+            r["measured_step_s"],
+            r["predicted_step_s"],
+            *(p["linear_s"] + p["attention_s"] for p in r["predicted_per_rank"]),
+        )
+        for r in (rec["symmetric"], rec["hexiseq"])
+    )
+    ax1.set_ylim(0, top * 1.15)
+    for xpos, y, name in labels_at:
+        ax1.text(xpos, y + top * 0.02, name, ha="center", va="bottom", fontsize=8)
     ax1.set_xticks(ticks, labels, fontsize=7)
     ax1.set_ylabel("seconds per step")
     ax1.set_title(
@@ -270,7 +280,7 @@ def plot(rec: dict[str, Any], path: str) -> None:
     ax2.set_title("loss curves (must coincide)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
