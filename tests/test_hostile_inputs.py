@@ -861,6 +861,32 @@ def test_argument_errors_come_before_heavy_imports(d, capsys, argv, match):
     assert res.returncode == 2 and len(lines) == 1 and match in lines[0], res.stderr
 
 
+def test_tune_parent_does_not_repeat_megatron_warnings(d):
+    """The Apex / Transformer Engine warnings are silenced in the parent as in the rank processes."""
+    from megatron_hexiseq.overlap.results import FORMAT_VERSION
+
+    result = {
+        "format_version": FORMAT_VERSION,
+        "config": {"overlap_grad_reduce": True, "bucket_size": 1000, "comm_chunks": 1},
+        "levels": [1],
+        "ladders": [],
+        "trials": [],
+    }
+    (d / "r.json").write_text(json.dumps(result))
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_hexiseq", "tune", "--from-result", str(d / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    assert res.returncode == 0, res.stderr
+    assert "not installed" not in res.stderr, res.stderr
+
+
 # ---- the sbatch script: every variable is data -------------------------------------------------
 SBATCH = ROOT / "scripts" / "slurm" / "hexiseq.sbatch"
 
