@@ -12,23 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn
 
 from megatron_hexiseq import __version__
-from megatron_hexiseq.errors import run_user_command
+from megatron_hexiseq.errors import OneLineParser, run_user_command
 
 COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with its own errors as one line and exit 2 (no usage block): every entry point's
-    parser (``add_subparsers`` takes it as ``parser_class``)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
-
-
-_Parser = OneLineParser
+_Parser = OneLineParser  # the name earlier code used
 
 
 def build_parser() -> argparse.ArgumentParser:

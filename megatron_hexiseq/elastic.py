@@ -314,7 +314,7 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from megatron_hexiseq.cli import OneLineParser
+    from megatron_hexiseq.errors import OneLineParser
 
     parser = OneLineParser(
         prog="python -m megatron_hexiseq.elastic", description=__doc__.splitlines()[0]

@@ -241,7 +241,7 @@ def layout_field(path: str, field: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from megatron_hexiseq.cli import OneLineParser
+    from megatron_hexiseq.errors import OneLineParser
 
     parser = OneLineParser(
         prog="python -m megatron_hexiseq.slurm", description=__doc__.splitlines()[0]

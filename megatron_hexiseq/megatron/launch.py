@@ -103,7 +103,7 @@ def _nodes(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from megatron_hexiseq.cli import OneLineParser
+    from megatron_hexiseq.errors import OneLineParser
 
     parser = OneLineParser(
         prog="python -m megatron_hexiseq.megatron.launch", description=__doc__.splitlines()[0]

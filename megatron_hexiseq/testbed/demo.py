@@ -285,7 +285,7 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hexiseq.cli import OneLineParser
+    from megatron_hexiseq.errors import OneLineParser
 
     p = OneLineParser(
         prog="python -m megatron_hexiseq.testbed.demo", description=__doc__.splitlines()[0]
