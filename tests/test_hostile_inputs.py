@@ -887,6 +887,26 @@ def test_tune_parent_does_not_repeat_megatron_warnings(d):
     assert "not installed" not in res.stderr, res.stderr
 
 
+def test_patched_entry_checks_the_layout_before_pretrain(d, capsys, monkeypatch):
+    """The patched pretrain_gpt.py calls help_with_hexiseq_flags first: a bad --hexiseq-layout ends
+    there (one line, exit 2), before Megatron parses or starts a process group."""
+    pytest.importorskip("megatron.training")
+    from megatron_hexiseq.megatron import plugin
+
+    (d / "bad.json").write_text("{")
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["pretrain_gpt.py", "--num-layers", "2", "--hexiseq-layout", str(d / "bad.json")],
+    )
+    with pytest.raises(SystemExit) as e:
+        plugin.help_with_hexiseq_flags()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "is not valid JSON" in err[0], err
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    plugin.help_with_hexiseq_flags()  # no layout, no --help: nothing happens
+
+
 # ---- the sbatch script: every variable is data -------------------------------------------------
 SBATCH = ROOT / "scripts" / "slurm" / "hexiseq.sbatch"
 
