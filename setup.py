@@ -36,6 +36,7 @@ setup(
         "jsonschema",
         "rich",
         "matplotlib",
+        "python-hostlist",  # SLURM host lists (import hostlist), sized before they are expanded
         "psutil",  # megatron.core.dist_checkpointing's torch_dist save measures its process memory with it
     ],
     extras_require={

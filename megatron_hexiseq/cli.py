@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn
 
 from megatron_hexiseq import __version__
-from megatron_hexiseq.errors import run_user_command
+from megatron_hexiseq.errors import OneLineParser, run_user_command
 
 COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune", "varlen")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse's own errors: one line, exit 2
-        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+_Parser = OneLineParser  # the name earlier code used
 
 
 def build_parser() -> argparse.ArgumentParser:

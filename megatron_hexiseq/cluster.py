@@ -39,6 +39,25 @@ from megatron_hexiseq import gpu_rates, spec_schema
 from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import read_yaml
 
+# Names that reach a command line, a rank table ("RANK HOST LOCAL_RANK") or ``--exclude HOST:GPU``:
+# a letter or digit, then letters, digits, ``_ . -`` (no ``:`` ``,`` ``/`` whitespace or ``..``).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+_NAME = re.compile(NAME_PATTERN)
+NAME_RULE = (
+    "a letter or digit, then letters, digits, '_', '.' or '-' (no ':', ',', '/', '..' or spaces), "
+    "at most 128 characters"
+)
+# What a cluster spec may describe (a whole allocation, data-parallel replicas included) and what
+# ``plan`` / ``simulate`` take on (one replica): docs/operability.md, "Documented maxima".
+MAX_CLUSTER_GPUS, MAX_CLUSTER_NODES = 65_536, 16_384
+MAX_PLAN_GPUS, MAX_PLAN_NODES = 4096, 1024
+
+
+def is_name(text: object) -> bool:
+    """A node / host / GPU type name the launchers can pass around (:data:`NAME_PATTERN`)."""
+    return isinstance(text, str) and _NAME.match(text) is not None and ".." not in text
+
+
 DEFAULT_EFFICIENCY = 0.5
 """Achievable fraction of the peak for a GPU type described only by its peak (``bf16_tflops``):
 custom types without ``achieved_tflops``. The catalog's GPUs carry achieved rates per operation
@@ -393,6 +412,7 @@ def _build(data: Any, source: str) -> Cluster:
             f"expected a mapping with keys 'name' and 'nodes' at the top level, got {_kind(data)}"
         )
     spec_schema.check(data, "cluster", _where)  # types, ranges, required and unknown keys
+    _check_names_and_size(data["nodes"])
     types = dict(GPU_CATALOG)
     for gname, spec in (data.get("gpus") or {}).items():
         types[gname] = _gpu_type(gname, spec, GPU_CATALOG.get(gname), source)
@@ -419,6 +439,26 @@ def _build(data: Any, source: str) -> Cluster:
         for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
     )
     return Cluster(name=data.get("name", "cluster"), nodes=tuple(nodes), devices=devices)
+
+
+def _check_names_and_size(nodes: Sequence[Mapping[str, Any]]) -> None:
+    """Node names a launcher can pass around, and a size the loader can build (before any
+    device is built: ``count`` may be a million per node)."""
+    if len(nodes) > MAX_CLUSTER_NODES:
+        raise HexiSeqError(
+            f"{len(nodes):,} nodes, more than the {MAX_CLUSTER_NODES:,} a cluster spec may have"
+        )
+    total = 0
+    for i, raw in enumerate(nodes):
+        if not is_name(raw["name"]):
+            raise HexiSeqError(
+                f"nodes[{i}].name {short(raw['name'])} is not a host name: {NAME_RULE}"
+            )
+        total += raw["count"]
+    if total > MAX_CLUSTER_GPUS:
+        raise HexiSeqError(
+            f"{total:,} GPUs, more than the {MAX_CLUSTER_GPUS:,} a cluster spec may have"
+        )
 
 
 def _where(path: Sequence[Any], data: Any) -> str:

@@ -21,13 +21,13 @@ CLI (used by ``scripts/slurm/hexiseq.sbatch``; errors are one line, exit 2)::
 
 from __future__ import annotations
 
-import argparse
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_hexiseq.cluster import Cluster, Device, cluster_to_dict, load_cluster
+from megatron_hexiseq.cluster import Cluster, Device, cluster_to_dict, is_name, load_cluster
 from megatron_hexiseq.errors import HexiSeqError, run_user_command, short
 from megatron_hexiseq.io import check_outputs, write_text_atomic
 from megatron_hexiseq.layout import Layout
@@ -61,22 +61,32 @@ class Exclusion:
         return self.host if self.local_rank is None else f"{self.host}:{self.local_rank}"
 
 
+MAX_EXCLUDE_CHARS = 1 << 20
+_INDEX = re.compile(r"[0-9]{1,7}")  # ASCII digits only ('²'.isdigit() is True); < the count limit
+
+
 def parse_exclusions(text: str) -> tuple[Exclusion, ...]:
-    """``"HOST[:LOCAL_RANK],..."`` (commas or spaces) -> exclusions in the order given."""
+    """``"HOST[:LOCAL_RANK],..."`` (commas or spaces) -> exclusions in the order given, each once
+    (a repeat is dropped). HOST must be a host name (``cluster.NAME_PATTERN``), LOCAL_RANK a GPU
+    index in ASCII digits."""
+    if len(text) > MAX_EXCLUDE_CHARS:
+        raise HexiSeqError(
+            f"--exclude is {len(text):,} characters long; at most {MAX_EXCLUDE_CHARS:,}"
+        )
     items = [t for t in text.replace(",", " ").split() if t]
     if not items:
         raise HexiSeqError(
             "--exclude is empty; give HOST or HOST:LOCAL_RANK, comma-separated (e.g. gpu01:3,gpu04)"
         )
-    out = []
+    out: dict[Exclusion, None] = {}
     for item in items:
         host, sep, index = item.partition(":")
-        if not host or (sep and not index.isdigit()):
+        if not is_name(host) or (sep and not _INDEX.fullmatch(index)):
             raise HexiSeqError(
-                f"--exclude: cannot read {short(item)}; write HOST or HOST:LOCAL_RANK "
-                "(LOCAL_RANK a GPU index such as 0)"
+                f"--exclude: cannot read {short(item)}; write HOST or HOST:LOCAL_RANK (HOST a host "
+                "name, LOCAL_RANK a GPU index such as 0)"
             )
-        out.append(Exclusion(host, int(index) if sep else None))
+        out.setdefault(Exclusion(host, int(index) if sep else None))
     return tuple(out)
 
 
@@ -304,10 +314,12 @@ def diff_layouts(old: Layout, new: Layout) -> LayoutDiff:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    parser = argparse.ArgumentParser(
+    from megatron_hexiseq.errors import OneLineParser
+
+    parser = OneLineParser(
         prog="python -m megatron_hexiseq.elastic", description=__doc__.splitlines()[0]
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     p = sub.add_parser("exclude", help="write the cluster spec without the excluded GPUs or hosts")
     p.add_argument("--cluster", required=True)
     p.add_argument("--exclude", required=True, metavar="HOST[:LOCAL_RANK],...")

@@ -8,15 +8,24 @@ Megatron launchers) runs its body.
 
 from __future__ import annotations
 
+import argparse
 import reprlib
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its own errors as one line and exit 2 (no usage block): every entry point's
+    parser (``add_subparsers`` takes it as ``parser_class``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
 class HexiSeqError(ValueError):

@@ -25,6 +25,9 @@ from typing import Any
 from megatron_hexiseq.errors import HexiSeqError, short
 
 MAX_INPUT_BYTES = 256 << 20  # a 100,000-GPU layout is ~30 MB
+# YAML inputs are specs (a 16,384-node cluster is ~1.8 MB); PyYAML reads ~0.1 MB/s on a busy core,
+# so a larger file would be minutes of parsing before the size checks could refuse it
+MAX_YAML_BYTES = 4 << 20
 
 
 def _umask() -> int:
@@ -60,7 +63,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
             f"cannot write {path}: it is a symbolic link; give the real path or remove the link"
         )
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=folder)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{path.stem[:64]}.", suffix=path.suffix[:16], dir=folder
+        )
     except OSError as e:
         raise HexiSeqError(f"cannot write {path}: {e.strerror} (folder {folder})") from None
     try:
@@ -121,14 +126,25 @@ def check_outputs(
             continue
         if str(raw) == "":
             raise HexiSeqError(f"{flag} is empty; give a file name")
+        if str(raw).endswith(("/", os.sep)):  # Path("dir/") is "dir": it would write a file there
+            raise HexiSeqError(
+                f"{flag} {short(str(raw))} names a folder; give a file name to write"
+            )
         path = Path(raw)
-        if path.is_symlink():
+        _check_name_length(flag, path)
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise HexiSeqError(f"cannot write {flag} {short(str(path))}: {e.strerror}") from None
+        if st is not None and stat.S_ISLNK(st.st_mode):
             raise HexiSeqError(
                 f"{flag} {path} is a symbolic link; writing through it would replace another file: "
                 "give the real path or remove the link"
             )
-        if path.exists() and not stat.S_ISREG(path.stat().st_mode):
-            kind = "a directory" if path.is_dir() else "not a regular file"
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
             raise HexiSeqError(f"{flag} {path} is {kind}; give a file name to write")
         for other in ins:
             if _same(path, other):
@@ -144,13 +160,27 @@ def check_outputs(
         seen.append((flag, path))
         folder = _existing_folder(path, f"{flag} {path}")
         try:  # the only test that holds for root, read-only mounts and ACLs alike: create a file there
-            fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+            fd, probe = tempfile.mkstemp(prefix=".hexiseq-", suffix=".probe", dir=folder)
         except OSError as e:
             raise HexiSeqError(
                 f"cannot write {flag} {path}: {e.strerror} (folder {folder})"
             ) from None
         os.close(fd)
         _unlink(probe)
+
+
+def _check_name_length(flag: str, path: Path) -> None:
+    """A file name the folder's file system can hold (ENAMETOOLONG would come after the work)."""
+    name = len(os.fsencode(path.name))
+    try:
+        limit = os.pathconf(path.parent if str(path.parent) else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if name > limit or len(os.fsencode(str(path))) > 4095:
+        raise HexiSeqError(
+            f"{flag} {short(str(path))}: the file name is {name} bytes, more than the {limit} the "
+            "file system allows; give a shorter name"
+        )
 
 
 def _existing_folder(path: Path, what: str) -> Path:
@@ -170,16 +200,17 @@ def _same(a: Path, b: Path) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _read_text(path: str | os.PathLike, what: str) -> str:
+def _read_text(path: str | os.PathLike, what: str, limit: int | None = None) -> str:
+    limit = MAX_INPUT_BYTES if limit is None else limit
     try:
         size = os.stat(path).st_size
-        if size > MAX_INPUT_BYTES:
+        if size > limit:
             raise HexiSeqError(
-                f"{what} {path} is {size >> 20} MiB, more than the {MAX_INPUT_BYTES >> 20} MiB "
-                "an input may be; is it the right file?"
+                f"{what} {path} is {size / 2**20:.1f} MiB, more than the {limit >> 20} MiB "
+                "it may be; is it the right file?"
             )
         with open(path, "rb") as f:
-            data = f.read(MAX_INPUT_BYTES + 1)
+            data = f.read(limit + 1)
     except FileNotFoundError:
         raise HexiSeqError(f"{what} {path} does not exist") from None
     except IsADirectoryError:
@@ -195,11 +226,31 @@ def _read_text(path: str | os.PathLike, what: str) -> str:
         ) from None
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON objects with each key once (``json`` would keep the last of two silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     """Read JSON, turning every problem with the file into a one-line HexiSeqError."""
     text = _read_text(path, what)
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise HexiSeqError(
+            f"{what} {path}: key {short(e.args[0])} appears twice in one object; keep one"
+        ) from None
     except json.JSONDecodeError as e:
         raise HexiSeqError(
             f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
@@ -241,7 +292,7 @@ def read_yaml(path: str | os.PathLike, what: str = "YAML file") -> Any:
     """Read YAML (safe, duplicate keys refused), turning every problem into a one-line HexiSeqError."""
     import yaml
 
-    text = _read_text(path, what)
+    text = _read_text(path, what, MAX_YAML_BYTES)
     try:
         return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:

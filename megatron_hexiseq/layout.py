@@ -25,6 +25,7 @@ JSON form: ``format: "megatron-hexiseq/layout"``, ``version: 1``; the JSON Schem
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,8 +33,8 @@ from functools import cached_property
 from importlib import resources
 from typing import Any
 
-from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.errors import HexiSeqError, check_positive_int
+from megatron_hexiseq.cluster import NAME_RULE, Cluster
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.io import read_json, write_json_atomic
 from megatron_hexiseq.model import ModelSpec
 
@@ -501,4 +502,78 @@ def _check_schema(data: Any, source: str) -> None:
     )
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        if err.validator in ("maximum", "pattern"):  # jsonschema's message quotes the whole value
+            what = (
+                "at most " + str(err.validator_value)
+                if err.validator == "maximum"
+                else ("a host name: " + NAME_RULE)
+            )
+            raise HexiSeqError(f"{source}: at {where}: must be {what}, got {short(err.instance)}")
         raise HexiSeqError(f"{source}: at {where}: {err.message}")
+    _check_numbers_finite(data, source)
+    _check_meta(data, source)
+
+
+def _check_numbers_finite(data: Mapping[str, Any], source: str) -> None:
+    """NaN and infinity are refused in every part of a layout file (JSON reads ``NaN``)."""
+
+    def walk(x: Any, where: str) -> None:
+        if isinstance(x, float) and not math.isfinite(x):
+            raise HexiSeqError(f"{source}: {where} is {x}; numbers in a layout must be finite")
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                walk(v, f"{where}.{k}")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+
+    for key in ("predicted", "baselines", "planner", "meta"):
+        walk(data.get(key), key)
+
+
+def _check_meta(data: Mapping[str, Any], source: str) -> None:
+    """What ``plan`` records in ``meta`` and the commands read back: the training options, the
+    model spec (its heads, query groups and length must be the layout's), the GPU indices left
+    after ``--exclude`` (distinct, one per rank of that host at least)."""
+    from megatron_hexiseq.run_config import check_options_record
+
+    meta = data.get("meta") or {}
+    opts = check_options_record(meta.get("options"), source)
+    flags = opts.get("megatron_flags", [])
+    if not all(isinstance(f, str) and f and not any(c.isspace() for c in f) for f in flags):
+        raise HexiSeqError(
+            f"{source}: meta.options.megatron_flags must be a list of flags (strings without "
+            f"spaces), got {short(flags)}; re-plan the layout"
+        )
+    spec = meta.get("model_spec")
+    if spec is not None:
+        if not isinstance(spec, Mapping):
+            raise HexiSeqError(f"{source}: meta.model_spec must be a mapping, got {short(spec)}")
+        for key in ("num_attention_heads", "num_query_groups", "seq_length"):
+            if key in spec and spec[key] != data[key]:
+                raise HexiSeqError(
+                    f"{source}: {key} is {data[key]} but meta.model_spec.{key} is "
+                    f"{short(spec[key])}; the layout was edited: re-plan it"
+                )
+    indices = meta.get("gpu_indices")
+    if indices is None:
+        return
+    per_host: dict[str, int] = {}
+    for r in data["ranks"]:
+        per_host[r["host"]] = per_host.get(r["host"], 0) + 1
+    if not isinstance(indices, Mapping):
+        raise HexiSeqError(f"{source}: meta.gpu_indices must be a mapping, got {short(indices)}")
+    for host, left in indices.items():
+        ok = (
+            isinstance(left, list)
+            and all(_is_int(i) and 0 <= i < 1_000_000 for i in left)
+            and len(set(left)) == len(left) == len(sorted(left))
+            and left == sorted(left)
+            and len(left) >= per_host.get(host, 0)
+        )
+        if not ok:
+            raise HexiSeqError(
+                f"{source}: meta.gpu_indices.{short(host)} must list the distinct GPU indices "
+                f"(ascending) left on that host, at least one per rank there "
+                f"({per_host.get(host, 0)}), got {short(left)}"
+            )

@@ -22,7 +22,29 @@ from megatron_hexiseq.errors import run_user_command
 _PROGRAM_START_TIME = time.time()
 
 
+def layout_flag(argv: list[str]) -> str | None:
+    """The value of ``--hexiseq-layout`` in ``argv`` (``--hexiseq-layout P`` or ``=P``; the last
+    one wins, as argparse does), None when absent."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--hexiseq-layout" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--hexiseq-layout="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def main() -> int:
+    path = layout_flag(sys.argv[1:])
+    if path is not None:  # before Megatron, torch and init_process_group: a bad path costs a second
+        from megatron_hexiseq.layout import Layout
+
+        def check() -> None:
+            Layout.load(path)
+
+        rc = run_user_command(check, interrupts=False)
+        if rc:
+            return rc
     try:
         import pretrain_gpt as stock  # Megatron-LM's script, found on PYTHONPATH
     except ModuleNotFoundError as e:

@@ -321,7 +321,7 @@ def test_huge_or_deep_json(d, capsys, monkeypatch):
 
     monkeypatch.setattr(megatron_hexiseq.io, "MAX_INPUT_BYTES", 1 << 10)
     (d / "big.json").write_text("[" + "0, " * 2000 + "0]")
-    _error(capsys, ["show", str(d / "big.json")], "an input may be")
+    _error(capsys, ["show", str(d / "big.json")], "MiB, more than the")
 
 
 @pytest.mark.parametrize(
@@ -333,7 +333,7 @@ def test_huge_or_deep_json(d, capsys, monkeypatch):
         (lambda m: m["options"].update(recompute="yes"), "meta.options.recompute must be bool"),
         (
             lambda m: m["options"].update(capacity_fraction=float("nan")),
-            "capacity_fraction must be float",
+            "meta.options.capacity_fraction is nan",
         ),
         (
             lambda m: m.update(cluster_spec={"nodes": "x" * 10_000}),
@@ -522,6 +522,541 @@ def test_hosts_for_a_slurm_node_list(d, capsys):
     assert [r["host"] for r in lay["ranks"]] == ["gpu01"] * 2 + ["gpu02"] * 2
     _error(capsys, _plan(d, "--hosts", "gpu[01-03]"), "3 host name(s) for 2 node(s)")
     _error(capsys, _plan(d, "--hosts", "gpu[01-02"), "unbalanced brackets")
+
+
+# ---- module CLIs: inputs never clobbered, specs through the loader -------------------------------
+def _module_error(capsys, entry, argv, match):
+    rc = entry(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and match in err[0], err
+    assert len(err[0]) <= MAX_LINE
+
+
+def test_launch_helpers_never_clobber_their_input(d, capsys):
+    from megatron_hexiseq import elastic, slurm
+    from megatron_hexiseq.megatron import launch
+
+    before = (d / "c.yaml").read_bytes()
+    c = str(d / "c.yaml")
+    _module_error(capsys, launch.main, ["replica0", "--cluster", c, "-o", c], "is also an input")
+    _module_error(
+        capsys, slurm.main, ["cluster", "--cluster", c, "--hosts", "x,y", "-o", c], "also an input"
+    )
+    _module_error(
+        capsys,
+        elastic.main,
+        ["exclude", "--cluster", c, "--exclude", "h0", "-o", c],
+        "also an input",
+    )
+    assert (d / "c.yaml").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "count, match", [("'8'", "count must be a positive integer, got '8'"), ("0", "got 0")]
+)
+def test_launch_reads_the_cluster_through_the_loader(d, capsys, count, match):
+    from megatron_hexiseq.megatron import launch
+
+    (d / "c.yaml").write_text(CLUSTER.replace("count: 2", f"count: {count}", 1))
+    _module_error(
+        capsys,
+        launch.main,
+        ["replica0", "--cluster", str(d / "c.yaml"), "-o", str(d / "o.yaml")],
+        match,
+    )
+    _module_error(
+        capsys, launch.main, ["ranks", "--cluster", str(d / "c.yaml"), "--layout", "x"], match
+    )
+    assert not (d / "o.yaml").exists()
+
+
+def test_module_cli_argument_errors_are_one_line(d, capsys):
+    from megatron_hexiseq import elastic, slurm
+    from megatron_hexiseq.megatron import launch
+
+    for entry, argv in (
+        (launch.main, ["replica0", "--cluster", "c", "--data-parallel", "x", "-o", "o"]),
+        (slurm.main, ["nothing"]),
+        (elastic.main, ["exclude"]),
+    ):
+        with pytest.raises(SystemExit) as e:
+            entry(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+
+
+# ---- sizes past the documented maxima: refused at once, never a hang ---------------------------
+def _big_cluster(d: Path, nodes: int, count: int) -> Path:
+    lines = ["name: big", "nodes:"] + [
+        f"  - {{name: n{i}, gpu: H100-SXM-80GB, count: {count}, network_GBps: 25}}"
+        for i in range(nodes)
+    ]
+    (d / "big.yaml").write_text("\n".join(lines) + "\n")
+    return d / "big.yaml"
+
+
+@pytest.mark.parametrize(
+    "nodes, count, match",
+    [
+        (1, 100_000, "100,000 GPUs, more than the 65,536 a cluster spec may have"),
+        (1025, 1, "plan and simulate take at most 4,096 GPUs in 1,024 nodes"),
+        (1, 4097, "plan and simulate take at most 4,096 GPUs"),
+    ],
+)
+def test_plan_refuses_clusters_past_the_maximum(d, capsys, no_long_work, nodes, count, match):
+    big = _big_cluster(d, nodes, count)
+    start = time.monotonic()
+    _error(capsys, _plan(d, cluster=big), match)
+    _error(
+        capsys,
+        ["simulate", "--cluster", str(big), "--model-config", str(d / "m.yaml"), "--baselines"],
+        match,
+    )
+    assert time.monotonic() - start < 60
+
+
+def test_huge_yaml_is_refused_before_parsing(d, capsys, no_long_work):
+    (d / "huge.yaml").write_text("name: x\nnodes:\n" + "# padding\n" * 500_000)
+    _error(capsys, _plan(d, cluster=d / "huge.yaml"), "more than the 4 MiB")
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ("1+99999999999999999999", "must look like '1+2'"),
+        ("1+1000", "has 1001 ranks; the CPU testbed runs at most 64"),
+        ("9" * 5000, "must look like '1+2'"),
+        ("1+-1", "must look like '1+2'"),
+        ("1+0", "every core needs at least one rank"),
+    ],
+)
+def test_testbed_size_is_capped(d, capsys, no_long_work, shape, match):
+    _error(capsys, ["profile", "--testbed", shape, "-o", str(d / "p.yaml")], match)
+    assert not (d / "p.yaml").exists()
+
+
+# ---- user text that int() or a parser would choke on --------------------------------------------
+@pytest.mark.parametrize(
+    "flag, value, match",
+    [
+        ("--exclude", "h0:²", "cannot read 'h0:²'"),
+        ("--exclude", "h0:" + "9" * 5000, "cannot read"),
+        ("--exclude", "h0:-1", "cannot read"),
+        ("--exclude", "a/b", "cannot read 'a/b'"),
+        ("--exclude", "..:1", "cannot read"),
+        ("--exclude", ",,,", "--exclude is empty"),
+        ("--hosts", "gpu[0-" + "9" * 5000 + "]", "is not a number or a range"),
+        ("--hosts", "gpu[0-999999]-[0-999999]", "names 1,000,000,000,000 hosts"),
+        ("--hosts", "gpu[[1-2]]", "nested or unbalanced"),
+        ("--hosts", "gpu1]", "unbalanced brackets"),
+        ("--hosts", "", "the host list is empty"),
+        ("--hosts", "a:1,b", "'a:1' is not a host name"),
+        ("--hosts", "a/b,c", "is not a host name"),
+    ],
+)
+def test_exclusions_and_host_lists(d, capsys, no_long_work, flag, value, match):
+    start = time.monotonic()
+    _error(capsys, _plan(d, flag, value), match)
+    assert time.monotonic() - start < 30
+    assert not (d / "out.json").exists()
+
+
+def test_module_helpers_read_numbers_safely(d, capsys):
+    from megatron_hexiseq import elastic, slurm
+
+    c, o = str(d / "c.yaml"), str(d / "o.yaml")
+    _module_error(
+        capsys,
+        elastic.main,
+        ["exclude", "--cluster", c, "--exclude", "h0:" + "9" * 5000, "-o", o],
+        "cannot read",
+    )
+    _module_error(
+        capsys,
+        elastic.main,
+        ["exclude", "--cluster", c, "--exclude", "h0:٣", "-o", o],
+        "cannot read",
+    )
+    _module_error(capsys, slurm.main, ["hostnames", "x[" + "1" * 5000 + "]"], "not a number")
+    _module_error(capsys, slurm.main, ["hostnames", "gpu[0-999999]-[0-999999]"], "more than the")
+    _module_error(
+        capsys, slurm.main, ["cluster", "--cluster", c, "--hosts", "a,a", "-o", o], "must be unique"
+    )
+    assert not (d / "o.yaml").exists()
+
+
+def test_repeated_exclusions_are_recorded_once(d, capsys):
+    assert main(_plan(d, "--exclude", ",".join(["h0:1"] * 10_000), "--reproducible")) == 0
+    capsys.readouterr()
+    meta = json.loads((d / "out.json").read_text())["meta"]
+    assert meta["excluded"] == ["h0:1"] and meta["gpu_indices"] == {"h0": [0]}
+
+
+@pytest.mark.parametrize("name", ["h:0", "a,b", "a b", "a/b", "..", "-x", "", "x" * 129])
+def test_node_names_that_break_launchers(d, capsys, no_long_work, name):
+    (d / "c.yaml").write_text(CLUSTER.replace("name: h0", f"name: {json.dumps(name)}"))
+    _error(capsys, _plan(d), "nodes[0]" if name else "nodes[0].name")
+
+
+def test_long_or_folder_outputs(d, capsys, no_long_work):
+    _error(capsys, _plan(d, out=str(d / ("x" * 300 + ".json"))), "more than the 255")
+    (d / "sub").mkdir()
+    _error(capsys, _plan(d, out=str(d / "sub") + "/"), "names a folder")
+    _error(capsys, _plan(d, out=str(d / "new") + "/"), "names a folder")
+    assert list((d / "sub").iterdir()) == [] and not (d / "new").exists()
+
+
+# ---- tampered layouts -------------------------------------------------------------------------
+def _edit_layout(d, capsys, edit) -> Path:
+    text = _layout(d, capsys).read_text()
+    data = json.loads(text)
+    out = edit(data)
+    (d / "edited.json").write_text(out if isinstance(out, str) else json.dumps(data))
+    return d / "edited.json"
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda L: L["predicted"].update(iteration_time_s=float("nan")),
+            "predicted.iteration_time_s is nan",
+        ),
+        (lambda L: L["predicted"].update(tokens_per_s=float("inf")), "is inf; numbers in a layout"),
+        (lambda L: L["planner"].update(x=float("-inf")), "planner.x is -inf"),
+        (lambda L: L.update(seq_length=2**31), "at seq_length: must be at most 2147483647"),
+        (lambda L: L.update(num_query_groups=1), "meta.model_spec.num_query_groups is 2"),
+        (lambda L: L["meta"]["model_spec"].update(num_attention_heads=16), "edited"),
+        (lambda L: L["meta"].update(options="fast"), "meta.options must be a mapping"),
+        (lambda L: L["meta"]["options"].update(megatron_flags=5), "megatron_flags must be list"),
+        (
+            lambda L: L["meta"]["options"].update(megatron_flags=["--a b"]),
+            "megatron_flags must be a list of flags",
+        ),
+        (lambda L: L["meta"].update(model_spec="gpt"), "meta.model_spec must be a mapping"),
+        (lambda L: L["meta"].update(gpu_indices={"h0": [1, 1]}), "meta.gpu_indices.'h0'"),
+        (lambda L: L["meta"].update(gpu_indices={"h0": "all"}), "meta.gpu_indices.'h0'"),
+        (lambda L: L["meta"].update(gpu_indices={"h0": [0]}), "at least one per rank there (2)"),
+        (lambda L: L["meta"].update(gpu_indices=[0]), "meta.gpu_indices must be a mapping"),
+        (lambda L: L["ranks"][0].update(host="h0:1"), "must be a host name"),
+        (lambda L: L["ranks"][0].update(host="a b"), "must be a host name"),
+        (
+            lambda L: json.dumps(L).replace('"seq_length"', '"seq_length": 1, "seq_length"', 1),
+            "appears twice",
+        ),
+    ],
+)
+def test_tampered_layouts(d, capsys, edit, match):
+    path = _edit_layout(d, capsys, edit)
+    for argv in (["show", str(path)], ["validate", str(path)], ["simulate", "--layout", str(path)]):
+        _error(capsys, argv, match)
+
+
+def test_validate_checks_memory_as_simulate_does(d, capsys):
+    layout = _layout(d, capsys)
+    small = CLUSTER.replace("network_GBps: 25}", "network_GBps: 25, memory_gib: 0.01}")
+    (d / "small.yaml").write_text(small)
+    _error(
+        capsys,
+        ["validate", str(layout), "--cluster", str(d / "small.yaml")],
+        "does not fit the memory",
+    )
+    assert (
+        main(
+            [
+                "simulate",
+                "--layout",
+                str(layout),
+                "--cluster",
+                str(d / "small.yaml"),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["feasible"] is False
+    assert main(["validate", str(layout), "--cluster", str(d / "c.yaml")]) == 0
+    assert "fits its memory" in capsys.readouterr().out
+
+
+def test_simulate_takes_the_model_from_the_layout(d, capsys):
+    """--help: the model defaults to the layout's, also with --cluster."""
+    layout = _layout(d, capsys)
+    assert (
+        main(
+            [
+                "simulate",
+                "--layout",
+                str(layout),
+                "--cluster",
+                str(d / "c.yaml"),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0]["feasible"] is True
+    _error(capsys, ["simulate", "--cluster", str(d / "c.yaml"), "--baselines"], "give --model NAME")
+
+
+# ---- argument errors before torch and megatron.core ---------------------------------------------
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["tune", "--model", "gpt-7b", "--min-bucket", str(10**30)], "is more than the model's"),
+        (["tune", "--model", "gpt-7b", "--world-size", "1000"], "--world-size must be in"),
+        (["tune", "--model", "nope"], "nope"),
+        (["tune", "--model", "gpt-7b", "--out", "/nonexistent/x.json"], "does not exist"),
+        (["profile", "--testbed", "1+1000", "-o", "p.yaml"], "at most 64"),
+        (["DEMO", "--testbed", "1+1+1+1+1", "--steps", "2", "--warmup", "1"], "has 5"),
+        (["DEMO", "--testbed", "1+1", "--steps", "2", "--warmup", "5"], "--steps (2) must exceed"),
+        (["DEMO", "--testbed", "1+1", "--steps", "x"], "invalid int value"),
+        (["PRETRAIN", "--hexiseq-layout", "missing.json"], "does not exist"),
+        (["PRETRAIN", "--num-layers", "2", "--hexiseq-layout=m.yaml"], "is not valid JSON"),
+    ],
+)
+def test_argument_errors_come_before_heavy_imports(d, capsys, argv, match):
+    """In a fresh interpreter: one line, exit 2, and torch never imported (5-40 s on a busy machine)."""
+    layout = _layout(d, capsys)
+    if argv[0] == "DEMO":
+        entry = "from megatron_hexiseq.testbed.demo import main"
+        argv = [
+            "--cluster",
+            str(d / "c.yaml"),
+            "--layout",
+            str(layout),
+            "--model-config",
+            str(d / "m.yaml"),
+            "-o",
+            str(d / "demo.json"),
+            "--plot",
+            str(d / "demo.png"),
+            *argv[1:],
+        ]
+    elif argv[0] == "PRETRAIN":
+        entry = "from megatron_hexiseq.pretrain_gpt import main as m; main = lambda a: (sys.argv.__setitem__(slice(1, None), a), m())[1]"
+        argv = argv[1:]
+    else:
+        entry = "from megatron_hexiseq.cli import main"
+    code = (
+        f"import sys; {entry}; rc = main({argv!r}); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=d,
+        timeout=120,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and match in lines[0], res.stderr
+
+
+def test_tune_parent_does_not_repeat_megatron_warnings(d):
+    """The Apex / Transformer Engine warnings are silenced in the parent as in the rank processes."""
+    from megatron_hexiseq.overlap.results import FORMAT_VERSION
+
+    result = {
+        "format_version": FORMAT_VERSION,
+        "config": {"overlap_grad_reduce": True, "bucket_size": 1000, "comm_chunks": 1},
+        "levels": [1],
+        "ladders": [],
+        "trials": [],
+    }
+    (d / "r.json").write_text(json.dumps(result))
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_hexiseq", "tune", "--from-result", str(d / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    assert res.returncode == 0, res.stderr
+    assert "not installed" not in res.stderr, res.stderr
+
+
+def test_patched_entry_checks_the_layout_before_pretrain(d, capsys, monkeypatch):
+    """The patched pretrain_gpt.py calls help_with_hexiseq_flags first: a bad --hexiseq-layout ends
+    there (one line, exit 2), before Megatron parses or starts a process group."""
+    pytest.importorskip("megatron.training")
+    from megatron_hexiseq.megatron import plugin
+
+    (d / "bad.json").write_text("{")
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["pretrain_gpt.py", "--num-layers", "2", "--hexiseq-layout", str(d / "bad.json")],
+    )
+    with pytest.raises(SystemExit) as e:
+        plugin.help_with_hexiseq_flags()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "is not valid JSON" in err[0], err
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    plugin.help_with_hexiseq_flags()  # no layout, no --help: nothing happens
+
+
+# ---- the sbatch script: every variable is data -------------------------------------------------
+SBATCH = ROOT / "scripts" / "slurm" / "hexiseq.sbatch"
+
+
+def _sbatch(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """The sbatch script in a dry run outside SLURM (no scontrol: python-hostlist expands)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HEXISEQ_"))}
+    full.update(
+        PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        PYTHON=sys.executable,
+        DRY_RUN="1",
+        GPU_TYPES="H100-SXM-80GB",
+        MODEL="gpt-7b",
+        SEQ_LENGTH="131072",
+        WORKDIR=str(tmp_path / "wd"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    full.update(env)
+    return subprocess.run(
+        ["bash", str(SBATCH)], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=120
+    )
+
+
+def _one_line(res: subprocess.CompletedProcess, match: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr + res.stdout
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], res.stderr
+    assert len(lines[0]) <= MAX_LINE
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        (
+            {"SLURM_HET_SIZE": "HOSTS[$(touch MARK)]", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01"},
+            "SLURM_HET_SIZE must be an integer",
+        ),
+        ({"SLURM_JOB_NODELIST": "gpu01", "DATA_PARALLEL": "a[$(touch MARK)]"}, "DATA_PARALLEL"),
+        ({"HEXISEQ_NODES": "gpu01", "SEQ_LENGTH": "x[$(touch MARK)]"}, "SEQ_LENGTH"),
+        ({"HEXISEQ_NODES": "gpu01", "MASTER_PORT": "abc"}, "MASTER_PORT must be an integer"),
+        ({"HEXISEQ_NODES": "gpu01", "MASTER_PORT": "70000"}, "MASTER_PORT must be an integer"),
+        ({"HEXISEQ_NODES": "gpu01", "GPUS_PER_NODE": "abc"}, "GPUS_PER_NODE must be an integer"),
+        (
+            {"HEXISEQ_NODES": "gpu01", "GPUS_PER_NODE": "8, memory_gib: 1000"},
+            "GPUS_PER_NODE must be an integer",
+        ),
+        ({"HEXISEQ_NODES": "gpu01", "NETWORK_GBPS": "25, memory_gib: 1"}, "NETWORK_GBPS"),
+        ({"HEXISEQ_NODES": "gpu01", "GPU_TYPES": "H100-SXM-80GB}"}, "GPU_TYPES must be a name"),
+        ({"HEXISEQ_NODES": "gpu01", "MODEL": "$(touch MARK)"}, "MODEL must be a name"),
+        ({"HEXISEQ_NODES": "gpu01", "DRY_RUN": "yes"}, "DRY_RUN must be one of"),
+        ({"HEXISEQ_NODES": "gpu01", "ENTRY": "x;touch MARK"}, "ENTRY must be one of"),
+        ({"HEXISEQ_NODES": "*"}, "is not a host name"),
+        ({"HEXISEQ_NODES": "gpu[[1-2]]"}, "nested or unbalanced"),
+        ({"HEXISEQ_NODES": "gpu[0-999999]-[0-999999]"}, "more than the 16,384 allowed"),
+        ({"HEXISEQ_NODES": "a:1 b"}, "is not a host name"),
+        (
+            {"HEXISEQ_NODES": "gpu1 gpu2", "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB L40S-48GB"},
+            "GPU_TYPES has 3 entries for 2 hosts",
+        ),
+        (
+            {
+                "SLURM_HET_SIZE": "2",
+                "SLURM_JOB_NODELIST_HET_GROUP_0": "a0",
+                "SLURM_JOB_NODELIST_HET_GROUP_1": "b0",
+                "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB L40S-48GB",
+            },
+            "GPU_TYPES has 3 entries for a job of 2 het components",
+        ),
+        (
+            {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "a0"},
+            "SLURM_JOB_NODELIST_HET_GROUP_1 is unset",
+        ),
+    ],
+)
+def test_sbatch_variables_are_data(tmp_path, env, match):
+    """Nothing the user sets is run, globbed or pasted into YAML: one line, exit 2, no command run,
+    no file written."""
+    for name in ("a", "b", "MARK0"):
+        (tmp_path / name).write_text("")  # what '*' would glob to
+    env = {k: v.replace("MARK", str(tmp_path / "MARK")) for k, v in env.items()}
+    _one_line(_sbatch(tmp_path, **env), match)
+    assert not (tmp_path / "MARK").exists()
+    assert not (tmp_path / "wd").exists() or not list((tmp_path / "wd").iterdir())
+
+
+def _tiny_layout(tmp_path: Path) -> Path:
+    from megatron_hexiseq.layout import make_layout
+
+    layout = make_layout(
+        seq_length=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        group_sizes=[2],
+        segments=[[(0, 32)], [(32, 64)]],
+        heads=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        hosts=["gpu01", "gpu01"],
+        gpus=["H100-SXM-80GB"] * 2,
+    )
+    layout.save(tmp_path / "layout.json")
+    return tmp_path / "layout.json"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"format": "megatron-hexiseq/lay', "is not valid JSON"),
+        ("meta-string", "at meta"),
+        ("flags-number", "megatron_flags"),
+    ],
+)
+def test_sbatch_reads_layouts_through_the_loader(tmp_path, text, match):
+    """A truncated or hand-edited PREVIOUS_LAYOUT / LAYOUT: one line from the layout loader."""
+    good = json.loads(_tiny_layout(tmp_path).read_text())
+    if text == "meta-string":
+        good["meta"] = "x"
+        text = json.dumps(good)
+    elif text == "flags-number":
+        good["meta"] = {"options": {"megatron_flags": 5}}
+        text = json.dumps(good)
+    (tmp_path / "prev.json").write_text(text)
+    res = _sbatch(
+        tmp_path,
+        HEXISEQ_NODES="gpu01",
+        GPUS_PER_NODE="2",
+        PREVIOUS_LAYOUT=str(tmp_path / "prev.json"),
+    )
+    _one_line(res, match)
+    res = _sbatch(
+        tmp_path, HEXISEQ_NODES="gpu01", GPUS_PER_NODE="2", LAYOUT=str(tmp_path / "prev.json")
+    )
+    _one_line(res, match)
+
+
+def test_sbatch_quotes_what_it_prints(tmp_path):
+    """A SAVE folder with a space and a PLAN_ARGS-like glob in HEXISEQ_ARGS: printed quoted, passed
+    as one word, never globbed."""
+    (tmp_path / "x1").write_text("")
+    save = tmp_path / "my ckpt"
+    res = _sbatch(
+        tmp_path,
+        HEXISEQ_NODES="gpu01",
+        GPUS_PER_NODE="2",
+        LAYOUT=str(_tiny_layout(tmp_path)),
+        SAVE=str(save),
+        HEXISEQ_ARGS="x*",
+    )
+    assert res.returncode == 0, res.stderr + res.stdout
+    srun = [line for line in res.stdout.splitlines() if line.startswith("+ srun ")]
+    assert len(srun) == 1 and f"--save '{save}' --load '{save}'" in srun[0], srun
+    assert srun[0].endswith(" 'x*'") and "x1" not in res.stdout
 
 
 # ---- layer (b): real processes -----------------------------------------------------------------

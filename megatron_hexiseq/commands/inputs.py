@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_hexiseq.cluster import Cluster, cluster_from_dict, load_cluster
+from megatron_hexiseq.cluster import (
+    MAX_PLAN_GPUS,
+    MAX_PLAN_NODES,
+    Cluster,
+    cluster_from_dict,
+    load_cluster,
+)
 from megatron_hexiseq.costmodel.rates import FLAT_KERNELS, RUNTIME_KERNELS
 from megatron_hexiseq.elastic import Survivors, exclude, parse_exclusions
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
@@ -18,6 +24,7 @@ from megatron_hexiseq.run_config import (
     TrainOptions,
     check_options_record,
     modes_to_try,
+    options_from_record,
 )
 from megatron_hexiseq.slurm import expand_hostlist, rename_hosts
 
@@ -115,10 +122,14 @@ def add_problem_args(
 KERNEL_CHOICES = (*RUNTIME_KERNELS, *FLAT_KERNELS)
 
 
-def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Problem:
-    """Cluster, model and options from parsed args; every bad input is a one-line HexiSeqError."""
+def load_problem(
+    args: argparse.Namespace, seq_length: int | None = None, model: ModelSpec | None = None
+) -> Problem:
+    """Cluster, model and options from parsed args; every bad input is a one-line HexiSeqError.
+    ``model``: the model when the flags name none (``simulate --layout L --cluster C``: the one the
+    layout records)."""
     seq = seq_length if seq_length is not None else args.seq_length
-    if seq is None and not args.model_config:
+    if seq is None and not args.model_config and model is None:
         raise HexiSeqError(
             f"give --seq-length N for preset {args.model!r} (or a --model-config YAML, whose "
             "seq_length is the default; or a --layout to take it from)"
@@ -127,7 +138,10 @@ def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Pro
         check_positive_int("--seq-length", seq)
     _check_counts(args)
     cluster = _with_hosts(args, load_cluster(args.cluster))
-    model = get_model(args.model, config_path=args.model_config, overrides={"seq_length": seq})
+    if model is None or args.model or args.model_config:
+        model = get_model(args.model, config_path=args.model_config, overrides={"seq_length": seq})
+    elif seq is not None:
+        model = replace(model, seq_length=seq)
     if getattr(args, "exclude", None) is None:
         return _problem(args, cluster, model)
     kept = exclude(cluster, parse_exclusions(args.exclude))  # after --hosts: the allocation's names
@@ -136,7 +150,7 @@ def load_problem(args: argparse.Namespace, seq_length: int | None = None) -> Pro
 
 def _with_hosts(args: argparse.Namespace, cluster: Cluster) -> Cluster:
     """``--hosts``: the cluster's nodes, in file order, renamed after the given hosts."""
-    if not getattr(args, "hosts", None):
+    if getattr(args, "hosts", None) is None:  # '' is a mistake, not "no --hosts"
         return cluster
     return rename_hosts(cluster, expand_hostlist(args.hosts))
 
@@ -151,6 +165,13 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 
 def _problem(args: argparse.Namespace, cluster: Cluster, model: ModelSpec) -> Problem:
+    if cluster.world_size > MAX_PLAN_GPUS or len(cluster.nodes) > MAX_PLAN_NODES:
+        raise HexiSeqError(
+            f"cluster {short(cluster.name)} has {cluster.world_size:,} GPUs in "
+            f"{len(cluster.nodes):,} nodes; plan and simulate take at most {MAX_PLAN_GPUS:,} GPUs "
+            f"in {MAX_PLAN_NODES:,} nodes (one data-parallel replica: describe one and pass "
+            "--data-parallel-size)"
+        )
     modes = modes_to_try(args.memory_mode, bool(args.recompute))
     options = TrainOptions.for_model(
         model,
@@ -211,3 +232,41 @@ def layout_options(layout: Layout, path: str) -> dict[str, Any]:
     (``run_config.check_options_record``); empty when the layout records none."""
     opts = layout.meta.get("options") if isinstance(layout.meta, Mapping) else None
     return check_options_record(opts, f"layout {path}")
+
+
+def planned_options(base: TrainOptions, layout: Layout, path: str) -> TrainOptions:
+    """``base`` with the training options the layout was planned with (``meta.options``: memory
+    mode, recompute, micro-batch size, data parallel size, usable memory share)."""
+    return options_from_record(layout_options(layout, path), base)
+
+
+def check_fits(
+    layout: Layout, path: str, cluster: Cluster, model: ModelSpec, options: TrainOptions
+) -> None:
+    """The memory check ``validate --cluster`` and ``simulate`` share (the cost model's estimate):
+    every rank's modelled memory within its GPU's usable capacity, else a one-line HexiSeqError
+    naming the first rank over and how many more are."""
+    from megatron_hexiseq import costmodel
+
+    problems = costmodel.estimate(layout, cluster, model, options).memory_problems()
+    if problems:
+        more = f" (and {len(problems) - 1} more ranks)" if len(problems) > 1 else ""
+        raise HexiSeqError(
+            f"layout {path} does not fit the memory of cluster {short(cluster.name)}: "
+            f"{problems[0]}{more}; re-plan for this cluster"
+        )
+
+
+def recorded_model(layout: Layout, path: str) -> ModelSpec | None:
+    """The model spec ``plan`` recorded in the layout (``meta.model_spec``), or None."""
+    meta = layout.meta if isinstance(layout.meta, Mapping) else {}
+    spec = meta.get(MODEL_SPEC_KEY)
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping):
+        raise HexiSeqError(
+            f"layout {path}: meta.{MODEL_SPEC_KEY} must be a mapping of model fields, got {short(spec)}"
+        )
+    return model_from_dict(
+        {**spec, "seq_length": layout.seq_length}, source=f"layout {path}: meta.{MODEL_SPEC_KEY}"
+    )

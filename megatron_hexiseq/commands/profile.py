@@ -74,6 +74,8 @@ MAX_MEMORY_GIB = 1e6
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.testbed is not None:
+        TestbedShape.parse(args.testbed)  # its size is capped: checked before torch is imported
     from megatron_hexiseq.profile.measure import (
         ProfileOptions,
     )  # torch: 2 s CPU of import for every command

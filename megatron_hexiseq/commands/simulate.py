@@ -14,7 +14,9 @@ from megatron_hexiseq.commands.inputs import (
     add_problem_args,
     layout_options,
     load_problem,
+    planned_options,
     problem_from_layout,
+    recorded_model,
 )
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import atomic_path, check_outputs
@@ -90,26 +92,41 @@ def run(args: argparse.Namespace) -> int:
             f"the layouts have different seq_length {sorted(seqs)}; give --seq-length"
         )
     seq = args.seq_length if args.seq_length is not None else (seqs.pop() if seqs else None)
-    prob = (
-        load_problem(args, seq_length=seq)
-        if args.cluster
-        else problem_from_layout(args, layouts, seq)
-    )
+    if args.cluster:
+        recorded = None
+        if layouts and not (args.model or args.model_config):  # --help: "default: the layout's"
+            path0, layout0 = layouts[0]
+            recorded = recorded_model(layout0, path0)
+            if recorded is None:
+                raise HexiSeqError(
+                    f"layout {path0} does not record its model spec; give --model NAME "
+                    "or --model-config M.yaml"
+                )
+        elif not (args.model or args.model_config):
+            raise HexiSeqError("give --model NAME or --model-config M.yaml with --cluster")
+        prob = load_problem(args, seq_length=seq, model=recorded)
+    else:
+        prob = problem_from_layout(args, layouts, seq)
     for path, lay in layouts:
         check_matches(lay, prob.cluster, prob.model, source=f"layout {path}")
     options = prob.options
-    planned = [
-        layout_options(lay, path) for path, lay in layouts if lay.meta.get("options") is not None
-    ]
+    planned = [(path, lay) for path, lay in layouts if lay.meta.get("options") is not None]
+    for path, lay in layouts:
+        layout_options(lay, path)  # each record type-checked
     if args.memory_mode == "auto" and planned:
-        # auto: evaluate under the memory mode the (first) layout was planned for
-        options = replace(
-            options,
-            memory_mode=planned[0].get("memory_mode", options.memory_mode),
-            recompute=bool(planned[0].get("recompute", False)) or bool(args.recompute),
-        )
-    if args.attention_kernel == "auto" and planned:  # the kernel the layout was planned for
-        options = replace(options, attention_kernel=planned[0].get("attention_kernel", "auto"))
+        # auto: evaluate under the options the (first) layout was planned with (validate --cluster
+        # checks memory the same way); flags given on the command line still win
+        options = planned_options(options, planned[0][1], planned[0][0])
+        options = replace(options, recompute=options.recompute or bool(args.recompute))
+        if args.micro_batch_size:
+            options = replace(options, micro_batch_size=args.micro_batch_size)
+        if args.data_parallel_size != 1:
+            options = replace(options, data_parallel_size=args.data_parallel_size)
+    elif args.attention_kernel == "auto" and planned:  # the kernel the layout was planned for
+        record = layout_options(planned[0][1], planned[0][0])
+        options = replace(options, attention_kernel=record.get("attention_kernel", "auto"))
+    if args.attention_kernel != "auto":  # given on the command line: it wins
+        options = replace(options, attention_kernel=args.attention_kernel)
     with waiting("simulating", enabled=args.format != "json"):
         rows = simulate(prob.cluster, prob.model, options, layouts, baselines=args.baselines)
     if args.format == "json":

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, short
 from megatron_hexiseq.io import check_outputs
 from megatron_hexiseq.model import MODEL_PRESETS, get_model
 from megatron_hexiseq.progress import waiting
@@ -138,25 +139,38 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The overlap and testbed modules import torch and megatron.core (2.4 s CPU, measured with
-    # time.process_time; the CLI imports every command module): imported here so that every other
-    # command starts without them.
+    # Every argument is checked first: the overlap and testbed modules import torch and
+    # megatron.core (2.4 s CPU, 5-40 s of wall time on a busy machine), imported only afterwards
+    # (and not at the top: every other command starts without them).
+    check_outputs(
+        [("--out", args.out), ("--nccl-yaml", args.nccl_yaml)],
+        inputs=[args.from_result, args.model_config],
+    )
+    model = None
+    if args.from_result:
+        if args.model or args.model_config:
+            raise HexiSeqError("--from-result loads a finished tuning: drop --model/--model-config")
+    else:
+        _check(args)
+        model = get_model(args.model, config_path=args.model_config)
+        if args.min_bucket is not None and args.min_bucket > model.num_parameters:
+            raise HexiSeqError(
+                f"--min-bucket {short(args.min_bucket)} is more than the model's "
+                f"{model.num_parameters:,} parameters; give at most that"
+            )
+    # Megatron warns on import that Apex and Transformer Engine are missing (12 lines on a CPU
+    # run, nothing to act on): silenced here as in the rank processes (testbed.spawn)
+    warnings.filterwarnings(
+        "ignore", message=r".*(Apex|Transformer Engine).* not installed", category=UserWarning
+    )
     from megatron_hexiseq.overlap.nccl import write_nccl_yaml
     from megatron_hexiseq.overlap.results import load_result, save_result
     from megatron_hexiseq.testbed.overlap_bench import BenchConfig, BenchModel
     from megatron_hexiseq.testbed.overlap_tune import OfflineTuneSpec, tune_offline
 
-    check_outputs(
-        [("--out", args.out), ("--nccl-yaml", args.nccl_yaml)],
-        inputs=[args.from_result, args.model_config],
-    )
-    if args.from_result:
-        if args.model or args.model_config:
-            raise HexiSeqError("--from-result loads a finished tuning: drop --model/--model-config")
+    if model is None:
         result = load_result(args.from_result)
     else:
-        _check(args)
-        model = get_model(args.model, config_path=args.model_config)
         models = BenchModel.for_target(
             model, max_params=args.max_params, seq_length=args.seq_length
         )

@@ -6,9 +6,11 @@ import argparse
 
 from megatron_hexiseq.cluster import load_cluster
 from megatron_hexiseq.commands import describe
+from megatron_hexiseq.commands.inputs import check_fits, planned_options, recorded_model
 from megatron_hexiseq.elastic import diff_layouts
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
+from megatron_hexiseq.run_config import TrainOptions
 
 EXAMPLES = """examples:
   megatron-hexiseq validate layout.json
@@ -57,6 +59,13 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster)
         check_matches(layout, cluster, source=f"layout {args.layout}")
         where = f", matches cluster {cluster.name!r}"
+        model = recorded_model(layout, args.layout)
+        if model is not None:  # the same memory check as simulate's (the cost model's estimate)
+            options = planned_options(TrainOptions.for_model(model), layout, args.layout)
+            check_fits(layout, args.layout, cluster, model, options)
+            where += " and fits its memory"
+        else:
+            where += " (memory not checked: the layout records no model spec)"
     sizes = sorted({len(g.ranks) for g in layout.groups})
     groups = f"{len(layout.groups)} group{'' if len(layout.groups) == 1 else 's'}"
     print(

@@ -20,14 +20,14 @@ CLI (prints; errors are one line, exit 2)::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_hexiseq.cluster import MAX_CLUSTER_GPUS, cluster_to_dict, load_cluster
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, run_user_command
-from megatron_hexiseq.io import read_yaml, write_text_atomic
+from megatron_hexiseq.io import check_outputs, write_text_atomic
 from megatron_hexiseq.layout import Layout
 
 
@@ -95,19 +95,20 @@ def placements(
 
 
 def _nodes(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    data = read_yaml(path, "cluster spec")
-    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
-        raise HexiSeqError(f"cluster spec {path} needs a non-empty 'nodes' list")
+    """The cluster spec through the cluster loader (types, ranges, names), as plain dicts."""
+    data = cluster_to_dict(load_cluster(path))
     return data, data["nodes"]
 
 
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    parser = argparse.ArgumentParser(
+    from megatron_hexiseq.errors import OneLineParser
+
+    parser = OneLineParser(
         prog="python -m megatron_hexiseq.megatron.launch", description=__doc__.splitlines()[0]
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     p0 = sub.add_parser(
         "replica0", help="write the cluster YAML of data-parallel replica 0 (to plan on)"
     )
@@ -120,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> None:
-        check_positive_int("--data-parallel", args.data_parallel)
+        check_positive_int("--data-parallel", args.data_parallel, at_most=MAX_CLUSTER_GPUS)
+        if args.command == "replica0":
+            check_outputs([("-o", args.output)], inputs=[args.cluster])
         data, nodes = _nodes(args.cluster)
         if args.command == "replica0":
             first = {**data, "nodes": split_replicas(nodes, args.data_parallel)[0]}

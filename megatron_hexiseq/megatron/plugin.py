@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron import post_parse
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
@@ -107,6 +107,24 @@ def after_parse(args: argparse.Namespace) -> None:
     defer_seq_length_check(args)
     post_parse.drop_dataloader_mask(args)
     configure_overlap(args)
+
+
+def check_layout_flag(argv: Sequence[str]) -> None:
+    """``--hexiseq-layout`` in ``argv`` names a readable, valid layout, else one line on stderr and
+    exit 2: before ``pretrain`` parses the flags and ``initialize_megatron`` starts the process
+    group (a typo would otherwise cost the distributed start-up of every rank)."""
+    from megatron_hexiseq.pretrain_gpt import layout_flag
+
+    path = layout_flag(list(argv))
+    if path is None:
+        return
+
+    def check() -> None:
+        Layout.load(path)
+
+    rc = run_user_command(check, interrupts=False)
+    if rc:
+        sys.exit(rc)
 
 
 def defer_seq_length_check(args: argparse.Namespace) -> None:
@@ -448,7 +466,10 @@ def help_with_hexiseq_flags(
 
     Call it before ``inprocess_restart.maybe_wrap_for_inprocess_restart``: that function parses the
     command line once without ``extra_args_provider``, so its ``--help`` would list none of ours.
+    Both entry points call it first, so it also runs :func:`check_layout_flag` (the patched
+    ``pretrain_gpt.py`` has no other hook before ``pretrain``).
     """
+    check_layout_flag(sys.argv[1:])
     if not any(a in ("-h", "--help") for a in sys.argv[1:]):
         return
     from megatron.training.arguments import parse_args

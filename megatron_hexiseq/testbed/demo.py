@@ -15,22 +15,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_hexiseq.cluster import Cluster, load_cluster
 from megatron_hexiseq.costmodel import estimate
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.megatron.runtime import check_run
 from megatron_hexiseq.model import ModelSpec, get_model
 from megatron_hexiseq.planner.baselines import best_symmetric
 from megatron_hexiseq.progress import waiting
 from megatron_hexiseq.run_config import TrainOptions, check_options_record, options_from_record
 from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
 from megatron_hexiseq.testbed.spawn import run_ranks
-from megatron_hexiseq.testbed.train import TrainConfig, run_shape, train_rank
+
+if TYPE_CHECKING:
+    from megatron_hexiseq.testbed.train import TrainConfig
+
+# Megatron warns on import that Apex and Transformer Engine are missing (a dozen lines on a CPU
+# run, nothing to act on): the rank processes (testbed.spawn) and this driver both silence it
+NOT_INSTALLED_WARNING = r".*(Apex|Transformer Engine).* not installed"
 
 LOSS_RTOL = 1e-4
 
@@ -92,6 +98,9 @@ def driver_config(
     layout: Layout, model: ModelSpec, *, steps: int, kernel: str = "auto"
 ) -> TrainConfig:
     """The CPU driver's run config; Megatron's start-up checks run here, before any process starts."""
+    from megatron_hexiseq.megatron.runtime import check_run  # torch, megatron.core: 5-40 s
+    from megatron_hexiseq.testbed.train import TrainConfig, run_shape
+
     cfg = TrainConfig(
         model=model, layout=layout, steps=steps, kernel=kernel, bucket_size=None, lr=1e-3
     )
@@ -101,6 +110,8 @@ def driver_config(
 
 def train_on_testbed(cfg: TrainConfig, shape: str) -> tuple[list[float], list[list[float]]]:
     """Train ``cfg`` on pinned testbed ranks: (losses, step times per rank)."""
+    from megatron_hexiseq.testbed.train import train_rank
+
     tb = TestbedShape.parse(shape)
     if tb.world_size != cfg.layout.world_size:
         raise HexiSeqError(
@@ -212,6 +223,7 @@ def plot(rec: dict[str, Any], path: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     x, ticks, labels = 0.0, [], []
+    labels_at: list[tuple[float, float, str]] = []
     for i, key in enumerate(("symmetric", "hexiseq")):
         r = rec[key]
         for rank, part in enumerate(r["predicted_per_rank"]):
@@ -239,15 +251,24 @@ def plot(rec: dict[str, Any], path: str) -> None:
             colors="k",
             label="measured step (median)" if i == 0 else None,
         )
-        ax1.text(
-            x - len(r["predicted_per_rank"]) / 2 - 0.5,
-            r["measured_step_s"] * 1.02,
-            r["name"],
-            ha="center",
-            fontsize=8,
+        labels_at.append(
+            (x - len(r["predicted_per_rank"]) / 2 - 0.5, r["measured_step_s"], r["name"])
         )
         x += 0.8
         ax2.plot(r["losses"], label=r["name"], linestyle="-" if i == 0 else "--")
+    # the y axis holds every bar, every measured-step line and the layout name above each line
+    # (names are placed in data coordinates: autoscaling ignores text, so the limit is set here)
+    top = max(
+        max(
+            r["measured_step_s"],
+            r["predicted_step_s"],
+            *(p["linear_s"] + p["attention_s"] for p in r["predicted_per_rank"]),
+        )
+        for r in (rec["symmetric"], rec["hexiseq"])
+    )
+    ax1.set_ylim(0, top * 1.15)
+    for xpos, y, name in labels_at:
+        ax1.text(xpos, y + top * 0.02, name, ha="center", va="bottom", fontsize=8)
     ax1.set_xticks(ticks, labels, fontsize=7)
     ax1.set_ylabel("seconds per step")
     ax1.set_title(
@@ -259,12 +280,14 @@ def plot(rec: dict[str, Any], path: str) -> None:
     ax2.set_title("loss curves (must coincide)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    from megatron_hexiseq.errors import OneLineParser
+
+    p = OneLineParser(
         prog="python -m megatron_hexiseq.testbed.demo", description=__doc__.splitlines()[0]
     )
     p.add_argument(
@@ -314,6 +337,14 @@ def _run(args: argparse.Namespace) -> int:
     options = options_from_record(
         check_options_record(layout.meta.get("options"), f"layout {args.layout}")
     )
+    shape = TestbedShape.parse(args.testbed)
+    if shape.world_size != layout.world_size:
+        raise HexiSeqError(
+            f"layout {args.layout} has {layout.world_size} ranks but testbed {args.testbed} has "
+            f"{shape.world_size}; give the --testbed the layout was planned for"
+        )
+    cpu_sets(shape)  # the cores exist
+    warnings.filterwarnings("ignore", message=NOT_INSTALLED_WARNING, category=UserWarning)
     with waiting(f"training twice on testbed {args.testbed}, {args.steps} steps each"):
         rec = compare(
             cluster,

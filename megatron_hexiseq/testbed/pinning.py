@@ -13,10 +13,13 @@ Pure functions here; :func:`megatron_hexiseq.testbed.spawn.run_ranks` does the p
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, short
+
+MAX_TESTBED_RANKS = 64  # as many as `tune --world-size` (docs/operability.md, "Documented maxima")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,14 +32,19 @@ class TestbedShape:
 
     @classmethod
     def parse(cls, text: str) -> TestbedShape:
-        try:
-            counts = tuple(int(x) for x in text.replace(",", "+").split("+"))
-        except ValueError:
+        """``"1+2"`` -> ranks per core; at most :data:`MAX_TESTBED_RANKS` ranks in all (each rank
+        is an interpreter with its own model copy), checked before any number is converted."""
+        parts = text.replace(",", "+").split("+")
+        if len(text) > 400 or not all(re.fullmatch(r"[0-9]{1,4}", p.strip()) for p in parts):
+            raise HexiSeqError(f"testbed shape {short(text)} must look like '1+2' (ranks per core)")
+        counts = tuple(int(p) for p in parts)
+        if any(c <= 0 for c in counts):
+            raise HexiSeqError(f"testbed shape {short(text)}: every core needs at least one rank")
+        if sum(counts) > MAX_TESTBED_RANKS:
             raise HexiSeqError(
-                f"testbed shape {text!r} must look like '1+2' (ranks per core)"
-            ) from None
-        if not counts or any(c <= 0 for c in counts):
-            raise HexiSeqError(f"testbed shape {text!r}: every core needs at least one rank")
+                f"testbed shape {short(text)} has {sum(counts)} ranks; the CPU testbed runs at most "
+                f"{MAX_TESTBED_RANKS} (one interpreter each)"
+            )
         return cls(ranks_per_core=counts)
 
     @property
