@@ -754,7 +754,8 @@ def test_tampered_layouts(d, capsys, edit, match):
 
 def test_validate_checks_memory_as_simulate_does(d, capsys):
     layout = _layout(d, capsys)
-    small = CLUSTER.replace("network_GBps: 25}", "network_GBps: 25, memory_gib: 0.01}")
+    # 4 MiB per GPU: under the tiny model's ~9 MB per rank
+    small = CLUSTER.replace("network_GBps: 25}", "network_GBps: 25, memory_gib: 0.004}")
     (d / "small.yaml").write_text(small)
     _error(
         capsys,
