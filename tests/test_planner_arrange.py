@@ -16,22 +16,19 @@ from megatron_hexiseq.attention.peers import build_transfers
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import causal_pairs, estimate
 from megatron_hexiseq.model import get_model, model_from_dict
-from megatron_hexiseq.planner.arrange import (
-    Arrangement,
-    arranged_bound,
-    positioned,
-    split_arranged,
-    with_fan_out,
-)
+from megatron_hexiseq.planner.arrange import Arrangement, positioned, with_fan_out
+from megatron_hexiseq.planner.arranged_split import split_arranged
 from megatron_hexiseq.planner.baselines import best_baseline
 from megatron_hexiseq.planner.build import build_layout
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.hierarchical import prove_bound, solve_grouping
 from megatron_hexiseq.planner.plan import GAP_MEANING, gap_meaning, plan
+from megatron_hexiseq.planner.relaxed_bound import arranged_bound
 from megatron_hexiseq.planner.stage1_groups import score_arranged
-from megatron_hexiseq.planner.stage2_split import group_time, split_sequence, units_range
+from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.surrogate import build_surrogate
+from megatron_hexiseq.planner.unit_range import group_time, units_range
 from megatron_hexiseq.run_config import TrainOptions
 
 sys.path.insert(
