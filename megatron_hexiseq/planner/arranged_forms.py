@@ -6,7 +6,7 @@ almost every call, so the cached per-group forms of ``unit_range`` (keyed by the
 ``GroupCoef``) would miss. Here the parts that do not depend on the place are cached per (group,
 linear bound) (``BlockConsts`` for a prefix block of k identical groups, ``FinalConsts`` for a final
 group) and the place-dependent parts are filled in per call, with the same IEEE operations in the
-same order as ``unit_range._closed_consts`` / ``_identical_range`` (``tests/test_planner_fast_paths``
+same order as ``unit_range._identical_range`` (``tests/test_planner_fast_paths``
 compares them exactly). Groups whose members differ fall back to the placed group's own range.
 """
 
@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 from megatron_hexiseq.planner.coef import INF, MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.unit_range import (
-    ClosedPart,
+    ClosedBounds,
+    closed_bounds,
     closed_eval,
     general_range,
     group_time,
@@ -26,18 +27,6 @@ from megatron_hexiseq.planner.unit_range import (
     settle_range,
     units_range,
 )
-
-
-class BlockBound(NamedTuple):
-    """One lower bound of ``block_time`` (the continuous even split, or the member with ceil(H/n)
-    heads) as ``_closed_consts`` builds it, less the parts that depend on the block's place."""
-
-    alpha: float  # A2A ns per unit (s / n for the even split, 0 for the ceil(H/n) member)
-    heads: float  # heads per member (H / n, or ceil(H/n))
-    qa4: float  # 4 qa: qa = heads b k / N, the attention term's T^2 coefficient
-    qa2: float  # 2 qa
-    quadratic: bool  # qa > 0
-    m: float  # the K/V branch's slope in T: alpha + heads (c (k - 1) + e)
 
 
 class BlockConsts(NamedTuple):
@@ -49,7 +38,7 @@ class BlockConsts(NamedTuple):
     e: float  # A2A ns per head per group unit
     c: float  # K/V ns per head per visible unit
     N: int  # units in the sequence
-    bounds: tuple[BlockBound, ...]
+    bounds: ClosedBounds  # ``closed_bounds`` with quad = b k / N, kv_slope = c (k - 1)
     cap: float  # the smallest of the memory and linear-bound caps on a group's units
 
 
@@ -79,18 +68,12 @@ def block_time(g: GroupCoef, k: int, P: int, V: float, T: int, lin: float) -> fl
 def block_consts(g: GroupCoef, k: int, lin: float) -> BlockConsts:
     """What ``block_upper`` reads of a prefix block of k groups of identical members: per lower
     bound of ``block_time`` (the continuous even split, the member with ceil(H/n) heads) the parts
-    of ``unit_range._closed_consts`` that do not depend on the block's start or what it sees, and
-    the smallest of the memory and linear-bound caps on the units."""
+    of the closed form that do not depend on the block's start or what it sees (``closed_bounds``),
+    and the smallest of the memory and linear-bound caps on the units."""
     n, H, N = g.size, g.heads, g.num_units
     a, s, b, c, e, free, mt, mh = g.rows[0][1:9]
-    quad, kv_slope = b * k / N, c * (k - 1)
+    bounds = closed_bounds(n, H, s, e, b * k / N, c * (k - 1))
     hmax = -(-H // n)
-    bounds = []
-    for alpha, heads in ((s / n, H / n), (0.0, hmax)):
-        qa = heads * quad
-        bounds.append(
-            BlockBound(alpha, heads, 4 * qa, 2 * qa, qa > 0, alpha + heads * (kv_slope + e))
-        )
     cap = INF
     if mt + H * mh > 0:
         cap = min(cap, n * free / (mt + H * mh))
@@ -98,23 +81,16 @@ def block_consts(g: GroupCoef, k: int, lin: float) -> BlockConsts:
         cap = min(cap, (free - mt) / (hmax * mh))
     if a > 0 and math.isfinite(lin):
         cap = min(cap, n * lin / a)
-    return BlockConsts(s, b, e, c, N, tuple(bounds), cap)
+    return BlockConsts(s, b, e, c, N, bounds, cap)
 
 
 def block_upper(consts: BlockConsts, P: int, V: int, z: float) -> float | None:
-    """The real upper end of the closed form (``unit_range._closed_consts``) for a prefix block starting at P that
-    sees V units (attention ``b T (2P + k T) / N`` per head, visible ``V + (k - 1) T``: the outermost
-    group sees the block's other units and what lies before it), capped by memory and the linear
-    bound; None when the range is empty: ``closed_eval`` on constants built here the way
-    ``_closed_consts`` builds them (Stage I's coarse tests move the blocks on almost every call, so
-    its cache missed)."""
+    """The real upper end of the closed form (``unit_range.closed_eval``) for a prefix block
+    starting at P that sees V units (attention ``b T (2P + k T) / N`` per head, visible
+    ``V + (k - 1) T``: the outermost group sees the block's other units and what lies before it),
+    capped by memory and the linear bound; None when the range is empty."""
     s, b, e, c, N, bounds, cap = consts
-    lin_att, kv_const = 2 * P * b / N, V * c
-    parts = []
-    for alpha, heads, qa4, qa2, quadratic, m in bounds:
-        qb = alpha + heads * (lin_att + e)
-        parts.append(ClosedPart(qa4, qa2, -qb, qb * qb, qb, m, heads * kv_const, quadratic))
-    real = closed_eval(tuple(parts), z, s)
+    real = closed_eval(bounds, 2 * P * b / N, e, V * c, z, s)
     if real is None:
         return None
     return real[1] if real[1] < cap else cap
@@ -178,11 +154,8 @@ class FinalConsts(NamedTuple):
     b: float  # attention ns per head per unit, whole sequence
     c: float  # K/V ns per head per visible unit
     e: float  # A2A ns per head per group unit
-    alpha0: float  # s / n
-    heads0: float  # H / n
+    bounds: ClosedBounds  # ``closed_bounds`` with quad = 0, kv_slope = -c
     hmax: int  # ceil(H / n)
-    m0: float  # the K/V branch's slope, even split: alpha0 + heads0 (e - c)
-    m1: float  # the same for the ceil(H/n) member: hmax (e - c)
     hi_cap: float  # memory, the sequence, ``lin``: the upper end's cap wherever the group sits
     floor: int  # one unit per member
     H: int  # heads
@@ -208,10 +181,8 @@ def final_consts(g: GroupCoef, lin: float) -> FinalConsts | None:
     hi_cap = range_consts(
         g, lin
     ).hi_cap  # memory, the sequence, ``lin``: wherever the group is placed
-    # per lower bound (the continuous even split, the member with ceil(H/n) heads): alpha, heads,
-    # and the K/V branch's slope (``_closed_consts`` with kv_slope = -c)
-    alpha0, heads0 = s / n, H / n
-    m0, m1 = alpha0 + heads0 * (-c + e), 0.0 + hmax * (-c + e)
+    # a final group's attention term has no T^2 part, its K/V term the slope -c (visible N - T + kv)
+    bounds = closed_bounds(n, H, s, e, 0.0, -c)
     floor = n * MIN_UNITS_PER_RANK
     # the exact times computed so far by (start, kv_extra, units): a search probes the same places
     # again and again
@@ -222,11 +193,8 @@ def final_consts(g: GroupCoef, lin: float) -> FinalConsts | None:
         b,
         c,
         e,
-        alpha0,
-        heads0,
+        bounds,
         hmax,
-        m0,
-        m1,
         hi_cap,
         floor,
         H,
@@ -248,19 +216,9 @@ def final_range(
     ``unit_range._identical_range`` without building the placed group or its caches (the tests
     of a search place the final groups at a new start on almost every call). The final block ends
     at N: attention ``b T (p + N) / N`` per head and unit, visible ``N - T + kv`` units."""
-    n, N, s, b, c, e, alpha0, heads0, hmax, m0, m1, hi_cap, floor = consts[:13]
-    H, a, free, mt, mh, cap, g, seen = consts[13:]  # (unpacked: the planner's innermost loop)
-    lin_att = b * (p + N) / N
-    kv_const = (N + kv) * c
-    qb0, qb1 = alpha0 + heads0 * (lin_att + e), 0.0 + hmax * (lin_att + e)
-    real = closed_eval(
-        (
-            ClosedPart(0.0, 0.0, -qb0, qb0 * qb0, qb0, m0, heads0 * kv_const, False),
-            ClosedPart(0.0, 0.0, -qb1, qb1 * qb1, qb1, m1, hmax * kv_const, False),
-        ),
-        z,
-        s,
-    )
+    # unpacked whole: the planner's innermost loop
+    n, N, s, b, c, e, bounds, hmax, hi_cap, floor, H, a, free, mt, mh, cap, g, seen = consts
+    real = closed_eval(bounds, b * (p + N) / N, e, (N + kv) * c, z, s)
     if real is None:
         return None
     head_share = H / n

@@ -5,7 +5,7 @@ the most heads a group holding T units can take is a separable concave maximisat
 (``max_heads``), exact and cheap. The units a group can hold within (A, L) form an interval
 ``[lo, hi]`` (``units_range``): above ``hi`` its attention or memory overflows, below ``lo`` the K/V
 it receives (more visible with fewer own units) does not hide. Groups of identical members have a
-closed form (``_closed_consts`` -> ``ClosedPart`` per lower bound, ``RangeConsts`` per (group, L),
+closed form (``closed_bounds`` -> ``ClosedBound`` per lower bound, ``RangeConsts`` per (group, L),
 settled on integers by ``settle_range`` with the exact ``_identical_time``); others bisect the exact
 continuous test (``general_range``). ``group_time`` is a group's attention phase at T units,
 ``group_phase_time`` its own phase optimum. ``stage2_split`` splits the sequence between groups on
@@ -138,25 +138,21 @@ def _identical_time_cached(g: GroupCoef, T: int, lin: float) -> float:
     return _identical_time(g, T, lin)
 
 
-class ClosedPart(NamedTuple):
-    """One lower bound's part of the closed form (``_closed_consts``): the attention branch
-    ``qa T^2 + qb T <= budget`` (its root ``(-qb + sqrt(qb^2 + 4 qa budget)) / (2 qa)``, or
-    ``budget / qb`` when not ``quadratic``) and the K/V branch ``m T + k0 <= budget`` (an upper end
-    when ``m > 0``, a lower end when ``m < 0``)."""
+class ClosedBound(NamedTuple):
+    """One lower bound of a group's attention phase in the closed form (the continuous even split,
+    or the member holding ceil(H/n) heads), less what depends on the group's place: within a budget,
+    ``heads (quad T^2 + (lin_att + e) T) + alpha T`` of attention (``quadratic`` when quad > 0) and
+    ``heads ((kv_slope + e) T + kv_const) + alpha T`` of K/V (``closed_eval`` adds the place)."""
 
-    qa4: float  # 4 qa
+    alpha: float  # A2A per own unit, per member (s / n for the even split, 0 for the other)
+    heads: float  # heads per member (H / n, or ceil(H/n))
+    qa4: float  # 4 qa, qa = heads quad
     qa2: float  # 2 qa
-    neg_qb: float  # -qb
-    qb2: float  # qb^2
-    qb: float
-    m: float  # the K/V branch's slope in T
-    k0: float  # the K/V branch's constant
     quadratic: bool  # qa > 0
+    m: float  # the K/V branch's slope in T: alpha + heads (kv_slope + e)
 
 
-ClosedForm = tuple[
-    ClosedPart, ...
-]  # per lower bound: the continuous even split, then ceil(H/n) heads
+ClosedBounds = tuple[ClosedBound, ...]  # the continuous even split, then ceil(H/n) heads
 
 
 class RangeConsts(NamedTuple):
@@ -166,53 +162,52 @@ class RangeConsts(NamedTuple):
     n: int  # members
     N: int  # units in the sequence
     s: float  # A2A ns per own unit
-    form: ClosedForm
+    bounds: ClosedBounds
+    lin_att: float  # the attention term's linear part per head and unit, at the group's place
+    e: float  # A2A per head per group unit
+    kv_const: float  # the K/V term's constant per head, at the group's place
     hi_cap: float  # the smallest cap on the upper end: memory, the sequence, ``lin``
 
 
 @lru_cache(maxsize=100_000)
-def _closed_consts(
-    n: int,
-    H: int,
-    s: float,
-    e: float,
-    quad: float,
-    lin_att: float,
-    kv_slope: float,
-    kv_const: float,
-) -> ClosedForm:
-    """The closed form's parts that do not depend on the attention bound z: the real range of T (per
-    group) where both lower bounds of ``_identical_time`` stay within z, for an attention term
-    ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const`` per head (``c`` times
-    the visible units) plus ``e T`` A2A per head. Per lower bound (the continuous even split, the
-    member with ceil(H/n) heads): its ``ClosedPart``."""
+def closed_bounds(n: int, H: int, s: float, e: float, quad: float, kv_slope: float) -> ClosedBounds:
+    """The closed form's parts that depend on neither the attention bound z nor the group's place:
+    the real range of T (per group) where both lower bounds of ``_identical_time`` stay within z,
+    for an attention term ``quad T^2 + lin_att T`` per head and a K/V term ``kv_slope T + kv_const``
+    per head (``c`` times the visible units) plus ``e T`` A2A per head."""
     out = []
     hmax = -(-H // n)
     for alpha, heads in ((s / n, H / n), (0.0, hmax)):
-        # attention branch: heads (quad T^2 + (lin_att + e) T) + alpha T <= budget
-        qa, qb = heads * quad, alpha + heads * (lin_att + e)
-        # K/V branch: heads (kv_slope T + kv_const + e T) + alpha T <= budget
-        m, k0 = alpha + heads * (kv_slope + e), heads * kv_const
-        out.append(ClosedPart(4 * qa, 2 * qa, -qb, qb * qb, qb, m, k0, qa > 0))
+        qa = heads * quad
+        out.append(
+            ClosedBound(alpha, heads, 4 * qa, 2 * qa, qa > 0, alpha + heads * (kv_slope + e))
+        )
     return tuple(out)
 
 
-def closed_eval(consts: ClosedForm, z: float, s: float) -> tuple[float, float] | None:
-    """The closed form's range at attention bound z from its ``_closed_consts`` (budgets z and
-    z - s); None when empty. (``arrange.block_upper`` and ``arrange.final_range`` call it with
-    constants they build per call, without ``_closed_consts``' cache.)"""
+def closed_eval(
+    bounds: ClosedBounds, lin_att: float, e: float, kv_const: float, z: float, s: float
+) -> tuple[float, float] | None:
+    """The closed form's real range of T at attention bound z (budgets z and z - s) for a group
+    whose attention term has ``lin_att`` and whose K/V term ``kv_const`` per head at its place;
+    None when empty. Per bound: the attention branch ``qa T^2 + qb T <= budget`` (qb = alpha +
+    heads (lin_att + e)) gives an upper end, the K/V branch ``m T + heads kv_const <= budget`` an
+    upper end when m > 0, a lower one when m < 0. (``arranged_forms`` calls it with places that
+    change on almost every call, so nothing here depends on a cache of the place.)"""
     lo, hi = 0.0, INF
     budget = z
-    for qa4, qa2, nqb, qb2, qb, m, k0, quadratic in consts:
+    for alpha, heads, qa4, qa2, quadratic, m in bounds:
         if budget < 0:
             return None
+        qb = alpha + heads * (lin_att + e)
         root = (
-            (nqb + math.sqrt(qb2 + qa4 * budget)) / qa2
+            (-qb + math.sqrt(qb * qb + qa4 * budget)) / qa2
             if quadratic
             else (budget / qb if qb > 0 else INF)
         )
         if root < hi:
             hi = root
+        k0 = heads * kv_const
         if m > 0:
             x = (budget - k0) / m
             if x < hi:
@@ -274,12 +269,12 @@ def range_consts(g: GroupCoef, lin: float) -> RangeConsts:
     n, H, N = g.size, g.heads, g.num_units
     k, a, s, b, c, e, free, mt, mh, cap = g.rows[0]
     if g.band:  # att = b T (2P + T) / N, visible = P
-        consts = _closed_consts(
-            n, H, s, e, b / N, 2 * g.start * b / N, 0.0, (g.start + g.kv_extra) * c
-        )
+        bounds = closed_bounds(n, H, s, e, b / N, 0.0)
+        lin_att, kv_const = 2 * g.start * b / N, (g.start + g.kv_extra) * c
     else:  # att = b T (P + Q) / N, visible = Q - T
         num, den = g.att_scale(0)
-        consts = _closed_consts(n, H, s, e, 0.0, b * num / den, -c, (g.block_end + g.kv_extra) * c)
+        bounds = closed_bounds(n, H, s, e, 0.0, -c)
+        lin_att, kv_const = b * num / den, (g.block_end + g.kv_extra) * c
     caps = [float(min(N, n * cap))]
     if a > 0 and math.isfinite(lin):
         caps.append(n * lin / a)
@@ -288,17 +283,17 @@ def range_consts(g: GroupCoef, lin: float) -> RangeConsts:
         caps.append(n * free / (mt + H * mh))
     if mh > 0:
         caps.append((free - mt) / (hmax * mh))
-    return RangeConsts(n, N, s, consts, min(caps))
+    return RangeConsts(n, N, s, bounds, lin_att, e, kv_const, min(caps))
 
 
 def _identical_range(
     g: GroupCoef, z: float, lin: float, settle: bool = True
 ) -> tuple[int, int] | None:
-    """``units_range`` of a group of identical members, in closed form (``_closed_consts``, ``closed_eval``), then
+    """``units_range`` of a group of identical members, in closed form (``closed_bounds``, ``closed_eval``), then
     settled on integers with the exact ``_identical_time`` (``settle=False``: the closed form's
     integers as they are, for Stage I's coarse split)."""
-    n, N, s, consts, hi_cap = range_consts(g, lin)
-    real = closed_eval(consts, z, s)
+    n, N, s, bounds, lin_att, e, kv_const, hi_cap = range_consts(g, lin)
+    real = closed_eval(bounds, lin_att, e, kv_const, z, s)
     if real is None:
         return None
     ok, got = settle_range(
