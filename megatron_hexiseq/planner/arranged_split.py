@@ -13,9 +13,9 @@ ranges (``feasible``); the smallest feasible A is a bisection, L a branch-and-bo
 these groups in this arrangement (prefix blocks split evenly among their groups); with several it
 is not proven, and ``relaxed_bound.arranged_bound`` gives a proven one.
 
-Records: ``Prepared`` (what every test of one (groups, arrangement) reads), ``FinalKeyRange`` (one
-final key's answer inside a test), ``Feasible`` (a test that holds), ``PrefixHint`` (where the last
-test's prefix ended, carried between the tests of one search).
+Records: ``Prepared`` (what every test of one (groups, arrangement) reads, its final groups by
+``FinalKey``), ``Feasible`` (a test that holds: the prefix and each final key's range),
+``PrefixHint`` (where the last test's prefix ended, carried between the tests of one search).
 """
 
 from __future__ import annotations
@@ -80,23 +80,17 @@ class Prepared(NamedTuple):
     block_len: list[int]  # each prefix block's group count
 
 
-class FinalKeyRange(NamedTuple):
-    """One final key's answer in a test that holds (``arranged_feasible``)."""
-
-    placed: GroupCoef | None  # its positioned coefficients; None when the closed form skipped them
-    kv: int  # its ``kv_extra``
-    units: tuple[int, int]  # its unit range
-
-
-FinalRanges = dict[FinalKey, FinalKeyRange]
-
-
 class Feasible(NamedTuple):
     """A test of ``arranged_feasible`` that holds."""
 
     sizes: list[int]  # units per group of each prefix block
     P: int  # the prefix's length: the final block starts here
-    finals: FinalRanges
+    # per final key, in ``Prepared.key_count`` order:
+    placed: list[
+        GroupCoef | None
+    ]  # its positioned coefficients (None: the closed form skipped them)
+    kv: list[int]  # its ``kv_extra``
+    ranges: list[tuple[int, int]]  # its unit range
 
 
 class PrefixHint:
@@ -171,16 +165,20 @@ def arranged_feasible(
         None when a final range is empty or their lower ends do not fit."""
         sz = shrink_prefix(coefs, arr, sizes, P - P_target) if P_target < P else sizes
         p = sum(map(mul, sz, block_len))
-        out: FinalRanges = {}
+        placed: list[GroupCoef | None] = []
+        kvs: list[int] = []
+        ranges: list[tuple[int, int]] = []
         lo_sum = 0
         for i, (key, k) in enumerate(count.items()):
             kv = round(sum(map(mul, key.fan, sz)))
             moved, r = key_range(fast[i], key.coef, p, kv, z, lin, exact)
             if r is None:
                 return None
-            out[key] = FinalKeyRange(moved, kv, r)
+            placed.append(moved)
+            kvs.append(kv)
+            ranges.append(r)
             lo_sum += k * r[0]
-        return Feasible(sz, p, out) if p + lo_sum <= N else None
+        return Feasible(sz, p, placed, kvs, ranges) if p + lo_sum <= N else None
 
     got = state(P)
     if got is None and not exact:
@@ -197,8 +195,7 @@ def arranged_feasible(
         length, got = found
         if hint is not None:
             hint.length = length
-    sz, p, out = got
-    if p + sum(k * out[key].units[1] for key, k in count.items()) < N:
+    if got.P + sum(k * r[1] for k, r in zip(count.values(), got.ranges)) < N:
         return None
     return got
 
@@ -209,17 +206,17 @@ def finals_at(prep: Prepared, lin: float) -> list[FinalConsts | None]:
 
 
 def final_placed(
-    keys: Sequence[FinalKey], p: int, out: FinalRanges
+    prep: Prepared, got: Feasible
 ) -> tuple[dict[GroupCoef, tuple[int, int]], list[GroupCoef]]:
-    """The final groups' positioned coefficients and unit ranges from ``arranged_feasible``'s answer (built
-    once for the bound a search settles on, not on every test that holds): per positioned group its
-    range, and per final group (``keys``: ``prepared``'s, in ``arr.final`` order) its positioned
-    coefficients."""
+    """The final groups' positioned coefficients and unit ranges from ``arranged_feasible``'s answer
+    (built once for the bound a search settles on, not on every test that holds): per positioned
+    group its range, and per final group (in ``arr.final`` order) its positioned coefficients."""
     placed = {
-        key: moved if moved is not None else placed_final(key.coef, p, kv)
-        for key, (moved, kv, _) in out.items()
+        key: moved if moved is not None else placed_final(key.coef, got.P, kv)
+        for key, moved, kv in zip(prep.key_count, got.placed, got.kv)
     }
-    return {placed[key]: r for key, (_, _, r) in out.items()}, [placed[key] for key in keys]
+    ranges = {placed[key]: r for key, r in zip(prep.key_count, got.ranges)}
+    return ranges, [placed[key] for key in prep.keys]
 
 
 def longest(
@@ -308,8 +305,9 @@ def split_arranged_at(
     )
     if got is None:
         return None
-    hi, (sizes, P, final) = got
-    ranges, pos = final_placed(prep.keys, P, final)
+    hi, found = got
+    sizes, P = found.sizes, found.P
+    ranges, pos = final_placed(prep, found)
     units = [0] * len(coefs)
     for block, T in zip(arr.prefix, sizes):
         for g in block:

@@ -40,22 +40,9 @@ MIN_UNITS_PER_RANK = (
 )
 
 
-class MemberCoef(NamedTuple):
-    """One member's coefficients (members with equal ones behave alike in the continuous model)."""
-
-    a: int  # linear ns per own unit
-    s: int  # A2A ns per own unit (attention phase)
-    b: int  # attention ns per head per unit, whole sequence
-    c: int  # K/V ns per head per visible unit
-    e: int  # A2A ns per head per group unit
-    free: int  # free bytes
-    mt: int  # bytes per own unit
-    mh: int  # bytes per head per group unit
-
-
 class ClassRow(NamedTuple):
     """A class of identical members of a group (``GroupCoef.rows``): their count, the first
-    member's coefficients (``MemberCoef``'s) and ``cap`` (units that fit with no heads). The
+    member's coefficients and ``cap`` (units that fit with no heads). The
     innermost loops unpack it whole or slice ``[1:9]`` (a, s, b, c, e, free, mt, mh)."""
 
     members: int
@@ -110,9 +97,9 @@ class GroupCoef:
         set_(self, "_members_hash", hash((*fields, self.num_units, self.s)))
         set_(self, "_hash", self._hash_at(self.start, self.end, self.band, self.kv_extra))
         # members with identical coefficients, grouped (they behave identically in the continuous model)
-        groups: dict[MemberCoef, list[int]] = {}
+        groups: dict[tuple[int, ...], list[int]] = {}  # by (a, s, b, c, e, free, mt, mh)
         for i in range(len(self.a)):
-            key = MemberCoef(
+            key = (
                 self.a[i],
                 self.s_(i),
                 self.b[i],

@@ -30,7 +30,7 @@ from operator import mul
 
 from ortools.sat.python import cp_model
 
-from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef, MemberCoef
+from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
 from megatron_hexiseq.planner.stage2_split import Split, split_at, split_sequence
 from megatron_hexiseq.planner.unit_range import group_phase_time, max_heads, min_units
 
@@ -259,15 +259,12 @@ def balanced_point(
     return bound, tokens, heads
 
 
-def _member(g: GroupCoef, i: int) -> MemberCoef:
-    return MemberCoef(g.a[i], g.s_(i), g.b[i], g.c[i], g.e[i], g.free[i], g.mt[i], g.mh[i])
-
-
 def _identical_runs(g: GroupCoef) -> list[list[int]]:
     """Members with identical coefficients, grouped (each list ascending)."""
-    runs: dict[MemberCoef, list[int]] = {}
+    runs: dict[tuple[int, ...], list[int]] = {}  # by (a, s, b, c, e, free, mt, mh)
     for i in range(g.size):
-        runs.setdefault(_member(g, i), []).append(i)
+        key = (g.a[i], g.s_(i), g.b[i], g.c[i], g.e[i], g.free[i], g.mt[i], g.mh[i])
+        runs.setdefault(key, []).append(i)
     return list(runs.values())
 
 
