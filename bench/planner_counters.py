@@ -52,6 +52,7 @@ from planner_suite import random_case
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster, cluster_from_dict
 from megatron_hexiseq.costmodel.formulas import attention_s_per_pair_head, linear_s_per_token
+from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec, get_model
 from megatron_hexiseq.planner.baselines import even_in_groups
@@ -333,9 +334,18 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     S = case["seq_length"]
     model = get_model(case["model"], overrides={"seq_length": S})
     t0 = time.process_time()
-    lay = plan(
-        file_cl, model, S, TrainOptions(), modes=AUTO_MODES, time_limit_s=600, reproducible=True
-    )
+    base = {
+        "label": case["label"],
+        "gpus": file_cl.world_size,
+        "model": case["model"],
+        "seq_length": S,
+    }
+    try:
+        lay = plan(
+            file_cl, model, S, TrainOptions(), modes=AUTO_MODES, time_limit_s=600, reproducible=True
+        )
+    except HexiSeqError as e:  # no layout fits: nothing to compare
+        return {**base, "plan_s": None, "infeasible": str(e), "best": None, "plan_over_best": None}
     plan_cpu = time.process_time() - t0
     planned = json.loads(lay.to_json())
     plan_s = planned["predicted"]["iteration_time_s"]
@@ -355,10 +365,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             if t is not None and (best is None or t < best["time_s"]):
                 best = {"name": m.name, "order": order, "shape": m.shape, "time_s": t}
     return {
-        "label": case["label"],
-        "gpus": file_cl.world_size,
-        "model": case["model"],
-        "seq_length": S,
+        **base,
         "plan_s": plan_s,
         "plan_winner": planned["planner"]["winner"]["name"],
         "plan_cpu_s": round(plan_cpu, 3),
@@ -374,6 +381,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [r["plan_over_best"] for r in rows if r["plan_over_best"] is not None]
     return {
         "cases": len(rows),
+        "infeasible": sum(r["plan_s"] is None for r in rows),
         "compared": len(ratios),
         "within_2pct": sum(x <= 1 + WITHIN for x in ratios),
         "share_within_2pct": sum(x <= 1 + WITHIN for x in ratios) / len(ratios) if ratios else None,
@@ -386,6 +394,10 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def write(
     rows: list[dict[str, Any]], out: str, seeds: Sequence[int], worst: int, generator: str
 ) -> str:
@@ -396,6 +408,12 @@ def write(
         "|---:|---|---|---:|---:|---:|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
+        if r["plan_s"] is None:
+            lines.append(
+                f"| {r['seed']} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K "
+                f"| {r['gpus']} | - | does not fit in memory | - | - | - | - | - |"
+            )
+            continue
         b = r["best"] or {}
         ratio = r["plan_over_best"]
         lines.append(
@@ -408,8 +426,9 @@ def write(
     lines.append(
         f"{generator} generator, seeds {', '.join(map(str, seeds))}: {s['within_2pct']} of {s['compared']} plans within 2% of "
         f"the best family member ({100 * (s['share_within_2pct'] or 0):.0f}%), {s['over_5pct']} more "
-        f"than 5% behind; plan / best median {s['median_plan_over_best']:.3f}, max "
-        f"{s['max_plan_over_best']:.3f}; target {'met' if s['target_met'] else 'NOT met'}"
+        f"than 5% behind; plan / best median {_fmt(s['median_plan_over_best'])}, max "
+        f"{_fmt(s['max_plan_over_best'])}; target {'met' if s['target_met'] else 'NOT met'}"
+        + (f"; {s['infeasible']} cases fit no layout" if s["infeasible"] else "")
     )
     bad = sorted((r for r in rows if r["plan_over_best"]), key=lambda r: -r["plan_over_best"])
     lines += ["", f"Worst {worst} cases (the best member's layout):", ""]
@@ -458,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
             case = draw(rng, world, f"counters-{seed}-{i}")
             row = {"seed": seed, **run_case(case)}
             rows.append(row)
+            if row["plan_s"] is None:
+                print(f"seed {seed} {case['label']}: does not fit in memory", flush=True)
+                continue
             print(
                 f"seed {seed} {case['label']}: plan {row['plan_s']:.4g} s, best "
                 f"{(row['best'] or {}).get('name')} {(row['best'] or {}).get('time_s', 0):.4g} s "

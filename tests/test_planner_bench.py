@@ -180,3 +180,20 @@ def test_planner_counters_families_are_the_documented_shapes():
             for g in x.groups:
                 assert len({cl.devices[r].gpu.name for r in g}) == 1
                 assert len(g) % 8 == 0
+
+
+def test_planner_counters_skips_a_case_that_does_not_fit(monkeypatch):
+    import random
+
+    import planner_counters
+
+    from megatron_hexiseq.errors import HexiSeqError
+
+    def no_fit(*args, **kwargs):
+        raise HexiSeqError("does not fit in memory under any layout")
+
+    monkeypatch.setattr(planner_counters, "plan", no_fit)
+    row = planner_counters.run_case(planner_counters.wide_case(random.Random(1), 32, "t"))
+    assert row["plan_s"] is None and row["plan_over_best"] is None and "fit" in row["infeasible"]
+    s = planner_counters.summary([{**row, "seed": 1}])
+    assert s["infeasible"] == 1 and s["compared"] == 0 and not s["target_met"]

@@ -144,9 +144,8 @@ _SEEN_MAX = 20_000  # exact times kept per (group, linear bound)
 
 class FinalConsts(NamedTuple):
     """What ``final_range`` reads of a final group of identical members at one linear bound
-    (``final_consts``): the closed form's parts that do not depend on the group's place (per lower
-    bound: the continuous even split, index 0, and the member with ceil(H/n) heads, index 1),
-    ``_identical_time``'s coefficients, and the exact times computed so far."""
+    (``final_consts``): the closed form's parts that do not depend on the group's place
+    (``bounds``), ``_identical_time``'s coefficients, and the exact times computed so far."""
 
     n: int  # members
     N: int  # units in the sequence
