@@ -118,7 +118,7 @@ def wide_case(rng: random.Random, world: int, name: str) -> dict[str, Any]:
     }
 
 
-SEEDS = (13000, 13001, 13002)  # fresh: no bench or session had drawn these
+SEEDS = (13000, 13001, 13002)  # 13010-13012 checked the final code; draw new ones to check a change
 SIZES = (32, 64, 128, 256, 512, 1024, 2048)
 WITHIN, NEVER = 0.02, 0.05  # the target: plan <= best * 1.02 in 95% of cases, <= best * 1.05 always
 
