@@ -2,7 +2,7 @@
 
 Stage II splits a prefix greedily (each block takes the most it can hold); with two or more prefix
 blocks that split is not optimal and its own bound is no bound (docs/planner.md, "Known gap: two or
-more prefix blocks"). ``arrange.arranged_bound`` is the proven bound the planner reports there. On
+more prefix blocks"). ``relaxed_bound.arranged_bound`` is the proven bound the planner reports there. On
 small random instances (single-rank groups in 2 or 3 prefix blocks, or a block of two 2-rank groups
 after a 1-rank one, so K/V fan-out enters; 12-20 units) this compares, against the best split by
 brute force (each prefix block's groups holding equal units):
@@ -29,15 +29,11 @@ from collections.abc import Sequence
 
 from _common import write_outputs
 
-from megatron_hexiseq.planner.arrange import (
-    Arrangement,
-    arranged_bound,
-    positioned,
-    split_arranged,
-    with_fan_out,
-)
+from megatron_hexiseq.planner.arrange import Arrangement, positioned, with_fan_out
+from megatron_hexiseq.planner.arranged_split import split_arranged
 from megatron_hexiseq.planner.coef import GroupCoef
-from megatron_hexiseq.planner.stage2_split import group_time
+from megatron_hexiseq.planner.relaxed_bound import arranged_bound
+from megatron_hexiseq.planner.unit_range import group_time
 
 SHAPES = ("2 blocks", "3 blocks", "fan-out")
 BIG = 10**15

@@ -14,7 +14,7 @@ the figure; cases under ``REPEAT_BELOW_S`` run ``--repeats`` times and report th
 winner (``planner.winner``), the planned iteration time by ``costmodel.estimate``, its speed-up
 over the best symmetric baseline (Ring, Ulysses, USP over every hp; ``best_baseline``) and over each
 heuristic candidate, the bound and gap of the hierarchical candidate (with two or more prefix
-blocks the relaxation's, ``arrange.arranged_bound``), and whether the time
+blocks the relaxation's, ``relaxed_bound.arranged_bound``), and whether the time
 limit cut the search. Memory mode: auto.
 
 Writes results/bench/planner_suite.{json,md,png} and prints the table.
@@ -273,7 +273,7 @@ def write(rows: list[dict], out: str) -> str:
         bound = _fmt(r.get("bound_s"), 3)
         if r.get("prefix_blocks") and r.get("bound_s") is None:
             bound = f"none ({r['prefix_blocks']} prefix blocks)"
-        elif r.get("bound_relaxed"):  # arrange.arranged_bound
+        elif r.get("bound_relaxed"):  # relaxed_bound.arranged_bound
             bound += f" (relaxed, {r['prefix_blocks']} prefix blocks)"
         lines.append(
             f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['gpus']} | "

@@ -26,9 +26,10 @@ from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.hierarchical import planner_candidates
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage1_groups import score_grouping
-from megatron_hexiseq.planner.stage2_split import max_heads, split_sequence
+from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.stage3_refine import floors, refine_group
 from megatron_hexiseq.planner.surrogate import build_surrogate, granularity
+from megatron_hexiseq.planner.unit_range import max_heads
 from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
 pytestmark = pytest.mark.usefixtures("pinned_catalog")  # tests/conftest.py
@@ -289,8 +290,8 @@ def test_stage3_balanced_bound_lies_below_every_integer_point():
     # identical members whose heads do not split evenly: the bound with whole heads and continuous
     # tokens (balanced_point) against every integer point; it must never exceed the optimum, is
     # never below the continuous bound and is above it where the extra head costs tokens
-    from megatron_hexiseq.planner.stage2_split import group_phase_time
     from megatron_hexiseq.planner.stage3_refine import _fits, _floored, balanced_point
+    from megatron_hexiseq.planner.unit_range import group_phase_time
 
     rng = random.Random(3)
     checked = tighter = 0
@@ -320,7 +321,7 @@ def test_stage3_identical_members_within_the_gap_of_the_balanced_bound_skip_cp_s
     # continuous bound used to go to CP-SAT; where the balanced point is within GREEDY_GAP of the
     # whole-head bound, refine_group returns it without a solve, within GREEDY_GAP of the optimum
     import megatron_hexiseq.planner.stage3_refine as s3
-    from megatron_hexiseq.planner.stage2_split import group_phase_time
+    from megatron_hexiseq.planner.unit_range import group_phase_time
 
     monkeypatch.setattr(s3.cp_model.CpSolver, "solve", _no_cp_sat)
     rng = random.Random(17)
@@ -804,7 +805,7 @@ def _compositions(total, parts, low):
 
 
 def test_units_range_matches_the_plain_definition():
-    from megatron_hexiseq.planner.stage2_split import group_time, units_range
+    from megatron_hexiseq.planner.unit_range import group_time, units_range
 
     rng = random.Random(3)
     mixed = GroupCoef(

@@ -15,23 +15,21 @@ import pytest
 from megatron_hexiseq.attention.peers import build_transfers
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import causal_pairs, estimate
+from megatron_hexiseq.costmodel.formulas import attention_s_per_pair_head, linear_s_per_token
 from megatron_hexiseq.model import get_model, model_from_dict
-from megatron_hexiseq.planner.arrange import (
-    Arrangement,
-    arranged_bound,
-    positioned,
-    split_arranged,
-    with_fan_out,
-)
+from megatron_hexiseq.planner.arrange import Arrangement, positioned, with_fan_out
+from megatron_hexiseq.planner.arranged_split import split_arranged
 from megatron_hexiseq.planner.baselines import best_baseline
 from megatron_hexiseq.planner.build import build_layout
 from megatron_hexiseq.planner.coef import GroupCoef
-from megatron_hexiseq.planner.heuristics import heuristic_layouts
+from megatron_hexiseq.planner.heuristics import KNODE_ARRANGEMENTS, heuristic_layouts
 from megatron_hexiseq.planner.hierarchical import prove_bound, solve_grouping
 from megatron_hexiseq.planner.plan import GAP_MEANING, gap_meaning, plan
+from megatron_hexiseq.planner.relaxed_bound import arranged_bound
 from megatron_hexiseq.planner.stage1_groups import score_arranged
-from megatron_hexiseq.planner.stage2_split import group_time, split_sequence, units_range
+from megatron_hexiseq.planner.stage2_split import split_sequence
 from megatron_hexiseq.planner.surrogate import build_surrogate
+from megatron_hexiseq.planner.unit_range import group_time, units_range
 from megatron_hexiseq.run_config import TrainOptions
 
 sys.path.insert(
@@ -333,6 +331,43 @@ def test_heuristics_are_valid_layouts_with_the_documented_shapes():
     assert sorted(p for r in a100 for p in drop.ranks[r].positions()) == list(
         range(4)
     )  # at the start
+    # the same with the kept ranks' tokens proportional to their FLOP rate
+    drop = hs["drop-slowest+proportional(k=1,hp=8)"].layout  # groups of 8, 8 and 4
+    assert all(drop.ranks[r].num_tokens == 1 for r in a100)
+    kept = [g for g in drop.groups if not set(g.ranks) & set(a100)]
+    kept_flops = sum(flops[r] for g in kept for r in g.ranks)
+    for g in kept:
+        share = (24000 - 4) * sum(flops[r] for r in g.ranks) / kept_flops
+        assert abs(drop.group_num_tokens(g.id) - share) <= len(g.ranks) + 1
+    # knode: whole nodes of one type, k per group (k * 4 <= 32 heads, at most 2 nodes of a type)
+    assert {f"knode-{a}(k={k})" for a in KNODE_ARRANGEMENTS for k in (1, 2)} <= set(hs)
+    for k in (1, 2):
+        for a in KNODE_ARRANGEMENTS:
+            lay = hs[f"knode-{a}(k={k})"].layout
+            for g in lay.groups:
+                nodes = {cl.devices[r].node for r in g.ranks}
+                assert len({cl.devices[r].gpu.name for r in g.ranks}) == 1
+                assert len(g.ranks) == 4 * len(nodes) and len(nodes) <= k
+    slowest = min(flops)
+    for a, outer_is_slowest in (("mirrored-slow-out", True), ("mirrored-fast-out", False)):
+        lay = hs[f"knode-{a}(k=1)"].layout
+        last = next(
+            g for g in lay.groups if any(24000 - 1 in lay.ranks[r].positions() for r in g.ranks)
+        )
+        assert (flops[last.ranks[0]] == slowest) == outer_is_slowest
+    # bands: each group one contiguous band, slowest first, each band's compute time the same
+    lay = hs["knode-bands(k=1)"].layout
+    bands = sorted(
+        (min(p for r in g.ranks for p in lay.ranks[r].positions()), g) for g in lay.groups
+    )
+    assert [flops[g.ranks[0]] for _, g in bands] == sorted(flops[g.ranks[0]] for _, g in bands)
+    opts, H, times = TrainOptions(), m.num_attention_heads, []
+    for P, g in bands:
+        T, n, d = lay.group_num_tokens(g.id), len(g.ranks), cl.devices[g.ranks[0]]
+        assert sorted(p for r in g.ranks for p in lay.ranks[r].positions()) == list(range(P, P + T))
+        lin, att = linear_s_per_token(m, d, opts), attention_s_per_pair_head(m, d, opts)
+        times.append(T / n * lin + H / n * att * T * (2 * P + T) / 2)
+    assert max(times) / min(times) - 1 < 2e-3  # equal up to the rounding to whole tokens
 
 
 # ---- the final choice ----------------------------------------------------------------------------------------

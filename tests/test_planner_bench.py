@@ -139,3 +139,61 @@ def test_arranged_bound_smoke(tmp_path):
     assert "| fan-out |" in (tmp_path / "arranged_bound.md").read_text()
     assert arranged_bound.main(["--count", "0", "--out", str(tmp_path / "no")]) == 2
     assert not (tmp_path / "no").exists()
+
+
+def test_planner_counters_smoke(tmp_path):
+    import planner_counters
+
+    assert planner_counters.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "planner_counters.json").read_text())
+    rows = data["rows"]
+    assert [r["gpus"] for r in rows] == [32, 64]
+    for r in rows:
+        assert r["members"] > 10 and r["best"]["time_s"] > 0
+        assert r["plan_over_best"] == pytest.approx(r["plan_s"] / r["best"]["time_s"])
+    assert data["summary"]["compared"] == 2
+    assert "plan / best" in (tmp_path / "planner_counters.md").read_text()
+    assert planner_counters.main(["--sizes", "20", "--out", str(tmp_path / "no")]) == 2
+    assert not (tmp_path / "no").exists()
+
+
+def test_planner_counters_families_are_the_documented_shapes():
+    import random
+
+    import planner_counters
+
+    from megatron_hexiseq.cluster import cluster_from_dict
+    from megatron_hexiseq.model import get_model
+
+    case = planner_counters.wide_case(random.Random(3), 128, "t")
+    cl = cluster_from_dict(case["spec"])
+    m = get_model(case["model"])
+    S = case["seq_length"]
+    found = planner_counters.members(cl, m, S)
+    names = {x.name for x in found}
+    assert "knode(k=1,bands,balanced)" in names and any(n.startswith("prop(hp=") for n in names)
+    for x in found:
+        assert sum(x.tokens) == S and len(x.tokens) == len(x.groups)
+        assert sorted(g for b in x.blocks for g in b) == list(range(len(x.groups)))
+        assert sorted(r for g in x.groups for r in g) == list(range(cl.world_size))
+        if x.name.startswith("knode("):  # whole nodes of one type per group
+            for g in x.groups:
+                assert len({cl.devices[r].gpu.name for r in g}) == 1
+                assert len(g) % 8 == 0
+
+
+def test_planner_counters_skips_a_case_that_does_not_fit(monkeypatch):
+    import random
+
+    import planner_counters
+
+    from megatron_hexiseq.errors import HexiSeqError
+
+    def no_fit(*args, **kwargs):
+        raise HexiSeqError("does not fit in memory under any layout")
+
+    monkeypatch.setattr(planner_counters, "plan", no_fit)
+    row = planner_counters.run_case(planner_counters.wide_case(random.Random(1), 32, "t"))
+    assert row["plan_s"] is None and row["plan_over_best"] is None and "fit" in row["infeasible"]
+    s = planner_counters.summary([{**row, "seed": 1}])
+    assert s["infeasible"] == 1 and s["compared"] == 0 and not s["target_met"]

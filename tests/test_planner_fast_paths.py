@@ -18,19 +18,19 @@ from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import alltoall_time_s, kv_exchange_forward
 from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
 from megatron_hexiseq.model import get_model
-from megatron_hexiseq.planner.arrange import (
-    _block_consts,
-    _block_upper,
-    _final_consts,
-    _final_range,
-    _placed_final,
+from megatron_hexiseq.planner.arranged_forms import (
+    block_consts,
+    block_upper,
+    final_consts,
+    final_range,
+    placed_final,
 )
 from megatron_hexiseq.planner.baselines import baseline_layouts
 from megatron_hexiseq.planner.coef import INF, GroupCoef
-from megatron_hexiseq.planner.stage2_split import (
-    _general_range,
+from megatron_hexiseq.planner.unit_range import (
     _identical_range,
     _identical_time,
+    general_range,
     units_range,
 )
 
@@ -167,7 +167,7 @@ def _identical_range_ref(g, z, lin, settle):
             ilo -= 1
         else:
             return ilo, ihi
-    return _general_range(g, z, lin)
+    return general_range(g, z, lin)
 
 
 def _placed_group(
@@ -208,7 +208,7 @@ def test_identical_range_matches_reference() -> None:
 
 
 def test_prefix_block_closed_form_matches_reference() -> None:
-    # arrange._block_upper: the closed form's upper end for k groups of identical members in a
+    # arranged_forms.block_upper: the closed form's upper end for k groups of identical members in a
     # prefix block at P seeing V units (attention b T (2P + k T) / N, visible V + (k - 1) T),
     # capped by memory and the linear bound
     rng = random.Random(11)
@@ -232,7 +232,7 @@ def test_prefix_block_closed_form_matches_reference() -> None:
                     want = min(want, (free - mt) / (-(-H // n) * mh))
                 if a > 0 and math.isfinite(lin):
                     want = min(want, n * lin / a)
-            got = _block_upper(_block_consts(g, k, lin), P, V, z)
+            got = block_upper(block_consts(g, k, lin), P, V, z)
             assert got == want, (k, P, V, z, lin)
             found += want is not None
             empty += want is None
@@ -240,7 +240,7 @@ def test_prefix_block_closed_form_matches_reference() -> None:
 
 
 def test_final_group_range_matches_the_placed_group() -> None:
-    # arrange._final_range: the unit range of a final group of identical members placed at p with
+    # arranged_forms.final_range: the unit range of a final group of identical members placed at p with
     # kv_extra kv, without building the placed group: Stage I's coarse range and the settled one
     rng = random.Random(13)
     hits = 0
@@ -253,12 +253,12 @@ def test_final_group_range_matches_the_placed_group() -> None:
             placed = g.placed(p, 0, False, kv)
             for settle in (False, True):
                 want = _identical_range_ref(placed, z, lin, settle)
-                got = _final_range(_final_consts(g, lin), p, kv, z, lin, settle)
-                assert got == want == units_range(_placed_final(g, p, kv), z, lin, settle)
+                got = final_range(final_consts(g, lin), p, kv, z, lin, settle)
+                assert got == want == units_range(placed_final(g, p, kv), z, lin, settle)
                 hits += got is not None
     assert hits > 1000
     mixed = _placed_group(rng, 4, 1024, lambda lo, hi: tuple(rng.randint(lo, hi) for _ in range(4)))
-    assert _final_consts(mixed, INF) is None  # members differ: the general range is used
+    assert final_consts(mixed, INF) is None  # members differ: the general range is used
 
 
 # ---- the layout check's one-pass path ------------------------------------------------------------
@@ -382,7 +382,7 @@ def test_group_coefficients_are_built_once_per_kind_and_equal_the_plain_ones() -
 def test_longest_prefix_search_from_a_hint_finds_what_the_bisection_finds() -> None:
     # the arranged split's exact test shortens the prefix to the longest that keeps the final
     # block's ranges; started from the last bound's answer it must give the bisection's answer
-    from megatron_hexiseq.planner.arrange import _longest
+    from megatron_hexiseq.planner.arranged_split import longest
 
     rng = random.Random(2)
     for _ in range(3000):
@@ -397,10 +397,10 @@ def test_longest_prefix_search_from_a_hint_finds_what_the_bisection_finds() -> N
             return (x,) if x <= top else None
 
         want = None if top < lo else (top, (top,))
-        assert _longest(holds, lo, hi, None) == want
+        assert longest(holds, lo, hi, None) == want
         near = rng.choice((None, rng.randint(lo - 5, hi + 5), top, top + 1))
         calls.clear()
-        assert _longest(holds, lo, hi, near) == want
+        assert longest(holds, lo, hi, near) == want
         if near is not None and lo < near < hi and top >= lo:
             # a gallop: about 2 log2 of the distance, never far beyond the bisection
             assert len(calls) <= 2 * math.log2(abs(top - near) + 2) + 3
@@ -421,10 +421,10 @@ def _unequal_group(rng: random.Random) -> GroupCoef:
 
 
 def test_unequal_members_range_from_the_slowest_members_start_is_the_exhaustive_one() -> None:
-    # _general_range starts its two edge bisections inside the range of the group with every member
+    # general_range starts its two edge bisections inside the range of the group with every member
     # replaced by the slowest (closed form) instead of at the group's fastest unit count (a ternary
     # search): the range must be the set of feasible unit counts, counted one by one
-    from megatron_hexiseq.planner.stage2_split import feasible, slowest_members
+    from megatron_hexiseq.planner.unit_range import feasible, slowest_members
 
     rng = random.Random(13)
     checked = 0
@@ -434,7 +434,7 @@ def test_unequal_members_range_from_the_slowest_members_start_is_the_exhaustive_
         assert len(slow.rows) == 1 and (slow.start, slow.end, slow.band) == (g.start, g.end, g.band)
         for _ in range(4):
             z, lin = rng.uniform(1e6, 1e12), rng.choice((INF, rng.uniform(1e6, 1e12)))
-            got = _general_range(g, z, lin)
+            got = general_range(g, z, lin)
             ok = [T for T in range(g.min_units(), g.max_units() + 1) if feasible(g, T, z, lin)]
             inner = _identical_range(slow, z, lin)
             if inner is not None:  # the slowest-members range lies inside the real one
@@ -477,7 +477,8 @@ def test_identical_members_time_and_heads_agree_at_the_linear_bound() -> None:
     # split must exist at that time: the two once tested the linear bound differently (t a > L vs
     # t > L / a) and disagreed by a rounding when L was the group's own lin_floor, so Stage III's
     # rounding got no tokens and plan() raised IndexError (found with LIN_TOL = 3e-3)
-    from megatron_hexiseq.planner.stage2_split import feasible, lin_floor
+    from megatron_hexiseq.planner.stage2_split import lin_floor
+    from megatron_hexiseq.planner.unit_range import feasible
 
     rng = random.Random(19)
     hits = 0

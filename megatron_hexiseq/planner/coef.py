@@ -25,18 +25,36 @@ A *band* is a block holding one group (``band=True``): its block is ``[P, P + T)
     att_i(T)     = b_i T (2P + T) / N
     visible(T)   = P          every unit before the band, whatever the band's own size.
 
-Fan-out (``kv_extra``, and ``c`` scaled for the final block: ``planner.arrange.fan_out``): a holder
+Fan-out (``kv_extra``, and ``c`` scaled for the final block: ``planner.arrange.with_fan_out``): a holder
 of K/V heads serves every receiver that needs them, so K/V from a smaller group counts more.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 INF = float("inf")
 MIN_UNITS_PER_RANK = (
     1  # every rank owns >= 1 token unit: Megatron cannot run an empty sequence shard
 )
+
+
+class ClassRow(NamedTuple):
+    """A class of identical members of a group (``GroupCoef.rows``): their count, the first
+    member's coefficients and ``cap`` (units that fit with no heads). The
+    innermost loops unpack it whole or slice ``[1:9]`` (a, s, b, c, e, free, mt, mh)."""
+
+    members: int
+    a: int
+    s: int
+    b: int
+    c: int
+    e: int
+    free: int
+    mt: int
+    mh: int
+    cap: int
 
 
 @dataclass(frozen=True)
@@ -70,9 +88,7 @@ class GroupCoef:
     _hash: int = field(init=False, repr=False, compare=False)
     _members_hash: int = field(init=False, repr=False, compare=False)  # of the fields but the place
     classes: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
-    rows: tuple[tuple[int, int, int, int, int, int, int, int, int, int], ...] = field(
-        init=False, repr=False, compare=False
-    )
+    rows: tuple[ClassRow, ...] = field(init=False, repr=False, compare=False)
     cap: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -81,7 +97,7 @@ class GroupCoef:
         set_(self, "_members_hash", hash((*fields, self.num_units, self.s)))
         set_(self, "_hash", self._hash_at(self.start, self.end, self.band, self.kv_extra))
         # members with identical coefficients, grouped (they behave identically in the continuous model)
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[int, ...], list[int]] = {}  # by (a, s, b, c, e, free, mt, mh)
         for i in range(len(self.a)):
             key = (
                 self.a[i],
@@ -97,12 +113,12 @@ class GroupCoef:
         set_(self, "classes", tuple(tuple(v) for v in groups.values()))
         # units that fit with no heads
         set_(self, "cap", tuple(f // m if m else 1 << 40 for f, m in zip(self.free, self.mt)))
-        # per class of identical members: (count, a, s, b, c, e, free, mt, mh, cap) of its first member
+        # per class of identical members: its count and its first member's coefficients
         set_(
             self,
             "rows",
             tuple(
-                (
+                ClassRow(
                     len(m),
                     self.a[m[0]],
                     self.s_(m[0]),
@@ -144,7 +160,7 @@ class GroupCoef:
 
     def key(self) -> tuple:
         """A total order of group coefficients (equal keys: equal groups), independent of where the
-        groups are listed (``stage2_split._hand_out`` breaks ties by it)."""
+        groups are listed (``stage2_split.hand_out`` breaks ties by it)."""
         return (
             self.size,
             self.a,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ortools.sat.python import cp_model
 
@@ -65,13 +66,34 @@ def all_groupings(cluster: Cluster) -> list[Grouping]:
     return out
 
 
+class JointSolution(NamedTuple):
+    """One grouping's joint CP-SAT solve (``solve_joint``), in units and integer ns."""
+
+    status: str  # "OPTIMAL" or "FEASIBLE"
+    z_ns: int  # the objective zl + za
+    bound_ns: int  # CP-SAT's best bound
+    tokens: list[int]  # units per rank
+    heads: list[int]  # heads per rank
+
+
+class ExactBest(NamedTuple):
+    """The best grouping of the exact reference and its joint solve (``exact_surrogate``)."""
+
+    grouping: Grouping
+    status: str
+    z_ns: int
+    bound_ns: int
+    tokens: list[int]
+    heads: list[int]
+
+
 def solve_joint(
     sur: Surrogate,
     grouping: Grouping,
     upper_ns: int | None = None,
     node_of: list[str] | None = None,
-) -> tuple[str, int, int, list[int], list[int]] | None:
-    """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping. Returns (status, z, bound, t, h) in units."""
+) -> JointSolution | None:
+    """One CP-SAT model over (T_g, t_r, h_r) for a fixed grouping."""
     N, H = sur.num_units, sur.heads
     # the same surrogate as the hierarchical planner's mirrored arrangement, K/V fan-out included
     coefs = with_fan_out(
@@ -142,7 +164,7 @@ def solve_joint(
         assert status != cp_model.MODEL_INVALID, model.validate()
         return None  # INFEASIBLE (memory) or UNKNOWN (no solution in time)
     W = len(t)
-    return (
+    return JointSolution(
         "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
         int(solver.objective_value),
         int(solver.best_objective_bound),
@@ -175,8 +197,8 @@ def _hierarchical_point(
 
 def exact_surrogate(
     cluster: Cluster, sur: Surrogate, *, deadline: Deadline | None = None
-) -> tuple[Grouping, str, int, int, list[int], list[int]] | None:
-    """Best grouping and its joint optimum. Returns (grouping, status, z_ns, bound_ns, t_units, h) or None.
+) -> ExactBest | None:
+    """Best grouping and its joint optimum, or None.
     Once ``deadline`` has passed, no further grouping is solved (the first always is)."""
     scored = []
     node_of = [d.node for d in cluster.devices]
@@ -185,16 +207,16 @@ def exact_surrogate(
         if got is not None:
             scored.append((got.split.z_rounded_ns, len(grouping), grouping))
     scored.sort()
-    best = None
+    best: ExactBest | None = None
     for est_ns, _, grouping in scored:
         # continuous Stage II value is a near-bound: skip groupings clearly worse than the incumbent
-        if best is not None and est_ns > best[2] * 1.02:
+        if best is not None and est_ns > best.z_ns * 1.02:
             continue
         if best is not None and deadline is not None and deadline.passed():
             break
-        res = solve_joint(sur, grouping, upper_ns=best[2] if best else None, node_of=node_of)
-        if res is not None and (best is None or res[1] < best[2]):
-            best = (grouping, *res)
+        res = solve_joint(sur, grouping, upper_ns=best.z_ns if best else None, node_of=node_of)
+        if res is not None and (best is None or res.z_ns < best.z_ns):
+            best = ExactBest(grouping, *res)
     return best
 
 

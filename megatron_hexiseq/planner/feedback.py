@@ -16,7 +16,7 @@ from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.stage1_groups import Grouping
-from megatron_hexiseq.planner.surrogate import Surrogate
+from megatron_hexiseq.planner.surrogate import DeviceCoef, Surrogate
 
 
 def lower_free(sur: Surrogate, over: dict[int, int]) -> Surrogate:
@@ -97,7 +97,7 @@ def feedback_factors(
         rest = s - s_exp
         raw.append(min(4.0, max(0.25, (t - t_exp) / rest)) if rest > 0 else 1.0)
         raw_kv.append(min(4.0, max(0.25, t_kv / s_kv)) if s_kv > 0 else None)
-    classes: dict[tuple, list[int]] = {}
+    classes: dict[tuple[DeviceCoef, int], list[int]] = {}  # (device, group size) -> ranks
     for r, (dev, _) in enumerate(zip(sur.devices, layout.ranks)):
         classes.setdefault((dev, len(layout.group_of(r).ranks)), []).append(r)
     factors, kv_factors = [1.0] * len(raw), [1.0] * len(raw)

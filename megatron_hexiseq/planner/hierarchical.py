@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.planner.arrange import arranged_bound, ring_blocks
+from megatron_hexiseq.planner.arrange import Arrangement, ring_blocks
 from megatron_hexiseq.planner.build import build_layout, hosts_and_gpus
 from megatron_hexiseq.planner.candidate import Candidate, Deadline, fastest_feasible
 from megatron_hexiseq.planner.feedback import (
@@ -25,7 +25,13 @@ from megatron_hexiseq.planner.feedback import (
     lower_free,
     surrogate_times,
 )
-from megatron_hexiseq.planner.stage1_groups import Scored, candidate_groupings, score_arranged
+from megatron_hexiseq.planner.relaxed_bound import arranged_bound
+from megatron_hexiseq.planner.stage1_groups import (
+    Grouping,
+    Scored,
+    candidate_groupings,
+    score_arranged,
+)
 from megatron_hexiseq.planner.stage3_refine import floors, integer_split, refine_group
 from megatron_hexiseq.planner.surrogate import Surrogate, build_surrogate, calibrate
 from megatron_hexiseq.run_config import TrainOptions
@@ -40,6 +46,22 @@ FEEDBACK_SCHEMES = ("one", "kv")
 FEEDBACK_CONVERGED = 0.001
 # Stage II's bound is proven for arrangements with at most this many prefix blocks (see solve_grouping)
 MAX_PROVEN_PREFIX_BLOCKS = 1
+
+
+class ForkState(NamedTuple):
+    """Where the time-feedback tracks start (``planner_candidates``' round 0, stopped at its first
+    time feedback)."""
+
+    sur: Surrogate  # the surrogate after round 0's memory feedback
+    groupings: list[Scored]  # the (grouping, arrangement) pairs kept for feedback
+    best: Candidate  # the fastest feasible candidate of the last round
+    best_times: SurrogateTimes  # its surrogate times
+    next_round: int
+    memory_rounds: int  # memory-feedback rounds spent
+    feedback_left: int  # time-feedback rounds left
+    solved: dict[
+        tuple[Grouping, str], tuple[Candidate, SurrogateTimes]
+    ]  # by (grouping, arrangement name)
 
 
 def solve_grouping(sur: Surrogate, scored: Scored) -> tuple[list[int], list[int], dict[str, Any]]:
@@ -104,7 +126,7 @@ def _bound_info(lower_ns: float, z_ns: float) -> dict[str, Any]:
 
 def prove_bound(info: dict[str, Any], scored: Scored, num_units: int) -> None:
     """Replace the unproven figure of a candidate with two or more prefix blocks (``solve_grouping``)
-    by ``arrange.arranged_bound``, the relaxation's proven bound, in ``info`` (``bound_relaxed``:
+    by ``relaxed_bound.arranged_bound``, the relaxation's proven bound, in ``info`` (``bound_relaxed``:
     True); nothing changes when the relaxation cannot place the sequence. About a hundred relaxed
     tests: run once per plan, for the planner's best candidate."""
     if "unproven_bound_s" not in info:
@@ -161,7 +183,7 @@ def planner_candidates(
     node_of = [d.node for d in cluster.devices]
     last_round = 4 + feedback_rounds
 
-    ring_order: dict[tuple, bool] = {}  # (grouping, arrangement) -> final block reversed
+    ring_order: dict[tuple[Grouping, Arrangement], bool] = {}  # -> final block reversed
     several: dict[int, tuple[Scored, int]] = {}  # candidates with 2+ prefix blocks: their split
 
     def build_scored(
@@ -204,10 +226,9 @@ def planner_candidates(
         memory_rounds: int,
         feedback_left: int,
         scheme: str | None,
-    ) -> tuple | None:
+    ) -> ForkState | None:
         """Rounds from ``round_`` on; ``scheme=None`` stops at the first time feedback and returns the
-        state to fork from: (surrogate, groupings, best candidate, its SurrogateTimes, next round,
-        memory rounds, feedback rounds left)."""
+        state to fork the tracks from."""
 
         def stage_one(sur: Surrogate) -> list[Scored]:
             found = candidate_groupings(
@@ -242,7 +263,7 @@ def planner_candidates(
             after_memory = False
             over: dict[int, int] = {}
             new: list[tuple[Candidate, SurrogateTimes]] = []
-            solved: dict[tuple, tuple[Candidate, SurrogateTimes]] = {}
+            solved: dict[tuple[Grouping, str], tuple[Candidate, SurrogateTimes]] = {}
             for scored in groupings:
                 grouping = scored.grouping
                 tokens, heads, info = solve_grouping(sur, scored)
@@ -305,7 +326,9 @@ def planner_candidates(
             if any(not c.estimate.feasible for c, _ in by_time[:FEEDBACK_GROUPINGS]) and over:
                 sur = lower_free(sur, over)
             if scheme is None:
-                return sur, groupings, best, st, round_, memory_rounds, feedback_left, solved
+                return ForkState(
+                    sur, groupings, best, st, round_, memory_rounds, feedback_left, solved
+                )
             factors, kv_factors = feedback_factors(
                 sur, best.layout, best.estimate, st, separate_kv=scheme == "kv"
             )
@@ -321,11 +344,15 @@ def planner_candidates(
         # each calibrated on its own grouping's round-0 candidate: factors are averaged per (device,
         # group size) of the layout they come from, so another grouping's members would get unequal
         # factors (and lose the closed forms of identical members: a 1024-GPU plan took 18.7 s, not 7)
-        sur, groupings, best, st, round_, memory_rounds, left, solved = fork
+        sur, groupings, _, _, round_, memory_rounds, left, solved = fork
         tracks: dict[Surrogate, tuple[Scored, str]] = {}  # a track equal to another would repeat it
         for scored in groupings:
             own = solved.get((scored.grouping, scored.arrangement.name))
-            source, source_st = own if own is not None and own[0].estimate.feasible else (best, st)
+            source, source_st = (
+                own
+                if own is not None and own[0].estimate.feasible
+                else (fork.best, fork.best_times)
+            )
             for scheme in feedback_schemes:
                 fed = sur.scaled(
                     *feedback_factors(

@@ -25,13 +25,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel import Estimate
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.layout import Group, Layout, RankPlan
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.baselines import baseline_layouts, best_baseline, evaluate_baselines
 from megatron_hexiseq.planner.build import with_fields
@@ -88,6 +88,17 @@ def _check_args(cluster: Cluster, seq_length: int, time_limit_s: float, method: 
             "at least one token (Megatron cannot run an empty shard): use a longer --seq-length "
             "or fewer GPUs"
         )
+
+
+class Finalist(NamedTuple):
+    """A family's best layout in the final choice (the fastest wins; ties by ``tie``)."""
+
+    time_s: float  # its iteration time by ``estimate``
+    tie: int  # 0 the planner's own, 1 a heuristic, 2 a baseline
+    family: str  # the method, "heuristic" or "baseline"
+    label: str  # "hexiseq" or the heuristic's / baseline's label
+    layout: Layout
+    options: TrainOptions
 
 
 def plan(
@@ -169,7 +180,8 @@ def _plan(
         o for o in tried if may_fit(cluster, model, seq_length, o)
     ]  # others cannot fit any layout
 
-    scored: dict[tuple, Estimate] = {}  # feedback rounds often rebuild a layout already scored
+    # feedback rounds often rebuild a layout already scored: by (options, groups, ranks)
+    scored: dict[tuple[TrainOptions, tuple[Group, ...], tuple[RankPlan, ...]], Estimate] = {}
 
     def scorer(o: TrainOptions) -> Callable[[Layout], Estimate]:
         def score(layout: Layout) -> Estimate:
@@ -265,11 +277,11 @@ def _plan(
         raise HexiSeqError(explain_infeasible(cluster, model, seq_length, tried))
 
     # the final choice: the fastest of every candidate (ties: the planner's own, then a heuristic)
-    finalists: list[tuple[float, int, str, str, Layout, TrainOptions]] = []
+    finalists: list[Finalist] = []
     if best_c is not None:
         assert best_o is not None  # set together with best_c above
         finalists.append(
-            (best_c.estimate.iteration_time_s, 0, method, "hexiseq", best_c.layout, best_o)
+            Finalist(best_c.estimate.iteration_time_s, 0, method, "hexiseq", best_c.layout, best_o)
         )
     for rank, (rec, fam, named) in enumerate(
         ((best_h, "heuristic", heuristics), (best_b, "baseline", baselines)), 1
@@ -282,9 +294,9 @@ def _plan(
             )
             assert b.layout is not None  # a record with an iteration time was scored on b.layout
             finalists.append(
-                (rec["iteration_time_s"], rank, fam, b.label, b.layout, options_of(rec))
+                Finalist(rec["iteration_time_s"], rank, fam, b.label, b.layout, options_of(rec))
             )
-    _, _, family, chosen, layout, opts = min(finalists, key=lambda x: (x[0], x[1]))
+    _, _, family, chosen, layout, opts = min(finalists, key=lambda x: (x.time_s, x.tie))
     info = dict(best_c.info) if best_c else {"status": "NO_PLANNER_SOLUTION"}
     if chosen != "hexiseq":
         info["note"] = (

@@ -32,15 +32,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.planner.arrange import (
     Arrangement,
     arrangements,
     mirrored,
-    split_arranged,
     with_fan_out,
 )
+from megatron_hexiseq.planner.arranged_split import split_arranged
 from megatron_hexiseq.planner.coef import GroupCoef
 from megatron_hexiseq.planner.stage2_split import Split, split_sequence
 from megatron_hexiseq.planner.surrogate import Surrogate
@@ -76,9 +77,19 @@ def node_blocks(cluster: Cluster) -> list[list[int]]:
     return list(blocks.values())
 
 
-def _node_class(cluster: Cluster, ranks: Sequence[int]) -> tuple:
+class NodeClass(NamedTuple):
+    """Nodes that Stage I treats alike: the same GPU type, GPU count, bandwidths and memory."""
+
+    gpu: str
+    gpus: int
+    nvlink_GBps: float
+    network_GBps: float
+    memory_gib: float
+
+
+def _node_class(cluster: Cluster, ranks: Sequence[int]) -> NodeClass:
     d = cluster.devices[ranks[0]]
-    return (d.gpu.name, len(ranks), d.nvlink_GBps, d.network_GBps, d.memory_gib)
+    return NodeClass(d.gpu.name, len(ranks), d.nvlink_GBps, d.network_GBps, d.memory_gib)
 
 
 def divisors(n: int) -> list[int]:
@@ -94,16 +105,17 @@ def class_options(count: int, nodes: int, heads: int) -> list[int]:
 
 
 def make_grouping(
-    blocks: Sequence[Sequence[int]], sizes: Sequence[int], classes: Sequence[tuple] | None = None
+    blocks: Sequence[Sequence[int]],
+    sizes: Sequence[int],
+    classes: Sequence[NodeClass] | None = None,
 ) -> Grouping:
     """Split the nodes into groups: ``sizes[i]`` is node i's class option; up to the node's GPU count it
     splits the node into consecutive groups of that size, beyond it whole nodes of the same class
     (``classes[i]``) are joined in order, ``size // count`` at a time (the remaining nodes of the class
     form one group)."""
     out: list[tuple[int, ...]] = []
-    pending: dict[
-        tuple, list[int]
-    ] = {}  # (class, option) -> ranks of the nodes waiting for a group
+    # (class, option) -> ranks of the nodes waiting for a group
+    pending: dict[tuple[NodeClass | None, int], list[int]] = {}
     for i, (ranks, s) in enumerate(zip(blocks, sizes)):
         if s <= len(ranks):
             out += [tuple(ranks[j : j + s]) for j in range(0, len(ranks), s)]
@@ -122,11 +134,11 @@ def group_coef(
     """Integer-ns coefficients of one group (see ``planner.surrogate``), at the default position."""
     cols = [sur.rank_coef_ns(r, len(members), num_groups, spans_nodes) for r in members]
     return GroupCoef(
-        a=tuple(c[0] for c in cols),
-        s=tuple(c[1] for c in cols),
-        b=tuple(c[2] for c in cols),
-        c=tuple(c[3] for c in cols),
-        e=tuple(c[4] for c in cols),
+        a=tuple(c.lin for c in cols),
+        s=tuple(c.s for c in cols),
+        b=tuple(c.b for c in cols),
+        c=tuple(c.c for c in cols),
+        e=tuple(c.e for c in cols),
         free=tuple(sur.devices[r].free_bytes for r in members),
         mt=tuple(sur.devices[r].mem_tok_bytes for r in members),
         mh=tuple(sur.devices[r].mem_head_bytes for r in members),

@@ -31,14 +31,8 @@ from operator import mul
 from ortools.sat.python import cp_model
 
 from megatron_hexiseq.planner.coef import MIN_UNITS_PER_RANK, GroupCoef
-from megatron_hexiseq.planner.stage2_split import (
-    Split,
-    group_phase_time,
-    max_heads,
-    min_units,
-    split_at,
-    split_sequence,
-)
+from megatron_hexiseq.planner.stage2_split import Split, split_at, split_sequence
+from megatron_hexiseq.planner.unit_range import group_phase_time, max_heads, min_units
 
 GREEDY_GAP = 5e-3  # accept the rounded continuous optimum when within 0.5% of the bound
 BALANCE_MAX_MEMBERS = 16  # phase-2 evenness solve only for groups up to this size
@@ -265,15 +259,12 @@ def balanced_point(
     return bound, tokens, heads
 
 
-def _member(g: GroupCoef, i: int) -> tuple:
-    return g.a[i], g.s_(i), g.b[i], g.c[i], g.e[i], g.free[i], g.mt[i], g.mh[i]
-
-
 def _identical_runs(g: GroupCoef) -> list[list[int]]:
     """Members with identical coefficients, grouped (each list ascending)."""
-    runs: dict[tuple, list[int]] = {}
+    runs: dict[tuple[int, ...], list[int]] = {}  # by (a, s, b, c, e, free, mt, mh)
     for i in range(g.size):
-        runs.setdefault(_member(g, i), []).append(i)
+        key = (g.a[i], g.s_(i), g.b[i], g.c[i], g.e[i], g.free[i], g.mt[i], g.mh[i])
+        runs.setdefault(key, []).append(i)
     return list(runs.values())
 
 

@@ -55,7 +55,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
@@ -68,6 +68,16 @@ if TYPE_CHECKING:
     from megatron_hexiseq.planner.coef import GroupCoef
 
 BYTES_PER_ELEMENT = 2  # bf16 activations
+
+
+class RankCoefs(NamedTuple):
+    """One rank's surrogate coefficients in a group, integer ns (``Surrogate.rank_coef_ns``)."""
+
+    lin: int  # l_r: the linear phase per own unit
+    s: int  # s_r: A2A per own unit (attention phase)
+    b: int  # b_r: attention per head per unit, whole sequence
+    c: int  # c_r: K/V per head per visible unit
+    e: int  # e_r: A2A per head per group unit
 
 
 @dataclass(frozen=True)
@@ -110,22 +120,23 @@ class Surrogate:
         return [kind.setdefault(d, len(kind)) for d in self.devices]
 
     @cached_property
-    def group_coefs(self) -> dict[tuple, GroupCoef]:
+    def group_coefs(self) -> dict[tuple[tuple[int, ...], bool, bool], GroupCoef]:
         """``stage1_groups.base_coefs``' memo for this surrogate: the group coefficients built so
-        far, shared by every grouping Stage I scores (a scaled or lowered surrogate starts empty)."""
+        far, shared by every grouping Stage I scores (a scaled or lowered surrogate starts empty),
+        by (each member's ``device_kinds`` index, spans nodes, more than one group)."""
         return {}
 
     def rank_coef_ns(
         self, r: int, group_size: int, num_groups: int, spans_nodes: bool = False
-    ) -> tuple[int, int, int, int, int]:
-        """(l_r, s_r, b_r, c_r, e_r) in integer ns for rank r inside a group of ``group_size`` of
+    ) -> RankCoefs:
+        """Rank r's coefficients in integer ns inside a group of ``group_size`` of
         ``num_groups``: l_r the linear phase per own unit, s_r the A2A per own unit (attention phase)."""
         d = self.devices[r]
         slow = d.net_over_nv if spans_nodes else 1.0
         s = d.a2a_tok_s * slow if group_size > 1 else 0.0
         c = d.kv_s if num_groups > 1 else 0.0
         e = d.a2a_head_s * slow if group_size > 1 else 0.0
-        return _ns(d.lin_s), _ns(s), _ns(d.att_s), _ns(c), _ns(e)
+        return RankCoefs(_ns(d.lin_s), _ns(s), _ns(d.att_s), _ns(c), _ns(e))
 
     def scaled(
         self, factors: Sequence[float], kv_factors: Sequence[float] | None = None
