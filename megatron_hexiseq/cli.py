@@ -17,7 +17,7 @@ from typing import NoReturn
 from megatron_hexiseq import __version__
 from megatron_hexiseq.errors import run_user_command
 
-COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune")
+COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune", "varlen")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -87,46 +87,52 @@ def _matmul(bf16: float | None, fp16: float) -> dict[str, float]:
 
 
 # H100 SXM: matmul from MosaicML's llm-foundry training benchmarks (scripts/train/benchmarking/
-# README.md, "H100 80GB BF16": MPT-7B at 2K tokens on 8 GPUs, 46.44% MFU of 989.4) -> 459, the same
-# stack and model size as its A100 row below, so their ratio is the one that matters (2.29); fp16
-# x 0.96 (the H200's measured fp16/bf16 GEMM ratio) -> 441.
-# Attention from the FlashAttention-3 paper (Shah et al. 2024, Fig. 5/6, H100 80GB SXM5, head dim
-# 128, 16K): FlashAttention-2 forward 335 (causal) / backward 322, cuDNN 539 / 516, FA3 616 / 561
-# TFLOP/s -> forward + backward 3.5 / (1/fwd + 2.5/bwd) = 326 / 522 / 576. PyTorch's flash is the
-# FlashAttention-2 code: 320 (the H200 measured 324 at the same SM count and clock); efficient:
-# the H200's measured 145 (no published H100 figure; same SMs and clock).
-_H100 = _matmul(459, 441) | _attention(320, 522, 145, 326, 576)
+# README.md, table "H100 80GB BF16", row MPT-7B, 2048 tokens, 8 GPUs: MFU 46.44%, "Model TFLOP"
+# 4.595096E+14) -> 459, the same stack and model size as its A100 row below, so their ratio is the
+# one that matters (2.29); fp16 x 0.96 (the H200's measured fp16/bf16 GEMM ratio) -> 441.
+# flash-attn: the FlashAttention-2 README's H100 figure (Dao-AILab/flash-attention,
+# assets/flash2_h100_fwd_bwd_benchmark.png, panel (d): forward + backward, causal, head dim 128,
+# 16K, H100 80GB SXM5) -> 328. cudnn and flash-attn3 from the FlashAttention-3 paper (Shah et al.
+# 2024, H100 80GB SXM5, head dim 128, 16K): forward causal (Fig. 5d) cuDNN 539, FA3 616; backward
+# (Fig. 6b) cuDNN 516, FA3 561 *without* causal mask (the paper plots no causal backward) ->
+# 3.5 / (1/fwd + 2.5/bwd) = 522 / 576. The same mix for FlashAttention-2 (335 / 322) gives 326
+# against its measured causal 328, and the H200 measured cuDNN at 530 (16K causal), so the mix is
+# within ~2%. flash (PyTorch's copy of the FlashAttention-2 code) and efficient: the H200's measured
+# 324 and 145 (no published H100 figure; the same GH100 chip, SM count and clock).
+_H100 = _matmul(459, 441) | _attention(324, 522, 145, 328, 576)
 # H200: the project's measurement (docs/measured/h200-2026-12-04): GEMMs on Megatron layer shapes
 # 649-750 bf16 (median of four shapes 678), the same chip as the H100 SXM at the same clock, so the
 # training-level matmul is the H100's 459 scaled by the measured GEMM parity (x 1.0); attention
 # forward + backward on 32K causal blocks: flash 324, cudnn 546, efficient 145; flash-attn and
 # flash-attn3 as on the H100.
-_H200 = _matmul(459, 441) | _attention(324, 546, 145, 326, 576)
+_H200 = _matmul(459, 441) | _attention(324, 546, 145, 328, 576)
 # A100 SXM (40 and 80 GB) and A800 (the same chip): matmul from llm-foundry's "A100 80GB" table
-# (MPT-7B at 2K tokens on 8 GPUs, 64.23% MFU of 312) -> 200 (Megatron-LM at 1T parameters: 163,
-# Narayanan et al. 2021); flash (FlashAttention-2 code)
-# from the FlashAttention-2 paper (Dao 2023, Fig. 4, A100 80GB SXM4, forward + backward, head dim
-# 128, causal, 16K) -> 190; cudnn: no published A100 figure, taken equal to flash (cuDNN's Hopper
-# lead comes from wgmma/TMA, which Ampere lacks); efficient: flash x the H200's measured
-# efficient / flash ratio (145 / 324 = 0.448) -> 85.
-_A100 = _matmul(200, 200) | _attention(190, 190, 85, 190)
-# B200: matmul = the H100's 459 x 2.2 (NVIDIA's MLPerf Training v4.1 results: B200 up to 2.2x H100
-# per GPU on GPT-3 175B pre-training) -> 1010; flash and flash-attn (FlashAttention-2 code: mma.sync,
-# no Blackwell tensor-memory path) = the H100's x 148 / 132 SMs -> 358 / 365; efficient likewise
-# -> 162; cudnn (Blackwell kernels) = the H100's 522 x the dense BF16 peak ratio 2250 / 989.4 -> 1187.
-# None of the B200 attention figures is published; all are derived as stated.
-_B200 = _matmul(1010, 970) | _attention(358, 1187, 162, 365)
+# (MPT-7B, 2048 tokens, 8 GPUs: MFU 64.23%, "Model TFLOP" 2.003836E+14) -> 200 (Megatron-LM at 1T
+# parameters: 163, Narayanan et al. 2021). flash and flash-attn (FlashAttention-2 code) from the
+# FlashAttention-2 README/paper figure (assets/flash2_a100_fwd_bwd_benchmark.png = Dao 2023, Fig. 4d:
+# forward + backward, causal, head dim 128, 16K, A100 80GB SXM4) -> 189; efficient from the same
+# panel's "xformers" bar (xFormers' CUTLASS kernel, the code of PyTorch's memory-efficient SDPA)
+# -> 92; cudnn: no published A100 figure, taken equal to flash (cuDNN's Hopper lead comes from
+# wgmma/TMA, which Ampere lacks).
+_A100 = _matmul(200, 200) | _attention(189, 189, 92, 189)
+# B200: matmul = the H100's 459 x 2.0 (NVIDIA's MLPerf Training v4.1 post: Blackwell 2x Hopper per
+# GPU on GPT-3 175B pre-training; its 2.2x is Llama 2 70B LoRA fine-tuning) -> 918; fp16 x 0.96 ->
+# 881. flash and flash-attn (FlashAttention-2 code: mma.sync, no Blackwell tensor-memory path) =
+# the H100's x 148 / 132 SMs -> 363 / 368; efficient likewise -> 163; cudnn (Blackwell kernels) =
+# the H100's 522 x the dense BF16 peak ratio 2250 / 989.4 -> 1187. None of the B200 attention
+# figures is published; all are derived as stated.
+_B200 = _matmul(918, 881) | _attention(363, 1187, 163, 368)
 # H100 PCIe: the H100 SXM's figures x the peak ratio 756.5 / 989.4 (114 SMs, lower clock; no
 # published training figures).
 _H100_PCIE = {k: round(v * 756.5 / 989.4, 1) for k, v in _H100.items()}
-# L40S (Ada, sm_89): no published training or attention figures; derived from the A100: matmul =
-# the A100's 64% of peak x 362 -> 232; flash = the A100's 190 / 312 of peak x 362 -> 220; cudnn =
-# flash (as on the A100); efficient = flash x 0.448 -> 99.
-_L40S = _matmul(232, 232) | _attention(220, 220, 99, 220)
+# L40S (Ada, sm_89): no published training or attention figures; derived from the A100 by fraction
+# of peak x 362: matmul 200 / 312 -> 232; flash 189 / 312 -> 219; cudnn = flash (as on the A100);
+# efficient 92 / 312 -> 107.
+_L40S = _matmul(232, 232) | _attention(219, 219, 107, 219)
 # V100 (no BF16, no flash: compute capability 7.0): matmul fp16 from Megatron-LM (Shoeybi et al.
 # 2019: 39 TFLOP/s on one V100, 30% of peak, for the 1.2B baseline) -> 39; efficient fp16 = the
-# A100's efficient fraction of peak (85 / 312) x 125 -> 34 (head dim 64: x 0.746 -> 25.4).
-_V100 = _matmul(None, 39) | {"efficient/fp16/128": 34.0, "efficient/fp16/64": 25.4}
+# A100's efficient fraction of peak (92 / 312) x 125 -> 37 (head dim 64: x 0.746 -> 27.6).
+_V100 = _matmul(None, 39) | {"efficient/fp16/128": 37.0, "efficient/fp16/64": 27.6}
 
 ACHIEVED_TFLOPS: Mapping[str, Mapping[str, float]] = MappingProxyType(
     {

@@ -89,7 +89,7 @@ RUNS = {
         )
         for mode, recompute in AUTO_MODES
     },
-    "planner's choice": ("gpu1", "H100-SXM-80GB", "131072", ""),
+    "planner's choice": ("gpu1 gpu2", "H100-SXM-80GB", "131072", ""),
 }
 
 

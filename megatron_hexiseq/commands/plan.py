@@ -13,12 +13,14 @@ from megatron_hexiseq.commands import describe
 from megatron_hexiseq.commands.inputs import (
     CLUSTER_SPEC_KEY,
     MODEL_SPEC_KEY,
+    Problem,
     add_problem_args,
     load_problem,
 )
 from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import check_outputs
+from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.progress import waiting
 
 EXAMPLES = """examples:
@@ -85,6 +87,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model over all decisions (<= 16 GPUs)",
     )
     p.add_argument(
+        "--doc-lengths",
+        metavar="L.json",
+        default=None,
+        help="a JSON list of document lengths (tokens) the job packs into its sequences: choose the "
+        "groups and heads for the per-micro-batch plans of packed documents (docs/varlen.md) instead "
+        "of for one long sequence; planner.documents records the candidates' mean step times",
+    )
+    p.add_argument(
         "--reproducible",
         action="store_true",
         help="write 0 for wall-clock fields so the same inputs give a byte-identical file",
@@ -106,8 +116,13 @@ def run(args: argparse.Namespace) -> int:
             f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
             f"got {args.time_limit}"
         )
-    check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config])
+    check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config, args.doc_lengths])
     prob = load_problem(args)
+    docs = None
+    if args.doc_lengths is not None:
+        from megatron_hexiseq.varlen.packing import load_doc_lengths
+
+        docs = load_doc_lengths(args.doc_lengths)
     if args.method == "exact" and prob.cluster.world_size > 16:
         raise HexiSeqError(
             f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
@@ -128,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             reproducible=args.reproducible,
             progress=say,
         )
+    if docs is not None:
+        layout = _for_documents(layout, prob, docs)
     layout = replace(
         layout,
         meta={
@@ -155,3 +172,24 @@ def run(args: argparse.Namespace) -> int:
             )
         print(f"wrote {args.output}")
     return 0
+
+
+def _for_documents(layout: Layout, prob: Problem, docs: list[int]) -> Layout:
+    """``--doc-lengths``: the structure ``varlen.structure.choose_structure`` picks, with the
+    planned layout's records; ``predicted`` is the chosen layout's (one long sequence, as always)."""
+    from megatron_hexiseq import costmodel
+    from megatron_hexiseq.planner.build import with_fields
+    from megatron_hexiseq.run_config import options_from_record
+    from megatron_hexiseq.varlen.structure import choose_structure
+
+    options = options_from_record(layout.meta["options"], prob.options)
+    chosen, record = choose_structure(layout, prob.cluster, prob.model, options, docs)
+    est = costmodel.estimate(chosen, prob.cluster, prob.model, options)
+    planner = {**layout.planner, "documents": record}
+    return with_fields(
+        chosen,
+        predicted=est.to_predicted(),
+        baselines=layout.baselines,
+        planner=planner,
+        meta={**layout.meta, "chosen": record["chosen"]},
+    )

@@ -2,7 +2,8 @@
 
 Pure functions over frozen dataclasses. ``formulas`` holds the integer FLOP/byte formulas the
 planner linearises, ``comm`` the link model (ragged all-to-all, overlapped rounds), ``exchange``
-the cross-group K/V rounds, ``estimate`` the whole iteration. Derivations and sources:
+the cross-group K/V rounds, ``estimate`` the whole iteration, ``documents`` the same for one
+micro-batch of packed documents (document-masked pairs, pruned K/V). Derivations and sources:
 docs/cost_model.md.
 """
 
@@ -11,6 +12,12 @@ from megatron_hexiseq.costmodel.comm import (
     alltoall_time_s,
     pipelined_exposed_s,
     port_times_s,
+)
+from megatron_hexiseq.costmodel.documents import (
+    DocumentEstimate,
+    check_cu_seqlens,
+    document_pairs,
+    estimate_documents,
 )
 from megatron_hexiseq.costmodel.estimate import Estimate, RankEstimate, estimate, memory_floor_fits
 from megatron_hexiseq.costmodel.exchange import fan_units, kv_exchange_forward
@@ -36,6 +43,7 @@ from megatron_hexiseq.run_config import (
 )  # what estimate() takes; defined with the memory modes
 
 __all__ = [
+    "DocumentEstimate",
     "Estimate",
     "RankEstimate",
     "TrainOptions",
@@ -49,7 +57,10 @@ __all__ = [
     "attention_flops_per_pair_head",
     "attention_s_per_pair_head",
     "causal_pairs",
+    "check_cu_seqlens",
+    "document_pairs",
     "estimate",
+    "estimate_documents",
     "fan_units",
     "kv_block_bytes_per_token",
     "kv_exchange_forward",

@@ -1,0 +1,532 @@
+"""Document-masked pricing: a layout's per-rank time, K/V bytes and memory for one packed micro-batch.
+
+A micro-batch of packed documents has boundaries ``cu_seqlens = [0, b1, ..., N]`` in global token
+positions. Attention is causal inside each document and nothing crosses a boundary, so:
+
+- **pairs**: a query at position q of a document starting at d0 sees ``q - d0 + 1`` keys. A group's
+  query tokens (after the head all-to-all every member computes all of them for its own heads) see
+  ``pairs_G = sum over the group's query tokens of (q - d0(q) + 1)``; rank r computes
+  ``pairs_G * |H_r|`` (query, key, head) triples. Closed form per piece ``[a, b)`` of one document:
+  ``(a - d0 + 1 + b - d0) * (b - a) / 2``.
+- **pruned K/V exchange** (the [Varlen] runtime's rule): a group receives from another group only
+  K/V of documents it holds a later token of: key k of group s in document D goes to group g iff
+  ``k <= last position of g in D``. Per receiver rank r those tokens travel for its K/V heads
+  ``K_r``: ``kv_units_r = sum over source groups s of visible(s -> g) * |K_r|`` (token x K/V head),
+  ``4 d`` bytes each (K and V, bf16) per layer and sequence. A block with no visible key is neither
+  sent nor computed.
+- **round compute**: the pieces of one document tile it, so a query piece sees every key of an
+  earlier piece of the same document: ``pairs(g <- s) = sum of l_i * l_j`` over pieces i of g and
+  earlier pieces j of s in the same document.
+
+Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
+rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs, memory,
+bulk-synchronous iteration time); with one document ``[0, N]`` this module reproduces ``estimate``
+(a test pins it). Two exchange kinds: ``"pruned"`` (HexiSeq's sub-rings with document pruning) and
+``"te-ring"`` (Transformer Engine's THD ring inside each ring group: every step forwards the
+neighbour's whole K/V, no pruning; its per-step compute is taken as the ring's cross pairs spread
+evenly over the steps). When a layout cuts documents into so many pieces that enumerating the
+pruned rounds would be slow (``MAX_PIECE_PAIRS``), the rounds are taken as uniform too (pairs and
+bytes stay exact; ``DocumentEstimate.exchange_model`` says which). docs/cost_model.md, "Packed
+documents".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.comm import cluster_arrays
+from megatron_hexiseq.costmodel.estimate import (
+    _a2a_layer_s,
+    _attention_core_bytes,
+    _device_arrays,
+)
+from megatron_hexiseq.costmodel.exchange import fan_units
+from megatron_hexiseq.costmodel.formulas import (
+    a2a_buffer_bytes_per_token,
+    activation_bytes_per_token,
+    attention_s_per_pair_head,
+    kv_block_bytes_per_token,
+    linear_s_per_token,
+    static_memory_bytes,
+)
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout, check_matches
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
+
+MAX_PIECE_PAIRS = 4_000_000  # earlier-piece pairs enumerated exactly; above: uniform rounds
+EXCHANGES = ("pruned", "te-ring")
+
+
+def check_cu_seqlens(cu_seqlens: Sequence[int], length: int) -> np.ndarray:
+    """``[0, b1, ..., length]`` strictly increasing integers -> int64 array, else one HexiSeqError."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
+        raise HexiSeqError(
+            f"cu_seqlens must be a list of at least two integers [0, ..., {length}], got {list(cu_seqlens)[:8]}"
+        )
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != length:
+        raise HexiSeqError(
+            f"cu_seqlens must start at 0 and end at the micro-batch length {length}, got "
+            f"[{cu[0]}, ..., {cu[-1]}]"
+        )
+    bad = np.nonzero(np.diff(cu) <= 0)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise HexiSeqError(
+            f"cu_seqlens must be strictly increasing: entry {i + 1} ({cu[i + 1]}) follows {cu[i]}"
+        )
+    return cu
+
+
+def cu_from_lengths(doc_lengths: Sequence[int]) -> tuple[int, ...]:
+    """Document lengths in packing order -> ``cu_seqlens``."""
+    return (0, *(int(x) for x in np.cumsum(np.asarray(doc_lengths, dtype=np.int64))))
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A layout's segments cut at document boundaries, in position order: piece i is tokens
+    ``[start[i], end[i])`` of document ``doc[i]`` on layout rank ``rank[i]`` (int64 arrays)."""
+
+    start: np.ndarray
+    end: np.ndarray
+    rank: np.ndarray
+    doc: np.ndarray
+
+
+def document_pieces(layout: Layout, cu: np.ndarray) -> Pieces:
+    """Every rank's segments cut at the document boundaries ``cu``, sorted by position."""
+    seg = [(s, e, p.rank) for p in layout.ranks for s, e in p.segments]
+    arr = np.array(seg, dtype=np.int64).reshape(-1, 3)
+    arr = arr[np.argsort(arr[:, 0], kind="stable")]
+    s, e, r = arr[:, 0], arr[:, 1], arr[:, 2]
+    d0 = np.searchsorted(cu, s, side="right") - 1
+    d1 = np.searchsorted(cu, e - 1, side="right") - 1
+    count = d1 - d0 + 1
+    idx = np.repeat(np.arange(s.size), count)
+    first = np.repeat(np.cumsum(count) - count, count)
+    doc = d0[idx] + np.arange(idx.size) - first
+    return Pieces(
+        start=np.maximum(s[idx], cu[doc]),
+        end=np.minimum(e[idx], cu[doc + 1]),
+        rank=r[idx],
+        doc=doc,
+    )
+
+
+def piece_pairs(start: np.ndarray, end: np.ndarray, doc_start: np.ndarray) -> np.ndarray:
+    """Document-masked query-key pairs of query pieces ``[start, end)`` inside documents starting at
+    ``doc_start``, against every key of their document: ``sum_q (q - d0 + 1)``."""
+    return ((start - doc_start + 1 + end - doc_start) * (end - start)) >> 1
+
+
+def document_pairs(segments: Sequence[tuple[int, int]], cu_seqlens: Sequence[int]) -> int:
+    """Pairs (q, k) with q in ``segments``, k <= q in q's own document (scalar form, for checks)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    total = 0
+    for s, e in segments:
+        d = int(np.searchsorted(cu, s, side="right")) - 1
+        while s < e:
+            stop = min(e, int(cu[d + 1]))
+            total += (s - int(cu[d]) + 1 + stop - int(cu[d])) * (stop - s) // 2
+            s, d = stop, d + 1
+    return total
+
+
+@dataclass(frozen=True, kw_only=True)
+class DocumentEstimate:
+    """One micro-batch of packed documents on a layout: per-rank arrays (rank r at index r) and the
+    iteration. Counts are exact integers: ``pairs`` (the rank's group's document-masked query-key
+    pairs; times ``heads`` for its work), ``kv_units`` (K/V tokens x K/V heads the rank receives in one
+    forward of one layer and sequence; bytes = ``kv_units * 4 d``), ``rounds`` (blocks received)."""
+
+    tokens: np.ndarray
+    heads: np.ndarray
+    pairs: np.ndarray
+    kv_units: np.ndarray
+    rounds: np.ndarray
+    linear_s: np.ndarray
+    attention_s: np.ndarray
+    a2a_s: np.ndarray
+    kv_exchange_s: np.ndarray
+    kv_exposed_s: np.ndarray
+    time_s: np.ndarray
+    memory_bytes: np.ndarray
+    capacity_bytes: np.ndarray
+    kv_bytes: int  # every rank's received K/V bytes, whole iteration (all layers and passes)
+    iteration_time_s: float
+    exchange_model: str  # "rounds" (every pruned round), "uniform" or "none" (one group)
+
+    @property
+    def feasible(self) -> bool:
+        return bool((self.memory_bytes <= self.capacity_bytes).all())
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest rank's busy time over the mean rank's."""
+        mean = float(self.time_s.mean())
+        return float(self.time_s.max()) / mean if mean > 0 else 1.0
+
+
+def _cross_rounds(
+    pieces: Pieces, group_of_rank: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Per (receiver group g, source group s != g) with a shared document: visible tokens and pairs,
+    or None when the enumeration would exceed ``MAX_PIECE_PAIRS``."""
+    g = group_of_rank[pieces.rank]
+    length = pieces.end - pieces.start
+    # join touching pieces of one group inside one document (same positions, fewer pairs)
+    new = np.ones(g.size, dtype=bool)
+    new[1:] = (g[1:] != g[:-1]) | (pieces.doc[1:] != pieces.doc[:-1])
+    idx = np.cumsum(new) - 1
+    g, doc = g[new], pieces.doc[new]
+    length = np.bincount(idx, weights=length).astype(np.int64)
+    first_of_doc = np.searchsorted(doc, doc, side="left")  # pieces sorted by position, so by doc
+    earlier = np.arange(doc.size) - first_of_doc
+    total = int(earlier.sum())
+    if total > MAX_PIECE_PAIRS:
+        return None
+    if total == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    i = np.repeat(np.arange(doc.size), earlier)
+    j = (
+        np.repeat(first_of_doc, earlier)
+        + np.arange(total)
+        - np.repeat(np.cumsum(earlier) - earlier, earlier)
+    )
+    keep = g[i] != g[j]
+    i, j = i[keep], j[keep]
+    # the last piece of its group in its document: the keys before it are what the group receives
+    last = np.ones(doc.size, dtype=bool)
+    key_gd = doc * (int(g.max()) + 1) + g
+    order = np.lexsort((np.arange(doc.size), key_gd))
+    sorted_key = key_gd[order]
+    is_last_sorted = np.ones(doc.size, dtype=bool)
+    is_last_sorted[:-1] = sorted_key[:-1] != sorted_key[1:]
+    last[order] = is_last_sorted
+    n = int(group_of_rank.max()) + 1
+    cell = g[i] * n + g[j]
+    cells, inv = np.unique(cell, return_inverse=True)
+    pairs = np.bincount(inv, weights=length[i] * length[j], minlength=cells.size)
+    vis = np.bincount(inv, weights=np.where(last[i], length[j], 0), minlength=cells.size)
+    # float64 sums of integers below 2^53 are exact
+    return cells // n, cells % n, np.rint(vis).astype(np.int64), np.rint(pairs).astype(np.int64)
+
+
+@lru_cache(maxsize=65536)
+def _fan(
+    sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]
+) -> tuple[int, ...]:
+    return tuple(fan_units(sender, receiver))
+
+
+def estimate_documents(
+    layout: Layout,
+    cluster: Cluster,
+    model: ModelSpec,
+    options: TrainOptions,
+    cu_seqlens: Sequence[int],
+    *,
+    exchange: str = "pruned",
+    rings: Sequence[Sequence[int]] | None = None,
+) -> DocumentEstimate:
+    """Price ``layout`` for one micro-batch with document boundaries ``cu_seqlens`` (module docstring).
+    ``model.seq_length`` must equal ``layout.seq_length`` (the micro-batch's tokens). ``rings``: the
+    rank rings of ``exchange="te-ring"`` (default: one ring of all ranks; every layout group must be
+    one rank)."""
+    if exchange not in EXCHANGES:
+        raise HexiSeqError(f"unknown exchange {exchange!r}; use one of {', '.join(EXCHANGES)}")
+    check_matches(layout, cluster, model)
+    cu = check_cu_seqlens(cu_seqlens, layout.seq_length)
+    b, L, W = options.micro_batch_size, model.num_layers, layout.world_size
+    passes_fwd = 2 if options.recompute else 1
+    hpg = layout.heads_per_query_group
+    groups = layout.groups
+    n = len(groups)
+    gindex = {grp.id: i for i, grp in enumerate(groups)}
+    gi = np.array([gindex[p.group] for p in layout.ranks])
+    tokens = np.array([p.num_tokens for p in layout.ranks], dtype=np.int64)
+    heads = np.array([len(p.heads) for p in layout.ranks], dtype=np.int64)
+    kv_of = [tuple(sorted({h // hpg for h in p.heads})) for p in layout.ranks]
+    kv_n = np.array([len(k) for k in kv_of], dtype=np.int64)
+    pieces = document_pieces(layout, cu)
+    pg = gi[pieces.rank]
+    own = piece_pairs(pieces.start, pieces.end, cu[pieces.doc])
+    g_pairs = np.bincount(pg, weights=own, minlength=n)  # exact below 2^53
+    g_pairs = np.rint(g_pairs).astype(np.int64)
+    g_tokens = np.bincount(gi, weights=tokens, minlength=n).astype(np.int64)
+
+    dev = _device_arrays(cluster)
+    lin_rate, att_rate = np.empty(W), np.empty(W)
+    for first, where in dev.types:
+        lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
+        att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
+    linear_s = tokens * lin_rate + dev.overhead_s
+    attention_s = g_pairs[gi] * heads * att_rate
+
+    # head all-to-all per group (estimate's formula, its fixed cost per collective)
+    a2a_g = np.zeros(n)
+    memo: dict[tuple, float] = {}
+    for i, grp in enumerate(groups):
+        if len(grp.ranks) == 1:
+            continue
+        key = (grp.ranks, tuple(tokens[list(grp.ranks)]), tuple(heads[list(grp.ranks)]))
+        if key not in memo:
+            memo[key] = _a2a_layer_s(
+                cluster,
+                model,
+                grp.ranks,
+                b,
+                [int(tokens[r]) for r in grp.ranks],
+                [int(heads[r]) for r in grp.ranks],
+                [int(kv_n[r]) for r in grp.ranks],
+            )
+        latency = max(cluster.devices[r].collective_latency_s for r in grp.ranks)
+        a2a_g[i] = (passes_fwd + 1) * L * (memo[key] + 4 * latency)
+    a2a_s = a2a_g[gi]
+
+    # K/V exchange, one forward over all layers
+    if exchange == "te-ring":
+        if any(len(grp.ranks) != 1 for grp in groups):
+            raise HexiSeqError("the te-ring exchange needs one rank per group (hp = 1)")
+        ring_list = [tuple(range(W))] if rings is None else [tuple(x) for x in rings]
+        ex = _te_ring(
+            layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, ring_list
+        )
+    else:
+        ex = _pruned(
+            layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu
+        )
+    comm_fwd, exposed_fwd, kv_units, rounds, max_block, model_kind = ex
+    steps = (passes_fwd + 2) * L
+    kv_latency_s = steps * rounds * dev.p2p_latency_s
+    kv_exchange_s = (passes_fwd + 2) * comm_fwd + kv_latency_s
+    kv_exposed_s = (passes_fwd + 2) * exposed_fwd + kv_latency_s
+    time_s = linear_s + attention_s + a2a_s + kv_exposed_s
+
+    static = static_memory_bytes(model, options, options.data_parallel_size * W)
+    core = np.array(
+        _attention_core_bytes(model, options, zip(heads.tolist(), kv_n.tolist())), dtype=np.int64
+    )
+    memory = (
+        static
+        + b * tokens * activation_bytes_per_token(model, options)
+        + b * g_tokens[gi] * core
+        + b * tokens * a2a_buffer_bytes_per_token(model)
+        + 4 * b * max_block * kv_n * kv_block_bytes_per_token(model)
+    )
+    capacity = (options.capacity_fraction * dev.memory_bytes).astype(np.int64)
+    kv_bytes = int(kv_units.sum()) * kv_block_bytes_per_token(model) * b * L * (passes_fwd + 2)
+    return DocumentEstimate(
+        tokens=tokens,
+        heads=heads,
+        pairs=g_pairs[gi],
+        kv_units=kv_units,
+        rounds=rounds,
+        linear_s=linear_s,
+        attention_s=attention_s,
+        a2a_s=a2a_s,
+        kv_exchange_s=kv_exchange_s,
+        kv_exposed_s=kv_exposed_s,
+        time_s=time_s,
+        memory_bytes=memory,
+        capacity_bytes=capacity,
+        kv_bytes=kv_bytes,
+        iteration_time_s=float(linear_s.max()) + float((time_s - linear_s).max()),
+        exchange_model=model_kind,
+    )
+
+
+def own_group_pairs(pieces: Pieces, group: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Per piece: its pairs with keys of the same group (own-group round 0): ``l * C + l(l+1)/2``,
+    C = the group's tokens earlier in the same document."""
+    length = pieces.end - pieces.start
+    order = np.lexsort((pieces.start, group, pieces.doc))
+    key = pieces.doc[order] * (int(group.max()) + 1) + group[order]
+    csum = np.cumsum(length[order]) - length[order]
+    run_start = np.ones(key.size, dtype=bool)
+    run_start[1:] = key[1:] != key[:-1]
+    base = np.maximum.accumulate(np.where(run_start, csum, 0))
+    earlier = np.empty_like(length)
+    earlier[order] = csum - base
+    return length * earlier + ((length * (length + 1)) >> 1)
+
+
+def _pipeline(
+    comp0: np.ndarray, rank: np.ndarray, comp: np.ndarray, comm: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``pipelined_exposed_s`` for every rank at once. Block 0 of rank r computes ``comp0[r]``;
+    entries (``rank``, ``comp``, ``comm``) are its received blocks in round order (entries of one
+    rank in order). Returns (exposed_s, comm_sum_s) per rank."""
+    W = comp0.size
+    comp_end, comp_sum = comp0.astype(np.float64).copy(), comp0.astype(np.float64).copy()
+    comm_end, comm_sum = np.zeros(W), np.zeros(W)
+    free = [np.zeros(W), np.zeros(W)]
+    if rank.size:
+        first = np.searchsorted(rank, rank, side="left")
+        k = np.arange(rank.size) - first + 1  # block number of each entry (1, 2, ...)
+        order = np.argsort(k, kind="stable")
+        bounds = np.searchsorted(k[order], np.arange(1, int(k.max()) + 2))
+        for step in range(int(k.max())):
+            e = order[bounds[step] : bounds[step + 1]]
+            r, buf = rank[e], free[(step + 1) % 2]
+            ce = np.maximum(comm_end[r], buf[r]) + comm[e]
+            comm_end[r] = ce
+            comp_end[r] = np.maximum(comp_end[r], ce) + comp[e]
+            buf[r] = comp_end[r]
+        np.add.at(comp_sum, rank, comp)
+        np.add.at(comm_sum, rank, comm)
+    exposed = comp_end - comp_sum
+    return np.where(exposed > 1e-9 * comp_sum, exposed, 0.0), comm_sum
+
+
+def _expand(
+    groups_of_cell: np.ndarray, layout: Layout
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per cell, one entry per member of its receiving group: (cell index, member rank, member
+    position in its group)."""
+    sizes = np.array([len(g.ranks) for g in layout.groups])
+    members = np.array([r for g in layout.groups for r in g.ranks])
+    starts = np.cumsum(sizes) - sizes
+    count = sizes[groups_of_cell]
+    cell = np.repeat(np.arange(groups_of_cell.size), count)
+    pos = np.arange(cell.size) - np.repeat(np.cumsum(count) - count, count)
+    return cell, members[starts[groups_of_cell][cell] + pos], pos
+
+
+def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu):
+    """HexiSeq's sub-ring exchange with document pruning (module docstring)."""
+    W, n, L = layout.world_size, len(layout.groups), model.num_layers
+    zeros_f, zeros_i = np.zeros(W), np.zeros(W, dtype=np.int64)
+    if n == 1:
+        return zeros_f, zeros_f, zeros_i, zeros_i, zeros_i, "none"
+    arrays = cluster_arrays(cluster)
+    rate = arrays.rate
+    flops_per_pair_head = 4 * model.kv_channels * L * b
+    bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
+    # received tokens per group, exactly: per (document, group), the document's tokens before the
+    # group's last position there, less the group's own
+    key = pieces.doc * n + pg
+    cells, inv = np.unique(key, return_inverse=True)
+    last_end = np.zeros(cells.size, dtype=np.int64)
+    np.maximum.at(last_end, inv, pieces.end)
+    own_tok = np.bincount(inv, weights=pieces.end - pieces.start, minlength=cells.size)
+    vis_dg = last_end - cu[cells // n] - np.rint(own_tok).astype(np.int64)
+    recv_g = np.rint(np.bincount(cells % n, weights=vis_dg, minlength=n)).astype(np.int64)
+    kv_units = recv_g[gi] * kv_n
+    own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
+        np.int64
+    )
+    comp0 = flops_per_pair_head * own[gi] * heads / rate
+    cross = _cross_rounds(pieces, gi)
+    # link of a round: the sending group's slowest port, the receiver's own (estimate's rule)
+    members = np.array([r for g in layout.groups for r in g.ranks])
+    starts = np.cumsum([0] + [len(g.ranks) for g in layout.groups[:-1]])
+    node, nv, net = arrays.node, arrays.nv, arrays.net
+    lo, hi = np.minimum.reduceat(node[members], starts), np.maximum.reduceat(node[members], starts)
+    gnode = np.where(lo == hi, lo, -1)
+    gnv, gnet = np.minimum.reduceat(nv[members], starts), np.minimum.reduceat(net[members], starts)
+    if cross is not None:
+        rg, sg, vis, pairs = cross
+        cell, r, pos = _expand(rg, layout)
+        sig_of = [tuple(kv_of[m] for m in g.ranks) for g in layout.groups]
+        sigs = sorted(set(sig_of))
+        sig_index = {s: i for i, s in enumerate(sigs)}
+        sig_id = np.array([sig_index[s] for s in sig_of])
+        kmax = max(len(g.ranks) for g in layout.groups)
+        fan = np.zeros((len(sigs), len(sigs), kmax))
+        for pair in set(zip(sig_id[sg].tolist(), sig_id[rg].tolist())):
+            a, c = pair
+            fan[a, c, : len(sigs[c])] = _fan(sigs[a], sigs[c])
+        s_of = sg[cell]
+        keep = heads[r] > 0
+        cell, r, pos, s_of = cell[keep], r[keep], pos[keep], s_of[keep]
+        t = (gi[r] - s_of) % n
+        order = np.lexsort((t, r))
+        cell, r, pos, s_of = cell[order], r[order], pos[order], s_of[order]
+        link = np.where(
+            gnode[s_of] == node[r], np.minimum(gnv[s_of], nv[r]), np.minimum(gnet[s_of], net[r])
+        )
+        comm = bytes_per_token_head * vis[cell] * fan[sig_id[s_of], sig_id[gi[r]], pos] / link
+        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r]
+        exposed, comm_sum = _pipeline(comp0, r, comp, comm)
+        rounds = np.bincount(r, minlength=W).astype(np.int64)
+        max_block = zeros_i.copy()
+        np.maximum.at(max_block, r, vis[cell])
+        return comm_sum, exposed, kv_units, rounds, max_block, "rounds"
+    # uniform rounds: R_g = min(n - 1, other groups met per document); equal blocks
+    doc_groups = np.bincount(cells // n, minlength=cu.size - 1)
+    met = np.bincount(cells % n, weights=doc_groups[cells // n] - 1, minlength=n)
+    R = np.minimum(n - 1, np.rint(met).astype(np.int64))[gi]
+    R = np.where((kv_units > 0) & (heads > 0), np.maximum(R, 1), 0)
+    cross_comp = flops_per_pair_head * (g_pairs - own)[gi] * heads / rate
+    comm_total = bytes_per_token_head * kv_units / np.minimum(net, nv)
+    r = np.repeat(np.arange(W), R)
+    per = np.maximum(R, 1)
+    exposed, comm_sum = _pipeline(comp0, r, (cross_comp / per)[r], (comm_total / per)[r])
+    max_block = np.where(R > 0, -(-recv_g[gi] // per), 0)  # the mean block, rounded up
+    return comm_sum, exposed, kv_units, R, max_block, "uniform"
+
+
+def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings):
+    """Transformer Engine's THD ring inside each ring of ranks (module docstring)."""
+    W, L = layout.world_size, model.num_layers
+    arrays = cluster_arrays(cluster)
+    flops_per_pair_head = 4 * model.kv_channels * L * b
+    bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
+    own = np.rint(
+        np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=len(layout.groups))
+    ).astype(np.int64)[gi]
+    comp0 = flops_per_pair_head * own * heads / arrays.rate
+    entries_r, entries_comm, entries_comp = [], [], []
+    kv_units = np.zeros(W, dtype=np.int64)
+    rounds = np.zeros(W, dtype=np.int64)
+    max_block = np.zeros(W, dtype=np.int64)
+    for ring in rings:
+        ring = np.asarray(ring)
+        c = ring.size
+        if c == 1:
+            continue
+        prev = np.roll(ring, 1)  # each step a rank receives from its ring predecessor
+        same = arrays.node[prev] == arrays.node[ring]
+        link = np.where(
+            same,
+            np.minimum(arrays.nv[prev], arrays.nv[ring]),
+            np.minimum(arrays.net[prev], arrays.net[ring]),
+        )
+        k = np.arange(1, c)
+        src = ring[(np.arange(c)[:, None] - k[None, :]) % c]  # [c, c-1] original owner per step
+        comm = bytes_per_token_head * tokens[src] * kv_n[ring][:, None] / link[:, None]
+        comp = (
+            flops_per_pair_head
+            * (g_pairs[gi][ring] - own[ring])
+            * heads[ring]
+            / arrays.rate[ring]
+            / (c - 1)
+        )
+        entries_r.append(np.repeat(ring, c - 1))
+        entries_comm.append(comm.ravel())
+        entries_comp.append(np.repeat(comp, c - 1))
+        kv_units[ring] = (tokens[ring].sum() - tokens[ring]) * kv_n[ring]
+        rounds[ring] = c - 1
+        max_block[ring] = tokens[src].max(axis=1)
+    if entries_r:
+        r = np.concatenate(entries_r)
+        order = np.argsort(r, kind="stable")
+        exposed, comm_sum = _pipeline(
+            comp0,
+            r[order],
+            np.concatenate(entries_comp)[order],
+            np.concatenate(entries_comm)[order],
+        )
+    else:
+        exposed, comm_sum = np.zeros(W), np.zeros(W)
+    return comm_sum, exposed, kv_units, rounds, max_block, "uniform"

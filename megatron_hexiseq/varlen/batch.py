@@ -1,0 +1,499 @@
+"""The per-micro-batch planner: document-aware token assignments over a fixed process structure.
+
+The job keeps its structure (``plan``'s A2A groups and each rank's query heads). For every micro-batch,
+given its document lengths in packing order, ``BatchPlanner.plan`` assigns the tokens to ranks:
+
+- **Group costs.** Inside a group tokens are split by linear speed, so the group's linear phase is
+  ``T_g / c_g`` (``c_g = sum 1 / linear_s_per_token``); its attention phase is ``P_g alpha_g``
+  (``alpha_g`` = the slowest member's heads x ``attention_s_per_pair_head``) plus the head
+  all-to-all (``a_g`` per group token) and its fixed cost. The iteration is the slowest linear
+  phase plus the slowest attention phase (``costmodel.estimate``), so the two are kept apart.
+  Rates come from ``costmodel.formulas`` (the calibrated cluster).
+- **Targets** ``Lin*``, ``Att*``: both phases with perfectly divisible work.
+- **Documents, longest first.** Whole into the group where the iteration grows least, kept whole
+  when that growth is within ``SLACK`` of ``Lin* + Att*`` (no K/V crosses groups); otherwise split
+  over the fewest groups with room below the slowest phases so far (all groups, water-filled,
+  when none has enough), as mirrored head + tail pieces (pairs ``x (l + 1) / 2`` for ``x`` tokens)
+  or consecutive pieces (less K/V), whichever grows the iteration less counting each receiving
+  group's K/V time its cross attention cannot hide; whole again if the split is not cheaper.
+  Documents below ``SMALL`` of a target go by a heap (``_State.small_key``).
+- **Memory.** A group takes at most ``M_g`` tokens (its tightest member's usable memory less static
+  memory over its share of activations and all-to-all buffer plus the group's attention core;
+  ``MEMORY_MARGIN`` leaves room for the K/V buffers).
+- **Members.** The group's pieces in position order are cut into consecutive member runs in rank
+  order (tokens by linear speed, at least one each; ``assignment.fill_empty`` for the rest).
+- **The structure's own layout** is returned instead when ``predict`` rates it faster.
+
+Deterministic (stable sorts, no randomness, no clock, no communication): every rank computes the
+same assignment from the same document lengths. docs/varlen.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.documents import (
+    cu_from_lengths,
+    document_pieces,
+    own_group_pairs,
+    piece_pairs,
+)
+from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
+from megatron_hexiseq.costmodel.formulas import (
+    a2a_buffer_bytes_per_token,
+    activation_bytes_per_token,
+    attention_bytes_per_group_token,
+    attention_s_per_pair_head,
+    kv_block_bytes_per_token,
+    linear_s_per_token,
+    static_memory_bytes,
+)
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout, Segment, check_matches, make_layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
+from megatron_hexiseq.varlen.assignment import (
+    BatchAssignment,
+    fill_empty,
+    round_shares,
+    same_structure,
+)
+
+__all__ = ["BatchAssignment", "BatchPlanner", "fill_empty", "same_structure"]
+
+SLACK = 0.05  # a document stays whole when its group ends within Lambda * (1 + SLACK)
+SMALL = 0.02  # documents costing less than this share of Lambda go by the heap
+MEMORY_MARGIN = 0.9  # share of a group's free memory its tokens may take (the rest: K/V buffers)
+WATER_FILL_STEPS = 32  # bisection steps of a level (then whole tokens by largest remainders)
+A2A_PROBE_TOKENS = 1 << 20  # the all-to-all of this many group tokens gives its cost per token
+
+
+@dataclass
+class _State:
+    """Per group, while one micro-batch is planned: phase loads (seconds), tokens, pieces, and the
+    normalised costs (phase target = 1): ``u`` per token (linear), ``v`` per token (all-to-all) and
+    ``w`` per pair (attention)."""
+
+    lin: np.ndarray
+    att: np.ndarray
+    tokens: np.ndarray
+    pieces: list[list[Segment]]
+    u: np.ndarray
+    v: np.ndarray
+    w: np.ndarray
+    lin_target: float
+    att_target: float
+
+    def score(self) -> np.ndarray:
+        """Per group, the larger of its two phases as a share of its target."""
+        return np.maximum(self.lin / self.lin_target, self.att / self.att_target)
+
+    def small_key(self, g: int) -> float:
+        """A small document's key (lowest first): the group's linear phase plus how far its attention
+        phase is above the slowest one so far (small documents are mostly linear work; adding them
+        where the attention phase has slack does not lengthen the iteration)."""
+        att_max = max(self.att_target, float(self.att.max()))
+        return float(self.lin[g] + max(0.0, self.att[g] - att_max))
+
+    def add(
+        self,
+        g: int,
+        segs: list[Segment],
+        tokens: int,
+        pairs: float,
+        bp: BatchPlanner,
+        extra_s: float = 0.0,
+    ) -> None:
+        self.lin[g] += tokens * bp.linear_per_token[g]
+        self.att[g] += tokens * bp.a2a[g] + pairs * bp.alpha[g] + extra_s
+        self.tokens[g] += tokens
+        self.pieces[g].extend(segs)
+
+
+class BatchPlanner:
+    """Plans micro-batches over the structure of ``structure`` (a layout of ``cluster``; its segments
+    and sequence length are ignored). Build once per job, call ``plan`` per micro-batch."""
+
+    def __init__(
+        self, structure: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions
+    ) -> None:
+        check_matches(structure, cluster, None)
+        if (structure.num_attention_heads, structure.num_query_groups) != (
+            model.num_attention_heads,
+            model.num_query_groups,
+        ):
+            raise HexiSeqError(
+                f"the structure has {structure.num_attention_heads} heads in "
+                f"{structure.num_query_groups} query groups but model {model.name!r} has "
+                f"{model.num_attention_heads} in {model.num_query_groups}"
+            )
+        self.structure, self.cluster, self.model, self.options = structure, cluster, model, options
+        W, b, L = structure.world_size, options.micro_batch_size, model.num_layers
+        devs = cluster.devices
+        lin = np.array([linear_s_per_token(model, d, options) for d in devs])
+        att = np.array([attention_s_per_pair_head(model, d, options) for d in devs])
+        heads = np.array([len(r.heads) for r in structure.ranks])
+        hpg = structure.heads_per_query_group
+        kv = [len({h // hpg for h in r.heads}) for r in structure.ranks]
+        self.groups = [g.ranks for g in structure.groups]
+        n = len(self.groups)
+        self.shares = [1.0 / lin[list(g)] / (1.0 / lin[list(g)]).sum() for g in self.groups]
+        c = np.array([(1.0 / lin[list(g)]).sum() for g in self.groups])
+        self.alpha = np.array([float((heads[list(g)] * att[list(g)]).max()) for g in self.groups])
+        passes = 3 if options.recompute else 2
+        a2a, fixed = np.zeros(n), np.zeros(n)
+        for i, g in enumerate(self.groups):
+            if len(g) > 1:
+                tok = round_shares(A2A_PROBE_TOKENS, self.shares[i])
+                layer = _a2a_layer_s(
+                    cluster, model, g, b, tok, [int(heads[r]) for r in g], [kv[r] for r in g]
+                )
+                a2a[i] = passes * L * layer / A2A_PROBE_TOKENS
+                fixed[i] = passes * L * 4 * max(devs[r].collective_latency_s for r in g)
+        self.a2a, self.fixed = a2a, fixed
+        # K/V of one received token for every member's K/V heads, all passes, over the network
+        steps = (2 if options.recompute else 1) + 2
+        kv_token = kv_block_bytes_per_token(model) * L * b * steps
+        self.kv_per_token = np.array(
+            [max(kv[r] * kv_token / (devs[r].network_GBps * 1e9) for r in g) for g in self.groups]
+        )
+        self.linear_per_token = 1.0 / c
+        self.overhead = np.array([max(devs[r].step_overhead_s for r in g) for g in self.groups])
+        # memory: the most tokens each group can hold
+        static = static_memory_bytes(model, options, options.data_parallel_size * W)
+        act = b * (activation_bytes_per_token(model, options) + a2a_buffer_bytes_per_token(model))
+        cap = np.zeros(n)
+        for i, g in enumerate(self.groups):
+            free = [
+                MEMORY_MARGIN * (options.capacity_fraction * devs[r].memory_bytes - static)
+                for r in g
+            ]
+            per = [
+                share * act
+                + b * attention_bytes_per_group_token(model, options, int(heads[r]), kv[r])
+                for r, share in zip(g, self.shares[i])
+            ]
+            cap[i] = max(0.0, min(f / p for f, p in zip(free, per)))
+        self.cap = np.floor(cap)
+        self.group_index = np.zeros(W, dtype=np.int64)
+        for i, g in enumerate(self.groups):
+            self.group_index[list(g)] = i
+        self.rank_linear_s = lin
+        self.rank_overhead_s = np.array([d.step_overhead_s for d in devs])
+        self.heads = [r.heads for r in structure.ranks]
+        self.hosts = [r.host for r in structure.ranks]
+        self.gpus = [r.gpu for r in structure.ranks]
+
+    # ---- one micro-batch -------------------------------------------------------------------
+    def plan(self, doc_lengths: Sequence[int], *, or_structure: bool = True) -> BatchAssignment:
+        """The assignment of one micro-batch whose documents (in packing order) have these lengths.
+        ``or_structure``: when the structure's own layout has the micro-batch's length, return it
+        instead if ``predict`` rates it faster.
+
+        The garbage collector is paused while it runs (and restored): a collection triggered by
+        its short-lived tuples would scan every object of the caller (a data loader holds many)
+        and cost several times the plan; nothing it allocates forms cycles."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._plan(doc_lengths, or_structure)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _plan(self, doc_lengths: Sequence[int], or_structure: bool) -> BatchAssignment:
+        cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
+        lengths = np.diff(cu)
+        N, n, W = int(cu[-1]), len(self.groups), self.structure.world_size
+        if (lengths <= 0).any():
+            raise HexiSeqError("every document length must be a positive number of tokens")
+        if N < W:
+            raise HexiSeqError(
+                f"the micro-batch has {N} tokens for {W} ranks; every rank needs at least one"
+            )
+        pairs = lengths * (lengths + 1) // 2
+        # the two phase targets: every group's linear and attention phase with perfectly divisible work
+        c = 1.0 / self.linear_per_token
+        lin_target = (N + float((self.overhead * c).sum())) / float(c.sum())
+        even = c * (lin_target - self.overhead)  # tokens per group at the linear target
+        att_target = (
+            float(pairs.sum()) + float(((even * self.a2a + self.fixed) / self.alpha).sum())
+        ) / float((1.0 / self.alpha).sum())
+        state = _State(
+            lin=self.overhead.copy(),
+            att=self.fixed.copy(),
+            tokens=np.zeros(n),
+            pieces=[[] for _ in range(n)],
+            u=self.linear_per_token / lin_target,  # normalised cost per token / per pair
+            v=self.a2a / att_target,
+            w=self.alpha / att_target,
+            lin_target=lin_target,
+            att_target=att_target,
+        )
+        order = np.argsort(-lengths, kind="stable")
+        small = SMALL * min(lin_target, att_target)
+        heap: list[tuple[float, int]] = []
+        for d in order.tolist():
+            l_d, start, p_d = int(lengths[d]), int(cu[d]), int(pairs[d])
+            if l_d * float(self.linear_per_token.min()) + p_d * float(self.alpha.min()) < small:
+                if not heap:
+                    heap = [(state.small_key(i), i) for i in range(n)]
+                    heapq.heapify(heap)
+                self._place_small(heap, state, l_d, start, p_d)
+                continue
+            lin_max = max(lin_target, float(state.lin.max()))
+            att_max = max(att_target, float(state.att.max()))
+            lin_new = state.lin + l_d * self.linear_per_token
+            att_new = state.att + l_d * self.a2a + p_d * self.alpha
+            grow = np.maximum(lin_new - lin_max, 0) + np.maximum(att_new - att_max, 0)
+            key = grow + 1e-6 * (lin_new + att_new)  # ties: the least loaded
+            key = np.where(state.tokens + l_d <= self.cap, key, np.inf)
+            best = int(np.argmin(key))
+            if grow[best] <= SLACK * (lin_target + att_target) or l_d < 2:
+                state.add(best, [(start, start + l_d)], l_d, p_d, self)
+                continue
+            split = self._split(state, l_d, start)
+            if split is None or split[0] >= grow[best]:
+                if not np.isfinite(key[best]):
+                    raise HexiSeqError(
+                        f"a document of {l_d} tokens does not fit in the cluster's memory; use "
+                        "fewer tokens per batch"
+                    )
+                state.add(best, [(start, start + l_d)], l_d, p_d, self)
+                continue
+            for g, segs, share, pairs_g, penalty in split[1]:
+                state.add(g, segs, share, pairs_g, self, extra_s=penalty)
+        segments = self._members(state.pieces)
+        fill_empty(segments)
+        lay = make_layout(
+            seq_length=N,
+            num_attention_heads=self.structure.num_attention_heads,
+            num_query_groups=self.structure.num_query_groups,
+            groups=self.groups,
+            segments=segments,
+            heads=self.heads,
+            hosts=self.hosts,
+            gpus=self.gpus,
+        )
+        mine = self.predict(lay, cu)
+        if or_structure and self.structure.seq_length == N:  # the structure's layout fits it
+            theirs = self.predict(self.structure, cu)
+            if theirs < mine:
+                lay, mine = self.structure, theirs
+        return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()), predicted_s=mine)
+
+    def predict(self, layout: Layout, cu: np.ndarray) -> float:
+        """The planner's estimate of an assignment's iteration: the slowest rank's linear phase plus
+        the slowest group's attention phase (document-masked pairs x ``alpha_g``, all-to-all, fixed
+        cost, and the received K/V time its cross-group attention cannot hide, as ``_split``
+        charges it). O(pieces), so a plan can be checked against the structure's own layout."""
+        W, n = self.structure.world_size, len(self.groups)
+        pieces = document_pieces(layout, cu)
+        gi = self.group_index
+        pg = gi[pieces.rank]
+        length = pieces.end - pieces.start
+        tokens = np.bincount(pieces.rank, weights=length, minlength=W)
+        g_tokens = np.bincount(gi, weights=tokens, minlength=n)
+        g_pairs = np.bincount(
+            pg, weights=piece_pairs(pieces.start, pieces.end, cu[pieces.doc]), minlength=n
+        )
+        own = np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)
+        key = pieces.doc * n + pg
+        cells, inv = np.unique(key, return_inverse=True)
+        last_end = np.zeros(cells.size, dtype=np.int64)
+        np.maximum.at(last_end, inv, pieces.end)
+        held = np.bincount(inv, weights=length, minlength=cells.size)
+        recv = np.bincount(cells % n, weights=last_end - cu[cells // n] - held, minlength=n)
+        penalty = np.maximum(recv * self.kv_per_token - (g_pairs - own) * self.alpha, 0)
+        att = g_pairs * self.alpha + g_tokens * self.a2a + self.fixed + penalty
+        lin = tokens * self.rank_linear_s + self.rank_overhead_s
+        return float(lin.max() + att.max())
+
+    def proportional(self, doc_lengths: Sequence[int]) -> BatchAssignment:
+        """The per-document split: every document in mirrored pieces over every group, each
+        group's share by its speed (``1 / rho_g``, as for the target level), members by speed.
+        Balanced whatever the documents, at the price of every group needing every document's K/V."""
+        cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
+        lengths = np.diff(cu)
+        N, n = int(cu[-1]), len(self.groups)
+        if N < self.structure.world_size or (lengths <= 0).any():
+            raise HexiSeqError("every document needs a positive length and every rank a token")
+        kappa = float((lengths * (lengths + 1) // 2).sum()) / N
+        weight = 1.0 / (self.linear_per_token + self.a2a + kappa * self.alpha)
+        pieces: list[list[Segment]] = [[] for _ in range(n)]
+        for d in range(lengths.size):
+            front, back = int(cu[d]), int(cu[d + 1])
+            for g, share in enumerate(round_shares(int(lengths[d]), weight)):
+                head, tail = share // 2, share - share // 2
+                if head:
+                    pieces[g].append((front, front + head))
+                if tail:
+                    pieces[g].append((back - tail, back))
+                front, back = front + head, back - tail
+        segments = self._members(pieces)
+        fill_empty(segments)
+        lay = make_layout(
+            seq_length=N,
+            num_attention_heads=self.structure.num_attention_heads,
+            num_query_groups=self.structure.num_query_groups,
+            groups=self.groups,
+            segments=segments,
+            heads=self.heads,
+            hosts=self.hosts,
+            gpus=self.gpus,
+        )
+        return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()))
+
+    def _place_small(self, heap, state: _State, l_d: int, start: int, pairs: int) -> None:
+        """The group with the lowest ``small_key`` that has room (a full group leaves the heap)."""
+        while heap:
+            key, g = heapq.heappop(heap)
+            now = state.small_key(g)
+            if key != now:
+                heapq.heappush(heap, (now, g))  # stale entry: reinsert at its score
+                continue
+            if state.tokens[g] + l_d > self.cap[g]:
+                continue
+            state.add(g, [(start, start + l_d)], l_d, pairs, self)
+            heapq.heappush(heap, (state.small_key(g), g))
+            return
+        raise HexiSeqError(
+            "the micro-batch does not fit in the cluster's memory; use fewer tokens per batch"
+        )
+
+    def _split(self, state: _State, l_d: int, start: int):
+        """Mirrored pieces of a long document over the fewest groups that take it without
+        lengthening either phase (all groups, water-filled to one relative growth, when none can),
+        with each
+        receiving group's K/V time its attention cannot hide. Returns (growth of the iteration,
+        [(group, segments, tokens, K/V seconds)]) or None when it does not fit in memory."""
+        u = state.u  # normalised linear cost per token
+        q = (
+            state.v + state.w * (l_d + 1) / 2
+        )  # normalised attention cost per token of a mirrored share
+        # each group's phases below the slowest ones so far (<= 0, in shares of the targets): a
+        # share that keeps both below them does not lengthen the iteration
+        lin_max = max(state.lin_target, float(state.lin.max()))
+        att_max = max(state.att_target, float(state.att.max()))
+        a = (state.lin - lin_max) / state.lin_target
+        b = (state.att - att_max) / state.att_target
+        room = np.maximum(self.cap - state.tokens, 0)
+        free = np.minimum(np.maximum(np.minimum(-a / u, -b / q), 0), room)
+        order = np.lexsort((np.arange(free.size), -free))  # the most free room first
+        k = int(np.searchsorted(np.cumsum(free[order]), l_d)) + 1
+        chosen = np.sort(order[: min(k, free.size)])
+        x = _water_fill(a[chosen], u[chosen], b[chosen], q[chosen], room[chosen], l_d)
+        if x.sum() < l_d:
+            return None
+        keep = x > 0
+        chosen, x = chosen[keep], x[keep]
+        mirrored = self._pieces_cost(state, chosen, x, l_d, start, mirrored=True)
+        # contiguous pieces send less K/V (a piece receives only what comes before it) but put
+        # more pairs on later pieces: the groups with the most attention room go last
+        later = np.lexsort((chosen, -b[chosen]))
+        contiguous = self._pieces_cost(state, chosen[later], x[later], l_d, start, mirrored=False)
+        return min(mirrored, contiguous, key=lambda c: c[0])
+
+    def _pieces_cost(
+        self,
+        state: _State,
+        groups: np.ndarray,
+        x: np.ndarray,
+        l_d: int,
+        start: int,
+        *,
+        mirrored: bool,
+    ) -> tuple[float, list[tuple[int, list[Segment], int, float, float]]]:
+        """(growth of the iteration, [(group, segments, tokens, pairs, K/V seconds)]) of giving
+        ``x[j]`` tokens of a document to ``groups[j]``: mirrored head + tail pieces (pairs
+        ``x (l + 1) / 2`` each, nearly the whole document received), or consecutive pieces in
+        order (a piece at offset o receives o tokens and has ``x (2 o + x + 1) / 2`` pairs)."""
+        xf = x.astype(np.float64)
+        if mirrored:
+            pairs = xf * (l_d + 1) / 2
+            recv = l_d - xf
+            cross = pairs - xf * (xf + 1) / 2
+        else:
+            offset = np.cumsum(xf) - xf
+            pairs = xf * (2 * offset + xf + 1) / 2
+            recv = offset
+            cross = xf * offset
+        penalty = np.maximum(recv * self.kv_per_token[groups] - cross * self.alpha[groups], 0)
+        lin, att = state.lin.copy(), state.att.copy()
+        lin[groups] += xf * self.linear_per_token[groups]
+        att[groups] += xf * self.a2a[groups] + pairs * self.alpha[groups] + penalty
+        lin_max = max(state.lin_target, float(state.lin.max()))
+        att_max = max(state.att_target, float(state.att.max()))
+        grow = max(float(lin.max()) - lin_max, 0) + max(float(att.max()) - att_max, 0)
+        out = []
+        front, back = start, start + l_d
+        for j, (g, share) in enumerate(zip(groups.tolist(), x.tolist())):
+            if mirrored:
+                head, tail = share // 2, share - share // 2
+                segs = [(front, front + head)] if head else []
+                segs.append((back - tail, back))
+                front, back = front + head, back - tail
+            else:
+                segs = [(front, front + share)]
+                front += share
+            out.append((g, segs, share, float(pairs[j]), float(penalty[j])))
+        return grow, out
+
+    def _members(self, pieces: list[list[Segment]]) -> list[list[Segment]]:
+        """Each group's pieces (position order) cut into consecutive member runs by speed."""
+        W = self.structure.world_size
+        out: list[list[Segment]] = [[] for _ in range(W)]
+        for g, members in enumerate(self.groups):
+            segs = sorted(pieces[g])
+            total = sum(e - s for s, e in segs)
+            counts = round_shares(total, self.shares[g], at_least_one=total >= len(members))
+            i, pos = 0, segs[0][0] if segs else 0
+            for r, want in zip(members, counts):
+                while want > 0:
+                    s, e = segs[i]
+                    take = min(want, e - pos)
+                    if out[r] and out[r][-1][1] == pos:
+                        out[r][-1] = (out[r][-1][0], pos + take)
+                    else:
+                        out[r].append((pos, pos + take))
+                    want -= take
+                    pos += take
+                    if pos == e and i + 1 < len(segs):
+                        i += 1
+                        pos = segs[i][0]
+        return out
+
+
+def _water_fill(
+    a: np.ndarray, u: np.ndarray, b: np.ndarray, q: np.ndarray, room: np.ndarray, total: int
+) -> np.ndarray:
+    """Integer shares x (sum ``total`` where room allows) that raise every chosen group's score
+    ``max(a + x u, b + x q)`` to one level, each x within ``room``: bisection on the level, then
+    largest remainders."""
+
+    def shares(level: float) -> np.ndarray:
+        return np.minimum(np.maximum(np.minimum((level - a) / u, (level - b) / q), 0), room)
+
+    lo, hi = float(np.minimum(a, b).min()), float(np.maximum(a + room * u, b + room * q).max())
+    for _ in range(WATER_FILL_STEPS):
+        mid = (lo + hi) / 2
+        if shares(mid).sum() < total:
+            lo = mid
+        else:
+            hi = mid
+    raw = shares(hi)
+    x = np.minimum(np.floor(raw), room).astype(np.int64)
+    left = total - int(x.sum())
+    order = np.lexsort((np.arange(x.size), -(raw - x)))
+    order = order[room[order] - x[order] > 0][: max(left, 0)]
+    x[order] += 1
+    while x.sum() < total and (room - x > 0).any():  # rounding left tokens: the most room first
+        j = int(np.argmax(room - x))
+        x[j] += min(total - int(x.sum()), int(room[j] - x[j]))
+    return x

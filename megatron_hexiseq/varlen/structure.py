@@ -1,0 +1,102 @@
+"""A process structure (A2A groups and heads) chosen for a document-length distribution.
+
+``plan`` chooses groups and heads for one long sequence. With packed documents what matters is how
+well the per-micro-batch planner does on that structure, so ``choose_structure`` scores every
+structure ``plan`` itself considers and can rebuild (its own layout, the symmetric baselines, the
+heuristics) by the mean document-masked iteration time of ``BatchPlanner``'s assignments over
+micro-batches packed from the distribution (``packing.pack_batches``, seed ``STRUCTURE_SEED``
+unless given), each priced by ``costmodel.documents.estimate_documents``. The fastest feasible one
+wins (ties: the planner's own, then in listed order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.costmodel.documents import estimate_documents
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.baselines import baseline_layouts
+from megatron_hexiseq.planner.heuristics import heuristic_layouts
+from megatron_hexiseq.run_config import TrainOptions
+from megatron_hexiseq.varlen.batch import BatchPlanner
+from megatron_hexiseq.varlen.packing import pack_batches
+
+STRUCTURE_BATCHES = 8  # micro-batches each candidate structure is scored on
+STRUCTURE_SEED = (
+    1_000_003  # their packing seed (not the benches' seeds: no tuning to those batches)
+)
+
+
+def score_structure(
+    structure: Layout,
+    cluster: Cluster,
+    model: ModelSpec,
+    options: TrainOptions,
+    batches: Sequence[Sequence[int]],
+) -> tuple[float, bool]:
+    """(mean iteration seconds, every batch feasible) of ``BatchPlanner`` on ``structure``."""
+    planner = BatchPlanner(structure, cluster, model, options)
+    times, feasible = [], True
+    for docs in batches:
+        a = planner.plan(docs)
+        m = replace(model, seq_length=a.layout.seq_length)
+        est = estimate_documents(a.layout, cluster, m, options, a.cu_seqlens)
+        times.append(est.iteration_time_s)
+        feasible &= est.feasible
+    return float(np.mean(times)), feasible
+
+
+def choose_structure(
+    planned: Layout,
+    cluster: Cluster,
+    model: ModelSpec,
+    options: TrainOptions,
+    doc_lengths: Sequence[int],
+    *,
+    batches: int = STRUCTURE_BATCHES,
+    seed: int = STRUCTURE_SEED,
+) -> tuple[Layout, dict[str, Any]]:
+    """The candidate structure with the fastest mean per-batch plan (module docstring), as a layout
+    of ``planned.seq_length`` tokens, and the record of the choice (``planner.documents``)."""
+    N = planned.seq_length
+    sample = pack_batches(doc_lengths, N, batches, seed)
+    candidates: list[tuple[str, Layout]] = [("hexiseq", planned)]
+    for b in baseline_layouts(cluster, model, N) + heuristic_layouts(cluster, model, N):
+        if b.layout is not None:
+            candidates.append((b.label, b.layout))
+    rows: list[dict[str, Any]] = []
+    for name, lay in candidates:
+        try:
+            mean_s, feasible = score_structure(lay, cluster, model, options, sample)
+        except HexiSeqError as e:  # a structure whose groups cannot hold a micro-batch
+            rows.append({"name": name, "mean_step_s": None, "reason": str(e)})
+            continue
+        rows.append({"name": name, "mean_step_s": _sig(mean_s), "feasible": feasible})
+    ok = [(r["mean_step_s"], i) for i, r in enumerate(rows) if r.get("feasible")]
+    if not ok:
+        raise HexiSeqError(
+            "no candidate structure fits the packed micro-batches in memory; use fewer tokens per "
+            "batch or a memory mode with less per GPU (--memory-mode fsdp, --recompute)"
+        )
+    _, best = min(ok)
+    name, chosen = candidates[best]
+    record = {
+        "batches": batches,
+        "seed": seed,
+        "tokens_per_batch": N,
+        "documents": len(doc_lengths),
+        "chosen": name,
+        "candidates": rows,
+    }
+    return chosen, record
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.9g}")
