@@ -98,3 +98,77 @@ def test_documents_must_fill_the_micro_batch() -> None:
         replace(BASE, documents=((48,), (40,)))
     with pytest.raises(HexiSeqError, match="batch_layouts and reset_position_ids need documents"):
         replace(BASE, documents=None, batch_layouts=RandomBatchLayouts(HETERO))
+
+
+# ---- testbed/packed.py: the three schemes on the testbed ----------------------------------------
+def test_even_split_is_thds_zigzag_per_document() -> None:
+    from test_demo import _problem
+
+    from megatron_hexiseq.testbed.packed import even_split, ring_structure
+
+    cluster, model, _ = _problem()
+    ring = ring_structure(cluster, model, 384)
+    assert [g.ranks for g in ring.groups] == [(0,), (1,), (2,)]
+    assert all(r.heads == tuple(range(8)) for r in ring.ranks)
+    lengths = (60, 1, 300, 23)
+    lay = even_split(ring, lengths)
+    cu = np.cumsum((0,) + lengths)
+    for d in (0, 2, 3):  # each document in 6 near-equal chunks, rank i: chunks i and 5 - i
+        a, b = int(cu[d]), int(cu[d + 1])
+        cuts = [a + (b - a) * k // 6 for k in range(7)]
+        for i in range(3):
+            mine = {p for s, e in lay.ranks[i].segments for p in range(s, e) if a <= p < b}
+            want = set(range(cuts[i], cuts[i + 1])) | set(range(cuts[5 - i], cuts[6 - i]))
+            assert mine == want, (d, i)
+    assert all(r.num_tokens for r in even_split(ring, (384,)).ranks)
+
+
+def test_packed_batches_scale_and_fill() -> None:
+    from megatron_hexiseq.errors import HexiSeqError
+    from megatron_hexiseq.testbed.packed import packed_batches
+
+    batches = packed_batches([1600, 48, 3200, 160, 16], 384, 5, 0, 1 / 16)
+    assert all(sum(b) == 384 for b in batches) and len(batches) == 5
+    assert max(x for b in batches for x in b) <= 200
+    with pytest.raises(HexiSeqError, match="--doc-scale must be in"):
+        packed_batches([10], 384, 1, 0, 0.0)
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_three_schemes_train_the_same_losses() -> None:
+    """``compare_packed`` on the demo's fixed 3-rank cluster: the THD-style split, the fixed
+    layout and the planner's per-micro-batch layouts (a new layout every step) train the same
+    losses as the single-process document-masked reference."""
+    from dataclasses import replace as dc_replace
+
+    from test_demo import _problem
+
+    from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.testbed.packed import compare_packed
+
+    cluster, model, options = _problem()
+    layout = plan(cluster, model, model.seq_length, options, reproducible=True)
+    lengths = [1600, 48, 3200, 160, 16, 900, 2400, 70, 33, 5000, 120, 640]
+    rec = compare_packed(cluster, model, options, layout, "1+2", lengths, steps=3, warmup=1)
+    assert rec["losses_agree"], rec["loss_max_rel_diff"]
+    schemes = rec["schemes"]
+    assert list(schemes) == ["thd-even", "hexiseq-fixed", "hexiseq-batch"]
+    batch = schemes["hexiseq-batch"]
+    assert batch["plan_ms_p50"] is not None and schemes["hexiseq-fixed"]["plan_ms_p50"] is None
+    assert len({tuple(t) for t in schemes["thd-even"]["per_rank_tokens"]}) > 1  # per step
+    for r in schemes.values():
+        assert len(r["measured_step_s"]) == len(r["predicted_step_s"]) == 3
+        assert r["tokens_per_s"] > 0 and r["predicted_tokens_per_s"] > 0
+    cfg = TrainConfig(
+        model=dc_replace(model, seq_length=layout.seq_length),
+        layout=layout,
+        steps=3,
+        bucket_size=None,
+        documents=tuple(tuple(b) for b in rec["doc_lengths"]),
+    )
+    ref = run_ranks(reference_rank_many, 1, [cfg])[0][0]
+    tol = reordering_tolerance(cfg)
+    for r in schemes.values():
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(ref.losses), rtol=tol, atol=0
+        )
