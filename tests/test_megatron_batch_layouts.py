@@ -9,8 +9,9 @@ them (per-sample boundaries in the first micro-batch: global positions; shared b
 second: positions inside each document). Per-token losses and the gradient of the masked loss sum of
 every parameter (summed over the CP ranks) must equal stock single-process Megatron's (CP 1, dense
 document mask from ``_get_ltor_masks_and_position_ids``) for each micro-batch. The losses are placed
-by the micro-batch's layout: a slicer or RoPE that kept the job's positions fails. Needs
-``MEGATRON_LM`` as tests/test_megatron_lm.py does.
+by the micro-batch's layout: a slicer or RoPE that kept the job's positions fails. The same with
+``--hexiseq-batch-plan`` (the batch planner built from the cluster and model recorded in the
+layout chooses each micro-batch's layout). Needs ``MEGATRON_LM`` as tests/test_megatron_lm.py does.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class _Table:
         return self.layouts[bounds.samples]
 
 
-def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str) -> list[dict]:
+def _hexiseq_worker(
+    rank: int, world: int, checkout: str, layout_path: str, flag: bool = False
+) -> list[dict]:
     sys.path.insert(0, checkout)
     import pretrain_gpt as stock
     import torch
@@ -108,11 +111,12 @@ def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str) -> l
     argv = COMMON + ["--context-parallel-size", "3", "--cp-comm-type", "hexiseq"]
     argv += ["--hexiseq-layout", layout_path, "--hexiseq-kernel", "reference"]
     argv += ["--no-create-attention-mask-in-dataloader"]
+    argv += ["--hexiseq-batch-plan"] if flag else []
     _parse(argv, rank, world)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=3)
     torch.manual_seed(0)
     provider = plugin.model_provider(
-        stock.model_provider, stock.gpt_builder, stock, batch_layouts=_Table()
+        stock.model_provider, stock.gpt_builder, stock, batch_layouts=None if flag else _Table()
     )
     model = provider(
         pre_process=True,
@@ -126,7 +130,8 @@ def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str) -> l
     for eod_at, seed, lay in MICRO_BATCHES:
         out = _step(model, stock.get_batch_on_this_cp_rank(_batch(eod_at, seed, False)))
         plan = runtime.batch_layout.current()
-        assert plan.layout == lay and plan.groups.cp_group is runtime.groups.cp_group
+        assert plan.layout == lay or flag
+        assert plan.groups.cp_group is runtime.groups.cp_group
         out["positions"] = plan.layout.ranks[rank].positions()
         outs.append(out)
     mpu.destroy_model_parallel()
@@ -164,14 +169,51 @@ def _reference_worker(rank: int, world: int, checkout: str) -> list[dict]:
     return outs
 
 
-def test_per_batch_layouts_match_stock_megatron(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def refs() -> list[dict]:
+    (out,) = run_ranks(_reference_worker, 1, MEGATRON_LM, timeout_s=900)
+    return out
+
+
+# what 'megatron-hexiseq plan' records in a layout for --hexiseq-batch-plan: the job's [2, 1]
+# structure on node0 (2 CPUs) + node1 (1 CPU), the test's model, default options
+PLANNED_META = {
+    "cluster_spec": {
+        "name": "cpu-2+1",
+        "gpus": {
+            "CPU": {
+                "bf16_tflops": 0.02,
+                "attention_tflops": 0.01,
+                "memory_gib": 4,
+                "nvlink_GBps": 2,
+                "efficiency": 1.0,
+            }
+        },
+        "nodes": [
+            {"name": "node0", "gpu": "CPU", "count": 2, "network_GBps": 2},
+            {"name": "node1", "gpu": "CPU", "count": 1, "network_GBps": 2},
+        ],
+    },
+    "model_spec": {
+        "name": "test-gpt",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_query_groups": 2,
+        "ffn_hidden_size": 96,
+        "vocab_size": 128,
+        "swiglu": True,
+        "normalization": "RMSNorm",
+        "add_bias_linear": False,
+        "seq_length": S,
+    },
+    "options": {},
+}
+
+
+def _check(refs: list[dict], results: list[list[dict]]) -> None:
     import torch
 
-    path = tmp_path / "layout.json"
-    LAYOUT.save(path)
-    assert all(lay != LAYOUT for _, _, lay in MICRO_BATCHES)
-    (refs,) = run_ranks(_reference_worker, 1, MEGATRON_LM, timeout_s=900)
-    results = run_ranks(_hexiseq_worker, 3, MEGATRON_LM, str(path), timeout_s=900)
     for i, ref in enumerate(refs):
         per_rank = [res[i] for res in results]
         for res in per_rank:
@@ -185,3 +227,26 @@ def test_per_batch_layouts_match_stock_megatron(tmp_path) -> None:
             got = sum(res["grads"][name] for res in per_rank)
             scale = want.abs().max().item() + 1e-6
             torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=2e-5, msg=name)
+
+
+def test_per_batch_layouts_match_stock_megatron(tmp_path, refs) -> None:
+    path = tmp_path / "layout.json"
+    LAYOUT.save(path)
+    assert all(lay != LAYOUT for _, _, lay in MICRO_BATCHES)
+    _check(refs, run_ranks(_hexiseq_worker, 3, MEGATRON_LM, str(path), timeout_s=900))
+
+
+def test_batch_plan_flag_matches_stock_megatron(tmp_path, refs) -> None:
+    """``--hexiseq-batch-plan``: the batch planner, built from the layout's recorded cluster and
+    model, gives every micro-batch its layout; losses and gradients still equal stock Megatron's."""
+    from dataclasses import replace
+
+    path = tmp_path / "layout.json"
+    replace(LAYOUT, meta=PLANNED_META).save(path)
+    results = run_ranks(_hexiseq_worker, 3, MEGATRON_LM, str(path), True, timeout_s=900)
+    _check(refs, results)
+    assert any(
+        res[i]["positions"] != LAYOUT.ranks[r].positions()
+        for r, res in enumerate(results)
+        for i in range(len(MICRO_BATCHES))
+    )

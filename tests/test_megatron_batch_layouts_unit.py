@@ -220,3 +220,31 @@ def test_pipeline_parallelism_is_refused() -> None:
         micro_batch_layout(args, _groups(0), _Provider())
     args.pipeline_model_parallel_size = 1
     assert micro_batch_layout(args, _groups(0), _Provider()).reset_position_ids
+
+
+def test_batch_plan_flag_builds_the_planner_from_the_layout() -> None:
+    """``--hexiseq-batch-plan``: the planner comes from the cluster, model and options ``plan``
+    records in the layout; it plans the union of per-sample boundaries; one line without them."""
+    from test_demo import CLUSTER, _problem
+
+    from megatron_hexiseq.attention.documents import parse_cu_seqlens
+    from megatron_hexiseq.attention.groups import structure_difference
+    from megatron_hexiseq.megatron.batch_layout import batch_planner_layouts
+    from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+    cluster, model, options = _problem()
+    job = plan(cluster, model, model.seq_length, options, reproducible=True)
+    job = replace(job, meta={**job.meta, "cluster_spec": CLUSTER, "model_spec": model.to_dict()})
+    provider = batch_planner_layouts(job)
+    S = job.seq_length
+    one = parse_cu_seqlens([0, 20, 21, 200, S], seq_length=S, batch=1)
+    lay = provider(one)
+    assert structure_difference(lay, job) is None and lay.seq_length == S
+    assert lay == BatchPlanner(job, cluster, model, options).plan([20, 1, 179, S - 200]).layout
+    two = parse_cu_seqlens([[0, 20, S], [0, 200, S]], seq_length=S, batch=2)
+    assert provider(two) == provider(parse_cu_seqlens([0, 20, 200, S], seq_length=S, batch=1))
+    with pytest.raises(HexiSeqError, match="add --reset-attention-mask"):
+        provider(None)
+    with pytest.raises(HexiSeqError, match="has no meta.cluster_spec, meta.model_spec"):
+        batch_planner_layouts(replace(job, meta={"options": job.meta["options"]}), "layout x.json")

@@ -22,13 +22,20 @@ are fine.
 Checked per micro-batch, one ``HexiSeqError`` line each: the structure (``with_layout``), the
 sequence length, and that every rank holds a token (Megatron's attention layer cannot run an empty
 shard, as for the job's layout).
+
+``--hexiseq-batch-plan``: the provider is ``PlannerLayouts``, the batch planner
+(``varlen.batch.BatchPlanner``) built on the job's layout with the cluster, model and training
+options ``plan`` recorded in it (``batch_planner_layouts``). With per-sample boundaries (micro-batch
+> 1) it plans the union of the samples' boundaries: every cut of any sample is a document edge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +44,13 @@ from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.documents import positions_in_documents
+
+if TYPE_CHECKING:  # annotations only: the planner imports the cost model
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+# where 'megatron-hexiseq plan' records the cluster and the model in a layout's meta
+# (commands/inputs.py: CLUSTER_SPEC_KEY, MODEL_SPEC_KEY)
+CLUSTER_SPEC_KEY, MODEL_SPEC_KEY = "cluster_spec", "model_spec"
 
 # the micro-batch's document boundaries (None without --reset-attention-mask or THD) -> its layout
 BatchLayouts = Callable[[DocumentBounds | None], Layout]
@@ -125,3 +139,44 @@ class MicroBatchLayout:
                 "did not go through the HexiSeq slicer)"
             )
         return self.plan
+
+
+class PlannerLayouts:
+    """``BatchLayouts`` from the batch planner (module docstring): deterministic, no communication."""
+
+    def __init__(self, planner: BatchPlanner) -> None:
+        self.planner = planner
+
+    def __call__(self, bounds: DocumentBounds | None) -> Layout:
+        if bounds is None:
+            raise HexiSeqError(
+                "--hexiseq-batch-plan plans each micro-batch from its documents, but this one has "
+                "none recorded: add --reset-attention-mask (or feed THD batches)"
+            )
+        cuts = sorted(set().union(*bounds.samples))
+        return self.planner.plan(np.diff(cuts).tolist()).layout
+
+
+def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
+    """``--hexiseq-batch-plan``'s provider: a ``BatchPlanner`` on ``layout``'s structure with the
+    cluster, model and options recorded in ``layout.meta`` (one line if they are missing)."""
+    from megatron_hexiseq.cluster import cluster_from_dict
+    from megatron_hexiseq.model import model_from_dict
+    from megatron_hexiseq.run_config import check_options_record, options_from_record
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+    meta = layout.meta if isinstance(layout.meta, Mapping) else {}
+    missing = [k for k in (CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, "options") if k not in meta]
+    if missing:
+        raise HexiSeqError(
+            f"--hexiseq-batch-plan needs the cluster, model and options 'megatron-hexiseq plan' "
+            f"records in the layout, but {source} has no meta.{', meta.'.join(missing)}; "
+            "re-plan it with 'megatron-hexiseq plan'"
+        )
+    cluster = cluster_from_dict(meta[CLUSTER_SPEC_KEY], source=f"{source}: meta.{CLUSTER_SPEC_KEY}")
+    model = model_from_dict(
+        {**meta[MODEL_SPEC_KEY], "seq_length": layout.seq_length},
+        source=f"{source}: meta.{MODEL_SPEC_KEY}",
+    )
+    options = options_from_record(check_options_record(meta["options"], source))
+    return PlannerLayouts(BatchPlanner(layout, cluster, model, options))

@@ -50,7 +50,11 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron import post_parse
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
-from megatron_hexiseq.megatron.batch_layout import BatchLayouts, MicroBatchLayout
+from megatron_hexiseq.megatron.batch_layout import (
+    BatchLayouts,
+    MicroBatchLayout,
+    batch_planner_layouts,
+)
 from megatron_hexiseq.megatron.checkpoint import check_before_training
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
@@ -204,6 +208,13 @@ def setup(
         fp32_grad_wire=hs.fp32_grad_wire,
     )
     runtime = replace(runtime, documents=micro_batch_documents(args, layout.seq_length))
+    if hs.batch_plan:
+        if batch_layouts is not None:
+            raise HexiSeqError(
+                "--hexiseq-batch-plan and a per-micro-batch layout provider were both given; "
+                "use one"
+            )
+        batch_layouts = batch_planner_layouts(layout, f"layout {hs.layout}")
     if batch_layouts is not None:
         runtime = replace(
             runtime, batch_layout=micro_batch_layout(args, runtime.groups, batch_layouts)
