@@ -12,8 +12,12 @@ Layer (a), and threads under NCCL's rules (``tests/nccl_sim.py``) for the multi-
   all-to-alls and the sub-ring P2P of each micro-batch); ``CommStats`` equal ``counts.rank_counts``
   of the micro-batch's layout;
 - a second call of the same micro-batch's view builds no tensor from host data.
+- bf16 with ``cpu-flash``: three micro-batches of 300-500 tokens, each with its own layout, within
+  ``kernel_check``'s normwise bounds of the float64 oracle on the same rounded inputs.
 Layer (b): 4 gloo processes run two consecutive micro-batches with different per-batch layouts
 on the same groups, each matching the oracle.
+Layer (c), skipped without CUDA: ``test_per_batch_layouts_flash_on_cuda``, the same bf16 run with
+``flash`` (the variable-length path) on the GPU.
 """
 
 from __future__ import annotations
@@ -352,3 +356,71 @@ def test_two_micro_batches_with_different_layouts_on_gloo() -> None:
         (second, [[0, 1, 2, 12, 20, 48], [0, 24, 48]], 2, 2, 4, "auto", 2),
     ]
     assert run_ranks(_gloo_worker, 4, JOB, cases) == [2] * 4
+
+
+# ---- low precision: the CUDA varlen path (layer c) and its CPU twin ------------------------------
+def _low_precision_micro_batches(device: str, kernel: str) -> None:
+    """bf16 runtime on one set of groups, a new layout every micro-batch, against the float64
+    oracle on the same bf16-rounded inputs, within ``kernel_check``'s normwise bounds."""
+    from megatron_hexiseq.attention.kernel_check import (
+        BACKWARD_ROUNDINGS,
+        FORWARD_ROUNDINGS,
+        normwise_bound,
+        normwise_error,
+    )
+
+    rng = random.Random(9)
+    job = random_layout(rng, 4, seq_length=400, heads=(8, 2))
+    cases = []
+    for i in range(3):
+        S = rng.randint(300, 500)
+        cu = random_bounds(rng, random_layout(rng, 4, seq_length=S, heads=(8, 2)))
+        lay = random_batch_layout(rng, job, seq_length=S, bounds=cu)
+        gen = torch.Generator().manual_seed(i)
+        q, k, v = (
+            torch.randn(S, 1, n, 64, generator=gen).bfloat16().double().requires_grad_()
+            for n in (8, 2, 2)
+        )
+        dout = torch.randn(S, 1, 8 * 64, generator=gen).bfloat16().double()
+        ref = reference_attention(q, k, v, cu_seqlens=cu)
+        ref.backward(dout)
+        cases.append((lay, cu, (q, k, v, dout), (ref.detach(), q.grad, k.grad, v.grad)))
+    sim = NcclSim(job.world_size)
+    comm.dist, groups_mod.dist = sim, sim
+
+    def fn(r: int):
+        groups = build_hexiseq_groups(job)
+        out = []
+        for i, (lay, cu, (q, k, v, dout), _) in enumerate(cases):
+            pos = torch.tensor(lay.ranks[r].positions(), dtype=torch.long)
+            ql, kl, vl = (x.detach()[pos].bfloat16().to(device).requires_grad_() for x in (q, k, v))
+            o = hexiseq_attn_func(
+                ql,
+                kl,
+                vl,
+                groups=groups.with_layout(lay),
+                kernel=kernel,
+                comm_chunks=1 + i % 2,
+                cu_seqlens=cu,
+            )
+            o.backward(dout[pos].bfloat16().to(device))
+            out.append([t.detach().double().cpu() for t in (o, ql.grad, kl.grad, vl.grad)])
+        return out
+
+    for r, per_case in enumerate(sim.run(fn)):
+        for (lay, _, _, want), got in zip(cases, per_case):
+            pos = lay.ranks[r].positions()
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                rounds = FORWARD_ROUNDINGS if name == "out" else BACKWARD_ROUNDINGS
+                bound = normwise_bound(torch.bfloat16, roundings=rounds, reduction=lay.seq_length)
+                err = normwise_error(g, w[pos]) if pos else 0.0
+                assert err <= bound, (r, name, err, bound)
+
+
+def test_per_batch_layouts_bf16_cpu_flash(_sim_dist) -> None:
+    _low_precision_micro_batches("cpu", "cpu-flash")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_per_batch_layouts_flash_on_cuda(_sim_dist) -> None:
+    _low_precision_micro_batches("cuda", "flash")
