@@ -3,6 +3,8 @@
 #   profile (measured cluster spec) -> plan (HexiSeq layout + symmetric baselines)
 #   -> train a small Megatron GPT twice (best symmetric layout, HexiSeq layout) -> table + JSON + PNG.
 # Creates/refreshes .venv on first use. Knobs: TESTBED (ranks per core), STEPS, SEQ, MODEL.
+# PACKED=1: packed documents (DOCS, default ../shared/data/doc_lengths_prolong.json): train the
+# THD-style even split, the fixed HexiSeq layout and per-micro-batch layouts on the same micro-batches.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 cd "$ROOT"
@@ -11,12 +13,21 @@ STEPS=${STEPS:-30}
 SEQ=${SEQ:-2048}
 MODEL=${MODEL:-examples/models/cpu-demo.yaml}
 OUT=${OUT:-results}
+PACKED=${PACKED:-0}
+DOCS=${DOCS:-../shared/data/doc_lengths_prolong.json}
 mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore  # Megatron warns about Apex/TE absence on every rank; nothing to act on
 echo "== 1/3 profile the testbed ($TESTBED ranks per core), calibrated with the model's own layer shapes"
 megatron-hexiseq profile --testbed "$TESTBED" --memory-gib 4 --model-config "$MODEL" -o "$OUT/cluster.yaml"
 echo "== 2/3 plan"
 megatron-hexiseq plan --cluster "$OUT/cluster.yaml" --model-config "$MODEL" --seq-length "$SEQ" -o "$OUT/layout.json"
-echo "== 3/3 train twice: best symmetric layout vs HexiSeq layout"
-python -m megatron_hexiseq.testbed.demo --cluster "$OUT/cluster.yaml" --layout "$OUT/layout.json" \
-  --model-config "$MODEL" --testbed "$TESTBED" --steps "$STEPS" -o "$OUT/demo.json" --plot "$OUT/demo.png"
+if [ "$PACKED" = 1 ]; then
+  echo "== 3/3 train three times on packed documents: THD-style even split, fixed HexiSeq layout, per-micro-batch layouts"
+  python -m megatron_hexiseq.testbed.demo --cluster "$OUT/cluster.yaml" --layout "$OUT/layout.json" \
+    --model-config "$MODEL" --testbed "$TESTBED" --steps "$STEPS" --packed "$DOCS" \
+    -o "$OUT/demo_packed.json" --plot "$OUT/demo_packed.png"
+else
+  echo "== 3/3 train twice: best symmetric layout vs HexiSeq layout"
+  python -m megatron_hexiseq.testbed.demo --cluster "$OUT/cluster.yaml" --layout "$OUT/layout.json" \
+    --model-config "$MODEL" --testbed "$TESTBED" --steps "$STEPS" -o "$OUT/demo.json" --plot "$OUT/demo.png"
+fi

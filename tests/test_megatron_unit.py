@@ -58,6 +58,7 @@ def test_flag_set_is_pinned():
         "--hexiseq-fp32-grad-wire",
         "--hexiseq-comm-chunks",
         "--hexiseq-allow-mismatch",
+        "--hexiseq-batch-plan",
         "--hexiseq-overlap-tune",
         "--hexiseq-overlap-config",
     )

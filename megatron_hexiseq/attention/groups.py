@@ -16,13 +16,23 @@ Global ranks of a domain must be ascending in layout-rank order, so that the gro
 
 ``HexiSeqGroups.index(ix, device)`` returns index tensors built once per layout and device, so the
 hot path never copies index lists from host to device after the first call.
+
+Per-micro-batch layouts. The groups are created once, from the job's layout; a micro-batch may run
+another layout of the same *structure* (the same groups, and every rank in the same group with the
+same query heads, hosts and GPUs; any segments, several runs per rank, a rank may hold no tokens):
+``groups.with_layout(batch_layout)`` returns a view with the same process groups and that layout. It
+creates no group and runs no collective: the A2A groups and the CP group (the sub-ring's P2P) depend
+on the structure only, and every schedule is a pure function of (layout, boundaries, comm_chunks),
+derived identically on every rank. Views are cached (the last few layouts) so every layer of a
+micro-batch reuses one view, its schedules and its packed index tensors; head-subset index tensors
+depend on the heads only and are shared with the job's groups (no new host-to-device copy).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +48,29 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 
 DOCUMENT_SCHEDULES_KEPT = 4  # micro-batches whose document schedules stay cached
+BATCH_LAYOUTS_KEPT = 4  # per-micro-batch layouts whose views (schedules, indices) stay cached
+
+
+def structure_difference(batch: Layout, job: Layout) -> str | None:
+    """The first way ``batch`` does not run on ``job``'s process groups, or None when it does
+    (the same world size, heads, query groups and groups; every rank in the same group with the
+    same query heads, host and GPU; segments may differ)."""
+    for name in ("world_size", "num_attention_heads", "num_query_groups"):
+        if getattr(batch, name) != getattr(job, name):
+            return f"{name} is {getattr(batch, name)}, the job's is {getattr(job, name)}"
+    if batch.groups != job.groups:
+        return (
+            f"its groups are {[list(g.ranks) for g in batch.groups]}, the job's "
+            f"{[list(g.ranks) for g in job.groups]}"
+        )
+    for b, j in zip(batch.ranks, job.ranks):
+        for name in ("group", "heads", "host", "gpu"):
+            if getattr(b, name) != getattr(j, name):
+                return (
+                    f"rank {b.rank} has {name} {getattr(b, name)!r}, the job's layout "
+                    f"{getattr(j, name)!r}"
+                )
+    return None
 
 
 @dataclass(frozen=True)
@@ -57,6 +90,47 @@ class HexiSeqGroups:
     _schedules: dict = field(default_factory=dict, compare=False, repr=False)
     _indices: dict = field(default_factory=dict, compare=False, repr=False)
     _documents: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
+    _views: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
+    _job: HexiSeqGroups | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def job_layout(self) -> Layout:
+        """The layout the process groups were built from (``layout`` itself unless a view)."""
+        return self.layout if self._job is None else self._job.layout
+
+    def with_layout(self, layout: Layout) -> HexiSeqGroups:
+        """These process groups running ``layout``, a per-micro-batch layout of the job's
+        structure (module docstring): a cached view, no collective. One ``HexiSeqError`` line
+        when ``layout`` would need other groups."""
+        job = self if self._job is None else self._job
+        if layout is job.layout:
+            return job
+        views = job._views
+        view = views.get(layout)
+        if view is not None:
+            views.move_to_end(layout)
+            return view
+        problem = structure_difference(layout, job.layout)
+        if problem is not None:
+            raise HexiSeqError(
+                f"the micro-batch's layout does not fit the job's process groups: {problem}; "
+                "plan per-micro-batch layouts on the job's layout (same groups and heads)"
+            )
+        if layout == job.layout:
+            return job
+        view = replace(
+            job,
+            layout=layout,
+            _schedules={},
+            _indices=job._indices,  # keyed by the index values: heads are the job's
+            _documents=OrderedDict(),
+            _views=views,
+            _job=job,
+        )
+        views[layout] = view
+        while len(views) > BATCH_LAYOUTS_KEPT:
+            views.popitem(last=False)
+        return view
 
     def schedule(self, comm_chunks: int = 1) -> RankSchedule:
         if comm_chunks not in self._schedules:

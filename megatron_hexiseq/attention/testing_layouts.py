@@ -3,13 +3,20 @@
 ``random_layout(rng, world_size)`` draws group sizes, GQA shape, token segments (uneven,
 non-contiguous, possibly zero tokens for a rank) and query heads (uneven, non-divisible, possibly
 zero for a rank), and returns a validated ``Layout``.
+
+``random_batch_layout(rng, job, ...)`` draws a per-micro-batch layout of ``job``'s structure (its
+groups, heads, hosts and GPUs) with new random segments: several runs per rank, ranks without
+tokens, and, given document boundaries, whole documents kept inside one group (cut over its
+members), as a document-aware batch planner places short documents.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from dataclasses import replace
 
-from megatron_hexiseq.layout import Layout, make_layout
+from megatron_hexiseq.layout import Layout, Segment, make_layout
 
 GQA_SHAPES = ((8, 2), (6, 3), (12, 4), (4, 1), (6, 1), (4, 4), (3, 3), (8, 8))
 
@@ -79,3 +86,59 @@ def _try(rng, world, seq_length, group_sizes, heads, max_pieces) -> Layout | Non
         )
     except ValueError:
         return None
+
+
+def random_batch_layout(
+    rng: random.Random,
+    job: Layout,
+    *,
+    seq_length: int | None = None,
+    bounds: Sequence[int] | None = None,
+    min_tokens: int = 0,
+) -> Layout:
+    """A random valid layout with ``job``'s groups and heads and new segments (module docstring).
+
+    ``bounds``: document boundaries ``[0, ..., S]``; about half of the documents then go whole to
+    one group. ``min_tokens``: every rank holds at least this many tokens (Megatron needs 1)."""
+    S = seq_length if seq_length is not None else job.seq_length
+    for _ in range(1000):
+        segs = _batch_segments(rng, job, S, bounds)
+        if any(sum(e - s for s, e in x) < min_tokens for x in segs):
+            continue
+        try:
+            return replace(
+                job,
+                seq_length=S,
+                ranks=tuple(replace(r, segments=tuple(x)) for r, x in zip(job.ranks, segs)),
+                predicted=None,
+                baselines=(),
+                planner={},
+                meta={},
+            )
+        except ValueError:
+            continue
+    raise AssertionError("could not draw a valid per-batch layout")
+
+
+def _batch_segments(
+    rng: random.Random, job: Layout, S: int, bounds: Sequence[int] | None
+) -> list[list[Segment]]:
+    W = job.world_size
+    docs = list(zip(bounds, bounds[1:])) if bounds is not None else [(0, S)]
+    pieces: list[tuple[int, int, int]] = []  # (start, end, owner rank)
+    for a, b in docs:
+        if bounds is not None and rng.random() < 0.5:  # the whole document in one group
+            members = rng.choice(job.groups).ranks
+        else:
+            members = tuple(range(W))
+        n = rng.randint(1, min(b - a, 2 * len(members)))
+        cuts = sorted(rng.sample(range(a + 1, b), n - 1))
+        for s, e in zip([a] + cuts, cuts + [b]):
+            pieces.append((s, e, rng.choice(members)))
+    segs: list[list[Segment]] = [[] for _ in range(W)]
+    for s, e, r in pieces:
+        if segs[r] and segs[r][-1][1] == s:
+            segs[r][-1] = (segs[r][-1][0], e)
+        else:
+            segs[r].append((s, e))
+    return segs

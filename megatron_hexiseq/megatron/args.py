@@ -67,6 +67,13 @@ class HexiSeqArgs:
         "size, context-parallel size, sequence length, heads) always fail.",
         default=False,
     )
+    batch_plan: bool = _flag(
+        "Give every micro-batch its own token assignment, planned from its documents by the batch "
+        "planner (megatron_hexiseq/varlen/) on the layout's groups and heads (the process groups "
+        "are built once); needs packed documents (--reset-attention-mask, or THD batches) and a "
+        "layout written by 'megatron-hexiseq plan' (it records the cluster and the model).",
+        default=False,
+    )
     overlap_tune: bool = _flag(
         "Tune communication/computation overlap knobs online in the first iterations "
         "(megatron_hexiseq.overlap) and save the result.",

@@ -7,6 +7,11 @@ and RoPE expect.
 
 Shapes: ``tokens/labels/loss_mask/position_ids [b, S] -> [b, s_r]``;
 ``attention_mask [b, 1, S, S] -> [b, 1, s_r, S]`` (query rows only, as Megatron does).
+
+With per-micro-batch layouts (``batch_layout.MicroBatchLayout``) the segments change every
+micro-batch: the slicer records the boundaries, asks the slot for the micro-batch's plan and
+gathers this rank's positions with one ``index_select`` per tensor, from the plan's device index
+(one host-to-device copy per micro-batch, shared with RoPE; no host sync).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.megatron.batch_layout import BatchPlan, MicroBatchLayout
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 
 Segment = tuple[int, int]
@@ -35,9 +41,14 @@ def slice_sequence(x: torch.Tensor, segments: Sequence[Segment], *, dim: int = 1
 
 
 def slice_batch(
-    batch: Mapping[str, BatchValue], *, segments: Sequence[Segment], seq_length: int
+    batch: Mapping[str, BatchValue],
+    *,
+    segments: Sequence[Segment],
+    seq_length: int,
+    plan: BatchPlan | None = None,
 ) -> dict[str, BatchValue]:
-    """Slice every tensor of a Megatron batch dict to this rank's segments (None entries kept).
+    """Slice every tensor of a Megatron batch dict to this rank's segments (None entries kept);
+    with ``plan`` (a per-micro-batch layout) gather the plan's positions instead.
 
     Sequence dimension: 2 for ``attention_mask``, 1 for everything else (Megatron's convention).
     """
@@ -52,7 +63,10 @@ def slice_batch(
                 f"batch '{key}' has shape {tuple(val.shape)}; expected the full sequence "
                 f"of {seq_length} tokens in dimension {dim} (is --seq-length the layout's?)"
             )
-        out[key] = cast(BatchValue, slice_sequence(val, segments, dim=dim))
+        if plan is None:
+            out[key] = cast(BatchValue, slice_sequence(val, segments, dim=dim))
+        else:
+            out[key] = cast(BatchValue, val.index_select(dim, plan.indices(val.device)[0]))
     return out
 
 
@@ -64,6 +78,8 @@ class LayoutBatchSlicer:
     boundaries from the EOD tokens of the whole batch (the same on every CP rank). ``thd`` replaces
     ``pretrain_gpt.get_thd_batch_on_this_cp_rank``: it records ``cu_seqlens_padded`` (else
     ``cu_seqlens``) as the boundaries and slices like the SBHD path (no ``PackedSeqParams``).
+    With ``batch_layout`` (per-micro-batch layouts) it then sets the micro-batch's plan from those
+    boundaries and gathers the plan's positions instead of ``segments``.
     """
 
     def __init__(
@@ -73,11 +89,20 @@ class LayoutBatchSlicer:
         documents: MicroBatchDocuments | None = None,
         *,
         reset_attention_mask: bool = False,
+        batch_layout: MicroBatchLayout | None = None,
     ) -> None:
         self.segments = tuple((int(s), int(e)) for s, e in segments)
         self.seq_length = seq_length
         self.documents = documents
         self.reset_attention_mask = reset_attention_mask
+        self.batch_layout = batch_layout
+
+    def _slice(self, batch: Mapping[str, BatchValue]) -> dict[str, BatchValue]:
+        plan = None
+        if self.batch_layout is not None:
+            bounds = self.documents.bounds if self.documents is not None else None
+            plan = self.batch_layout.update(bounds)
+        return slice_batch(batch, segments=self.segments, seq_length=self.seq_length, plan=plan)
 
     def __call__(
         self, batch: Mapping[str, BatchValue], cp_group: dist.ProcessGroup | None = None
@@ -93,7 +118,7 @@ class LayoutBatchSlicer:
                 self.documents.update_from_tokens(tokens)
             else:
                 self.documents.bounds = None
-        return slice_batch(batch, segments=self.segments, seq_length=self.seq_length)
+        return self._slice(batch)
 
     def thd(
         self,
@@ -112,7 +137,7 @@ class LayoutBatchSlicer:
         while len(values) > 1 and values[-1] == values[-2]:
             values.pop()  # trailing repeats pad a fixed-size cu_seqlens
         self.documents.update(values, batch=1)
-        return slice_batch(batch, segments=self.segments, seq_length=self.seq_length), None
+        return self._slice(batch), None
 
     def __repr__(self) -> str:
         return f"LayoutBatchSlicer(segments={list(self.segments)}, seq_length={self.seq_length})"

@@ -104,7 +104,9 @@ class HexiSeqCoreAttention(MegatronModule):
 
         ``attention_mask`` is ignored: the mask is causal over global positions by construction,
         inside each document when the runtime carries the micro-batch's document boundaries
-        (``--reset-attention-mask``, THD batches: ``megatron/documents.py``).
+        (``--reset-attention-mask``, THD batches: ``megatron/documents.py``). With per-micro-batch
+        layouts the attention runs the micro-batch's layout on the job's groups
+        (``megatron/batch_layout.py``).
         """
         if packed_seq_params is not None or attention_bias is not None:
             raise HexiSeqError(
@@ -114,7 +116,9 @@ class HexiSeqCoreAttention(MegatronModule):
             raise HexiSeqError(
                 f"HexiSeq attention is causal, got attn_mask_type {attn_mask_type.name}"
             )
-        assert query.size(0) == self.runtime.num_tokens, (query.shape, self.runtime.num_tokens)
+        groups = self.runtime.micro_batch_groups()
+        expect = groups.layout.ranks[groups.rank].num_tokens
+        assert query.size(0) == expect, (query.shape, expect)
         docs = self.runtime.documents
         cu_seqlens = None
         if docs is not None:
@@ -123,7 +127,7 @@ class HexiSeqCoreAttention(MegatronModule):
             query,
             key,
             value,
-            groups=self.runtime.groups,
+            groups=groups,
             softmax_scale=self.softmax_scale,
             kernel=self.runtime.kernel,
             comm_chunks=self.comm_chunks,

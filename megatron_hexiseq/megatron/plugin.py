@@ -44,11 +44,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron import post_parse
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
+from megatron_hexiseq.megatron.batch_layout import (
+    BatchLayouts,
+    MicroBatchLayout,
+    batch_planner_layouts,
+)
 from megatron_hexiseq.megatron.checkpoint import check_before_training
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
@@ -171,10 +177,13 @@ def setup(
     pretrain_module: ModuleType | None,
     *,
     cp_group: dist.ProcessGroup | None = None,
+    batch_layouts: BatchLayouts | None = None,
 ) -> HexiSeqRuntime | None:
     """Once per process, after ``initialize_model_parallel``: returns the ``HexiSeqRuntime`` or None.
 
-    Collective over the default group when ``--hexiseq-layout`` is given.
+    Collective over the default group when ``--hexiseq-layout`` is given. ``batch_layouts``: a
+    per-micro-batch layout provider (``megatron/batch_layout.py``; deterministic, the job layout's
+    groups and heads): every micro-batch then runs its own layout on the job's groups.
     """
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
@@ -217,6 +226,17 @@ def setup(
         fp32_grad_wire=hs.fp32_grad_wire,
     )
     runtime = replace(runtime, documents=micro_batch_documents(args, layout.seq_length))
+    if hs.batch_plan:
+        if batch_layouts is not None:
+            raise HexiSeqError(
+                "--hexiseq-batch-plan and a per-micro-batch layout provider were both given; "
+                "use one"
+            )
+        batch_layouts = batch_planner_layouts(layout, f"layout {hs.layout}")
+    if batch_layouts is not None:
+        runtime = replace(
+            runtime, batch_layout=micro_batch_layout(args, runtime.groups, batch_layouts)
+        )
     if pretrain_module is not None:
         # pretrain_gpt's module-level functions, replaced on purpose (the batch seams)
         slicer = LayoutBatchSlicer(
@@ -224,6 +244,7 @@ def setup(
             layout.seq_length,
             runtime.documents,
             reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+            batch_layout=runtime.batch_layout,
         )
         pretrain_module.get_batch_on_this_cp_rank = slicer  # type: ignore[attr-defined]
         pretrain_module.get_thd_batch_on_this_cp_rank = slicer.thd  # type: ignore[attr-defined]
@@ -252,6 +273,20 @@ def micro_batch_documents(args: argparse.Namespace, seq_length: int) -> MicroBat
         eod_token=eod,
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
         required=reset_mask,
+    )
+
+
+def micro_batch_layout(
+    args: argparse.Namespace, groups: HexiSeqGroups, provider: BatchLayouts
+) -> MicroBatchLayout:
+    """The per-micro-batch layout slot of a run with a layout provider (megatron/batch_layout.py)."""
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise HexiSeqError(
+            "per-micro-batch layouts do not support pipeline parallelism yet (middle stages "
+            "do not load the batch); use --pipeline-model-parallel-size 1"
+        )
+    return MicroBatchLayout(
+        groups, provider, reset_position_ids=bool(getattr(args, "reset_position_ids", False))
     )
 
 
@@ -340,7 +375,12 @@ def build_gpt_model(
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    install_rope(model, [p for s, e in runtime.segments for p in range(s, e)], runtime.documents)
+    install_rope(
+        model,
+        [p for s, e in runtime.segments for p in range(s, e)],
+        runtime.documents,
+        runtime.batch_layout,
+    )
     return model
 
 
@@ -348,7 +388,8 @@ class HexiSeqModelProvider:
     """Megatron model provider: ``setup`` on the first call, then ``model_provider(builder, ...)``.
 
     ``model_provider`` / ``gpt_builder`` are Megatron-LM's (``model_provider.py`` /
-    ``gpt_builders.py``); ``get_args`` defaults to ``megatron.training.get_args``.
+    ``gpt_builders.py``); ``get_args`` defaults to ``megatron.training.get_args``;
+    ``batch_layouts``: a per-micro-batch layout provider, passed to ``setup``.
     """
 
     def __init__(
@@ -358,8 +399,10 @@ class HexiSeqModelProvider:
         pretrain_module: ModuleType | None,
         *,
         get_args: Callable[[], argparse.Namespace] | None = None,
+        batch_layouts: BatchLayouts | None = None,
     ) -> None:
         self.model_provider = model_provider
+        self.batch_layouts = batch_layouts
         self.gpt_builder = gpt_builder
         self.pretrain_module = pretrain_module
         self._get_args = get_args
@@ -380,7 +423,12 @@ class HexiSeqModelProvider:
             self._get_args = get_args
         if not self._ready:
             cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-            self.runtime = setup(self._get_args(), self.pretrain_module, cp_group=cp_group)
+            self.runtime = setup(
+                self._get_args(),
+                self.pretrain_module,
+                cp_group=cp_group,
+                batch_layouts=self.batch_layouts,
+            )
             self._ready = True
         builder = self.gpt_builder
         if self.runtime is not None:

@@ -15,6 +15,11 @@ int32 (neither is cast), and after every ``_apply`` (``.to``, ``.cuda``, ``.bflo
 angles are recomputed from them on the module's device. Stock ``RotaryEmbedding`` computes its
 angles in float32 in every forward for the same reason.
 
+With per-micro-batch layouts (``batch_layout.MicroBatchLayout``) the rank's positions change every
+micro-batch: the angles are computed once per micro-batch at the plan's RoPE positions (global, or
+inside each document with ``--reset-position-ids``), from the plan's device index (the one
+host-to-device copy the slicer shares), and ``get_rotary_seq_len`` is the plan's token count.
+
 Shape: ``forward(...) -> emb [s_r, 1, 1, rotary_dim]`` (float32), as ``RotaryEmbedding.forward``.
 """
 
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments, positions_in_documents
 
 if TYPE_CHECKING:  # for annotations only: importing it at run time loads much of megatron.core
@@ -65,9 +71,13 @@ class LayoutRotaryEmbedding(nn.Module):
         original: RotaryEmbedding,
         positions: Sequence[int],
         documents: MicroBatchDocuments | None = None,
+        batch_layout: MicroBatchLayout | None = None,
     ) -> None:
         super().__init__()
         self.documents = documents
+        self.batch_layout = batch_layout
+        self._plan_key: object = None
+        self._plan_emb: torch.Tensor | None = None
         self._host_positions = tuple(int(p) for p in positions)
         self._doc_key: object = None
         self._doc_emb: torch.Tensor | None = None
@@ -103,7 +113,25 @@ class LayoutRotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         self.emb = self._angles()  # float32 again, on the (possibly new) device
         self._doc_key, self._doc_emb = None, None
+        self._plan_key, self._plan_emb = None, None
         return self
+
+    def _plan_angles(self) -> torch.Tensor | None:
+        """With per-micro-batch layouts: float32 angles at the current plan's RoPE positions, once
+        per micro-batch (from the plan's device index; no host-to-device copy of its own)."""
+        if self.batch_layout is None:
+            return None
+        plan = self.batch_layout.current()
+        if self._plan_key is not plan:
+            _, rope = plan.indices(self.positions.device)
+            self._plan_emb = rope_angles(
+                rope,
+                self.inv_freq_bits.view(torch.float32),
+                interleaved=self.rotary_interleaved,
+                interpolation_factor=self.interpolation_factor,
+            )
+            self._plan_key = plan
+        return self._plan_emb
 
     def _document_angles(self) -> torch.Tensor | None:
         """With ``--reset-position-ids``: float32 angles at each token's position inside its
@@ -128,7 +156,10 @@ class LayoutRotaryEmbedding(nn.Module):
         return self._doc_emb
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
-        """GPTModel asks for a length before calling forward; ours is fixed by the layout."""
+        """GPTModel asks for a length before calling forward; ours is the layout's (the
+        micro-batch's with per-micro-batch layouts)."""
+        if self.batch_layout is not None:
+            return self.batch_layout.current().num_tokens
         return self.num_tokens
 
     def forward(
@@ -142,18 +173,24 @@ class LayoutRotaryEmbedding(nn.Module):
             raise HexiSeqError(
                 "HexiSeq RoPE supports neither packed sequences nor position offsets"
             )
-        emb = self._document_angles()
+        emb = self._plan_angles()
+        if emb is None:
+            emb = self._document_angles()
         return self.emb if emb is None else emb
 
 
 def install_rope(
-    model: nn.Module, positions: Sequence[int], documents: MicroBatchDocuments | None = None
+    model: nn.Module,
+    positions: Sequence[int],
+    documents: MicroBatchDocuments | None = None,
+    batch_layout: MicroBatchLayout | None = None,
 ) -> None:
     """Replace ``model.rotary_pos_emb`` (a megatron-core ``GPTModel`` using RoPE) in place;
-    ``documents``: restart the angles in each document (``--reset-position-ids``)."""
+    ``documents``: restart the angles in each document (``--reset-position-ids``);
+    ``batch_layout``: the positions of each micro-batch's layout instead of ``positions``."""
     original = getattr(model, "rotary_pos_emb", None)
     if original is None:
         return  # learned absolute or no position embedding: sliced position_ids already suffice
     if isinstance(original, LayoutRotaryEmbedding):
         return
-    model.rotary_pos_emb = LayoutRotaryEmbedding(original, positions, documents)
+    model.rotary_pos_emb = LayoutRotaryEmbedding(original, positions, documents, batch_layout)

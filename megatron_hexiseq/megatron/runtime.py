@@ -33,6 +33,7 @@ from megatron_hexiseq.attention.kernels import Kernel
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
+from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 
 DTYPES = {
@@ -196,6 +197,15 @@ class HexiSeqRuntime:
     fp32_grad_wire: bool = False
     # packed documents (--reset-attention-mask, THD batches): the current micro-batch's boundaries
     documents: MicroBatchDocuments | None = None
+    # per-micro-batch layouts on these groups: the current micro-batch's plan (batch_layout.py)
+    batch_layout: MicroBatchLayout | None = None
+
+    def micro_batch_groups(self) -> HexiSeqGroups:
+        """The groups running the current micro-batch: ``groups`` itself, or the view of the
+        micro-batch's layout with per-micro-batch layouts."""
+        if self.batch_layout is None:
+            return self.groups
+        return self.batch_layout.current().groups
 
     @property
     def rank(self) -> int:

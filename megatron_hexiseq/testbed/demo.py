@@ -8,6 +8,11 @@ The best symmetric layout is rebuilt from the planner's own baseline list (the f
 the lowest predicted time), so both runs use the same cost model, cluster and model. Both runs
 start from the same weights and see the same data; attention is exact, so their losses must agree
 to floating-point reordering (checked: relative 1e-4 at every step).
+
+``--packed L.json`` (a JSON list of document lengths, e.g. ``../shared/data/doc_lengths_prolong.json``)
+trains on packed micro-batches instead, with ``--reset-attention-mask``: the THD-style even split,
+the fixed HexiSeq layout and per-micro-batch layouts from the batch planner
+(``testbed/packed.py``), each on the same micro-batches.
 """
 
 from __future__ import annotations
@@ -305,6 +310,21 @@ def main(argv: list[str] | None = None) -> int:
         help="attention kernel (default auto: the fused kernel for the device)",
     )
     p.add_argument(
+        "--packed",
+        metavar="L.json",
+        default=None,
+        help="document lengths (JSON list): train on packed micro-batches, three schemes "
+        "(THD-style even split, fixed HexiSeq layout, per-micro-batch layouts)",
+    )
+    p.add_argument(
+        "--doc-scale",
+        type=float,
+        default=None,
+        help="with --packed: scale the lengths by this factor before packing (default 1/16: a "
+        "2K-token micro-batch holds the documents of a 32K one)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="with --packed: packing seed (default 0)")
+    p.add_argument(
         "-o",
         "--output",
         default="results/demo.json",
@@ -328,9 +348,11 @@ def _run(args: argparse.Namespace) -> int:
             ("-o", args.output),
             ("--plot", plot_path),
         ],  # every output checked before minutes of training
-        inputs=[args.cluster, args.layout, args.model_config],
+        inputs=[args.cluster, args.layout, args.model_config, args.packed],
         figures=["--plot"],
     )
+    if args.packed is None and args.doc_scale is not None:
+        raise HexiSeqError("--doc-scale needs --packed L.json")
     layout = Layout.load(args.layout)
     cluster = load_cluster(args.cluster)
     model = get_model(config_path=args.model_config, overrides={"seq_length": layout.seq_length})
@@ -345,6 +367,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     cpu_sets(shape)  # the cores exist
     warnings.filterwarnings("ignore", message=NOT_INSTALLED_WARNING, category=UserWarning)
+    if args.packed is not None:
+        return _run_packed(args, cluster, model, options, layout, plot_path)
     with waiting(f"training twice on testbed {args.testbed}, {args.steps} steps each"):
         rec = compare(
             cluster,
@@ -361,6 +385,46 @@ def _run(args: argparse.Namespace) -> int:
             plot(rec, tmp)
     write_json_atomic(args.output, rec)
     print_table(rec)
+    print(f"wrote {args.output}" + (f" and {plot_path}" if plot_path else ""))
+    return 0 if rec["losses_agree"] else 1
+
+
+def _run_packed(
+    args: argparse.Namespace,
+    cluster: Cluster,
+    model: ModelSpec,
+    options: TrainOptions,
+    layout: Layout,
+    plot_path: str | None,
+) -> int:
+    from megatron_hexiseq.testbed.packed import (
+        DOC_SCALE,
+        compare_packed,
+        plot_packed,
+        print_packed_table,
+    )
+    from megatron_hexiseq.varlen.packing import load_doc_lengths
+
+    lengths = load_doc_lengths(args.packed)
+    with waiting(f"training three schemes on testbed {args.testbed}, {args.steps} steps each"):
+        rec = compare_packed(
+            cluster,
+            model,
+            options,
+            layout,
+            args.testbed,
+            lengths,
+            steps=args.steps,
+            warmup=args.warmup,
+            seed=args.seed,
+            doc_scale=args.doc_scale if args.doc_scale is not None else DOC_SCALE,
+            kernel=args.kernel,
+        )
+    if plot_path:
+        with atomic_path(plot_path) as tmp:
+            plot_packed(rec, tmp)
+    write_json_atomic(args.output, rec)
+    print_packed_table(rec)
     print(f"wrote {args.output}" + (f" and {plot_path}" if plot_path else ""))
     return 0 if rec["losses_agree"] else 1
 

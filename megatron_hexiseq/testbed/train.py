@@ -23,13 +23,21 @@ length is the one trained. Run description and results: :mod:`megatron_hexiseq.t
 
 Checkpoints (``save_dir``/``save_at_step``, ``load_dir``; :mod:`megatron_hexiseq.testbed.ckpt`) are megatron-core
 ``torch_dist`` checkpoints that resume on any layout and world size.
+
+Packed documents (``cfg.documents``): each micro-batch's documents end with the EOD token; the ranks
+run the Megatron boundary's own path: ``LayoutBatchSlicer`` reads the boundaries from the EOD tokens
+of the whole micro-batch (``--reset-attention-mask``), and with ``cfg.batch_layouts`` asks for that
+micro-batch's layout (``megatron/batch_layout.py``: every step its own segments on the groups built
+once from ``cfg.layout``); RoPE and the core attention follow. The oracle masks its dense attention
+with the same boundaries.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -39,9 +47,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_hexiseq.attention.documents import DocumentBounds
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.megatron.batch import slice_batch
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron.batch import LayoutBatchSlicer, slice_batch
+from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.config import cpu_device_shim, transformer_config
+from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 from megatron_hexiseq.megatron.loss import per_token_loss
 from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
 from megatron_hexiseq.megatron.rope import install_rope
@@ -105,11 +117,17 @@ def train_step(
 def make_batch(cfg: TrainConfig, step: int, replica: int) -> dict[str, torch.Tensor]:
     """Deterministic synthetic batch of one DP replica: tokens/labels/loss_mask/position_ids [b, S].
 
-    About 1 in 8 tokens is masked out of the loss, so per-token weighting matters.
+    About 1 in 8 tokens is masked out of the loss, so per-token weighting matters. With
+    ``cfg.documents`` every document of the step ends with the EOD token (no other token is EOD).
     """
     S, b = cfg.layout.seq_length, cfg.micro_batch_size
     g = torch.Generator().manual_seed(cfg.data_seed * 1_000_003 + step * 1009 + replica)
-    text = torch.randint(0, cfg.model.vocab_size, (b, S + 1), generator=g)
+    lengths = cfg.doc_lengths(step)
+    if lengths is None:
+        text = torch.randint(0, cfg.model.vocab_size, (b, S + 1), generator=g)
+    else:
+        text = torch.randint(0, cfg.eod_token, (b, S + 1), generator=g)
+        text[:, np.cumsum(lengths) - 1] = cfg.eod_token
     loss_mask = (torch.rand(b, S, generator=g) > 0.125).float()
     return {
         "tokens": text[:, :-1].contiguous(),
@@ -125,12 +143,14 @@ def build_gpt(
     runtime: HexiSeqRuntime | None = None,
     pg_collection=None,
     core_attention: type | None = None,
+    documents: MicroBatchDocuments | None = None,
 ) -> GPTModel:
     """The ``GPTModel`` of ``cfg.model`` with the same weights on every process (seeded CPU init).
 
     With ``runtime`` (a ``HexiSeqRuntime``) the core attention is HexiSeq's and RoPE follows the
-    layout; without it, a single-device causal attention (the reference), or the module class
-    ``core_attention`` when given (``profile`` times the model without attention that way).
+    layout (and the runtime's documents and per-micro-batch layouts); without it, a single-device
+    causal attention (the reference; inside each document of ``documents`` when given), or the
+    module class ``core_attention`` when given (``profile`` times the model without attention).
     """
     cp = cfg.layout.world_size if runtime is not None else 1
     config = transformer_config(cfg.model, context_parallel_size=cp)
@@ -139,7 +159,8 @@ def build_gpt(
         spec = hexiseq_spec(spec, runtime)
     else:
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=core_attention or LocalCausalAttention
+            module=core_attention or LocalCausalAttention,
+            params={} if documents is None else {"documents": documents},
         )
     torch.manual_seed(cfg.seed)
     model = GPTModel(
@@ -155,8 +176,36 @@ def build_gpt(
     )
     if runtime is not None:
         positions = [p for s, e in runtime.segments for p in range(s, e)]
-        install_rope(model, positions)
+        install_rope(model, positions, runtime.documents, runtime.batch_layout)
     return model
+
+
+def _packed_runtime(
+    cfg: TrainConfig, runtime: HexiSeqRuntime, plan_times: list[float]
+) -> HexiSeqRuntime:
+    """The runtime with the documents slot and, with ``cfg.batch_layouts``, the per-micro-batch
+    layout slot (its provider timed: thread CPU time per call into ``plan_times``)."""
+    docs = MicroBatchDocuments(
+        seq_length=cfg.layout.seq_length,
+        eod_token=cfg.eod_token,
+        reset_position_ids=cfg.reset_position_ids,
+        required=True,
+    )
+    batch_layout = None
+    source = cfg.batch_layouts
+    if source is not None:
+
+        def provider(bounds: DocumentBounds | None) -> Layout:
+            assert bounds is not None and bounds.shared, "one sample per micro-batch"
+            t0 = time.thread_time()
+            layout = source(tuple(np.diff(bounds.samples[0]).tolist()))
+            plan_times.append(time.thread_time() - t0)
+            return layout
+
+        batch_layout = MicroBatchLayout(
+            runtime.groups, provider, reset_position_ids=cfg.reset_position_ids
+        )
+    return replace(runtime, documents=docs, batch_layout=batch_layout)
 
 
 def run_shape(cfg: TrainConfig) -> RunShape:
@@ -191,6 +240,17 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
             kernel=cfg.kernel,
             comm_chunks=cfg.comm_chunks,
         )
+        plan_times: list[float] = []
+        slicer = None
+        if cfg.documents is not None:
+            runtime = _packed_runtime(cfg, runtime, plan_times)
+            slicer = LayoutBatchSlicer(
+                runtime.segments,
+                cfg.layout.seq_length,
+                runtime.documents,
+                reset_attention_mask=True,
+                batch_layout=runtime.batch_layout,
+            )
         model = build_gpt(cfg, runtime=runtime)
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=cfg.overlap_grad_reduce,
@@ -219,11 +279,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
 
         for step in range(start, cfg.steps):
             t_start = time.perf_counter()
-            batch = slice_batch(
-                make_batch(cfg, step, replica),
-                segments=runtime.segments,
-                seq_length=cfg.layout.seq_length,
-            )
+            if slicer is not None:  # the Megatron boundary's slicer: documents, batch layout
+                batch = slicer(make_batch(cfg, step, replica))
+            else:
+                batch = slice_batch(
+                    make_batch(cfg, step, replica),
+                    segments=runtime.segments,
+                    seq_length=cfg.layout.seq_length,
+                )
             want = step == 0 and cfg.return_grads and rank == 0
             report, _ = train_step(
                 ddp,
@@ -246,6 +309,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
             start_step=start,
             opt_state=final.get("opt_state"),
             resumed=resumed,
+            plan_times_s=plan_times if cfg.batch_layouts is not None else None,
         )
     finally:
         mpu.destroy_model_parallel()
@@ -267,7 +331,15 @@ def train_reference(cfg: TrainConfig) -> TrainResult:
 
 def _train_reference(cfg: TrainConfig) -> TrainResult:
     """Body of ``train_reference`` (model-parallel state initialised, CUDA shim active)."""
-    model = build_gpt(cfg)
+    docs = None
+    if cfg.documents is not None:
+        docs = MicroBatchDocuments(
+            seq_length=cfg.layout.seq_length,
+            eod_token=cfg.eod_token,
+            reset_position_ids=False,
+            required=True,
+        )
+    model = build_gpt(cfg, documents=docs)
     initial = (
         {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.return_params else None
     )
@@ -278,6 +350,8 @@ def _train_reference(cfg: TrainConfig) -> TrainResult:
         opt.zero_grad(set_to_none=True)
         parts = [make_batch(cfg, step, r) for r in range(cfg.data_parallel)]
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        if docs is not None:
+            docs.update_from_tokens(batch["tokens"])  # Megatron's EOD rule, every sample
         out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
         (loss_sum / num_tokens).backward()

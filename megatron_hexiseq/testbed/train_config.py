@@ -8,6 +8,7 @@ driver calls, can name these types without importing the driver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,36 @@ class TrainConfig:
     save_dir: str | None = None  # checkpoint folder (testbed/ckpt.py)
     save_at_step: int | None = None  # save once this many steps are done (1..steps)
     load_dir: str | None = None  # resume from this folder's latest checkpoint (any layout)
+    # packed documents: per step (cycled) the micro-batch's document lengths, summing to the layout's
+    # seq_length; each document ends with the EOD token (vocab_size - 1) and attention stays inside
+    # it (--reset-attention-mask); the boundaries are read from the EOD tokens, as in Megatron
+    documents: tuple[tuple[int, ...], ...] | None = None
+    # per-micro-batch layouts: document lengths -> a Layout of ``layout``'s structure, called every
+    # step on every rank (deterministic); picklable (it travels to the spawned ranks)
+    batch_layouts: Callable[[tuple[int, ...]], Layout] | None = None
+    reset_position_ids: bool = False  # RoPE restarts in each document (needs documents)
+
+    @property
+    def eod_token(self) -> int:
+        return self.model.vocab_size - 1
+
+    def doc_lengths(self, step: int) -> tuple[int, ...] | None:
+        """The document lengths of step ``step``'s micro-batch (None without documents)."""
+        return None if self.documents is None else self.documents[step % len(self.documents)]
 
     def __post_init__(self) -> None:
+        S = self.layout.seq_length
+        for i, lengths in enumerate(self.documents or ()):
+            if not lengths or min(lengths) < 1 or sum(lengths) != S:
+                raise HexiSeqError(
+                    f"TrainConfig: documents[{i}] must be positive lengths summing to the "
+                    f"layout's {S} tokens, got {len(lengths)} summing to {sum(lengths)}"
+                )
+        if (self.batch_layouts is not None or self.reset_position_ids) and not self.documents:
+            raise HexiSeqError(
+                "TrainConfig: batch_layouts and reset_position_ids need documents (packed "
+                "micro-batches)"
+            )
         m = self.model
         if (
             m.kv_channels * m.num_attention_heads != m.hidden_size
@@ -88,3 +117,4 @@ class TrainResult:
     resumed: dict[str, dict] | None = (
         None  # {"params", "opt_state"} right after loading a checkpoint
     )
+    plan_times_s: list[float] | None = None  # per step: the batch_layouts call (thread CPU time)

@@ -1,0 +1,182 @@
+"""Per-micro-batch layouts at the Megatron boundary: the layout of the micro-batch being computed.
+
+The job's process groups are built once, from the job's layout (``--hexiseq-layout``). With a
+per-micro-batch layout provider (``BatchLayouts``: the micro-batch's document boundaries -> a
+``Layout`` of the job's structure, e.g. a document-aware batch planner) every micro-batch gets its
+own token assignment on those groups: the same A2A groups and query heads, its own segments (several
+runs per rank). The provider must be deterministic: every CP rank loads the whole micro-batch,
+derives the same boundaries and so the same layout, with no communication.
+
+``MicroBatchLayout`` is the slot, the per-micro-batch counterpart of ``documents.MicroBatchDocuments``:
+the batch slicer (``batch.LayoutBatchSlicer``) calls ``update(bounds)`` after recording the
+boundaries and before slicing; the core attention runs on ``current().groups``
+(``HexiSeqGroups.with_layout``: a cached view, no collective) and RoPE computes its angles at
+``current()``'s positions. Everything a rank needs from the layout is in one frozen ``BatchPlan``:
+its global positions (what the slicer gathers) and its RoPE positions (inside each document with
+``--reset-position-ids`` and boundaries shared by the samples, else global), moved to the device
+together in ONE host-to-device copy per micro-batch (pinned, non-blocking on CUDA: no host sync),
+shared by the slicer and RoPE. The backward of a micro-batch uses what its forward captured (the
+attention keeps its view, RoPE's angles are saved tensors), so schedules that interleave micro-batches
+are fine.
+
+Checked per micro-batch, one ``HexiSeqError`` line each: the structure (``with_layout``), the
+sequence length, and that every rank holds a token (Megatron's attention layer cannot run an empty
+shard, as for the job's layout).
+
+``--hexiseq-batch-plan``: the provider is ``PlannerLayouts``, the batch planner
+(``varlen.batch.BatchPlanner``) built on the job's layout with the cluster, model and training
+options ``plan`` recorded in it (``batch_planner_layouts``). With per-sample boundaries (micro-batch
+> 1) it plans the union of the samples' boundaries: every cut of any sample is a document edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megatron_hexiseq.attention.documents import DocumentBounds
+from megatron_hexiseq.attention.groups import HexiSeqGroups
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.megatron.documents import positions_in_documents
+
+if TYPE_CHECKING:  # annotations only: the planner imports the cost model
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+# where 'megatron-hexiseq plan' records the cluster and the model in a layout's meta
+# (commands/inputs.py: CLUSTER_SPEC_KEY, MODEL_SPEC_KEY)
+CLUSTER_SPEC_KEY, MODEL_SPEC_KEY = "cluster_spec", "model_spec"
+
+# the micro-batch's document boundaries (None without --reset-attention-mask or THD) -> its layout
+BatchLayouts = Callable[[DocumentBounds | None], Layout]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What one rank runs for one micro-batch: the layout, its groups view and its positions."""
+
+    layout: Layout
+    groups: HexiSeqGroups  # the job's process groups running ``layout``
+    positions: tuple[int, ...]  # this rank's global positions, segment order (what is gathered)
+    rope_positions: tuple[int, ...]  # the positions RoPE rotates by (in-document or global)
+    _device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    def indices(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(positions [s_r], rope_positions [s_r])`` int64 on ``device``: one host-to-device copy
+        per (micro-batch, device), from pinned memory without blocking on CUDA."""
+        if device not in self._device:
+            host = torch.tensor(self.positions + self.rope_positions, dtype=torch.int64)
+            if device.type == "cuda":
+                host = host.pin_memory()  # kept alive by the cache until the plan is dropped
+                both = host.to(device, non_blocking=True)
+            else:
+                both = host.to(device)
+            n = self.num_tokens
+            self._device[device] = (both[:n], both[n:], host)
+        gather, rope, _ = self._device[device]
+        return gather, rope
+
+
+class MicroBatchLayout:
+    """The slot of the current micro-batch's ``BatchPlan`` (module docstring)."""
+
+    def __init__(
+        self,
+        groups: HexiSeqGroups,
+        provider: BatchLayouts,
+        *,
+        reset_position_ids: bool = False,
+    ) -> None:
+        self.groups = groups
+        self.provider = provider
+        self.reset_position_ids = reset_position_ids
+        self.plan: BatchPlan | None = None
+
+    @property
+    def seq_length(self) -> int:
+        return self.groups.job_layout.seq_length
+
+    def update(self, bounds: DocumentBounds | None) -> BatchPlan:
+        """Ask the provider for this micro-batch's layout, check it, and make it current."""
+        layout = self.provider(bounds)
+        if not isinstance(layout, Layout):
+            raise HexiSeqError(
+                f"the per-micro-batch layout provider returned {type(layout).__name__}, not a "
+                "Layout; return a Layout of the job's groups and heads"
+            )
+        if layout.seq_length != self.seq_length:
+            raise HexiSeqError(
+                f"the micro-batch's layout covers {layout.seq_length} tokens but the micro-batch "
+                f"has {self.seq_length} (--seq-length); plan it for the whole micro-batch"
+            )
+        empty = [r.rank for r in layout.ranks if r.num_tokens == 0]
+        if empty:
+            raise HexiSeqError(
+                f"the micro-batch's layout gives ranks {empty} no tokens; Megatron's attention "
+                "layer cannot run an empty sequence shard: give every rank at least one token"
+            )
+        groups = self.groups.with_layout(layout)  # the structure check, one line
+        positions = tuple(layout.ranks[groups.rank].positions())
+        rope = positions
+        if self.reset_position_ids and bounds is not None and bounds.shared:
+            rope = tuple(positions_in_documents(positions, bounds.samples[0]))
+        self.plan = BatchPlan(layout, groups, positions, rope)
+        return self.plan
+
+    def current(self) -> BatchPlan:
+        if self.plan is None:
+            raise HexiSeqError(
+                "per-micro-batch layouts: no layout was recorded for this micro-batch (the batch "
+                "did not go through the HexiSeq slicer)"
+            )
+        return self.plan
+
+
+class PlannerLayouts:
+    """``BatchLayouts`` from the batch planner (module docstring): deterministic, no communication."""
+
+    def __init__(self, planner: BatchPlanner) -> None:
+        self.planner = planner
+
+    def __call__(self, bounds: DocumentBounds | None) -> Layout:
+        if bounds is None:
+            raise HexiSeqError(
+                "--hexiseq-batch-plan plans each micro-batch from its documents, but this one has "
+                "none recorded: add --reset-attention-mask (or feed THD batches)"
+            )
+        cuts = sorted(set().union(*bounds.samples))
+        return self.planner.plan(np.diff(cuts).tolist()).layout
+
+
+def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
+    """``--hexiseq-batch-plan``'s provider: a ``BatchPlanner`` on ``layout``'s structure with the
+    cluster, model and options recorded in ``layout.meta`` (one line if they are missing)."""
+    from megatron_hexiseq.cluster import cluster_from_dict
+    from megatron_hexiseq.model import model_from_dict
+    from megatron_hexiseq.run_config import check_options_record, options_from_record
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+    meta = layout.meta if isinstance(layout.meta, Mapping) else {}
+    missing = [k for k in (CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, "options") if k not in meta]
+    if missing:
+        raise HexiSeqError(
+            f"--hexiseq-batch-plan needs the cluster, model and options 'megatron-hexiseq plan' "
+            f"records in the layout, but {source} has no meta.{', meta.'.join(missing)}; "
+            "re-plan it with 'megatron-hexiseq plan'"
+        )
+    cluster = cluster_from_dict(meta[CLUSTER_SPEC_KEY], source=f"{source}: meta.{CLUSTER_SPEC_KEY}")
+    model = model_from_dict(
+        {**meta[MODEL_SPEC_KEY], "seq_length": layout.seq_length},
+        source=f"{source}: meta.{MODEL_SPEC_KEY}",
+    )
+    options = options_from_record(check_options_record(meta["options"], source))
+    return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
