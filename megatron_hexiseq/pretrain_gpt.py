@@ -18,20 +18,9 @@ import sys
 import time
 
 from megatron_hexiseq.errors import run_user_command
+from megatron_hexiseq.megatron.args import layout_flag
 
 _PROGRAM_START_TIME = time.time()
-
-
-def layout_flag(argv: list[str]) -> str | None:
-    """The value of ``--hexiseq-layout`` in ``argv`` (``--hexiseq-layout P`` or ``=P``; the last
-    one wins, as argparse does), None when absent."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == "--hexiseq-layout" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith("--hexiseq-layout="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def main() -> int:

@@ -42,17 +42,14 @@ from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays
 from megatron_hexiseq.costmodel.estimate import (
     _a2a_layer_s,
-    _attention_core_bytes,
     _device_arrays,
+    rank_memory,
 )
 from megatron_hexiseq.costmodel.exchange import fan_units
 from megatron_hexiseq.costmodel.formulas import (
-    a2a_buffer_bytes_per_token,
-    activation_bytes_per_token,
     attention_s_per_pair_head,
     kv_block_bytes_per_token,
     linear_s_per_token,
-    static_memory_bytes,
 )
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
@@ -312,17 +309,9 @@ def estimate_documents(
     kv_exposed_s = (passes_fwd + 2) * exposed_fwd + kv_latency_s
     time_s = linear_s + attention_s + a2a_s + kv_exposed_s
 
-    static = static_memory_bytes(model, options, options.data_parallel_size * W)
-    core = np.array(
-        _attention_core_bytes(model, options, zip(heads.tolist(), kv_n.tolist())), dtype=np.int64
-    )
-    memory = (
-        static
-        + b * tokens * activation_bytes_per_token(model, options)
-        + b * g_tokens[gi] * core
-        + b * tokens * a2a_buffer_bytes_per_token(model)
-        + 4 * b * max_block * kv_n * kv_block_bytes_per_token(model)
-    )
+    memory = rank_memory(
+        model, options, W, tokens, g_tokens[gi], heads.tolist(), kv_n.tolist(), max_block
+    ).total
     capacity = (options.capacity_fraction * dev.memory_bytes).astype(np.int64)
     kv_bytes = int(kv_units.sum()) * kv_block_bytes_per_token(model) * b * L * (passes_fwd + 2)
     return DocumentEstimate(

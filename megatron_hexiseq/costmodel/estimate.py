@@ -28,10 +28,10 @@ for the rank's heads + communication buffers. Formulas and sources: docs/cost_mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -140,8 +140,6 @@ def estimate(
     check_matches(layout, cluster, model)
     b, L = options.micro_batch_size, model.num_layers
     passes_fwd = 2 if options.recompute else 1
-    static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
-    act_per_token = activation_bytes_per_token(model, options)
     hpg = layout.heads_per_query_group
     kv_of = [
         tuple(sorted({h // hpg for h in r.heads})) for r in layout.ranks
@@ -192,19 +190,15 @@ def estimate(
 
     # per rank, vectorised (every value as the scalar formula computes it: the same IEEE operations
     # in the same order, integers for the bytes)
-    a2a_buf, kv_block = a2a_buffer_bytes_per_token(model), kv_block_bytes_per_token(model)
     dev = _device_arrays(cluster)
     index = {g.id: i for i, g in enumerate(layout.groups)}
     gi = np.array([index[p.group] for p in layout.ranks])
     t = np.array(tokens, dtype=np.int64)
-    heads_n, kv_n = np.array(head_count, dtype=np.int64), np.array(kv_count, dtype=np.int64)
+    heads_n = np.array(head_count, dtype=np.int64)
     lin_rate, att_rate = np.empty(len(t)), np.empty(len(t))
     for first, where in dev.types:  # per GPU type (its first device stands for it)
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
         att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
-    att_mem_n = np.array(
-        _attention_core_bytes(model, options, zip(head_count, kv_count)), dtype=np.int64
-    )
     steps = (passes_fwd + 2) * L  # exchange steps per round with something to receive
     g_pairs = np.array(group_pairs, dtype=np.int64)[gi]
     g_a2a = np.array(group_a2a_s)[gi]
@@ -218,19 +212,10 @@ def estimate(
     compute_s = linear_s + attention_s
     exposed_s = g_a2a + kv_exposed_s
     time_s = compute_s + exposed_s
-    mem_activations = b * t * act_per_token
     block = np.array(exchange.max_block_tokens, dtype=np.int64)
-    blk_bwd_n = np.array(
-        [
-            attention_backward_bytes_per_block_token(model, hq, hk)
-            for hq, hk in zip(head_count, kv_count)
-        ],
-        dtype=np.int64,
-    )
-    # the attention core kept per group token, and the key side of a received block's backward
-    mem_attention = b * g_tokens * att_mem_n + b * block * blk_bwd_n
-    mem_comm = b * t * a2a_buf + 4 * b * block * kv_n * kv_block
-    memory = static + mem_activations + mem_attention + mem_comm
+    mem = rank_memory(model, options, layout.world_size, t, g_tokens, head_count, kv_count, block)
+    mem_activations, mem_attention, mem_comm = mem.activations, mem.attention, mem.comm
+    memory = mem.total
     capacity = (options.capacity_fraction * dev.memory_bytes).astype(np.int64)
     # Bulk-synchronous phases: each layer's attention (head all-to-all, K/V exchange) synchronises
     # the whole CP domain, the linear work between two attentions does not. So the iteration is the
@@ -240,7 +225,7 @@ def estimate(
     batch_tokens = layout.seq_length * b * options.data_parallel_size
     columns = _Columns(
         cluster=cluster,
-        static=static,
+        static=mem.static,
         values={
             "tokens": t,
             "heads": heads_n,
@@ -341,6 +326,54 @@ def memory_floor_fits(
         if need > int(options.capacity_fraction * dev.memory_bytes):
             return False
     return True
+
+
+class RankMemory(NamedTuple):
+    """Each rank's modelled bytes by part (int64 arrays; ``static`` one number for every rank)."""
+
+    static: int
+    activations: np.ndarray
+    attention: np.ndarray
+    comm: np.ndarray
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.static + self.activations + self.attention + self.comm
+
+
+def rank_memory(
+    model: ModelSpec,
+    options: TrainOptions,
+    world_size: int,
+    tokens: np.ndarray,
+    group_tokens: np.ndarray,
+    head_count: Sequence[int],
+    kv_count: Sequence[int],
+    max_block_tokens: np.ndarray,
+) -> RankMemory:
+    """Each rank's modelled memory, the one formula ``estimate`` and the document pricing share:
+    static (weights, gradients, optimizer), its tokens' activations, the attention core kept per
+    token of its group and the key side of its largest received block's backward, the all-to-all
+    buffers and the double-buffered K/V blocks (docs/cost_model.md, "Memory")."""
+    b = options.micro_batch_size
+    core = np.array(
+        _attention_core_bytes(model, options, zip(head_count, kv_count)), dtype=np.int64
+    )
+    blk_bwd = np.array(
+        [
+            attention_backward_bytes_per_block_token(model, hq, hk)
+            for hq, hk in zip(head_count, kv_count)
+        ],
+        dtype=np.int64,
+    )
+    kv_n = np.asarray(kv_count, dtype=np.int64)
+    return RankMemory(
+        static=static_memory_bytes(model, options, options.data_parallel_size * world_size),
+        activations=b * tokens * activation_bytes_per_token(model, options),
+        attention=b * group_tokens * core + b * max_block_tokens * blk_bwd,
+        comm=b * tokens * a2a_buffer_bytes_per_token(model)
+        + 4 * b * max_block_tokens * kv_n * kv_block_bytes_per_token(model),
+    )
 
 
 def _attention_core_bytes(

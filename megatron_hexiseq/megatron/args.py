@@ -148,3 +148,15 @@ def add_hexiseq_args(
         kwargs.update(meta)
         group.add_argument(flag(f.name), **kwargs)
     return chain(parser) if chain is not None else parser
+
+
+def layout_flag(argv: list[str]) -> str | None:
+    """The value of ``--hexiseq-layout`` in ``argv`` (``--hexiseq-layout P`` or ``=P``; the last
+    one wins, as argparse does), None when absent."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--hexiseq-layout" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--hexiseq-layout="):
+            value = arg.split("=", 1)[1]
+    return value

@@ -48,7 +48,7 @@ from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron import post_parse
-from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args
+from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args, layout_flag
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
 from megatron_hexiseq.megatron.batch_layout import (
     BatchLayouts,
@@ -119,8 +119,6 @@ def check_layout_flag(argv: Sequence[str]) -> None:
     """``--hexiseq-layout`` in ``argv`` names a readable, valid layout, else one line on stderr and
     exit 2: before ``pretrain`` parses the flags and ``initialize_megatron`` starts the process
     group (a typo would otherwise cost the distributed start-up of every rank)."""
-    from megatron_hexiseq.pretrain_gpt import layout_flag
-
     path = layout_flag(list(argv))
     if path is None:
         return
