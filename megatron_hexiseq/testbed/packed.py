@@ -35,7 +35,7 @@ import numpy as np
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.documents import cu_from_lengths, estimate_documents
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout, make_layout
+from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.runtime import check_run
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
@@ -45,7 +45,7 @@ from megatron_hexiseq.testbed.train import TrainConfig, run_shape, train_rank
 from megatron_hexiseq.varlen.assignment import fill_empty
 from megatron_hexiseq.varlen.batch import BatchPlanner
 from megatron_hexiseq.varlen.packing import pack_batches
-from megatron_hexiseq.varlen.schemes import zigzag_docs
+from megatron_hexiseq.varlen.schemes import ring_layout, zigzag_docs
 from megatron_hexiseq.varlen.structure import choose_structure
 
 SCHEMES = ("thd-even", "hexiseq-fixed", "hexiseq-batch")
@@ -76,16 +76,8 @@ class EvenSplitLayouts:
 def ring_structure(cluster: Cluster, model: ModelSpec, seq_length: int) -> Layout:
     """One rank per group, every head on every rank (Megatron's CP), the sequence zig-zagged."""
     W = cluster.world_size
-    segments = zigzag_docs(np.array([0, seq_length]), list(range(W)), W)
-    return make_layout(
-        seq_length=seq_length,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        group_sizes=[1] * W,
-        segments=segments,
-        heads=[list(range(model.num_attention_heads))] * W,
-        hosts=[d.node for d in cluster.devices],
-        gpus=[d.gpu.name for d in cluster.devices],
+    return ring_layout(
+        cluster, model, seq_length, zigzag_docs(np.array([0, seq_length]), list(range(W)), W)
     )
 
 

@@ -89,7 +89,9 @@ def zigzag_docs(cu: np.ndarray, ranks: Sequence[int], world: int) -> list[list[t
     return out
 
 
-def _ring_layout(cluster: Cluster, model: ModelSpec, N: int, segments) -> Layout:
+def ring_layout(cluster: Cluster, model: ModelSpec, N: int, segments) -> Layout:
+    """One rank per group with every head on every rank (Megatron's CP layout), ``segments`` per
+    rank."""
     W = cluster.world_size
     return make_layout(
         seq_length=N,
@@ -165,7 +167,7 @@ class Schemes:
         if scheme == "megatron-thd-cp":
             segs = zigzag_docs(cu, list(range(W)), W)
             _fill_empty(segs)
-            lay = _ring_layout(self.cluster, model, N, segs)
+            lay = ring_layout(self.cluster, model, N, segs)
             est, mode = self._priced(lay, model, cu_t, "te-ring", None)
             return SchemeRun(
                 scheme=scheme, layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": W, **mode}
@@ -212,7 +214,7 @@ class Schemes:
         for r in range(W):
             segs[r] = _merge(sorted(segs[r]))
         _fill_empty(segs)
-        lay = _ring_layout(self.cluster, model, N, segs)
+        lay = ring_layout(self.cluster, model, N, segs)
         est, mode = self._priced(lay, model, cu_t, "te-ring", rings)
         return SchemeRun(
             scheme="dynamic-cp", layout=lay, cu_seqlens=cu_t, estimate=est, config={"cp": c, **mode}
