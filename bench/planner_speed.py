@@ -8,8 +8,9 @@ re-ran Stage I; fixed since). This bench draws ``--count`` clusters per size wit
 MHA and GQA models, 128K-1M tokens, shuffled node order) from a seed (default 4000: seeds
 2027-2035 and 3000 were used to find and fix slow paths; 4000, 5000 and 6000 have since been used
 to check changes and find the next slow path, 7000 to measure the sixth session's final code,
-8000 and 9000 the seventh's, 10000 and 11000 the eighth's, 14000 the ninth's, so pass a new ``--seed`` to measure on
-clusters nobody looked at), plans each in fresh processes (``--repeats`` runs, median CPU time of
+8000 and 9000 the seventh's, 10000 and 11000 the eighth's, 14000 the ninth's, 15000 to find the
+slow case of the calibrated cost model (one case at 0.58 s) and 16000 to measure its fix, so pass a
+new ``--seed`` to measure on clusters nobody looked at), plans each in fresh processes (``--repeats`` runs, median CPU time of
 ``plan()``; the machine is shared and one run varies by +-30%), and reports per size the median,
 the 90th percentile, the maximum and how many cases meet the target.
 

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -117,11 +118,18 @@ class GpuType:
 
     def rate(self, key: str) -> float | None:
         """The achieved TFLOP/s under ``key`` (``matmul/bf16``, ``flash/bf16/128``), or None."""
-        return dict(self.achieved_tflops).get(key)
+        return self._by_key[0].get(key)
 
     def curve(self, key: str) -> Curve | None:
         """This type's own curve for ``kernel/mask`` (``profile`` writes them), or None."""
-        return dict(self.attention_curves).get(key)
+        return self._by_key[1].get(key)
+
+    @cached_property
+    def _by_key(self) -> tuple[dict[str, float], dict[str, Curve]]:
+        """``achieved_tflops`` and ``attention_curves`` as dicts, built once per type
+        (``Device.flops_per_s`` reads a rate on every call: the planner asks thousands of times
+        per plan). Not a field: equality, hashing and the spec ignore it."""
+        return dict(self.achieved_tflops), dict(self.attention_curves)
 
 
 @dataclass(frozen=True, kw_only=True)

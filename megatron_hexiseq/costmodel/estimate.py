@@ -141,9 +141,11 @@ def estimate(
     b, L = options.micro_batch_size, model.num_layers
     passes_fwd = 2 if options.recompute else 1
     hpg = layout.heads_per_query_group
-    kv_of = [
-        tuple(sorted({h // hpg for h in r.heads})) for r in layout.ranks
-    ]  # layout.kv_heads of each rank
+    kv_by_heads: dict[tuple[int, ...], tuple[int, ...]] = {}  # ranks repeat a few head sets
+    for r in layout.ranks:
+        if r.heads not in kv_by_heads:
+            kv_by_heads[r.heads] = tuple(sorted({h // hpg for h in r.heads}))
+    kv_of = [kv_by_heads[r.heads] for r in layout.ranks]  # layout.kv_heads of each rank
     rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
     exchange = kv_exchange_forward(layout, cluster, model, b, kv_heads=kv_of, rates=rates)
 

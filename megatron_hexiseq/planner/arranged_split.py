@@ -94,13 +94,16 @@ class Feasible(NamedTuple):
 
 
 class PrefixHint:
-    """The prefix length the last test of a search settled on (the next attention bound's answer
-    is near it: ``longest`` gallops from there); -1 before any."""
+    """Carried between the tests of one search: the prefix length the last test settled on (the
+    next attention bound's answer is near it: ``longest`` gallops from there; -1 before any), and
+    the order in which ``arranged_feasible`` tries the final keys (the one whose range was empty
+    last, first)."""
 
-    __slots__ = ("length",)
+    __slots__ = ("length", "key_order")
 
     def __init__(self) -> None:
         self.length = -1
+        self.key_order: list[int] = []
 
 
 @lru_cache(maxsize=4096)
@@ -158,6 +161,14 @@ def arranged_feasible(
         P += T * k
 
     fast = finals if finals is not None else finals_at(prep, lin)
+    items = list(count.items())
+    # The final keys are tried with the one whose range was empty last first: a state with an
+    # empty range costs one range instead of up to all (a quarter of the ranges Stage II computed
+    # on gen:15000:128:7 were of states that another key's empty range then rejected). Every range
+    # is a pure function of its key and the state, so the order changes no answer.
+    order = hint.key_order if hint is not None else []
+    if len(order) != len(items):
+        order[:] = range(len(items))
 
     def state(P_target: int) -> Feasible | None:
         """The prefix's block sizes shortened to ``P_target``, its length and per final key (the
@@ -165,18 +176,20 @@ def arranged_feasible(
         None when a final range is empty or their lower ends do not fit."""
         sz = shrink_prefix(coefs, arr, sizes, P - P_target) if P_target < P else sizes
         p = sum(map(mul, sz, block_len))
-        placed: list[GroupCoef | None] = []
-        kvs: list[int] = []
-        ranges: list[tuple[int, int]] = []
+        placed: list[GroupCoef | None] = [None] * len(items)
+        kvs = [0] * len(items)
+        ranges: list[tuple[int, int]] = [(0, 0)] * len(items)
         lo_sum = 0
-        for i, (key, k) in enumerate(count.items()):
+        for i in order:
+            key, k = items[i]
             kv = round(sum(map(mul, key.fan, sz)))
             moved, r = key_range(fast[i], key.coef, p, kv, z, lin, exact)
             if r is None:
+                if order[0] != i:
+                    order.remove(i)
+                    order.insert(0, i)
                 return None
-            placed.append(moved)
-            kvs.append(kv)
-            ranges.append(r)
+            placed[i], kvs[i], ranges[i] = moved, kv, r
             lo_sum += k * r[0]
         return Feasible(sz, p, placed, kvs, ranges) if p + lo_sum <= N else None
 

@@ -196,19 +196,29 @@ def split_at(
 
     capped = [(g, k, caps.get(g, num_units)) for g, k in distinct.items()]
     settle = not coarse
+    # the group whose range failed last is tried first (as ``arranged_split.arranged_feasible``
+    # does with its final keys): a failing test then costs one range; the ranges are pure
+    # functions of (group, z), so the order changes no answer
+    order = list(range(len(capped)))
 
     def ranges(z: float) -> dict[GroupCoef, tuple[int, int]] | None:
-        out = {}
+        got: list[tuple[int, int]] = [(0, 0)] * len(capped)
         lo_sum = hi_sum = 0
-        for g, k, cap in capped:
+        for i in order:
+            g, k, cap = capped[i]
             r = units_range(g, z, lin, settle)
             if r is None or r[0] > cap:
+                if order[0] != i:
+                    order.remove(i)
+                    order.insert(0, i)
                 return None
             hi = r[1] if r[1] < cap else cap
-            out[g] = (r[0], hi)
+            got[i] = (r[0], hi)
             lo_sum += k * r[0]
             hi_sum += k * hi
-        return out if lo_sum <= num_units <= hi_sum else None
+        if not lo_sum <= num_units <= hi_sum:
+            return None
+        return {g: r for (g, _, _), r in zip(capped, got)}
 
     got = smallest_bound(
         ranges,
