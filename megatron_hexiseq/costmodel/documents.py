@@ -18,6 +18,19 @@ positions. Attention is causal inside each document and nothing crosses a bounda
   earlier piece of the same document: ``pairs(g <- s) = sum of l_i * l_j`` over pieces i of g and
   earlier pieces j of s in the same document.
 
+**Kernel calls** (``document_calls``, ``call_slowdown``): the runtime runs a block's document
+windows (``attention.documents``: per (group, document) one square causal local window; per query
+piece and earlier group of its document one unmasked received window) one kernel call each on CPU
+and with every kernel but ``flash``/``cudnn``, which run a block's windows as one variable-length
+call (``attention.varlen.uses_varlen``; a micro-batch of one document is priced as ``estimate``
+prices the runtime without documents: one call per window). Each call runs at
+``rates.call_fraction`` of its kernel's curve (causal for local, full for received) at its
+pair-heads (pairs x the rank's heads x micro-batch); a rank's attention time is its pairs at the
+long-block rate times its calls' slowdown, local and received apart (the received one also scales
+the round pipeline's compute, as one mean per rank). A flat rate without curves prices every pair
+alike. The CPU testbed's ``cpu-flash`` curves come from ``profile --testbed``; with them a THD-style
+split (tens of small windows per layer) is no longer priced at the long-block rate.
+
 Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
 rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs, memory,
 bulk-synchronous iteration time); with one document ``[0, N]`` this module reproduces ``estimate``
@@ -35,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,17 +63,21 @@ from megatron_hexiseq.costmodel.exchange import fan_units
 from megatron_hexiseq.costmodel.formulas import (
     a2a_buffer_bytes_per_token,
     activation_bytes_per_token,
+    attention_backward_bytes_per_block_token,
     attention_s_per_pair_head,
     kv_block_bytes_per_token,
     linear_s_per_token,
     static_memory_bytes,
 )
+from megatron_hexiseq.costmodel.rates import ClusterRates, call_fraction, cluster_rates
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
 
 MAX_PIECE_PAIRS = 4_000_000  # earlier-piece pairs enumerated exactly; above: uniform rounds
+MAX_WINDOWS = 4_000_000  # (query piece, earlier group) pairs enumerated as windows; above: spread
+VARLEN_KERNELS = ("flash", "cudnn")  # one variable-length call per block (attention.varlen)
 EXCHANGES = ("pruned", "te-ring")
 
 
@@ -221,6 +239,142 @@ def _cross_rounds(
     return cells // n, cells % n, np.rint(vis).astype(np.int64), np.rint(pairs).astype(np.int64)
 
 
+class DocumentCalls(NamedTuple):
+    """The attention kernel calls of one micro-batch's blocks, as the runtime's windows
+    (``attention.documents.local_windows`` / ``block_windows``) cut them, one entry per window:
+    ``group`` (the querying group), ``source`` (the group whose keys it reads; the group itself for
+    a local window), ``pairs`` (document-masked query-key pairs of one sequence and head),
+    ``causal`` (local square window) -- int64 / bool arrays. ``exact`` is False when the received
+    windows were too many to enumerate (``MAX_WINDOWS``) and each query piece's cross pairs were
+    spread evenly over the groups it reads (pairs stay exact per group)."""
+
+    group: np.ndarray
+    source: np.ndarray
+    pairs: np.ndarray
+    causal: np.ndarray
+    exact: bool
+
+
+def _join(pieces: Pieces, pg: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Touching pieces of one group inside one document joined (the runtime's runs): group, doc,
+    start, length (position order)."""
+    new = np.ones(pg.size, dtype=bool)
+    new[1:] = (pg[1:] != pg[:-1]) | (pieces.doc[1:] != pieces.doc[:-1])
+    idx = np.cumsum(new) - 1
+    length = np.bincount(idx, weights=pieces.end - pieces.start).astype(np.int64)
+    return pg[new], pieces.doc[new], pieces.start[new], length
+
+
+def document_calls(pieces: Pieces, pg: np.ndarray, n: int, cu: np.ndarray) -> DocumentCalls:
+    """Every window of the micro-batch (``DocumentCalls``). Local: one causal window per (group,
+    document) of the group's ``l`` tokens there, ``l (l + 1) / 2`` pairs. Received: a joined query
+    piece of group g in document D reads, from each other group s holding earlier tokens of D, the
+    ``K`` tokens of s in D before it (``l x K`` pairs); neighbouring pieces of g in D with the same
+    ``K`` share one window (no token of s between them)."""
+    g, doc, start, length = _join(pieces, pg)
+    N = int(cu[-1])
+    cell = doc * n + g
+    cells, inv = np.unique(cell, return_inverse=True)
+    held = np.rint(np.bincount(inv, weights=length, minlength=cells.size)).astype(np.int64)
+    loc_g, loc_pairs = cells % n, (held * (held + 1)) >> 1
+    first = np.full(cells.size, N, dtype=np.int64)
+    np.minimum.at(first, inv, start)
+    # cells by (document, first position): the groups a piece reads are a prefix of its document's
+    order_c = np.lexsort((first, cells // n))
+    c_doc, c_first = (cells // n)[order_c], first[order_c]
+    key_c = c_doc * (N + 1) + c_first
+    lo = np.searchsorted(c_doc, doc, side="left")
+    hi = np.searchsorted(key_c, doc * (N + 1) + start, side="left")
+    own_before = (first[inv] < start).astype(np.int64)
+    m = hi - lo - own_before  # other groups read by each piece
+    total = int((hi - lo).sum())
+    loc = (loc_g, loc_g, loc_pairs, np.ones(loc_g.size, dtype=bool))
+    # tokens of every group in its document before a position: pieces by (cell, start), cumulative
+    order_p = np.lexsort((start, inv))
+    key_p = inv[order_p] * (N + 1) + start[order_p]
+    csum = np.concatenate(([0], np.cumsum(length[order_p])))
+    cell_base = csum[np.searchsorted(inv[order_p], np.arange(cells.size), side="left")]
+    if total <= MAX_WINDOWS:
+        i = np.repeat(np.arange(g.size), hi - lo)
+        c = order_c[lo[i] + np.arange(total) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo)]
+        keep = cells[c] % n != g[i]
+        i, c = i[keep], c[keep]
+        K = csum[np.searchsorted(key_p, c * (N + 1) + start[i], side="left")] - cell_base[c]
+        s = cells[c] % n
+        # one window per run of (group, source, document, K): sum the rows, pairs = rows x K
+        o = np.lexsort((K, doc[i], s, g[i]))
+        cols = np.stack([g[i][o], s[o], doc[i][o], K[o]])
+        brk = np.ones(o.size, dtype=bool)
+        brk[1:] = (cols[:, 1:] != cols[:, :-1]).any(axis=0)
+        w = np.cumsum(brk) - 1
+        rows = np.bincount(w, weights=length[i][o]).astype(np.int64) if o.size else np.zeros(0)
+        rg, rs, rK = cols[0][brk], cols[1][brk], cols[3][brk]
+        rpairs = np.asarray(rows, dtype=np.int64) * rK
+        exact = True
+    else:  # spread each piece's cross pairs over the m groups it reads
+        own_tok = csum[np.searchsorted(key_p, inv * (N + 1) + start, side="left")] - cell_base[inv]
+        cross = length * (start - cu[doc] - own_tok)
+        has = m > 0
+        rg = np.repeat(g[has], m[has])
+        rs = np.full(rg.size, -1, dtype=np.int64)
+        per = cross[has] // m[has]
+        rem = cross[has] - per * m[has]
+        first_of = np.repeat(np.cumsum(m[has]) - m[has], m[has])
+        rank_in = np.arange(rg.size) - first_of
+        rpairs = np.repeat(per, m[has]) + (rank_in < np.repeat(rem, m[has]))
+        exact = False
+    return DocumentCalls(
+        group=np.concatenate([loc[0], rg]).astype(np.int64),
+        source=np.concatenate([loc[1], rs]).astype(np.int64),
+        pairs=np.concatenate([loc[2], rpairs]).astype(np.int64),
+        causal=np.concatenate([loc[3], np.zeros(rg.size, dtype=bool)]),
+        exact=exact,
+    )
+
+
+def call_slowdown(
+    calls: DocumentCalls,
+    layout: Layout,
+    heads: np.ndarray,
+    rates: ClusterRates,
+    b: int,
+    one_call_per_block: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: (local, received) attention time at the achieved rates of its calls over that time
+    at the long-block rate (1.0 where the rank has none, or a flat rate). A call's rate is
+    ``call_fraction`` of its curve (causal: local window, full: received) at its pair-heads
+    (``pairs x heads x b``). Ranks in ``one_call_per_block`` run a block's windows as one
+    variable-length call (``attention.varlen.uses_varlen``): the call is the block's pairs."""
+    W = layout.world_size
+    cell, r, _ = _expand(calls.group, layout)
+    pairs = calls.pairs[cell].astype(np.float64)
+    block = calls.group * (int(calls.source.max(initial=0)) + 2) + calls.source + 1
+    if calls.exact or calls.pairs.size == 0:
+        _, binv = np.unique(block, return_inverse=True)
+        block_pairs = np.bincount(binv, weights=calls.pairs)[binv]
+    else:  # received blocks unknown: the local block is one call, the received windows as they are
+        loc = calls.causal
+        block_pairs = calls.pairs.astype(np.float64)
+        g_loc = np.bincount(calls.group[loc], weights=calls.pairs[loc])
+        block_pairs[loc] = g_loc[calls.group[loc]]
+    call = np.where(one_call_per_block[r], block_pairs[cell], pairs) * heads[r] * b
+    frac = np.ones(r.size)
+    causal = calls.causal[cell]
+    for rate, where in rates.groups:
+        sel = where[r]
+        for mask, curve in ((causal, rate.causal), (~causal, rate.full)):
+            pick = sel & mask
+            if curve is not None and pick.any():
+                frac[pick] = call_fraction(curve, call[pick])
+    slow = pairs / frac
+    out = []
+    for mask in (causal, ~causal):
+        ideal = np.bincount(r[mask], weights=pairs[mask], minlength=W)
+        actual = np.bincount(r[mask], weights=slow[mask], minlength=W)
+        out.append(np.where(ideal > 0, actual / np.where(ideal > 0, ideal, 1.0), 1.0))
+    return out[0], out[1]
+
+
 @lru_cache(maxsize=65536)
 def _fan(
     sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]
@@ -270,7 +424,17 @@ def estimate_documents(
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
         att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
     linear_s = tokens * lin_rate + dev.overhead_s
-    attention_s = g_pairs[gi] * heads * att_rate
+    # every window a kernel call at its own achieved rate (module docstring, "Kernel calls")
+    rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
+    own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
+        np.int64
+    )
+    slow_local, slow_cross = np.ones(W), np.ones(W)
+    if rates.groups:
+        calls = document_calls(pieces, pg, n, cu)
+        one_call = np.array([k in VARLEN_KERNELS for k in rates.kernels]) & (cu.size > 2)
+        slow_local, slow_cross = call_slowdown(calls, layout, heads, rates, b, one_call)
+    attention_s = (own[gi] * slow_local + (g_pairs - own)[gi] * slow_cross) * heads * att_rate
 
     # head all-to-all per group (estimate's formula, its fixed cost per collective)
     a2a_g = np.zeros(n)
@@ -299,11 +463,37 @@ def estimate_documents(
             raise HexiSeqError("the te-ring exchange needs one rank per group (hp = 1)")
         ring_list = [tuple(range(W))] if rings is None else [tuple(x) for x in rings]
         ex = _te_ring(
-            layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, ring_list
+            layout,
+            cluster,
+            model,
+            b,
+            gi,
+            tokens,
+            heads,
+            kv_n,
+            g_pairs,
+            pieces,
+            pg,
+            cu,
+            ring_list,
+            (slow_local, slow_cross),
         )
     else:
         ex = _pruned(
-            layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu
+            layout,
+            cluster,
+            model,
+            b,
+            gi,
+            heads,
+            kv_of,
+            kv_n,
+            g_pairs,
+            g_tokens,
+            pieces,
+            pg,
+            cu,
+            (slow_local, slow_cross),
         )
     comm_fwd, exposed_fwd, kv_units, rounds, max_block, model_kind = ex
     steps = (passes_fwd + 2) * L
@@ -316,10 +506,16 @@ def estimate_documents(
     core = np.array(
         _attention_core_bytes(model, options, zip(heads.tolist(), kv_n.tolist())), dtype=np.int64
     )
+    bwd_of = {
+        hk: attention_backward_bytes_per_block_token(model, *hk)
+        for hk in set(zip(heads.tolist(), kv_n.tolist()))
+    }
+    blk_bwd = np.array([bwd_of[hk] for hk in zip(heads.tolist(), kv_n.tolist())], dtype=np.int64)
     memory = (
         static
         + b * tokens * activation_bytes_per_token(model, options)
         + b * g_tokens[gi] * core
+        + b * max_block * blk_bwd  # the key side of a received block's backward (estimate's)
         + b * tokens * a2a_buffer_bytes_per_token(model)
         + 4 * b * max_block * kv_n * kv_block_bytes_per_token(model)
     )
@@ -402,8 +598,11 @@ def _expand(
     return cell, members[starts[groups_of_cell][cell] + pos], pos
 
 
-def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu):
-    """HexiSeq's sub-ring exchange with document pruning (module docstring)."""
+def _pruned(
+    layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu, slow
+):
+    """HexiSeq's sub-ring exchange with document pruning (module docstring). ``slow``: per rank,
+    the (local, received) call slowdowns that scale the pipeline's compute."""
     W, n, L = layout.world_size, len(layout.groups), model.num_layers
     zeros_f, zeros_i = np.zeros(W), np.zeros(W, dtype=np.int64)
     if n == 1:
@@ -425,7 +624,7 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
         np.int64
     )
-    comp0 = flops_per_pair_head * own[gi] * heads / rate
+    comp0 = flops_per_pair_head * own[gi] * heads / rate * slow[0]
     cross = _cross_rounds(pieces, gi)
     # link of a round: the sending group's slowest port, the receiver's own (estimate's rule)
     members = np.array([r for g in layout.groups for r in g.ranks])
@@ -456,7 +655,7 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
             gnode[s_of] == node[r], np.minimum(gnv[s_of], nv[r]), np.minimum(gnet[s_of], net[r])
         )
         comm = bytes_per_token_head * vis[cell] * fan[sig_id[s_of], sig_id[gi[r]], pos] / link
-        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r]
+        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r] * slow[1][r]
         exposed, comm_sum = _pipeline(comp0, r, comp, comm)
         rounds = np.bincount(r, minlength=W).astype(np.int64)
         max_block = zeros_i.copy()
@@ -467,7 +666,7 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     met = np.bincount(cells % n, weights=doc_groups[cells // n] - 1, minlength=n)
     R = np.minimum(n - 1, np.rint(met).astype(np.int64))[gi]
     R = np.where((kv_units > 0) & (heads > 0), np.maximum(R, 1), 0)
-    cross_comp = flops_per_pair_head * (g_pairs - own)[gi] * heads / rate
+    cross_comp = flops_per_pair_head * (g_pairs - own)[gi] * heads / rate * slow[1]
     comm_total = bytes_per_token_head * kv_units / np.minimum(net, nv)
     r = np.repeat(np.arange(W), R)
     per = np.maximum(R, 1)
@@ -476,8 +675,11 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     return comm_sum, exposed, kv_units, R, max_block, "uniform"
 
 
-def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings):
-    """Transformer Engine's THD ring inside each ring of ranks (module docstring)."""
+def _te_ring(
+    layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings, slow
+):
+    """Transformer Engine's THD ring inside each ring of ranks (module docstring); ``slow`` as
+    ``_pruned``'s."""
     W, L = layout.world_size, model.num_layers
     arrays = cluster_arrays(cluster)
     flops_per_pair_head = 4 * model.kv_channels * L * b
@@ -485,7 +687,7 @@ def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces
     own = np.rint(
         np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=len(layout.groups))
     ).astype(np.int64)[gi]
-    comp0 = flops_per_pair_head * own * heads / arrays.rate
+    comp0 = flops_per_pair_head * own * heads / arrays.rate * slow[0]
     entries_r, entries_comm, entries_comp = [], [], []
     kv_units = np.zeros(W, dtype=np.int64)
     rounds = np.zeros(W, dtype=np.int64)
@@ -510,6 +712,7 @@ def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces
             * (g_pairs[gi][ring] - own[ring])
             * heads[ring]
             / arrays.rate[ring]
+            * slow[1][ring]
             / (c - 1)
         )
         entries_r.append(np.repeat(ring, c - 1))
