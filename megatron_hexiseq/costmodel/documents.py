@@ -76,7 +76,7 @@ from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
 
 MAX_PIECE_PAIRS = 4_000_000  # earlier-piece pairs enumerated exactly; above: uniform rounds
-MAX_WINDOWS = 4_000_000  # (query piece, earlier group) pairs enumerated as windows; above: spread
+MAX_WINDOWS = 1_000_000  # (query piece, earlier group) pairs enumerated as windows; above: spread
 VARLEN_KERNELS = ("flash", "cudnn")  # one variable-length call per block (attention.varlen)
 EXCHANGES = ("pruned", "te-ring")
 
@@ -241,16 +241,18 @@ def _cross_rounds(
 
 class DocumentCalls(NamedTuple):
     """The attention kernel calls of one micro-batch's blocks, as the runtime's windows
-    (``attention.documents.local_windows`` / ``block_windows``) cut them, one entry per window:
-    ``group`` (the querying group), ``source`` (the group whose keys it reads; the group itself for
-    a local window), ``pairs`` (document-masked query-key pairs of one sequence and head),
-    ``causal`` (local square window) -- int64 / bool arrays. ``exact`` is False when the received
-    windows were too many to enumerate (``MAX_WINDOWS``) and each query piece's cross pairs were
-    spread evenly over the groups it reads (pairs stay exact per group)."""
+    (``attention.documents.local_windows`` / ``block_windows``) cut them: per entry ``windows``
+    windows (1 when enumerated) of ``pairs`` document-masked query-key pairs each (one sequence and
+    head), of ``group`` (the querying group) reading ``source``'s keys (the group itself for a local
+    window; -1: not enumerated), ``causal`` for a local square window. ``exact`` is False when the
+    received windows were too many to enumerate (``MAX_WINDOWS``): each query piece then has one
+    entry of ``m`` windows sharing its cross pairs evenly (m = the groups it reads; the pairs of
+    every group stay exact, as ``pairs x windows`` sums)."""
 
     group: np.ndarray
     source: np.ndarray
-    pairs: np.ndarray
+    pairs: np.ndarray  # float64: one window's pairs (exact integers when enumerated)
+    windows: np.ndarray
     causal: np.ndarray
     exact: bool
 
@@ -310,23 +312,20 @@ def document_calls(pieces: Pieces, pg: np.ndarray, n: int, cu: np.ndarray) -> Do
         rows = np.bincount(w, weights=length[i][o]).astype(np.int64) if o.size else np.zeros(0)
         rg, rs, rK = cols[0][brk], cols[1][brk], cols[3][brk]
         rpairs = np.asarray(rows, dtype=np.int64) * rK
+        rcount = np.ones(rg.size, dtype=np.int64)
         exact = True
-    else:  # spread each piece's cross pairs over the m groups it reads
+    else:  # spread each piece's cross pairs over the m groups it reads: one entry of m windows
         own_tok = csum[np.searchsorted(key_p, inv * (N + 1) + start, side="left")] - cell_base[inv]
         cross = length * (start - cu[doc] - own_tok)
         has = m > 0
-        rg = np.repeat(g[has], m[has])
-        rs = np.full(rg.size, -1, dtype=np.int64)
-        per = cross[has] // m[has]
-        rem = cross[has] - per * m[has]
-        first_of = np.repeat(np.cumsum(m[has]) - m[has], m[has])
-        rank_in = np.arange(rg.size) - first_of
-        rpairs = np.repeat(per, m[has]) + (rank_in < np.repeat(rem, m[has]))
+        rg, rs, rcount = g[has], np.full(int(has.sum()), -1, dtype=np.int64), m[has]
+        rpairs = cross[has] / rcount
         exact = False
     return DocumentCalls(
         group=np.concatenate([loc[0], rg]).astype(np.int64),
         source=np.concatenate([loc[1], rs]).astype(np.int64),
-        pairs=np.concatenate([loc[2], rpairs]).astype(np.int64),
+        pairs=np.concatenate([loc[2], rpairs]).astype(np.float64),
+        windows=np.concatenate([np.ones(loc_g.size, dtype=np.int64), rcount]).astype(np.int64),
         causal=np.concatenate([loc[3], np.zeros(rg.size, dtype=bool)]),
         exact=exact,
     )
@@ -347,16 +346,21 @@ def call_slowdown(
     variable-length call (``attention.varlen.uses_varlen``): the call is the block's pairs."""
     W = layout.world_size
     cell, r, _ = _expand(calls.group, layout)
-    pairs = calls.pairs[cell].astype(np.float64)
-    block = calls.group * (int(calls.source.max(initial=0)) + 2) + calls.source + 1
-    if calls.exact or calls.pairs.size == 0:
+    work = calls.pairs * calls.windows  # pairs of each entry's windows together
+    pairs = calls.pairs[cell]
+    if calls.exact:
+        block = calls.group * (int(calls.source.max(initial=0)) + 2) + calls.source + 1
         _, binv = np.unique(block, return_inverse=True)
-        block_pairs = np.bincount(binv, weights=calls.pairs)[binv]
-    else:  # received blocks unknown: the local block is one call, the received windows as they are
+        block_pairs = np.bincount(binv, weights=work)[binv]
+    else:  # received blocks unknown: a group's cross pairs over as many blocks as its pieces'
+        # most sources (the local block is one call either way)
         loc = calls.causal
-        block_pairs = calls.pairs.astype(np.float64)
-        g_loc = np.bincount(calls.group[loc], weights=calls.pairs[loc])
-        block_pairs[loc] = g_loc[calls.group[loc]]
+        g_loc = np.bincount(calls.group[loc], weights=work[loc])
+        g_cross = np.bincount(calls.group[~loc], weights=work[~loc], minlength=g_loc.size)
+        g_blocks = np.ones(g_loc.size, dtype=np.int64)
+        np.maximum.at(g_blocks, calls.group[~loc], calls.windows[~loc])
+        block_pairs = np.where(loc, g_loc[calls.group], (g_cross / g_blocks)[calls.group])
+    work = work[cell]
     call = np.where(one_call_per_block[r], block_pairs[cell], pairs) * heads[r] * b
     frac = np.ones(r.size)
     causal = calls.causal[cell]
@@ -366,10 +370,10 @@ def call_slowdown(
             pick = sel & mask
             if curve is not None and pick.any():
                 frac[pick] = call_fraction(curve, call[pick])
-    slow = pairs / frac
+    slow = work / frac
     out = []
     for mask in (causal, ~causal):
-        ideal = np.bincount(r[mask], weights=pairs[mask], minlength=W)
+        ideal = np.bincount(r[mask], weights=work[mask], minlength=W)
         actual = np.bincount(r[mask], weights=slow[mask], minlength=W)
         out.append(np.where(ideal > 0, actual / np.where(ideal > 0, ideal, 1.0), 1.0))
     return out[0], out[1]
