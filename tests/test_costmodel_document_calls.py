@@ -217,3 +217,52 @@ def test_varlen_kernel_prices_a_block_as_one_call() -> None:
     eff = estimate_documents(lay, c, model, TrainOptions(attention_kernel="efficient"), cu)
     assert flash.pairs.tolist() == eff.pairs.tolist()
     assert (eff.attention_s > 1.5 * flash.attention_s).all()
+
+
+@pytest.mark.parametrize("kernel", ["auto", "efficient"])
+def test_one_document_reproduces_estimate_on_catalog_curves(kernel: str) -> None:
+    """Catalog GPUs (kernel curves, per-call pricing): with one document the calls, the pipeline
+    and every rank's time are ``estimate``'s."""
+    from megatron_hexiseq.attention.testing_layouts import random_layout
+    from megatron_hexiseq.costmodel import estimate
+
+    rng = random.Random(5)
+    gpus = ["H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB"]
+    for _ in range(12):
+        W = rng.choice([2, 4, 8])
+        c = cluster_from_dict(
+            {
+                "name": "x",
+                "gpus": {},
+                "nodes": [{"name": "n0", "gpu": rng.choice(gpus), "count": W, "network_GBps": 50}],
+            }
+        )
+        base = random_layout(rng, W)
+        lay = make_layout(
+            seq_length=base.seq_length * 64,
+            num_attention_heads=base.num_attention_heads,
+            num_query_groups=base.num_query_groups,
+            groups=[g.ranks for g in base.groups],
+            segments=[[(s * 64, e * 64) for s, e in r.segments] for r in base.ranks],
+            heads=[r.heads for r in base.ranks],
+            hosts=[d.node for d in c.devices],
+            gpus=[d.gpu.name for d in c.devices],
+        )
+        model = ModelSpec(
+            name="t",
+            num_layers=2,
+            hidden_size=lay.num_attention_heads * 64,
+            ffn_hidden_size=256,
+            vocab_size=64,
+            kv_channels=64,
+            num_attention_heads=lay.num_attention_heads,
+            num_query_groups=lay.num_query_groups,
+            seq_length=lay.seq_length,
+            swiglu=False,
+        )
+        opts = TrainOptions(attention_kernel=kernel)
+        est = estimate(lay, c, model, opts)
+        doc = estimate_documents(lay, c, model, opts, [0, lay.seq_length])
+        assert doc.attention_s == pytest.approx(np.array(est.values("attention_s")), rel=1e-12)
+        assert doc.time_s == pytest.approx(np.array(est.values("time_s")), rel=1e-12, abs=1e-15)
+        assert doc.iteration_time_s == pytest.approx(est.iteration_time_s, rel=1e-12)

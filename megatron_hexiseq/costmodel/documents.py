@@ -338,12 +338,13 @@ def call_slowdown(
     rates: ClusterRates,
     b: int,
     one_call_per_block: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, BlockSlowdown | None]:
     """Per rank: (local, received) attention time at the achieved rates of its calls over that time
     at the long-block rate (1.0 where the rank has none, or a flat rate). A call's rate is
     ``call_fraction`` of its curve (causal: local window, full: received) at its pair-heads
     (``pairs x heads x b``). Ranks in ``one_call_per_block`` run a block's windows as one
-    variable-length call (``attention.varlen.uses_varlen``): the call is the block's pairs."""
+    variable-length call (``attention.varlen.uses_varlen``): the call is the block's pairs. Third:
+    the same per received block (None when the windows were not enumerated)."""
     W = layout.world_size
     cell, r, _ = _expand(calls.group, layout)
     work = calls.pairs * calls.windows  # pairs of each entry's windows together
@@ -376,7 +377,30 @@ def call_slowdown(
         ideal = np.bincount(r[mask], weights=work[mask], minlength=W)
         actual = np.bincount(r[mask], weights=slow[mask], minlength=W)
         out.append(np.where(ideal > 0, actual / np.where(ideal > 0, ideal, 1.0), 1.0))
-    return out[0], out[1]
+    by_source = None
+    if calls.exact:  # per (receiver rank, source group): the slowdown of that block's calls
+        recv = ~causal
+        key = r[recv] * (int(calls.source.max(initial=0)) + 1) + calls.source[cell][recv]
+        keys, kinv = np.unique(key, return_inverse=True)
+        ideal = np.bincount(kinv, weights=work[recv], minlength=keys.size)
+        actual = np.bincount(kinv, weights=slow[recv], minlength=keys.size)
+        by_source = BlockSlowdown(keys, int(calls.source.max(initial=0)) + 1, actual / ideal)
+    return out[0], out[1], by_source
+
+
+class BlockSlowdown(NamedTuple):
+    """Slowdown of each received block's calls, keyed ``rank * stride + source group`` (sorted)."""
+
+    keys: np.ndarray
+    stride: int
+    factor: np.ndarray
+
+    def lookup(self, rank: np.ndarray, source: np.ndarray, default: np.ndarray) -> np.ndarray:
+        """The factor of each (rank, source) block; ``default`` where the block has no call."""
+        key = rank * self.stride + source
+        at = np.minimum(np.searchsorted(self.keys, key), max(self.keys.size - 1, 0))
+        hit = (self.keys[at] == key) if self.keys.size else np.zeros(key.size, dtype=bool)
+        return np.where(hit, self.factor[at] if self.keys.size else 0.0, default)
 
 
 @lru_cache(maxsize=65536)
@@ -434,10 +458,11 @@ def estimate_documents(
         np.int64
     )
     slow_local, slow_cross = np.ones(W), np.ones(W)
+    by_block: BlockSlowdown | None = None
     if rates.groups:
         calls = document_calls(pieces, pg, n, cu)
         one_call = np.array([k in VARLEN_KERNELS for k in rates.kernels]) & (cu.size > 2)
-        slow_local, slow_cross = call_slowdown(calls, layout, heads, rates, b, one_call)
+        slow_local, slow_cross, by_block = call_slowdown(calls, layout, heads, rates, b, one_call)
     attention_s = (own[gi] * slow_local + (g_pairs - own)[gi] * slow_cross) * heads * att_rate
 
     # head all-to-all per group (estimate's formula, its fixed cost per collective)
@@ -481,6 +506,7 @@ def estimate_documents(
             cu,
             ring_list,
             (slow_local, slow_cross),
+            rates.flops_per_s,
         )
     else:
         ex = _pruned(
@@ -497,7 +523,8 @@ def estimate_documents(
             pieces,
             pg,
             cu,
-            (slow_local, slow_cross),
+            (slow_local, slow_cross, by_block),
+            rates.flops_per_s,
         )
     comm_fwd, exposed_fwd, kv_units, rounds, max_block, model_kind = ex
     steps = (passes_fwd + 2) * L
@@ -603,16 +630,17 @@ def _expand(
 
 
 def _pruned(
-    layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu, slow
+    layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu, slow, rate
 ):
     """HexiSeq's sub-ring exchange with document pruning (module docstring). ``slow``: per rank,
-    the (local, received) call slowdowns that scale the pipeline's compute."""
+    the (local, received) call slowdowns that scale the pipeline's compute, and per received block
+    its own (``BlockSlowdown``, or None: the rank's received one); ``rate``: per rank the attention
+    kernel's long-block FLOP/s (``rates.cluster_rates``), as ``estimate``'s exchange uses."""
     W, n, L = layout.world_size, len(layout.groups), model.num_layers
     zeros_f, zeros_i = np.zeros(W), np.zeros(W, dtype=np.int64)
     if n == 1:
         return zeros_f, zeros_f, zeros_i, zeros_i, zeros_i, "none"
     arrays = cluster_arrays(cluster)
-    rate = arrays.rate
     flops_per_pair_head = 4 * model.kv_channels * L * b
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
     # received tokens per group, exactly: per (document, group), the document's tokens before the
@@ -659,7 +687,8 @@ def _pruned(
             gnode[s_of] == node[r], np.minimum(gnv[s_of], nv[r]), np.minimum(gnet[s_of], net[r])
         )
         comm = bytes_per_token_head * vis[cell] * fan[sig_id[s_of], sig_id[gi[r]], pos] / link
-        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r] * slow[1][r]
+        block_slow = slow[1][r] if slow[2] is None else slow[2].lookup(r, s_of, slow[1][r])
+        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r] * block_slow
         exposed, comm_sum = _pipeline(comp0, r, comp, comm)
         rounds = np.bincount(r, minlength=W).astype(np.int64)
         max_block = zeros_i.copy()
@@ -680,7 +709,7 @@ def _pruned(
 
 
 def _te_ring(
-    layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings, slow
+    layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings, slow, rate
 ):
     """Transformer Engine's THD ring inside each ring of ranks (module docstring); ``slow`` as
     ``_pruned``'s."""
@@ -691,7 +720,7 @@ def _te_ring(
     own = np.rint(
         np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=len(layout.groups))
     ).astype(np.int64)[gi]
-    comp0 = flops_per_pair_head * own * heads / arrays.rate * slow[0]
+    comp0 = flops_per_pair_head * own * heads / rate * slow[0]
     entries_r, entries_comm, entries_comp = [], [], []
     kv_units = np.zeros(W, dtype=np.int64)
     rounds = np.zeros(W, dtype=np.int64)
@@ -715,7 +744,7 @@ def _te_ring(
             flops_per_pair_head
             * (g_pairs[gi][ring] - own[ring])
             * heads[ring]
-            / arrays.rate[ring]
+            / rate[ring]
             * slow[1][ring]
             / (c - 1)
         )
