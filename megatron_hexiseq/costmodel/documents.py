@@ -26,9 +26,9 @@ call (``attention.varlen.uses_varlen``; a micro-batch of one document is priced 
 prices the runtime without documents: one call per window). Each call runs at
 ``rates.call_fraction`` of its kernel's curve (causal for local, full for received) at its
 pair-heads (pairs x the rank's heads x micro-batch); a rank's attention time is its pairs at the
-long-block rate times its calls' slowdown, local and received apart (the received one also scales
-the round pipeline's compute, as one mean per rank). A flat rate without curves prices every pair
-alike. The CPU testbed's ``cpu-flash`` curves come from ``profile --testbed``; with them a THD-style
+long-block rate times its calls' slowdown, local and received apart (each received block's own
+slowdown scales its round in the pipeline, at the kernel's long-block rate, as in ``estimate``).
+A flat rate without curves prices every pair alike. The CPU testbed's ``cpu-flash`` curves come from ``profile --testbed``; with them a THD-style
 split (tens of small windows per layer) is no longer priced at the long-block rate.
 
 Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
