@@ -77,11 +77,13 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"Model `{meta['model']}`, {meta['seq_length']} tokens per micro-batch, {meta['steps']} "
         f"micro-batches ({meta['warmup']} warm-up) per scheme, `{meta['docs']}` lengths x "
         f"{meta['doc_scale']:g}, seed {meta['seed']}; machine: {meta['machine']}; load average "
-        f"at the end {meta['load_average_at_end'][0]:.1f}.",
+        f"at the start {meta['load_average_at_start'][0]:.1f}, at the end "
+        f"{meta['load_average_at_end'][0]:.1f}. Flat-rate error: the same prediction with the "
+        "profile's `cpu-flash` call-size curves dropped (every call at the long-block rate).",
         "",
         "| testbed | scheme | structure (groups / heads) | measured tok/s | predicted tok/s | "
-        "pred. error | plan ms p50 / max |",
-        "|---|---|---|---|---|---|---|",
+        "pred. error | flat-rate error | plan ms p50 / max |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for name, x in r["schemes"].items():
@@ -93,7 +95,8 @@ def markdown(results: list[dict], meta: dict) -> str:
             lines.append(
                 f"| {r['testbed']} | {name} | {x['groups']} / {x['heads']} | "
                 f"{x['tokens_per_s']:.0f} | {x['predicted_tokens_per_s']:.0f} | "
-                f"{100 * x['prediction_error']:+.1f}% | {plan} |"
+                f"{100 * x['prediction_error']:+.1f}% | "
+                f"{100 * x.get('prediction_error_flat', float('nan')):+.1f}% | {plan} |"
             )
     lines += [
         "",
@@ -158,6 +161,7 @@ def main() -> int:
     model = get_model(config_path=args.model_config, overrides={"seq_length": args.seq})
     lengths = load_doc_lengths(args.docs)
     results = []
+    load_at_start = os.getloadavg()
     for shape in args.shapes.split(","):
         print(f"[varlen-testbed] testbed {shape}", flush=True)
         results.append(bench_shape(shape, model, lengths, args))
@@ -171,6 +175,7 @@ def main() -> int:
         "docs": os.path.basename(args.docs),
         "doc_scale": args.doc_scale,
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}, torch {__import__('torch').__version__}",
+        "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
     }
     base = os.path.join(args.out, "varlen_testbed")

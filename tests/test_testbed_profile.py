@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from megatron_hexiseq.cli import main
+from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.profile.measure import ProfileOptions
@@ -104,6 +105,7 @@ def test_profile_two_rank_testbed_writes_valid_spec(tmp_path, capsys):
     )
     cluster = load_cluster(out)
     assert cluster.world_size == 2
+    assert not any(d.gpu.curve("cpu-flash/causal") for d in cluster.devices)  # no model: flat
     assert all(d.memory_gib == 2.0 for d in cluster.devices)
     raw = yaml.safe_load((tmp_path / "cluster.raw.json").read_text())
     shape = TestbedShape.parse("1+1")
@@ -161,9 +163,17 @@ def test_run_profile_uses_the_calibration_it_is_given():
         can_time_fixed_costs=_always,
         fixed_costs=_marker,
         fit_latencies=_fit,
+        attention_curve=_curve,
     )
     ((spec, raw),) = run_ranks(_profile, 1, opts, fake)
     (gpu,) = spec["gpus"].values()
+    # the kernel's rows become cpu-flash curves beside the flat rate: fractions of the largest size
+    H = model.num_attention_heads
+    assert gpu["attention_curves"] == {
+        "cpu-flash/causal": [[16 * 17 // 2 * H, 0.25], [2048 * 2049 // 2 * H, 1.0]],
+        "cpu-flash/full": [[16 * 16 * H, 0.5], [2048 * 2048 * H, 2.0]],
+    }
+    assert cluster_from_dict(spec).devices[0].gpu.curve("cpu-flash/full") is not None
     assert (
         gpu["bf16_tflops"] == 3.0 and gpu["attention_tflops"] == 2.048
     )  # 3000 tokens capped at 2048
@@ -178,7 +188,16 @@ def test_run_profile_uses_the_calibration_it_is_given():
         and "collective_latency_us" not in gpu
         and "latency_fit" not in raw_plain
     )
-    assert "model_step" not in raw_plain["ranks"][0]
+    assert "model_step" not in raw_plain["ranks"][0] and "attention_curves" not in gpu
+
+
+def _curve(model, tokens, opts):
+    rate = {(True, 16): 0.25, (True, 2048): 1.0, (False, 16): 0.5, (False, 2048): 2.0}
+    return [
+        {"kernel": "cpu-flash", "dtype": "fp32", "D": model.kv_channels, "causal": c, "S": S}
+        | {"H": model.num_attention_heads, "fwd_bwd_tflops": r}
+        for (c, S), r in rate.items()
+    ]
 
 
 def _always(model, world):

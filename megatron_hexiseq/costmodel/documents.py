@@ -18,6 +18,19 @@ positions. Attention is causal inside each document and nothing crosses a bounda
   earlier piece of the same document: ``pairs(g <- s) = sum of l_i * l_j`` over pieces i of g and
   earlier pieces j of s in the same document.
 
+**Kernel calls** (``document_calls``, ``call_slowdown``): the runtime runs a block's document
+windows (``attention.documents``: per (group, document) one square causal local window; per query
+piece and earlier group of its document one unmasked received window) one kernel call each on CPU
+and with every kernel but ``flash``/``cudnn``, which run a block's windows as one variable-length
+call (``attention.varlen.uses_varlen``; a micro-batch of one document is priced as ``estimate``
+prices the runtime without documents: one call per window). Each call runs at
+``rates.call_fraction`` of its kernel's curve (causal for local, full for received) at its
+pair-heads (pairs x the rank's heads x micro-batch); a rank's attention time is its pairs at the
+long-block rate times its calls' slowdown, local and received apart (each received block's own
+slowdown scales its round in the pipeline, at the kernel's long-block rate, as in ``estimate``).
+A flat rate without curves prices every pair alike. The CPU testbed's ``cpu-flash`` curves come from ``profile --testbed``; with them a THD-style
+split (tens of small windows per layer) is no longer priced at the long-block rate.
+
 Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
 rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs, memory,
 bulk-synchronous iteration time); with one document ``[0, N]`` this module reproduces ``estimate``
@@ -35,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,12 +65,15 @@ from megatron_hexiseq.costmodel.formulas import (
     kv_block_bytes_per_token,
     linear_s_per_token,
 )
+from megatron_hexiseq.costmodel.rates import ClusterRates, call_fraction, cluster_rates
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
 
 MAX_PIECE_PAIRS = 4_000_000  # earlier-piece pairs enumerated exactly; above: uniform rounds
+MAX_WINDOWS = 1_000_000  # (query piece, earlier group) pairs enumerated as windows; above: spread
+VARLEN_KERNELS = ("flash", "cudnn")  # one variable-length call per block (attention.varlen)
 EXCHANGES = ("pruned", "te-ring")
 
 
@@ -218,6 +235,170 @@ def _cross_rounds(
     return cells // n, cells % n, np.rint(vis).astype(np.int64), np.rint(pairs).astype(np.int64)
 
 
+class DocumentCalls(NamedTuple):
+    """The attention kernel calls of one micro-batch's blocks, as the runtime's windows
+    (``attention.documents.local_windows`` / ``block_windows``) cut them: per entry ``windows``
+    windows (1 when enumerated) of ``pairs`` document-masked query-key pairs each (one sequence and
+    head), of ``group`` (the querying group) reading ``source``'s keys (the group itself for a local
+    window; -1: not enumerated), ``causal`` for a local square window. ``exact`` is False when the
+    received windows were too many to enumerate (``MAX_WINDOWS``): each query piece then has one
+    entry of ``m`` windows sharing its cross pairs evenly (m = the groups it reads; the pairs of
+    every group stay exact, as ``pairs x windows`` sums)."""
+
+    group: np.ndarray
+    source: np.ndarray
+    pairs: np.ndarray  # float64: one window's pairs (exact integers when enumerated)
+    windows: np.ndarray
+    causal: np.ndarray
+    exact: bool
+
+
+def _join(pieces: Pieces, pg: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Touching pieces of one group inside one document joined (the runtime's runs): group, doc,
+    start, length (position order)."""
+    new = np.ones(pg.size, dtype=bool)
+    new[1:] = (pg[1:] != pg[:-1]) | (pieces.doc[1:] != pieces.doc[:-1])
+    idx = np.cumsum(new) - 1
+    length = np.bincount(idx, weights=pieces.end - pieces.start).astype(np.int64)
+    return pg[new], pieces.doc[new], pieces.start[new], length
+
+
+def document_calls(pieces: Pieces, pg: np.ndarray, n: int, cu: np.ndarray) -> DocumentCalls:
+    """Every window of the micro-batch (``DocumentCalls``). Local: one causal window per (group,
+    document) of the group's ``l`` tokens there, ``l (l + 1) / 2`` pairs. Received: a joined query
+    piece of group g in document D reads, from each other group s holding earlier tokens of D, the
+    ``K`` tokens of s in D before it (``l x K`` pairs); neighbouring pieces of g in D with the same
+    ``K`` share one window (no token of s between them)."""
+    g, doc, start, length = _join(pieces, pg)
+    N = int(cu[-1])
+    cell = doc * n + g
+    cells, inv = np.unique(cell, return_inverse=True)
+    held = np.rint(np.bincount(inv, weights=length, minlength=cells.size)).astype(np.int64)
+    loc_g, loc_pairs = cells % n, (held * (held + 1)) >> 1
+    first = np.full(cells.size, N, dtype=np.int64)
+    np.minimum.at(first, inv, start)
+    # cells by (document, first position): the groups a piece reads are a prefix of its document's
+    order_c = np.lexsort((first, cells // n))
+    c_doc, c_first = (cells // n)[order_c], first[order_c]
+    key_c = c_doc * (N + 1) + c_first
+    lo = np.searchsorted(c_doc, doc, side="left")
+    hi = np.searchsorted(key_c, doc * (N + 1) + start, side="left")
+    own_before = (first[inv] < start).astype(np.int64)
+    m = hi - lo - own_before  # other groups read by each piece
+    total = int((hi - lo).sum())
+    loc = (loc_g, loc_g, loc_pairs, np.ones(loc_g.size, dtype=bool))
+    # tokens of every group in its document before a position: pieces by (cell, start), cumulative
+    order_p = np.lexsort((start, inv))
+    key_p = inv[order_p] * (N + 1) + start[order_p]
+    csum = np.concatenate(([0], np.cumsum(length[order_p])))
+    cell_base = csum[np.searchsorted(inv[order_p], np.arange(cells.size), side="left")]
+    if total <= MAX_WINDOWS:
+        i = np.repeat(np.arange(g.size), hi - lo)
+        c = order_c[lo[i] + np.arange(total) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo)]
+        keep = cells[c] % n != g[i]
+        i, c = i[keep], c[keep]
+        K = csum[np.searchsorted(key_p, c * (N + 1) + start[i], side="left")] - cell_base[c]
+        s = cells[c] % n
+        # one window per run of (group, source, document, K): sum the rows, pairs = rows x K
+        o = np.lexsort((K, doc[i], s, g[i]))
+        cols = np.stack([g[i][o], s[o], doc[i][o], K[o]])
+        brk = np.ones(o.size, dtype=bool)
+        brk[1:] = (cols[:, 1:] != cols[:, :-1]).any(axis=0)
+        w = np.cumsum(brk) - 1
+        rows = np.bincount(w, weights=length[i][o]).astype(np.int64) if o.size else np.zeros(0)
+        rg, rs, rK = cols[0][brk], cols[1][brk], cols[3][brk]
+        rpairs = np.asarray(rows, dtype=np.int64) * rK
+        rcount = np.ones(rg.size, dtype=np.int64)
+        exact = True
+    else:  # spread each piece's cross pairs over the m groups it reads: one entry of m windows
+        own_tok = csum[np.searchsorted(key_p, inv * (N + 1) + start, side="left")] - cell_base[inv]
+        cross = length * (start - cu[doc] - own_tok)
+        has = m > 0
+        rg, rs, rcount = g[has], np.full(int(has.sum()), -1, dtype=np.int64), m[has]
+        rpairs = cross[has] / rcount
+        exact = False
+    return DocumentCalls(
+        group=np.concatenate([loc[0], rg]).astype(np.int64),
+        source=np.concatenate([loc[1], rs]).astype(np.int64),
+        pairs=np.concatenate([loc[2], rpairs]).astype(np.float64),
+        windows=np.concatenate([np.ones(loc_g.size, dtype=np.int64), rcount]).astype(np.int64),
+        causal=np.concatenate([loc[3], np.zeros(rg.size, dtype=bool)]),
+        exact=exact,
+    )
+
+
+def call_slowdown(
+    calls: DocumentCalls,
+    layout: Layout,
+    heads: np.ndarray,
+    rates: ClusterRates,
+    b: int,
+    one_call_per_block: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, BlockSlowdown | None]:
+    """Per rank: (local, received) attention time at the achieved rates of its calls over that time
+    at the long-block rate (1.0 where the rank has none, or a flat rate). A call's rate is
+    ``call_fraction`` of its curve (causal: local window, full: received) at its pair-heads
+    (``pairs x heads x b``). Ranks in ``one_call_per_block`` run a block's windows as one
+    variable-length call (``attention.varlen.uses_varlen``): the call is the block's pairs. Third:
+    the same per received block (None when the windows were not enumerated)."""
+    W = layout.world_size
+    cell, r, _ = _expand(calls.group, layout)
+    work = calls.pairs * calls.windows  # pairs of each entry's windows together
+    pairs = calls.pairs[cell]
+    if calls.exact:
+        block = calls.group * (int(calls.source.max(initial=0)) + 2) + calls.source + 1
+        _, binv = np.unique(block, return_inverse=True)
+        block_pairs = np.bincount(binv, weights=work)[binv]
+    else:  # received blocks unknown: a group's cross pairs over as many blocks as its pieces'
+        # most sources (the local block is one call either way)
+        loc = calls.causal
+        g_loc = np.bincount(calls.group[loc], weights=work[loc])
+        g_cross = np.bincount(calls.group[~loc], weights=work[~loc], minlength=g_loc.size)
+        g_blocks = np.ones(g_loc.size, dtype=np.int64)
+        np.maximum.at(g_blocks, calls.group[~loc], calls.windows[~loc])
+        block_pairs = np.where(loc, g_loc[calls.group], (g_cross / g_blocks)[calls.group])
+    work = work[cell]
+    call = np.where(one_call_per_block[r], block_pairs[cell], pairs) * heads[r] * b
+    frac = np.ones(r.size)
+    causal = calls.causal[cell]
+    for rate, where in rates.groups:
+        sel = where[r]
+        for mask, curve in ((causal, rate.causal), (~causal, rate.full)):
+            pick = sel & mask
+            if curve is not None and pick.any():
+                frac[pick] = call_fraction(curve, call[pick])
+    slow = work / frac
+    out = []
+    for mask in (causal, ~causal):
+        ideal = np.bincount(r[mask], weights=work[mask], minlength=W)
+        actual = np.bincount(r[mask], weights=slow[mask], minlength=W)
+        out.append(np.where(ideal > 0, actual / np.where(ideal > 0, ideal, 1.0), 1.0))
+    by_source = None
+    if calls.exact:  # per (receiver rank, source group): the slowdown of that block's calls
+        recv = ~causal
+        key = r[recv] * (int(calls.source.max(initial=0)) + 1) + calls.source[cell][recv]
+        keys, kinv = np.unique(key, return_inverse=True)
+        ideal = np.bincount(kinv, weights=work[recv], minlength=keys.size)
+        actual = np.bincount(kinv, weights=slow[recv], minlength=keys.size)
+        by_source = BlockSlowdown(keys, int(calls.source.max(initial=0)) + 1, actual / ideal)
+    return out[0], out[1], by_source
+
+
+class BlockSlowdown(NamedTuple):
+    """Slowdown of each received block's calls, keyed ``rank * stride + source group`` (sorted)."""
+
+    keys: np.ndarray
+    stride: int
+    factor: np.ndarray
+
+    def lookup(self, rank: np.ndarray, source: np.ndarray, default: np.ndarray) -> np.ndarray:
+        """The factor of each (rank, source) block; ``default`` where the block has no call."""
+        key = rank * self.stride + source
+        at = np.minimum(np.searchsorted(self.keys, key), max(self.keys.size - 1, 0))
+        hit = (self.keys[at] == key) if self.keys.size else np.zeros(key.size, dtype=bool)
+        return np.where(hit, self.factor[at] if self.keys.size else 0.0, default)
+
+
 @lru_cache(maxsize=65536)
 def _fan(
     sender: tuple[tuple[int, ...], ...], receiver: tuple[tuple[int, ...], ...]
@@ -267,7 +448,18 @@ def estimate_documents(
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
         att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
     linear_s = tokens * lin_rate + dev.overhead_s
-    attention_s = g_pairs[gi] * heads * att_rate
+    # every window a kernel call at its own achieved rate (module docstring, "Kernel calls")
+    rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
+    own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
+        np.int64
+    )
+    slow_local, slow_cross = np.ones(W), np.ones(W)
+    by_block: BlockSlowdown | None = None
+    if rates.groups:
+        calls = document_calls(pieces, pg, n, cu)
+        one_call = np.array([k in VARLEN_KERNELS for k in rates.kernels]) & (cu.size > 2)
+        slow_local, slow_cross, by_block = call_slowdown(calls, layout, heads, rates, b, one_call)
+    attention_s = (own[gi] * slow_local + (g_pairs - own)[gi] * slow_cross) * heads * att_rate
 
     # head all-to-all per group (estimate's formula, its fixed cost per collective)
     a2a_g = np.zeros(n)
@@ -296,11 +488,39 @@ def estimate_documents(
             raise HexiSeqError("the te-ring exchange needs one rank per group (hp = 1)")
         ring_list = [tuple(range(W))] if rings is None else [tuple(x) for x in rings]
         ex = _te_ring(
-            layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, ring_list
+            layout,
+            cluster,
+            model,
+            b,
+            gi,
+            tokens,
+            heads,
+            kv_n,
+            g_pairs,
+            pieces,
+            pg,
+            cu,
+            ring_list,
+            (slow_local, slow_cross),
+            rates.flops_per_s,
         )
     else:
         ex = _pruned(
-            layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu
+            layout,
+            cluster,
+            model,
+            b,
+            gi,
+            heads,
+            kv_of,
+            kv_n,
+            g_pairs,
+            g_tokens,
+            pieces,
+            pg,
+            cu,
+            (slow_local, slow_cross, by_block),
+            rates.flops_per_s,
         )
     comm_fwd, exposed_fwd, kv_units, rounds, max_block, model_kind = ex
     steps = (passes_fwd + 2) * L
@@ -391,14 +611,18 @@ def _expand(
     return cell, members[starts[groups_of_cell][cell] + pos], pos
 
 
-def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu):
-    """HexiSeq's sub-ring exchange with document pruning (module docstring)."""
+def _pruned(
+    layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu, slow, rate
+):
+    """HexiSeq's sub-ring exchange with document pruning (module docstring). ``slow``: per rank,
+    the (local, received) call slowdowns that scale the pipeline's compute, and per received block
+    its own (``BlockSlowdown``, or None: the rank's received one); ``rate``: per rank the attention
+    kernel's long-block FLOP/s (``rates.cluster_rates``), as ``estimate``'s exchange uses."""
     W, n, L = layout.world_size, len(layout.groups), model.num_layers
     zeros_f, zeros_i = np.zeros(W), np.zeros(W, dtype=np.int64)
     if n == 1:
         return zeros_f, zeros_f, zeros_i, zeros_i, zeros_i, "none"
     arrays = cluster_arrays(cluster)
-    rate = arrays.rate
     flops_per_pair_head = 4 * model.kv_channels * L * b
     bytes_per_token_head = kv_block_bytes_per_token(model) * L * b
     # received tokens per group, exactly: per (document, group), the document's tokens before the
@@ -414,7 +638,7 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
         np.int64
     )
-    comp0 = flops_per_pair_head * own[gi] * heads / rate
+    comp0 = flops_per_pair_head * own[gi] * heads / rate * slow[0]
     cross = _cross_rounds(pieces, gi)
     # link of a round: the sending group's slowest port, the receiver's own (estimate's rule)
     members = np.array([r for g in layout.groups for r in g.ranks])
@@ -445,7 +669,8 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
             gnode[s_of] == node[r], np.minimum(gnv[s_of], nv[r]), np.minimum(gnet[s_of], net[r])
         )
         comm = bytes_per_token_head * vis[cell] * fan[sig_id[s_of], sig_id[gi[r]], pos] / link
-        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r]
+        block_slow = slow[1][r] if slow[2] is None else slow[2].lookup(r, s_of, slow[1][r])
+        comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r] * block_slow
         exposed, comm_sum = _pipeline(comp0, r, comp, comm)
         rounds = np.bincount(r, minlength=W).astype(np.int64)
         max_block = zeros_i.copy()
@@ -456,7 +681,7 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     met = np.bincount(cells % n, weights=doc_groups[cells // n] - 1, minlength=n)
     R = np.minimum(n - 1, np.rint(met).astype(np.int64))[gi]
     R = np.where((kv_units > 0) & (heads > 0), np.maximum(R, 1), 0)
-    cross_comp = flops_per_pair_head * (g_pairs - own)[gi] * heads / rate
+    cross_comp = flops_per_pair_head * (g_pairs - own)[gi] * heads / rate * slow[1]
     comm_total = bytes_per_token_head * kv_units / np.minimum(net, nv)
     r = np.repeat(np.arange(W), R)
     per = np.maximum(R, 1)
@@ -465,8 +690,11 @@ def _pruned(layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens
     return comm_sum, exposed, kv_units, R, max_block, "uniform"
 
 
-def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings):
-    """Transformer Engine's THD ring inside each ring of ranks (module docstring)."""
+def _te_ring(
+    layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces, pg, cu, rings, slow, rate
+):
+    """Transformer Engine's THD ring inside each ring of ranks (module docstring); ``slow`` as
+    ``_pruned``'s."""
     W, L = layout.world_size, model.num_layers
     arrays = cluster_arrays(cluster)
     flops_per_pair_head = 4 * model.kv_channels * L * b
@@ -474,7 +702,7 @@ def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces
     own = np.rint(
         np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=len(layout.groups))
     ).astype(np.int64)[gi]
-    comp0 = flops_per_pair_head * own * heads / arrays.rate
+    comp0 = flops_per_pair_head * own * heads / rate * slow[0]
     entries_r, entries_comm, entries_comp = [], [], []
     kv_units = np.zeros(W, dtype=np.int64)
     rounds = np.zeros(W, dtype=np.int64)
@@ -498,7 +726,8 @@ def _te_ring(layout, cluster, model, b, gi, tokens, heads, kv_n, g_pairs, pieces
             flops_per_pair_head
             * (g_pairs[gi][ring] - own[ring])
             * heads[ring]
-            / arrays.rate[ring]
+            / rate[ring]
+            * slow[1][ring]
             / (c - 1)
         )
         entries_r.append(np.repeat(ring, c - 1))

@@ -11,7 +11,10 @@ linearly in log(pair-heads) between the points of the kernel's curve (``gpu_rate
 or the GPU type's own ``attention_curves`` from ``profile``): ``causal`` for a group's own block
 (round 0), ``full`` for a received block. Below the first point the call's time stays that of the
 first point (the per-call overhead: launches and host time); above the last, ``f`` is the last
-point's. A GPU type with ``attention_tflops`` or without kernel figures keeps one flat rate.
+point's. A GPU type with ``attention_tflops`` or without kernel figures keeps one flat rate, except
+a type with its own ``cpu-flash`` curves (the CPU testbed's ``profile`` measures them: the runtime's
+CPU kernel at several window sizes): ``attention_tflops`` is then that kernel's long-block rate and
+its calls are priced on its curves like a GPU kernel's.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.kernel_rules import capability_of
 
 RUNTIME_KERNELS = ("auto", "flash", "efficient", "cudnn", "flash-attn", "flash-attn3")
-"""Kernel names the model prices; ``reference`` and ``cpu-flash`` (CPU, oracle) keep the flat rate."""
+"""Kernel names the model prices; ``reference`` and ``cpu-flash`` (CPU, oracle) keep the flat rate
+(``cpu-flash`` with its curves where the type has them)."""
 FLAT_KERNELS = ("reference", "cpu-flash")
+CPU_KERNEL = "cpu-flash"
+"""The CPU runtime's kernel (``auto`` on CPU); the only kernel of a flat-rate type with curves."""
 
 
 class AttentionRate(NamedTuple):
@@ -117,6 +123,14 @@ def attention_rate(gpu: GpuType, head_dim: int, forced: str = "auto") -> Attenti
     kernel = None if gpu.attention_tflops is not None else pick_kernel(gpu, head_dim, forced)
     if kernel is None:
         peak = gpu.attention_tflops if gpu.attention_tflops is not None else gpu.bf16_tflops
+        causal, full = gpu.curve(f"{CPU_KERNEL}/causal"), gpu.curve(f"{CPU_KERNEL}/full")
+        if (
+            gpu.attention_tflops is not None
+            and causal
+            and full
+            and forced in ("auto", "sdpa", CPU_KERNEL)
+        ):  # the CPU testbed's measured kernel curves
+            return AttentionRate(CPU_KERNEL, peak * 1e12 * gpu.efficiency, causal, full)
         return AttentionRate("", peak * 1e12 * gpu.efficiency, None, None)
     tflops = _kernel_tflops(gpu, kernel, gpu.train_dtype, head_dim)
     assert tflops is not None  # pick_kernel checked

@@ -16,6 +16,10 @@ power/thermal budget see the speed they will see in training. Measurements
   spec's GPU type then carries ``achieved_tflops`` (matmul and each kernel's long-block rate),
   ``attention_curves`` and ``compute_capability``, which the cost model prices instead of the
   catalog's figures (and no flat ``attention_tflops``);
+- on CPU with a calibration that has one, the runtime's ``cpu-flash`` document windows at several
+  sizes, causal and full: the type keeps its flat ``attention_tflops`` (the long-block rate) and
+  gets ``cpu-flash`` ``attention_curves`` (the mean over the node's ranks), so each call is priced
+  at its size as on GPUs;
 - bandwidth of every pair of ranks (one pair at a time, ping-pong of ``message_bytes``) and the
   all-to-all bandwidth of all ranks together;
 - on CPU with a calibration, a model and more than one rank: the fixed cost of each head
@@ -69,8 +73,10 @@ class CpuCalibration:
     of the runtime's own attention; ``can_time_fixed_costs(model, world)``: whether the world and
     sequence are large enough to fit fixed costs; ``fixed_costs(model, opts)``: the timed
     calibration calls; ``fit_latencies(spec, calls, model)``:
-    sets the spec's latencies from those calls (in place) and returns the fit. All but the last are
-    collective over the default group.
+    sets the spec's latencies from those calls (in place) and returns the fit;
+    ``attention_curve(model, tokens, opts)`` (optional): the runtime's CPU kernel at several window
+    sizes, rows as ``kernels.measure_kernel_rates`` returns them (the spec's ``attention_curves``).
+    All but ``fit_latencies`` are collective over the default group.
     """
 
     model_step: Callable[[ModelSpec, int, ProfileOptions], dict[str, Any]]
@@ -78,6 +84,7 @@ class CpuCalibration:
     can_time_fixed_costs: Callable[[ModelSpec, int], bool]
     fixed_costs: Callable[[ModelSpec, ProfileOptions], dict[str, Any]]
     fit_latencies: Callable[[dict[str, Any], dict[str, Any], ModelSpec], dict[str, Any]]
+    attention_curve: Callable[[ModelSpec, int, ProfileOptions], list[dict[str, Any]]] | None = None
 
 
 def run_profile(
@@ -125,6 +132,11 @@ def run_profile(
         attn = measure_attention_flops(device, dtype, opts)
     kernel_rows: list[dict[str, Any]] = []
     capability = None
+    cpu_rows: list[dict[str, Any]] = []
+    if calibrate is not None and model is not None and calibrate.attention_curve is not None:
+        say("attention kernel calls at several window sizes (all ranks at once)")
+        dist.barrier()
+        cpu_rows = calibrate.attention_curve(model, model_attention_seq(model), opts)
     if device.type == "cuda":
         say("attention kernels at several block sizes (all ranks at once)")
         dist.barrier()
@@ -163,6 +175,7 @@ def run_profile(
         "pair_Bps": pair_bw,
         "memory_gib": memory_gib(device, opts),
         "kernel_rates": kernel_rows,
+        "cpu_kernel_rates": cpu_rows,
         "compute_capability": capability,
         **fixed,
     }
@@ -208,7 +221,8 @@ def cluster_spec_from_measurements(
             )
         if not order or r["node"] != order[-1]:
             order.append(r["node"])
-    gpus, nodes = {}, []
+    gpus: dict[str, dict[str, Any]] = {}
+    nodes = []
     all_bw = list(pair.values()) or [per_rank[0]["alltoall_Bps"] or 1e9]
     for node in order:
         members = [r for r in per_rank if r["node"] == node]
@@ -229,6 +243,10 @@ def cluster_spec_from_measurements(
         }
         if all(r.get("kernel_rates") for r in members):  # a GPU: per-kernel rates and curves
             _add_kernel_rates(gpus[type_name], members)
+        elif all(r.get("cpu_kernel_rates") for r in members):  # CPU: the flat rate's curves
+            gpus[type_name]["attention_curves"] = _mean_curves(
+                [r["cpu_kernel_rates"] for r in members]
+            )
         if all("step_overhead_s" in r for r in members):
             gpus[type_name]["step_overhead_ms"] = significant(
                 statistics.mean(r["step_overhead_s"] for r in members) * 1e3
@@ -243,6 +261,21 @@ def cluster_spec_from_measurements(
             }
         )
     return {"name": name, "gpus": gpus, "nodes": nodes}
+
+
+def _mean_curves(per_rank: list[list[dict[str, Any]]]) -> dict[str, list[list[float]]]:
+    """``attention_curves`` of a node's ranks (``rates_to_spec`` of each): the mean fraction at
+    every point (the ranks of a node measure the same sizes)."""
+    curves: list[dict[str, list[list[float]]]] = [
+        rates_to_spec(rows)["attention_curves"] for rows in per_rank
+    ]
+    out: dict[str, list[list[float]]] = {}
+    for key, points in curves[0].items():
+        out[key] = [
+            [x, round(statistics.mean(c[key][i][1] for c in curves), 4)]
+            for i, (x, _) in enumerate(points)
+        ]
+    return out
 
 
 def _add_kernel_rates(gpu: dict[str, Any], members: list[dict[str, Any]]) -> None:

@@ -161,6 +161,70 @@ def measure_runtime_attention_flops(model: ModelSpec, tokens: int, opts: Profile
     return timed_rate(work, 12.0 * d * H * tokens * (tokens + 1) / 2, opts.seconds_per_test)
 
 
+CURVE_SIZES = (16, 64, 256, 1024)
+"""Window sizes of the ``cpu-flash`` call-size curve (plus the attention measurement's own size)."""
+CURVE_TIME_SHARE = 0.25  # of ``seconds_per_test`` per curve point (10 points: ~2.5 tests' time)
+
+
+def measure_cpu_kernel_curve(
+    model: ModelSpec, tokens: int, opts: ProfileOptions
+) -> list[dict[str, Any]]:
+    """CPU calibration: the runtime's document windows (``attention.varlen``: ``local_forward`` /
+    ``merge_forward`` then ``windows_backward``, one ``cpu-flash`` kernel call each, with their
+    output copies and LSE merges) at square sizes ``CURVE_SIZES`` below ``tokens`` and ``tokens``
+    itself, causal (a local window) and full (a received window), the model's heads and head dim,
+    on every rank at once. Rows in ``profile.kernels.measure_kernel_rates``' format (kernel
+    ``cpu-flash``; ``fwd_bwd_tflops`` in the FlashAttention count), so ``rates_to_spec`` turns them
+    into ``attention_curves``: fractions of the rate at ``tokens`` tokens, the size the flat
+    attention rate (:func:`measure_runtime_attention_flops`) is measured at. Collective only in
+    that every rank runs it at the same time (the caller's barrier)."""
+    from megatron_hexiseq.attention.kernels import Kernel, kv_map
+    from megatron_hexiseq.attention.peers import Window
+    from megatron_hexiseq.attention.varlen import (
+        WindowKernel,
+        local_forward,
+        merge_forward,
+        windows_backward,
+    )
+    from megatron_hexiseq.profile.kernels import attention_flops
+
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    of_head = tuple(h // (H // G) for h in range(H))
+    wk = WindowKernel(
+        Kernel.CPU_FLASH, d**-0.5, torch.tensor(of_head), True, {}, kv_map(of_head, G)
+    )
+    rows = []
+    for causal in (True, False):
+        for S in sorted({s for s in CURVE_SIZES if s < tokens} | {tokens}):
+            q, dout = torch.randn(S, 1, H, d), torch.randn(S, 1, H, d)
+            k, v = torch.randn(S, 1, G, d), torch.randn(S, 1, G, d)
+            win = (Window(None, 0, S, 0, S),)
+
+            def work(q=q, k=k, v=v, dout=dout, win=win, causal=causal, S=S) -> None:
+                if causal:
+                    out, lse = local_forward(wk, win, q, k, v)
+                else:
+                    out, lse = torch.zeros(S, 1, H, d), torch.zeros(S, 1, H)
+                    merge_forward(wk, win, "recv", q, k, v, out, lse)
+                dq = torch.zeros(S, 1, H, d)
+                windows_backward(wk, win, "k", dout, q, k, v, out, lse, dq, causal=causal)
+
+            fl = 3.5 * attention_flops(S, S, H, d, causal)
+            rate = timed_rate(work, fl, opts.seconds_per_test * CURVE_TIME_SHARE)
+            rows.append(
+                {
+                    "kernel": "cpu-flash",
+                    "dtype": "fp32",
+                    "D": d,
+                    "causal": causal,
+                    "S": S,
+                    "H": H,
+                    "fwd_bwd_tflops": rate / 1e12,
+                }
+            )
+    return rows
+
+
 CALIBRATION_SEQ = (
     MODEL_ATTENTION_SEQ  # longest sequence the calibration runs (the profile's attention cap)
 )
@@ -337,6 +401,7 @@ def fit_latencies(
 CPU_CALIBRATION = CpuCalibration(
     model_step=measure_model_step,
     attention_flops=measure_runtime_attention_flops,
+    attention_curve=measure_cpu_kernel_curve,
     can_time_fixed_costs=can_calibrate,
     fixed_costs=time_calibration_layouts,
     fit_latencies=fit_latencies,

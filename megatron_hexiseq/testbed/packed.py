@@ -17,7 +17,8 @@ boundary's slicer reading the documents from EOD tokens, ``--reset-attention-mas
 Every scheme is priced per micro-batch by ``costmodel.documents.estimate_documents`` (the pruned
 exchange the runtime runs) with the profiled cluster; measured throughput = tokens of the measured
 steps / their summed wall time (the slowest rank's step), prediction error = summed predicted /
-summed measured - 1. Attention is exact, so the three runs' losses must agree (relative 1e-4).
+summed measured - 1 (``prediction_error_flat``: the same with the profile's call-size curves
+dropped, every call at the long-block rate). Attention is exact, so the three runs' losses must agree (relative 1e-4).
 
 Document lengths: the testbed's micro-batches are short (2K tokens), so the list's lengths are
 scaled by ``doc_scale`` (default 1/16: a 2K micro-batch holds the documents of a 32K one) before
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.cluster import Cluster, cluster_from_dict, cluster_to_dict
 from megatron_hexiseq.costmodel.documents import cu_from_lengths, estimate_documents
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
@@ -119,11 +120,16 @@ def _run(
     S = cfg.layout.seq_length
     m = replace(model, seq_length=S)
     measured = [max(r.step_times_s[s] for r in results) for s in range(cfg.steps)]
-    predicted, per_rank = [], []
+    predicted, per_rank, flat = [], [], []
+    spec = cluster_to_dict(cluster)
+    for gpu in spec["gpus"].values():
+        gpu.pop("attention_curves", None)
+    flat_cluster = cluster_from_dict(spec)  # the long-block rate for every call: no call costs
     for step, lay in enumerate(layouts):
         cu = cu_from_lengths(cfg.doc_lengths(step) or (S,))
         est = estimate_documents(lay, cluster, m, options, cu)
         predicted.append(est.iteration_time_s)
+        flat.append(estimate_documents(lay, flat_cluster, m, options, cu).iteration_time_s)
         per_rank.append(
             {"linear_s": est.linear_s.tolist(), "attention_s": (est.time_s - est.linear_s).tolist()}
         )
@@ -141,6 +147,7 @@ def _run(
         "tokens_per_s": S * len(keep) / meas_s,
         "predicted_tokens_per_s": S * len(keep) / pred_s,
         "prediction_error": pred_s / meas_s - 1.0,
+        "prediction_error_flat": sum(flat[s] for s in keep) / meas_s - 1.0,
         "step_errors": [predicted[s] / measured[s] - 1.0 for s in keep],
         "per_rank_tokens": [[r.num_tokens for r in lay.ranks] for lay in layouts],
         "heads": [len(r.heads) for r in layouts[0].ranks],
