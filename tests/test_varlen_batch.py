@@ -22,7 +22,12 @@ from megatron_hexiseq.layout import zigzag_segments
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.run_config import TrainOptions
-from megatron_hexiseq.varlen.batch import BatchAssignment, BatchPlanner, same_structure
+from megatron_hexiseq.varlen.batch import (
+    EXACT_MARGIN,
+    BatchAssignment,
+    BatchPlanner,
+    same_structure,
+)
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
 from megatron_hexiseq.varlen.schemes import SCHEMES, Schemes, zigzag_docs
 
@@ -136,7 +141,15 @@ def test_the_structures_layout_is_kept_when_predicted_faster(setup):
         own = bp.plan(batch, or_structure=False)
         best = bp.plan(batch)
         assert own.predicted_s == pytest.approx(bp.predict(own.layout, cu))
-        assert best.predicted_s == min(own.predicted_s, bp.predict(fixed, cu))
+        p_own, p_fixed = own.predicted_s, bp.predict(fixed, cu)
+        if abs(p_own - p_fixed) > EXACT_MARGIN * min(p_own, p_fixed):
+            assert best.predicted_s == min(p_own, p_fixed)
+        else:  # too close to call: estimate_documents decides
+            t_own, t_fixed = (
+                estimate_documents(x, c, m, o, own.cu_seqlens).iteration_time_s
+                for x in (own.layout, fixed)
+            )
+            assert best.layout == (fixed if t_fixed < t_own else own.layout)
         assert best.layout in (own.layout, fixed)
 
 
