@@ -10,38 +10,34 @@ model, and it measures what training executes:
 - :func:`measure_runtime_attention_flops`: HexiSeq's own attention (``kernel="auto"``) on one rank;
 - fixed costs of the attention runtime's communication: a head all-to-all or a K/V exchange step
   between ranks that share a core costs milliseconds of scheduling (one rank must be switched out
-  for its neighbour to send), whatever the bytes, and how much of it the compute between two steps
-  absorbs depends on that compute. :func:`time_calibration_layouts` therefore times the driver's
-  whole training step (:func:`time_calibration_steps`; the model with HexiSeq's attention, every
-  rank at once) in two layouts of all ranks (:func:`calibration_layouts`), each on the plain
-  sequence and on the sequence packed as ``CALIBRATION_DOCUMENTS`` equal documents
-  (``--reset-attention-mask``), where little attention is left to hide a step:
+  for its neighbour to send), whatever the bytes. :func:`time_calibration_layouts` times HexiSeq's
+  own attention (the model's head shape; up to 4 calls forward, then their backwards, as a model's
+  layers run; seconds per call) on every rank at once, in two layouts of all ranks:
 
-  - ``a2a``: one A2A group of all ranks (contiguous, even token split; heads equal among the ranks
-    of a node): pure head parallelism, 4 all-to-alls per layer forward and 4 backward;
-  - ``p2p``: one group per rank: pure sub-ring, K/V forward, K/V again and dK/dV back per round;
-    zig-zag segments (every document in 2 W chunks, Megatron's THD split), and for the packed
-    documents also the contiguous split (documents cross rank boundaries as in HexiSeq layouts).
+  - ``a2a``: one A2A group of all ranks (contiguous, even token split): pure head parallelism,
+    4 all-to-alls forward and 4 backward (heads equal among the ranks of a node; the same per-rank
+    work is also timed alone, without communication, as the reference);
+  - ``p2p``: one group per rank, zig-zag segments: pure sub-ring, (n - 1) rounds forward, and
+    backward K/V again plus dK/dV back.
 
-  :func:`fit_latencies` prices each step with ``estimate_documents`` (the profiled spec's rates and
-  bandwidths, the full model) as a function of that layout's latency and fits
-  ``collective_latency_us`` / ``p2p_latency_us`` by least squares of the relative errors over the
-  layout's steps, so a latency is neither its hidden nor its exposed extreme. (Attention-only calls
-  on one long sequence, the earlier calibration, gave 1.1-1.4 ms per K/V step on the 2-core VM;
-  training steps on packed documents 2.5-3.4 ms: docs/testbed.md.) The same values go to every
-  type of the spec (the steps involve every rank); a step faster than modelled pulls towards 0,
-  never below. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the figures.
+  :func:`fit_latencies` then asks the cost model what the same calls cost *without* fixed costs
+  (the measured compute rates and bandwidths of the profiled spec, a one-layer copy of the model)
+  and divides the difference by the number of collectives / exchange steps, giving
+  ``collective_latency_us`` and ``p2p_latency_us`` for the spec's GPU types: measured minus
+  modelled, no constant set by hand. The same value goes to every type (the calls involve every
+  rank; the fit has two numbers for two layouts). Negative differences (the model already
+  over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the
+  figures.
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Sequence
+import time
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -50,8 +46,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_hexiseq.attention.groups import build_hexiseq_groups
 from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
 from megatron_hexiseq.cluster import cluster_from_dict
-from megatron_hexiseq.costmodel import TrainOptions, linear_flops_per_token
-from megatron_hexiseq.costmodel.documents import cu_from_lengths, estimate_documents
+from megatron_hexiseq.costmodel import TrainOptions, estimate, linear_flops_per_token
+from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.megatron.reference_attention import PassThroughAttention
@@ -63,14 +59,7 @@ from megatron_hexiseq.profile.measure import (
     timed_rate,
 )
 from megatron_hexiseq.profile.run import CpuCalibration
-from megatron_hexiseq.testbed.train import (
-    TrainConfig,
-    build_gpt,
-    make_batch,
-    train_rank,
-    train_step,
-)
-from megatron_hexiseq.varlen.schemes import zigzag_docs
+from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
 
 
 def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> dict[str, Any]:
@@ -239,6 +228,7 @@ def measure_cpu_kernel_curve(
 CALIBRATION_SEQ = (
     MODEL_ATTENTION_SEQ  # longest sequence the calibration runs (the profile's attention cap)
 )
+CALIBRATION_LAYERS = 4  # attention calls per timed repetition (forward all, then backward all)
 
 
 def calibration_heads(num_heads: int, nodes: list[str]) -> list[int]:
@@ -303,110 +293,62 @@ def can_calibrate(model: ModelSpec, world: int) -> bool:
 
 
 def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str, Any]:
-    """Collective over the default group: the timed ``CALIBRATION_STEPS`` (``CalibrationStep`` dicts,
-    :func:`time_calibration_steps`) on the two calibration layouts of
-    ``min(seq_length, CALIBRATION_SEQ)`` tokens rounded down to whole zig-zag chunks. Same dict on
-    every rank. Requires :func:`can_calibrate`."""
-    world = dist.get_world_size()
-    S = min(model.seq_length, CALIBRATION_SEQ) // (2 * world) * (2 * world)
+    """Collective over the default group: seconds per attention call (forward + backward, slowest
+    rank, median of ``opts.repeats``) of each calibration layout. Same dict on every rank.
+    Requires :func:`can_calibrate`."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    S = (
+        min(model.seq_length, CALIBRATION_SEQ) // (2 * world) * (2 * world)
+    )  # zig-zag: 2 chunks per rank
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     nodes = list(opts.node_names) if opts.node_names else [str(r) for r in range(world)]
-    layouts = calibration_layouts(
-        world, S, model.num_attention_heads, model.num_query_groups, hosts=nodes
+    layouts = calibration_layouts(world, S, H, G, hosts=nodes)
+    # the a2a layout's compute alone: each rank its own heads over the whole sequence, no communication
+    # more ranks than heads: a head-less rank still times one head (its compute reference is a
+    # little high, so the fitted latency a little low)
+    heads_r = max(1, len(layouts["a2a"].ranks[me].heads))
+    alone = make_layout(
+        seq_length=S,
+        num_attention_heads=heads_r,
+        num_query_groups=1,
+        group_sizes=[1],
+        segments=[[(0, S)]],
+        heads=[list(range(heads_r))],
     )
-    return {
+    layers = max(1, min(model.num_layers, CALIBRATION_LAYERS))
+    out: dict[str, Any] = {
         "seq_length": S,
         "repeats": opts.repeats,
+        "layers": layers,
         "a2a_heads": _heads(layouts["a2a"]),
-        "steps": time_calibration_steps(model, layouts, opts),
     }
-
-
-CALIBRATION_DOCUMENTS = 7  # equal documents of the packed steps (fewer when the sequence is short);
-# 7: their boundaries fall inside the contiguous split's ranks for any ring but of 7 or 14 ranks
-
-
-class CalibrationStep(NamedTuple):
-    """One timed training step: the calibration layout (``a2a``: one A2A group of all ranks;
-    ``p2p``: one group per rank), ``documents`` (lengths; one for the plain sequence), how they are
-    ``split`` over the ranks (``SPLITS``) and the median step seconds of the slowest rank."""
-
-    layout: str
-    documents: tuple[int, ...]
-    split: str
-    step_s: float
-
-
-SPLITS = ("zigzag", "contiguous")
-"""``zigzag``: every document in ``2 W`` chunks, rank i holding chunks i and ``2W - 1 - i``
-(Megatron's THD split; the plain ring for one document); ``contiguous``: rank i holds tokens
-``[i S / W, (i + 1) S / W)`` whatever the documents (a HexiSeq-style position split)."""
-
-CALIBRATION_STEPS = (
-    ("a2a", "one", "contiguous"),
-    ("a2a", "packed", "contiguous"),
-    ("p2p", "one", "zigzag"),
-    ("p2p", "packed", "zigzag"),
-    ("p2p", "packed", "contiguous"),
-)
-"""The calibration's training steps: (layout, documents, split); ``one``: the plain sequence,
-``packed``: :func:`calibration_documents`."""
-
-
-def calibration_documents(seq_length: int, world: int) -> tuple[int, ...]:
-    """``CALIBRATION_DOCUMENTS`` near-equal lengths summing to ``seq_length``, each at least
-    ``2 x world`` tokens (a zig-zag chunk per rank and half)."""
-    n = max(1, min(CALIBRATION_DOCUMENTS, seq_length // (2 * world)))
-    return tuple(int(x) for x in np.diff([seq_length * i // n for i in range(n + 1)]))
-
-
-def split_layout(layout: Layout, documents: Sequence[int], split: str) -> Layout:
-    """``layout`` with its tokens split over its ranks as ``split`` says (``SPLITS``) for these
-    document lengths (groups and heads unchanged)."""
-    W, S = layout.world_size, layout.seq_length
-    if split == "zigzag":
-        segments = zigzag_docs(np.asarray(cu_from_lengths(documents)), list(range(W)), W)
-    elif split == "contiguous":
-        bounds = [S * i // W for i in range(W + 1)]
-        segments = [[(bounds[i], bounds[i + 1])] for i in range(W)]
-    else:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    return replace(
-        layout, ranks=tuple(replace(r, segments=tuple(s)) for r, s in zip(layout.ranks, segments))
-    )
-
-
-def step_documents(which: str, seq_length: int, world: int) -> tuple[int, ...]:
-    """The document lengths of a ``CALIBRATION_STEPS`` entry's ``one`` / ``packed``."""
-    return (seq_length,) if which == "one" else calibration_documents(seq_length, world)
-
-
-def time_calibration_steps(
-    model: ModelSpec, layouts: dict[str, Layout], opts: ProfileOptions
-) -> list[dict[str, Any]]:
-    """Collective over the default group: the CPU driver's training step (``testbed.train``: the
-    model with HexiSeq's attention, ``kernel="auto"``, Megatron DDP; packed documents with
-    ``--reset-attention-mask``) for each of ``CALIBRATION_STEPS`` on ``layouts``
-    (:func:`calibration_layouts`). Per step a ``CalibrationStep`` as a dict: the median over
-    ``opts.repeats`` steps (after one warm-up) of the slowest rank's step time."""
-    out = []
-    for name, which, split in CALIBRATION_STEPS:
-        base = layouts[name]
-        S, W = base.seq_length, base.world_size
-        documents = step_documents(which, S, W)
-        cfg = TrainConfig(
-            model=replace(model, seq_length=S),
-            layout=split_layout(base, documents, split),
-            steps=opts.repeats + 1,
-            kernel="auto",
-            bucket_size=None,
-            documents=None if len(documents) == 1 else (documents,),
-        )
-        dist.barrier()
-        times = torch.tensor(train_rank(dist.get_rank(), W, cfg).step_times_s[1:])
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        out.append(
-            CalibrationStep(name, documents, split, statistics.median(times.tolist()))._asdict()
-        )
+    for name, layout, domains, g in (
+        ("a2a", layouts["a2a"], [list(range(world))], G),
+        ("a2a_compute", alone, [[r] for r in range(world)], 1),
+        ("p2p", layouts["p2p"], [list(range(world))], G),
+    ):
+        groups = build_hexiseq_groups(layout, domains=domains)
+        s_r, h = layout.ranks[0 if len(domains) > 1 else me].num_tokens, layout.num_attention_heads
+        gen = torch.Generator().manual_seed(me)
+        q = torch.randn(s_r, 1, h, d, generator=gen, requires_grad=True)
+        k = torch.randn(s_r, 1, g, d, generator=gen, requires_grad=True)
+        v = torch.randn(s_r, 1, g, d, generator=gen, requires_grad=True)
+        times = []
+        for i in range(opts.repeats + 1):  # the first call warms up
+            dist.barrier()
+            start = time.perf_counter()
+            # `layers` calls forward, then their backwards (as a model's layers run): per call time
+            total = sum(
+                hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum()
+                for _ in range(layers)
+            )
+            assert isinstance(total, torch.Tensor)  # layers >= 1: a sum of tensors, not sum's 0
+            total.backward()
+            elapsed = torch.tensor([(time.perf_counter() - start) / layers], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:
+                times.append(float(elapsed))
+        out[f"{name}_call_s"] = statistics.median(times)
     return out
 
 
@@ -414,105 +356,45 @@ def _heads(layout: Layout) -> list[int]:
     return [len(r.heads) for r in layout.ranks]
 
 
-REFINEMENTS = 4  # grids of the latency fit (each 100x finer)
-
-
-class StepPrediction(NamedTuple):
-    """A calibration step's modelled iteration as a function of one latency x: the slowest linear
-    phase plus the slowest rank's ``attention_s + steps x`` (per-rank arrays: the attention phase
-    without that latency, and how many times the rank pays it)."""
-
-    linear_s: float
-    attention_s: np.ndarray
-    steps: np.ndarray
-
-    def at(self, x: np.ndarray) -> np.ndarray:
-        """The iteration at each latency of ``x`` (seconds)."""
-        return self.linear_s + (self.attention_s[None, :] + np.outer(x, self.steps)).max(axis=1)
-
-
-def _least_relative_squares(curves: list[StepPrediction], measured: np.ndarray) -> float:
-    """The latency x >= 0 minimising ``sum_i (curve_i(x) / measured_i - 1)^2``. Each curve is convex
-    and piecewise linear in x, so the sum is searched on a grid of 201 points refined
-    ``REFINEMENTS`` times around the best (to ~1e-9 of the first grid's span: 0 to the largest
-    latency any one step could hold, its measured time over its fewest steps)."""
-    hi = max(
-        float(m) / max(1, int(c.steps[c.steps > 0].min(initial=1)))
-        for c, m in zip(curves, measured)
-    )
-    lo, best = 0.0, 0.0
-    for _ in range(REFINEMENTS):
-        grid = np.linspace(lo, hi, 201)
-        cost = sum(((c.at(grid) / m - 1.0) ** 2 for c, m in zip(curves, measured)), np.zeros(201))
-        k = int(np.argmin(cost))
-        best, step = float(grid[k]), (hi - lo) / 200
-        lo, hi = max(0.0, best - step), best + step
-    return best
-
-
-LATENCY_FIELDS = {"a2a": "collective_latency_us", "p2p": "p2p_latency_us"}
-"""The fixed cost each calibration layout's steps fit."""
-
-
 def fit_latencies(
     spec: dict[str, Any], calibration: dict[str, Any], model: ModelSpec
 ) -> dict[str, Any]:
     """Set ``collective_latency_us`` and ``p2p_latency_us`` of every GPU type in ``spec`` (in place)
-    from the timed calibration steps; returns the fit (per step: measured, modelled without the
-    latency, its count, predicted with it) for the raw JSON.
-
-    Per calibration layout, the latency x >= 0 minimising ``sum_i (p_i(x) / m_i - 1)^2`` over its
-    steps i (module docstring): m_i measured, p_i(x) the iteration ``estimate_documents`` predicts
-    with that latency x and the other fixed cost 0 (``StepPrediction``; neither layout has the
-    other's communication). Counts per rank: ``a2a`` 2 passes x layers x 4 collectives (one group
-    of all ranks); ``p2p`` 3 x layers x the rank's rounds (zig-zag: every rank the same; contiguous:
-    rank i receives from the ranks before it that share a document)."""
-    bare = cluster_from_dict(
-        {
-            **spec,
-            "gpus": {
-                k: {**v, "p2p_latency_us": 0.0, "collective_latency_us": 0.0}
-                for k, v in spec["gpus"].items()
-            },
-        },
-        source="profiled cluster spec",
-    )
-    hosts, gpus = [d.node for d in bare.devices], [d.gpu.name for d in bare.devices]
+    from the timed calibration calls; returns the fit (measured, modelled, counts) for the raw JSON."""
+    cluster = cluster_from_dict(spec, source="profiled cluster spec")
     S = calibration["seq_length"]
-    layouts = calibration_layouts(
-        bare.world_size, S, model.num_attention_heads, model.num_query_groups, hosts, gpus
-    )
-    full = replace(model, seq_length=S)
+    one_layer = replace(model, num_layers=1, seq_length=S)
     options = TrainOptions()
+    hosts, gpus = [d.node for d in cluster.devices], [d.gpu.name for d in cluster.devices]
+    layouts = calibration_layouts(
+        cluster.world_size, S, model.num_attention_heads, model.num_query_groups, hosts, gpus
+    )
+    passes = 1 + 1  # forward + backward (no recompute in the calibration call)
+    counts = {
+        "a2a": passes * 4,  # q, k, v in and the output back, per pass
+        "p2p": (passes + 1)
+        * max(kv_exchange_forward(layouts["p2p"], cluster, one_layer, 1).rounds),
+    }
     fit: dict[str, Any] = {}
-    for name, field in LATENCY_FIELDS.items():
-        rows, curves = [], []
-        for step in calibration["steps"]:
-            if step["layout"] != name:
-                continue
-            documents = tuple(step["documents"])
-            lay = split_layout(layouts[name], documents, step["split"])
-            e = estimate_documents(lay, bare, full, options, cu_from_lengths(documents))
-            if name == "a2a":
-                count = np.full(lay.world_size, 2 * model.num_layers * 4, dtype=np.int64)
-            else:
-                count = 3 * model.num_layers * e.rounds
-            curve = StepPrediction(float(e.linear_s.max()), e.time_s - e.linear_s, count)
-            curves.append(curve)
-            rows.append(
-                {
-                    **step,
-                    "modelled_without_latency_s": e.iteration_time_s,
-                    "steps": int(count.max()),
-                }
+    for name, layout in layouts.items():
+        est = estimate(layout, cluster, one_layer, options)
+        measured = calibration[f"{name}_call_s"]
+        if name == "a2a":  # measured compute (same work, no communication) + modelled bytes
+            modelled = calibration["a2a_compute_call_s"] + max(
+                r.breakdown["a2a_s"] for r in est.per_rank
             )
-        measured = np.array([r["step_s"] for r in rows])
-        x = significant(_least_relative_squares(curves, measured) * 1e6) if rows else 0.0
-        for r, curve in zip(rows, curves):
-            r["predicted_s"] = float(curve.at(np.array([x * 1e-6]))[0])
-        fit[name] = {"steps": rows, "latency_us": x}
-        for entry in spec["gpus"].values():
-            entry[field] = x
+        else:  # modelled compute and exposed transfer (a zig-zag ring: equal work on every rank)
+            modelled = max(r.time_s - r.breakdown["linear_s"] for r in est.per_rank)
+        per_step = max(0.0, measured - modelled) / counts[name] if counts[name] else 0.0
+        fit[name] = {
+            "measured_s": measured,
+            "modelled_without_fixed_s": modelled,
+            "steps": counts[name],
+            "latency_us": significant(per_step * 1e6),
+        }
+    for entry in spec["gpus"].values():
+        entry["collective_latency_us"] = fit["a2a"]["latency_us"]
+        entry["p2p_latency_us"] = fit["p2p"]["latency_us"]
     return fit
 
 
