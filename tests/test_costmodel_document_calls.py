@@ -20,11 +20,11 @@ from test_costmodel_documents import _case, _random_cu
 from megatron_hexiseq.attention.documents import DocumentBounds, block_windows, local_windows
 from megatron_hexiseq.attention.peers import group_runs
 from megatron_hexiseq.cluster import cluster_from_dict
-from megatron_hexiseq.costmodel.documents import (
+from megatron_hexiseq.costmodel.document_calls import document_calls
+from megatron_hexiseq.costmodel.documents import estimate_documents
+from megatron_hexiseq.costmodel.pieces import (
     check_cu_seqlens,
-    document_calls,
     document_pieces,
-    estimate_documents,
 )
 from megatron_hexiseq.costmodel.rates import attention_rate
 from megatron_hexiseq.layout import make_layout
@@ -85,7 +85,7 @@ def test_spread_windows_keep_each_groups_pairs(monkeypatch) -> None:
         gi = np.array([index[p.group] for p in lay.ranks])
         pieces, n = document_pieces(lay, cu), len(lay.groups)
         exact = document_calls(pieces, gi[pieces.rank], n, cu)
-        monkeypatch.setattr("megatron_hexiseq.costmodel.documents.MAX_WINDOWS", -1)
+        monkeypatch.setattr("megatron_hexiseq.costmodel.document_calls.MAX_WINDOWS", -1)
         spread = document_calls(pieces, gi[pieces.rank], n, cu)
         monkeypatch.undo()
         assert not spread.exact

@@ -16,12 +16,14 @@ from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import estimate, fan_units, pipelined_exposed_s
 from megatron_hexiseq.costmodel.documents import (
     MAX_PIECE_PAIRS,
-    _cross_rounds,
+    cross_rounds,
+    estimate_documents,
+)
+from megatron_hexiseq.costmodel.pieces import (
     check_cu_seqlens,
     cu_from_lengths,
     document_pairs,
     document_pieces,
-    estimate_documents,
 )
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import make_layout
@@ -161,7 +163,7 @@ def test_round_cells_match_brute_force():
         cu = np.array(_random_cu(rng, lay))
         doc = _doc_of(cu)
         gi = np.array([r.group for r in lay.ranks])
-        rg, sg, vis, pairs = _cross_rounds(document_pieces(lay, cu), gi)
+        rg, sg, vis, pairs = cross_rounds(document_pieces(lay, cu), gi)
         got = {(int(a), int(b)): (int(v), int(p)) for a, b, v, p in zip(rg, sg, vis, pairs)}
         n = len(lay.groups)
         want = {}

@@ -15,8 +15,6 @@ from megatron_hexiseq.costmodel.comm import (
 )
 from megatron_hexiseq.costmodel.documents import (
     DocumentEstimate,
-    check_cu_seqlens,
-    document_pairs,
     estimate_documents,
 )
 from megatron_hexiseq.costmodel.estimate import Estimate, RankEstimate, estimate, memory_floor_fits
@@ -37,6 +35,10 @@ from megatron_hexiseq.costmodel.formulas import (
     output_bytes_per_token,
     static_memory_bytes,
     train_flops,
+)
+from megatron_hexiseq.costmodel.pieces import (
+    check_cu_seqlens,
+    document_pairs,
 )
 from megatron_hexiseq.run_config import (
     TrainOptions,

@@ -18,18 +18,8 @@ positions. Attention is causal inside each document and nothing crosses a bounda
   earlier piece of the same document: ``pairs(g <- s) = sum of l_i * l_j`` over pieces i of g and
   earlier pieces j of s in the same document.
 
-**Kernel calls** (``document_calls``, ``call_slowdown``): the runtime runs a block's document
-windows (``attention.documents``: per (group, document) one square causal local window; per query
-piece and earlier group of its document one unmasked received window) one kernel call each on CPU
-and with every kernel but ``flash``/``cudnn``, which run a block's windows as one variable-length
-call (``attention.varlen.uses_varlen``; a micro-batch of one document is priced as ``estimate``
-prices the runtime without documents: one call per window). Each call runs at
-``rates.call_fraction`` of its kernel's curve (causal for local, full for received) at its
-pair-heads (pairs x the rank's heads x micro-batch); a rank's attention time is its pairs at the
-long-block rate times its calls' slowdown, local and received apart (each received block's own
-slowdown scales its round in the pipeline, at the kernel's long-block rate, as in ``estimate``).
-A flat rate without curves prices every pair alike. The CPU testbed's ``cpu-flash`` curves come from ``profile --testbed``; with them a THD-style
-split (tens of small windows per layer) is no longer priced at the long-block rate.
+**Kernel calls**: ``costmodel.document_calls`` (each document window one kernel call at its
+achieved rate on its kernel's call-size curve); the pieces and their pairs: ``costmodel.pieces``.
 
 Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
 rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs, memory,
@@ -48,12 +38,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays
+from megatron_hexiseq.costmodel.document_calls import (
+    VARLEN_KERNELS,
+    BlockSlowdown,
+    call_slowdown,
+    document_calls,
+)
 from megatron_hexiseq.costmodel.estimate import (
     _a2a_layer_s,
     _device_arrays,
@@ -65,93 +60,23 @@ from megatron_hexiseq.costmodel.formulas import (
     kv_block_bytes_per_token,
     linear_s_per_token,
 )
-from megatron_hexiseq.costmodel.rates import ClusterRates, call_fraction, cluster_rates
+from megatron_hexiseq.costmodel.pieces import (
+    Pieces,
+    check_cu_seqlens,
+    document_pieces,
+    expand_cells,
+    own_group_pairs,
+    piece_pairs,
+)
+from megatron_hexiseq.costmodel.rates import cluster_rates
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
 
 MAX_PIECE_PAIRS = 4_000_000  # earlier-piece pairs enumerated exactly; above: uniform rounds
-MAX_WINDOWS = 1_000_000  # (query piece, earlier group) pairs enumerated as windows; above: spread
-VARLEN_KERNELS = ("flash", "cudnn")  # one variable-length call per block (attention.varlen)
+
 EXCHANGES = ("pruned", "te-ring")
-
-
-def check_cu_seqlens(cu_seqlens: Sequence[int], length: int) -> np.ndarray:
-    """``[0, b1, ..., length]`` strictly increasing integers -> int64 array, else one HexiSeqError."""
-    cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
-        raise HexiSeqError(
-            f"cu_seqlens must be a list of at least two integers [0, ..., {length}], got {list(cu_seqlens)[:8]}"
-        )
-    cu = cu.astype(np.int64)
-    if cu[0] != 0 or cu[-1] != length:
-        raise HexiSeqError(
-            f"cu_seqlens must start at 0 and end at the micro-batch length {length}, got "
-            f"[{cu[0]}, ..., {cu[-1]}]"
-        )
-    bad = np.nonzero(np.diff(cu) <= 0)[0]
-    if bad.size:
-        i = int(bad[0])
-        raise HexiSeqError(
-            f"cu_seqlens must be strictly increasing: entry {i + 1} ({cu[i + 1]}) follows {cu[i]}"
-        )
-    return cu
-
-
-def cu_from_lengths(doc_lengths: Sequence[int]) -> tuple[int, ...]:
-    """Document lengths in packing order -> ``cu_seqlens``."""
-    return (0, *(int(x) for x in np.cumsum(np.asarray(doc_lengths, dtype=np.int64))))
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """A layout's segments cut at document boundaries, in position order: piece i is tokens
-    ``[start[i], end[i])`` of document ``doc[i]`` on layout rank ``rank[i]`` (int64 arrays)."""
-
-    start: np.ndarray
-    end: np.ndarray
-    rank: np.ndarray
-    doc: np.ndarray
-
-
-def document_pieces(layout: Layout, cu: np.ndarray) -> Pieces:
-    """Every rank's segments cut at the document boundaries ``cu``, sorted by position."""
-    seg = [(s, e, p.rank) for p in layout.ranks for s, e in p.segments]
-    arr = np.array(seg, dtype=np.int64).reshape(-1, 3)
-    arr = arr[np.argsort(arr[:, 0], kind="stable")]
-    s, e, r = arr[:, 0], arr[:, 1], arr[:, 2]
-    d0 = np.searchsorted(cu, s, side="right") - 1
-    d1 = np.searchsorted(cu, e - 1, side="right") - 1
-    count = d1 - d0 + 1
-    idx = np.repeat(np.arange(s.size), count)
-    first = np.repeat(np.cumsum(count) - count, count)
-    doc = d0[idx] + np.arange(idx.size) - first
-    return Pieces(
-        start=np.maximum(s[idx], cu[doc]),
-        end=np.minimum(e[idx], cu[doc + 1]),
-        rank=r[idx],
-        doc=doc,
-    )
-
-
-def piece_pairs(start: np.ndarray, end: np.ndarray, doc_start: np.ndarray) -> np.ndarray:
-    """Document-masked query-key pairs of query pieces ``[start, end)`` inside documents starting at
-    ``doc_start``, against every key of their document: ``sum_q (q - d0 + 1)``."""
-    return ((start - doc_start + 1 + end - doc_start) * (end - start)) >> 1
-
-
-def document_pairs(segments: Sequence[tuple[int, int]], cu_seqlens: Sequence[int]) -> int:
-    """Pairs (q, k) with q in ``segments``, k <= q in q's own document (scalar form, for checks)."""
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    total = 0
-    for s, e in segments:
-        d = int(np.searchsorted(cu, s, side="right")) - 1
-        while s < e:
-            stop = min(e, int(cu[d + 1]))
-            total += (s - int(cu[d]) + 1 + stop - int(cu[d])) * (stop - s) // 2
-            s, d = stop, d + 1
-    return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +114,7 @@ class DocumentEstimate:
         return float(self.time_s.max()) / mean if mean > 0 else 1.0
 
 
-def _cross_rounds(
+def cross_rounds(
     pieces: Pieces, group_of_rank: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """Per (receiver group g, source group s != g) with a shared document: visible tokens and pairs,
@@ -233,170 +158,6 @@ def _cross_rounds(
     vis = np.bincount(inv, weights=np.where(last[i], length[j], 0), minlength=cells.size)
     # float64 sums of integers below 2^53 are exact
     return cells // n, cells % n, np.rint(vis).astype(np.int64), np.rint(pairs).astype(np.int64)
-
-
-class DocumentCalls(NamedTuple):
-    """The attention kernel calls of one micro-batch's blocks, as the runtime's windows
-    (``attention.documents.local_windows`` / ``block_windows``) cut them: per entry ``windows``
-    windows (1 when enumerated) of ``pairs`` document-masked query-key pairs each (one sequence and
-    head), of ``group`` (the querying group) reading ``source``'s keys (the group itself for a local
-    window; -1: not enumerated), ``causal`` for a local square window. ``exact`` is False when the
-    received windows were too many to enumerate (``MAX_WINDOWS``): each query piece then has one
-    entry of ``m`` windows sharing its cross pairs evenly (m = the groups it reads; the pairs of
-    every group stay exact, as ``pairs x windows`` sums)."""
-
-    group: np.ndarray
-    source: np.ndarray
-    pairs: np.ndarray  # float64: one window's pairs (exact integers when enumerated)
-    windows: np.ndarray
-    causal: np.ndarray
-    exact: bool
-
-
-def _join(pieces: Pieces, pg: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Touching pieces of one group inside one document joined (the runtime's runs): group, doc,
-    start, length (position order)."""
-    new = np.ones(pg.size, dtype=bool)
-    new[1:] = (pg[1:] != pg[:-1]) | (pieces.doc[1:] != pieces.doc[:-1])
-    idx = np.cumsum(new) - 1
-    length = np.bincount(idx, weights=pieces.end - pieces.start).astype(np.int64)
-    return pg[new], pieces.doc[new], pieces.start[new], length
-
-
-def document_calls(pieces: Pieces, pg: np.ndarray, n: int, cu: np.ndarray) -> DocumentCalls:
-    """Every window of the micro-batch (``DocumentCalls``). Local: one causal window per (group,
-    document) of the group's ``l`` tokens there, ``l (l + 1) / 2`` pairs. Received: a joined query
-    piece of group g in document D reads, from each other group s holding earlier tokens of D, the
-    ``K`` tokens of s in D before it (``l x K`` pairs); neighbouring pieces of g in D with the same
-    ``K`` share one window (no token of s between them)."""
-    g, doc, start, length = _join(pieces, pg)
-    N = int(cu[-1])
-    cell = doc * n + g
-    cells, inv = np.unique(cell, return_inverse=True)
-    held = np.rint(np.bincount(inv, weights=length, minlength=cells.size)).astype(np.int64)
-    loc_g, loc_pairs = cells % n, (held * (held + 1)) >> 1
-    first = np.full(cells.size, N, dtype=np.int64)
-    np.minimum.at(first, inv, start)
-    # cells by (document, first position): the groups a piece reads are a prefix of its document's
-    order_c = np.lexsort((first, cells // n))
-    c_doc, c_first = (cells // n)[order_c], first[order_c]
-    key_c = c_doc * (N + 1) + c_first
-    lo = np.searchsorted(c_doc, doc, side="left")
-    hi = np.searchsorted(key_c, doc * (N + 1) + start, side="left")
-    own_before = (first[inv] < start).astype(np.int64)
-    m = hi - lo - own_before  # other groups read by each piece
-    total = int((hi - lo).sum())
-    loc = (loc_g, loc_g, loc_pairs, np.ones(loc_g.size, dtype=bool))
-    # tokens of every group in its document before a position: pieces by (cell, start), cumulative
-    order_p = np.lexsort((start, inv))
-    key_p = inv[order_p] * (N + 1) + start[order_p]
-    csum = np.concatenate(([0], np.cumsum(length[order_p])))
-    cell_base = csum[np.searchsorted(inv[order_p], np.arange(cells.size), side="left")]
-    if total <= MAX_WINDOWS:
-        i = np.repeat(np.arange(g.size), hi - lo)
-        c = order_c[lo[i] + np.arange(total) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo)]
-        keep = cells[c] % n != g[i]
-        i, c = i[keep], c[keep]
-        K = csum[np.searchsorted(key_p, c * (N + 1) + start[i], side="left")] - cell_base[c]
-        s = cells[c] % n
-        # one window per run of (group, source, document, K): sum the rows, pairs = rows x K
-        o = np.lexsort((K, doc[i], s, g[i]))
-        cols = np.stack([g[i][o], s[o], doc[i][o], K[o]])
-        brk = np.ones(o.size, dtype=bool)
-        brk[1:] = (cols[:, 1:] != cols[:, :-1]).any(axis=0)
-        w = np.cumsum(brk) - 1
-        rows = np.bincount(w, weights=length[i][o]).astype(np.int64) if o.size else np.zeros(0)
-        rg, rs, rK = cols[0][brk], cols[1][brk], cols[3][brk]
-        rpairs = np.asarray(rows, dtype=np.int64) * rK
-        rcount = np.ones(rg.size, dtype=np.int64)
-        exact = True
-    else:  # spread each piece's cross pairs over the m groups it reads: one entry of m windows
-        own_tok = csum[np.searchsorted(key_p, inv * (N + 1) + start, side="left")] - cell_base[inv]
-        cross = length * (start - cu[doc] - own_tok)
-        has = m > 0
-        rg, rs, rcount = g[has], np.full(int(has.sum()), -1, dtype=np.int64), m[has]
-        rpairs = cross[has] / rcount
-        exact = False
-    return DocumentCalls(
-        group=np.concatenate([loc[0], rg]).astype(np.int64),
-        source=np.concatenate([loc[1], rs]).astype(np.int64),
-        pairs=np.concatenate([loc[2], rpairs]).astype(np.float64),
-        windows=np.concatenate([np.ones(loc_g.size, dtype=np.int64), rcount]).astype(np.int64),
-        causal=np.concatenate([loc[3], np.zeros(rg.size, dtype=bool)]),
-        exact=exact,
-    )
-
-
-def call_slowdown(
-    calls: DocumentCalls,
-    layout: Layout,
-    heads: np.ndarray,
-    rates: ClusterRates,
-    b: int,
-    one_call_per_block: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, BlockSlowdown | None]:
-    """Per rank: (local, received) attention time at the achieved rates of its calls over that time
-    at the long-block rate (1.0 where the rank has none, or a flat rate). A call's rate is
-    ``call_fraction`` of its curve (causal: local window, full: received) at its pair-heads
-    (``pairs x heads x b``). Ranks in ``one_call_per_block`` run a block's windows as one
-    variable-length call (``attention.varlen.uses_varlen``): the call is the block's pairs. Third:
-    the same per received block (None when the windows were not enumerated)."""
-    W = layout.world_size
-    cell, r, _ = _expand(calls.group, layout)
-    work = calls.pairs * calls.windows  # pairs of each entry's windows together
-    pairs = calls.pairs[cell]
-    if calls.exact:
-        block = calls.group * (int(calls.source.max(initial=0)) + 2) + calls.source + 1
-        _, binv = np.unique(block, return_inverse=True)
-        block_pairs = np.bincount(binv, weights=work)[binv]
-    else:  # received blocks unknown: a group's cross pairs over as many blocks as its pieces'
-        # most sources (the local block is one call either way)
-        loc = calls.causal
-        g_loc = np.bincount(calls.group[loc], weights=work[loc])
-        g_cross = np.bincount(calls.group[~loc], weights=work[~loc], minlength=g_loc.size)
-        g_blocks = np.ones(g_loc.size, dtype=np.int64)
-        np.maximum.at(g_blocks, calls.group[~loc], calls.windows[~loc])
-        block_pairs = np.where(loc, g_loc[calls.group], (g_cross / g_blocks)[calls.group])
-    work = work[cell]
-    call = np.where(one_call_per_block[r], block_pairs[cell], pairs) * heads[r] * b
-    frac = np.ones(r.size)
-    causal = calls.causal[cell]
-    for rate, where in rates.groups:
-        sel = where[r]
-        for mask, curve in ((causal, rate.causal), (~causal, rate.full)):
-            pick = sel & mask
-            if curve is not None and pick.any():
-                frac[pick] = call_fraction(curve, call[pick])
-    slow = work / frac
-    out = []
-    for mask in (causal, ~causal):
-        ideal = np.bincount(r[mask], weights=work[mask], minlength=W)
-        actual = np.bincount(r[mask], weights=slow[mask], minlength=W)
-        out.append(np.where(ideal > 0, actual / np.where(ideal > 0, ideal, 1.0), 1.0))
-    by_source = None
-    if calls.exact:  # per (receiver rank, source group): the slowdown of that block's calls
-        recv = ~causal
-        key = r[recv] * (int(calls.source.max(initial=0)) + 1) + calls.source[cell][recv]
-        keys, kinv = np.unique(key, return_inverse=True)
-        ideal = np.bincount(kinv, weights=work[recv], minlength=keys.size)
-        actual = np.bincount(kinv, weights=slow[recv], minlength=keys.size)
-        by_source = BlockSlowdown(keys, int(calls.source.max(initial=0)) + 1, actual / ideal)
-    return out[0], out[1], by_source
-
-
-class BlockSlowdown(NamedTuple):
-    """Slowdown of each received block's calls, keyed ``rank * stride + source group`` (sorted)."""
-
-    keys: np.ndarray
-    stride: int
-    factor: np.ndarray
-
-    def lookup(self, rank: np.ndarray, source: np.ndarray, default: np.ndarray) -> np.ndarray:
-        """The factor of each (rank, source) block; ``default`` where the block has no call."""
-        key = rank * self.stride + source
-        at = np.minimum(np.searchsorted(self.keys, key), max(self.keys.size - 1, 0))
-        hit = (self.keys[at] == key) if self.keys.size else np.zeros(key.size, dtype=bool)
-        return np.where(hit, self.factor[at] if self.keys.size else 0.0, default)
 
 
 @lru_cache(maxsize=65536)
@@ -554,21 +315,6 @@ def estimate_documents(
     )
 
 
-def own_group_pairs(pieces: Pieces, group: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    """Per piece: its pairs with keys of the same group (own-group round 0): ``l * C + l(l+1)/2``,
-    C = the group's tokens earlier in the same document."""
-    length = pieces.end - pieces.start
-    order = np.lexsort((pieces.start, group, pieces.doc))
-    key = pieces.doc[order] * (int(group.max()) + 1) + group[order]
-    csum = np.cumsum(length[order]) - length[order]
-    run_start = np.ones(key.size, dtype=bool)
-    run_start[1:] = key[1:] != key[:-1]
-    base = np.maximum.accumulate(np.where(run_start, csum, 0))
-    earlier = np.empty_like(length)
-    earlier[order] = csum - base
-    return length * earlier + ((length * (length + 1)) >> 1)
-
-
 def _pipeline(
     comp0: np.ndarray, rank: np.ndarray, comp: np.ndarray, comm: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -595,20 +341,6 @@ def _pipeline(
         np.add.at(comm_sum, rank, comm)
     exposed = comp_end - comp_sum
     return np.where(exposed > 1e-9 * comp_sum, exposed, 0.0), comm_sum
-
-
-def _expand(
-    groups_of_cell: np.ndarray, layout: Layout
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per cell, one entry per member of its receiving group: (cell index, member rank, member
-    position in its group)."""
-    sizes = np.array([len(g.ranks) for g in layout.groups])
-    members = np.array([r for g in layout.groups for r in g.ranks])
-    starts = np.cumsum(sizes) - sizes
-    count = sizes[groups_of_cell]
-    cell = np.repeat(np.arange(groups_of_cell.size), count)
-    pos = np.arange(cell.size) - np.repeat(np.cumsum(count) - count, count)
-    return cell, members[starts[groups_of_cell][cell] + pos], pos
 
 
 def _pruned(
@@ -639,7 +371,7 @@ def _pruned(
         np.int64
     )
     comp0 = flops_per_pair_head * own[gi] * heads / rate * slow[0]
-    cross = _cross_rounds(pieces, gi)
+    cross = cross_rounds(pieces, gi)
     # link of a round: the sending group's slowest port, the receiver's own (estimate's rule)
     members = np.array([r for g in layout.groups for r in g.ranks])
     starts = np.cumsum([0] + [len(g.ranks) for g in layout.groups[:-1]])
@@ -649,7 +381,7 @@ def _pruned(
     gnv, gnet = np.minimum.reduceat(nv[members], starts), np.minimum.reduceat(net[members], starts)
     if cross is not None:
         rg, sg, vis, pairs = cross
-        cell, r, pos = _expand(rg, layout)
+        cell, r, pos = expand_cells(rg, layout)
         sig_of = [tuple(kv_of[m] for m in g.ranks) for g in layout.groups]
         sigs = sorted(set(sig_of))
         sig_index = {s: i for i, s in enumerate(sigs)}

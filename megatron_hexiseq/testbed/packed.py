@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster, cluster_from_dict, cluster_to_dict
-from megatron_hexiseq.costmodel.documents import cu_from_lengths, estimate_documents
+from megatron_hexiseq.costmodel.documents import estimate_documents
+from megatron_hexiseq.costmodel.pieces import cu_from_lengths
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.runtime import check_run

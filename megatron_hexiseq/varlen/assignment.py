@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hexiseq.costmodel.documents import check_cu_seqlens
+from megatron_hexiseq.costmodel.pieces import check_cu_seqlens
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, Segment
 

@@ -44,17 +44,14 @@ import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays
-from megatron_hexiseq.costmodel.documents import (
+from megatron_hexiseq.costmodel.document_calls import (
     VARLEN_KERNELS,
-    Pieces,
-    _cross_rounds,
     call_slowdown,
-    cu_from_lengths,
     document_calls,
-    document_pieces,
+)
+from megatron_hexiseq.costmodel.documents import (
+    cross_rounds,
     estimate_documents,
-    own_group_pairs,
-    piece_pairs,
 )
 from megatron_hexiseq.costmodel.estimate import _a2a_layer_s
 from megatron_hexiseq.costmodel.exchange import fan_units
@@ -66,6 +63,13 @@ from megatron_hexiseq.costmodel.formulas import (
     kv_block_bytes_per_token,
     linear_s_per_token,
     static_memory_bytes,
+)
+from megatron_hexiseq.costmodel.pieces import (
+    Pieces,
+    cu_from_lengths,
+    document_pieces,
+    own_group_pairs,
+    piece_pairs,
 )
 from megatron_hexiseq.costmodel.rates import cluster_rates
 from megatron_hexiseq.errors import HexiSeqError
@@ -423,7 +427,7 @@ class BatchPlanner:
     ) -> np.ndarray:
         """Per rank, the K/V time its attention cannot hide, every pass, and the exchange steps'
         latency. Blocks as ``estimate_documents`` prices them: one per (receiving group, source
-        group) with a shared document, its visible tokens and pairs exact (``_cross_rounds``), in
+        group) with a shared document, its visible tokens and pairs exact (``cross_rounds``), in
         the sub-ring order ``(g - s) mod n``, over the source group's slowest port or NVLink (the
         receiver's own), times the fan-out of K/V heads; each block's compute at the rank's
         received-call slowdown. The pipeline without its buffer limit: block k's compute starts
@@ -431,7 +435,7 @@ class BatchPlanner:
         computed, so the exposed time is ``max_k (arrival_k - local - compute of blocks < k)``.
         When the blocks are too many to enumerate, one group's received tokens in equal blocks."""
         n, gi = len(self.groups), self.group_index
-        blocks = _cross_rounds(pieces, gi)
+        blocks = cross_rounds(pieces, gi)
         if blocks is None:  # equal blocks, one per other group met (at most n - 1), own port
             met = np.bincount(
                 cells % n, weights=np.bincount(cells // n)[cells // n] - 1, minlength=n

@@ -36,9 +36,9 @@ import numpy as np
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.documents import (
     DocumentEstimate,
-    cu_from_lengths,
     estimate_documents,
 )
+from megatron_hexiseq.costmodel.pieces import cu_from_lengths
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.canonical import canonical_order
