@@ -38,11 +38,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel.comm import cluster_arrays
+from megatron_hexiseq.costmodel.comm import ClusterArrays, cluster_arrays
 from megatron_hexiseq.costmodel.document_calls import (
     VARLEN_KERNELS,
     BlockSlowdown,
@@ -343,6 +344,38 @@ def _pipeline(
     return np.where(exposed > 1e-9 * comp_sum, exposed, 0.0), comm_sum
 
 
+class GroupPorts(NamedTuple):
+    """Per layout group: its node (-1 when its members span several) and its slowest NVLink and
+    network ports. A received block travels over the sending group's slowest port and the
+    receiver's own (``estimate``'s rule): ``link``."""
+
+    node: np.ndarray
+    nv: np.ndarray
+    net: np.ndarray
+
+    @classmethod
+    def of(cls, layout: Layout, arrays: ClusterArrays) -> GroupPorts:
+        """The ports of ``layout``'s groups on a cluster's ``comm.cluster_arrays``."""
+        members = np.array([r for g in layout.groups for r in g.ranks])
+        starts = np.cumsum([0] + [len(g.ranks) for g in layout.groups[:-1]])
+        lo = np.minimum.reduceat(arrays.node[members], starts)
+        hi = np.maximum.reduceat(arrays.node[members], starts)
+        return cls(
+            node=np.where(lo == hi, lo, -1),
+            nv=np.minimum.reduceat(arrays.nv[members], starts),
+            net=np.minimum.reduceat(arrays.net[members], starts),
+        )
+
+    def link(self, source: np.ndarray, rank: np.ndarray, arrays: ClusterArrays) -> np.ndarray:
+        """Bytes/s of a block from group ``source`` to ``rank`` (element-wise): NVLink when the
+        whole sending group sits on the receiver's node, else the network."""
+        return np.where(
+            self.node[source] == arrays.node[rank],
+            np.minimum(self.nv[source], arrays.nv[rank]),
+            np.minimum(self.net[source], arrays.net[rank]),
+        )
+
+
 def _pruned(
     layout, cluster, model, b, gi, heads, kv_of, kv_n, g_pairs, g_tokens, pieces, pg, cu, slow, rate
 ):
@@ -372,13 +405,8 @@ def _pruned(
     )
     comp0 = flops_per_pair_head * own[gi] * heads / rate * slow[0]
     cross = cross_rounds(pieces, gi)
-    # link of a round: the sending group's slowest port, the receiver's own (estimate's rule)
-    members = np.array([r for g in layout.groups for r in g.ranks])
-    starts = np.cumsum([0] + [len(g.ranks) for g in layout.groups[:-1]])
-    node, nv, net = arrays.node, arrays.nv, arrays.net
-    lo, hi = np.minimum.reduceat(node[members], starts), np.maximum.reduceat(node[members], starts)
-    gnode = np.where(lo == hi, lo, -1)
-    gnv, gnet = np.minimum.reduceat(nv[members], starts), np.minimum.reduceat(net[members], starts)
+    ports = GroupPorts.of(layout, arrays)
+    nv, net = arrays.nv, arrays.net
     if cross is not None:
         rg, sg, vis, pairs = cross
         cell, r, pos = expand_cells(rg, layout)
@@ -397,9 +425,7 @@ def _pruned(
         t = (gi[r] - s_of) % n
         order = np.lexsort((t, r))
         cell, r, pos, s_of = cell[order], r[order], pos[order], s_of[order]
-        link = np.where(
-            gnode[s_of] == node[r], np.minimum(gnv[s_of], nv[r]), np.minimum(gnet[s_of], net[r])
-        )
+        link = ports.link(s_of, r, arrays)
         comm = bytes_per_token_head * vis[cell] * fan[sig_id[s_of], sig_id[gi[r]], pos] / link
         block_slow = slow[1][r] if slow[2] is None else slow[2].lookup(r, s_of, slow[1][r])
         comp = flops_per_pair_head * pairs[cell] * heads[r] / rate[r] * block_slow

@@ -50,6 +50,7 @@ from megatron_hexiseq.costmodel.document_calls import (
     document_calls,
 )
 from megatron_hexiseq.costmodel.documents import (
+    GroupPorts,
     cross_rounds,
     estimate_documents,
 )
@@ -68,6 +69,7 @@ from megatron_hexiseq.costmodel.pieces import (
     Pieces,
     cu_from_lengths,
     document_pieces,
+    expand_cells,
     own_group_pairs,
     piece_pairs,
 )
@@ -230,16 +232,9 @@ class BatchPlanner:
         self.rank_attention_s = rank_attention_s
         self.rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
         self.varlen_rank = np.array([k in VARLEN_KERNELS for k in self.rates.kernels])
-        arrays = cluster_arrays(cluster)
-        self.node, self.nv, self.net = arrays.node, arrays.nv, arrays.net
-        self.members = np.array([r for g in self.groups for r in g])
+        self.arrays = cluster_arrays(cluster)
+        self.ports = GroupPorts.of(structure, self.arrays)
         self.sizes = np.array([len(g) for g in self.groups])
-        self.starts = np.cumsum(self.sizes) - self.sizes
-        lo = np.minimum.reduceat(self.node[self.members], self.starts)
-        hi = np.maximum.reduceat(self.node[self.members], self.starts)
-        self.g_node = np.where(lo == hi, lo, -1)
-        self.g_nv = np.minimum.reduceat(self.nv[self.members], self.starts)
-        self.g_net = np.minimum.reduceat(self.net[self.members], self.starts)
         sig_of = [tuple(kv_of[r] for r in g) for g in self.groups]
         self.sigs = sorted(set(sig_of))
         index = {sig: i for i, sig in enumerate(self.sigs)}
@@ -441,23 +436,17 @@ class BatchPlanner:
                 cells % n, weights=np.bincount(cells // n)[cells // n] - 1, minlength=n
             )
             per = np.maximum(np.minimum(n - 1, met), 1)[gi]
-            comm = recv[gi] * self.kv_token_bytes * self.kv_heads / np.minimum(self.net, self.nv)
+            port = np.minimum(self.arrays.net, self.arrays.nv)
+            comm = recv[gi] * self.kv_token_bytes * self.kv_heads / port
             wait = np.maximum(comm / per - local_s, comm - local_s - cross_s * (per - 1) / per)
             return np.maximum(wait, 0) + np.where(recv[gi] > 0, per, 0) * self.rank_latency_s
         rg, sg, vis, pairs = blocks
-        count = self.sizes[rg]
-        b = np.repeat(np.arange(rg.size), count)
-        pos = np.arange(b.size) - np.repeat(np.cumsum(count) - count, count)
-        r = self.members[self.starts[rg][b] + pos]
+        b, r, pos = expand_cells(rg, self.structure)
         s_of, keep = sg[b], self.rank_heads[r] > 0
         b, r, pos, s_of = b[keep], r[keep], pos[keep], s_of[keep]
         order = np.lexsort(((gi[r] - s_of) % n, r))
         b, r, pos, s_of = b[order], r[order], pos[order], s_of[order]
-        link = np.where(
-            self.g_node[s_of] == self.node[r],
-            np.minimum(self.g_nv[s_of], self.nv[r]),
-            np.minimum(self.g_net[s_of], self.net[r]),
-        )
+        link = self.ports.link(s_of, r, self.arrays)
         fan = np.ones(b.size)
         sid_s, sid_r = self.sig_id[s_of], self.sig_id[gi[r]]
         for a, c in set(zip(sid_s.tolist(), sid_r.tolist())):
