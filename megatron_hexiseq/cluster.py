@@ -93,7 +93,9 @@ class GpuType:
     the CPU testbed, where they are large; docs/cost_model.md "Fixed costs"):
     ``step_overhead_ms`` per training iteration whatever the tokens (optimizer step, framework);
     ``collective_latency_us`` per head all-to-all collective; ``p2p_latency_us`` per K/V exchange
-    step (one sub-ring round of one layer, one direction of the pass).
+    step (one sub-ring round of one layer, one direction of the pass); ``window_overhead_us`` per
+    attention kernel call of a packed micro-batch (one document window, or one block with a
+    variable-length kernel), forward and backward each: the runtime's slicing and merging around it.
     """
 
     name: str
@@ -106,6 +108,7 @@ class GpuType:
     step_overhead_ms: float = 0.0
     collective_latency_us: float = 0.0
     p2p_latency_us: float = 0.0
+    window_overhead_us: float = 0.0
     compute_capability: float | None = None
     achieved_tflops: tuple[tuple[str, float], ...] = ()
     attention_curves: tuple[tuple[str, Curve], ...] = ()
@@ -134,7 +137,10 @@ class GpuType:
 
 @dataclass(frozen=True, kw_only=True)
 class Node:
-    """A host with ``count`` GPUs of one type; bandwidths per GPU, one direction."""
+    """A host with ``count`` GPUs of one type; bandwidths per GPU, one direction. ``shared_core``:
+    the node's devices share one compute core (a CPU testbed core; ``profile --testbed`` sets it),
+    so a device's fixed costs are scheduler waits, paid only while a sibling computes
+    (docs/cost_model.md, "Fixed costs")."""
 
     name: str
     gpu: GpuType
@@ -142,6 +148,7 @@ class Node:
     nvlink_GBps: float
     network_GBps: float
     memory_gib: float
+    shared_core: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +162,7 @@ class Device:
     nvlink_GBps: float
     network_GBps: float
     memory_gib: float
+    shared_core: bool = False
 
     @property
     def flops_per_s(self) -> float:
@@ -194,6 +202,11 @@ class Device:
     def p2p_latency_s(self) -> float:
         """Fixed seconds per K/V exchange step (one sub-ring round of one layer and pass)."""
         return self.gpu.p2p_latency_us * 1e-6
+
+    @property
+    def window_overhead_s(self) -> float:
+        """Fixed seconds per attention kernel call of a packed micro-batch, per pass."""
+        return self.gpu.window_overhead_us * 1e-6
 
     @property
     def memory_bytes(self) -> int:
@@ -354,7 +367,12 @@ GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType(
     }
 )
 
-_FIXED_COST_KEYS = ("step_overhead_ms", "collective_latency_us", "p2p_latency_us")
+_FIXED_COST_KEYS = (
+    "step_overhead_ms",
+    "collective_latency_us",
+    "p2p_latency_us",
+    "window_overhead_us",
+)
 _GPU_REQUIRED = ("bf16_tflops", "memory_gib", "nvlink_GBps")  # for a type the catalog lacks
 
 
@@ -409,6 +427,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             "network_GBps": n.network_GBps,
             "memory_gib": n.memory_gib,
         }
+        | ({"shared_core": True} if n.shared_core else {})
         for n in cluster.nodes
     ]
     return {"name": cluster.name, "gpus": gpus, "nodes": nodes}
@@ -443,6 +462,7 @@ def _build(data: Any, source: str) -> Cluster:
             nvlink_GBps=n.nvlink_GBps,
             network_GBps=n.network_GBps,
             memory_gib=n.memory_gib,
+            shared_core=n.shared_core,
         )
         for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
     )
@@ -538,6 +558,7 @@ def _node(raw: Mapping[str, Any], types: Mapping[str, GpuType]) -> Node:
         nvlink_GBps=raw.get("nvlink_GBps", gpu.nvlink_GBps),
         network_GBps=raw["network_GBps"],
         memory_gib=raw.get("memory_gib", gpu.memory_gib),
+        shared_core=raw.get("shared_core", False),
     )
 
 

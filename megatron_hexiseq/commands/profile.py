@@ -163,6 +163,7 @@ def profile_testbed(
     opts = dataclasses.replace(
         opts,
         node_names=tuple(node_names(shape)),
+        shared_cores=True,
         memory_gib=opts.memory_gib if opts.memory_gib is not None else 4.0,
     )
     results = spawn.run_ranks(_profile_rank, shape.world_size, opts, quiet, cpu_sets=sets)

@@ -123,6 +123,19 @@ def document_calls(pieces: Pieces, pg: np.ndarray, n: int, cu: np.ndarray) -> Do
     )
 
 
+def group_calls(calls: DocumentCalls, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group of ``n``, its kernel calls in one layer and pass: one per window, and one per
+    block when a block's windows are one variable-length call (its own window and one per source
+    group it reads; without enumeration, the windows' count as an upper bound)."""
+    per_window = np.rint(np.bincount(calls.group, weights=calls.windows, minlength=n)).astype(
+        np.int64
+    )
+    if not calls.exact:
+        return per_window, per_window
+    blocks = np.unique(calls.group * (n + 1) + (calls.source + 1)) // (n + 1)
+    return per_window, np.bincount(blocks, minlength=n).astype(np.int64)
+
+
 def call_slowdown(
     calls: DocumentCalls,
     layout: Layout,

@@ -21,9 +21,13 @@ positions. Attention is causal inside each document and nothing crosses a bounda
 **Kernel calls**: ``costmodel.document_calls`` (each document window one kernel call at its
 achieved rate on its kernel's call-size curve); the pieces and their pairs: ``costmodel.pieces``.
 
+**Kernel-call overhead**: with two or more documents each rank's attention also pays the cluster's
+``window_overhead_us`` per kernel call, forward and backward (``DocumentEstimate.kernel_calls``);
+with one document it is ``estimate``'s runtime and pays nothing extra.
+
 Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
-rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs, memory,
-bulk-synchronous iteration time); with one document ``[0, N]`` this module reproduces ``estimate``
+rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs and
+their core-contention scaling (``costmodel.contention``), memory, bulk-synchronous iteration time); with one document ``[0, N]`` this module reproduces ``estimate``
 (a test pins it). Two exchange kinds: ``"pruned"`` (HexiSeq's sub-rings with document pruning) and
 ``"te-ring"`` (Transformer Engine's THD ring inside each ring group: every step forwards the
 neighbour's whole K/V, no pruning; its per-step compute is taken as the ring's cross pairs spread
@@ -44,11 +48,13 @@ import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import ClusterArrays, cluster_arrays
+from megatron_hexiseq.costmodel.contention import contention_scale, shared_core_members
 from megatron_hexiseq.costmodel.document_calls import (
     VARLEN_KERNELS,
     BlockSlowdown,
     call_slowdown,
     document_calls,
+    group_calls,
 )
 from megatron_hexiseq.costmodel.estimate import (
     _a2a_layer_s,
@@ -85,13 +91,16 @@ class DocumentEstimate:
     """One micro-batch of packed documents on a layout: per-rank arrays (rank r at index r) and the
     iteration. Counts are exact integers: ``pairs`` (the rank's group's document-masked query-key
     pairs; times ``heads`` for its work), ``kv_units`` (K/V tokens x K/V heads the rank receives in one
-    forward of one layer and sequence; bytes = ``kv_units * 4 d``), ``rounds`` (blocks received)."""
+    forward of one layer and sequence; bytes = ``kv_units * 4 d``), ``rounds`` (blocks received),
+    ``kernel_calls`` (attention kernel calls of one layer and pass: document windows, or blocks
+    with a variable-length kernel; 0 for one document on a cluster without call-size curves)."""
 
     tokens: np.ndarray
     heads: np.ndarray
     pairs: np.ndarray
     kv_units: np.ndarray
     rounds: np.ndarray
+    kernel_calls: np.ndarray
     linear_s: np.ndarray
     attention_s: np.ndarray
     a2a_s: np.ndarray
@@ -217,14 +226,22 @@ def estimate_documents(
     )
     slow_local, slow_cross = np.ones(W), np.ones(W)
     by_block: BlockSlowdown | None = None
-    if rates.groups:
+    kernel_calls = np.zeros(W, dtype=np.int64)
+    if rates.groups or cu.size > 2:
         calls = document_calls(pieces, pg, n, cu)
         one_call = np.array([k in VARLEN_KERNELS for k in rates.kernels]) & (cu.size > 2)
-        slow_local, slow_cross, by_block = call_slowdown(calls, layout, heads, rates, b, one_call)
+        if rates.groups:
+            slow_local, slow_cross, by_block = call_slowdown(
+                calls, layout, heads, rates, b, one_call
+            )
+        per_window, per_block = group_calls(calls, n)
+        kernel_calls = np.where(one_call, per_block[gi], per_window[gi])
     attention_s = (own[gi] * slow_local + (g_pairs - own)[gi] * slow_cross) * heads * att_rate
+    if cu.size > 2:  # several documents: each kernel call's fixed cost, forward and backward
+        attention_s = attention_s + (passes_fwd + 1) * L * kernel_calls * dev.window_overhead_s
 
     # head all-to-all per group (estimate's formula, its fixed cost per collective)
-    a2a_g = np.zeros(n)
+    a2a_g, a2a_fixed_g = np.zeros(n), np.zeros(n)
     memo: dict[tuple, float] = {}
     for i, grp in enumerate(groups):
         if len(grp.ranks) == 1:
@@ -242,6 +259,7 @@ def estimate_documents(
             )
         latency = max(cluster.devices[r].collective_latency_s for r in grp.ranks)
         a2a_g[i] = (passes_fwd + 1) * L * (memo[key] + 4 * latency)
+        a2a_fixed_g[i] = (passes_fwd + 1) * L * 4 * latency
     a2a_s = a2a_g[gi]
 
     # K/V exchange, one forward over all layers
@@ -287,6 +305,13 @@ def estimate_documents(
     comm_fwd, exposed_fwd, kv_units, rounds, max_block, model_kind = ex
     steps = (passes_fwd + 2) * L
     kv_latency_s = steps * rounds * dev.p2p_latency_s
+    if shared_core_members(cluster):  # shared cores: fixed costs paid while a sibling computes
+        a2a_fixed = a2a_fixed_g[gi]
+        scale = contention_scale(
+            cluster, linear_s, attention_s + a2a_s - a2a_fixed + (passes_fwd + 2) * exposed_fwd
+        )
+        a2a_s = a2a_s - a2a_fixed + a2a_fixed * scale
+        kv_latency_s = kv_latency_s * scale
     kv_exchange_s = (passes_fwd + 2) * comm_fwd + kv_latency_s
     kv_exposed_s = (passes_fwd + 2) * exposed_fwd + kv_latency_s
     time_s = linear_s + attention_s + a2a_s + kv_exposed_s
@@ -302,6 +327,7 @@ def estimate_documents(
         pairs=g_pairs[gi],
         kv_units=kv_units,
         rounds=rounds,
+        kernel_calls=kernel_calls,
         linear_s=linear_s,
         attention_s=attention_s,
         a2a_s=a2a_s,

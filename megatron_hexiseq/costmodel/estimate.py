@@ -37,6 +37,7 @@ import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays, group_links, rank_times_from_links
+from megatron_hexiseq.costmodel.contention import contention_scale, shared_core_members
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
     BF16_BYTES,
@@ -156,6 +157,7 @@ def estimate(
     # per group, in layout order
     group_pairs: list[int] = []
     group_a2a_s: list[float] = []
+    group_a2a_fixed_s: list[float] = []
     group_tokens_of: list[int] = []
     a2a_memo: dict[
         tuple, float
@@ -184,11 +186,14 @@ def estimate(
         if key not in a2a_memo:
             a2a_memo[key] = _a2a_layer_s(cluster, model, g.ranks, b, tok, hq, hkv)
         a2a_s = (passes_fwd + 1) * L * a2a_memo[key]
+        fixed_s = 0.0
         if (
             len(g.ranks) > 1
         ):  # fixed cost per collective: 4 per layer and pass, the slowest member's
-            a2a_s += (passes_fwd + 1) * L * 4 * latency_s
+            fixed_s = (passes_fwd + 1) * L * 4 * latency_s
+            a2a_s += fixed_s
         group_a2a_s.append(a2a_s)
+        group_a2a_fixed_s.append(fixed_s)
 
     # per rank, vectorised (every value as the scalar formula computes it: the same IEEE operations
     # in the same order, integers for the bytes)
@@ -209,6 +214,15 @@ def estimate(
     # at the long-block rate, then at the achieved rate of the rank's calls (1.0 for a flat rate)
     attention_s = g_pairs * heads_n * att_rate * np.array(exchange.slowdown)
     kv_latency_s = steps * np.array(exchange.rounds, dtype=np.int64) * dev.p2p_latency_s
+    if shared_core_members(cluster):  # shared cores: fixed costs paid while a sibling computes
+        a2a_fixed = np.array(group_a2a_fixed_s)[gi]
+        scale = contention_scale(
+            cluster,
+            linear_s,
+            attention_s + g_a2a - a2a_fixed + (passes_fwd + 2) * np.array(exchange.exposed_s),
+        )
+        g_a2a = g_a2a - a2a_fixed + a2a_fixed * scale
+        kv_latency_s = kv_latency_s * scale
     kv_s = (passes_fwd + 2) * np.array(exchange.comm_s) + kv_latency_s
     kv_exposed_s = (passes_fwd + 2) * np.array(exchange.exposed_s) + kv_latency_s
     compute_s = linear_s + attention_s
@@ -393,11 +407,12 @@ def _attention_core_bytes(
 
 @dataclass(frozen=True)
 class _DeviceArrays:
-    """Per device of one cluster: step overhead s, P2P latency s, memory bytes (arrays), and the GPU
-    types as (first device of the type, a mask of its devices)."""
+    """Per device of one cluster: step overhead s, P2P latency s, kernel-call overhead s of packed
+    micro-batches, memory bytes (arrays), and the GPU types as (first device of the type, a mask of its devices)."""
 
     overhead_s: np.ndarray
     p2p_latency_s: np.ndarray
+    window_overhead_s: np.ndarray
     memory_bytes: np.ndarray
     types: tuple[tuple[int, np.ndarray], ...]
 
@@ -412,6 +427,9 @@ def _device_arrays(cluster: Cluster) -> _DeviceArrays:
         memo["device_arrays"] = _DeviceArrays(
             overhead_s=np.array([d.step_overhead_s for d in cluster.devices], dtype=np.float64),
             p2p_latency_s=np.array([d.p2p_latency_s for d in cluster.devices], dtype=np.float64),
+            window_overhead_s=np.array(
+                [d.window_overhead_s for d in cluster.devices], dtype=np.float64
+            ),
             memory_bytes=np.array([d.memory_bytes for d in cluster.devices], dtype=np.int64),
             types=tuple((i, of == i) for i in first.values()),
         )

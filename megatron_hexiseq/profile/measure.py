@@ -41,6 +41,8 @@ class ProfileOptions:
     node_names: Sequence[str] | None = (
         None  # logical node of each rank (CPU testbed); else hostname
     )
+    # the logical nodes are CPU cores their ranks share (the testbed): nodes get ``shared_core``
+    shared_cores: bool = False
     model: ModelSpec | None = None  # measure with the model's own layer shapes (calibration)
     layer_tokens: int = 1024
     kernel_sizes: tuple[int, ...] = (

@@ -193,6 +193,11 @@ def run_profile(
         },
     }
     spec = cluster_spec_from_measurements(everyone)
+    if opts.shared_cores and any(entry["count"] > 1 for entry in spec["nodes"]):
+        # some core runs several ranks: every node is a core, so that the fit and the cost model
+        # charge fixed costs by contention (a rank alone on its core is served at once)
+        for entry in spec["nodes"]:
+            entry["shared_core"] = True
     if calibrate is not None and model is not None and "calibration" in everyone[0]:
         raw["latency_fit"] = calibrate.fit_latencies(spec, everyone[0]["calibration"], model)
     return spec, raw

@@ -18,15 +18,22 @@ model, and it measures what training executes:
     4 all-to-alls forward and 4 backward (heads equal among the ranks of a node; the same per-rank
     work is also timed alone, without communication, as the reference);
   - ``p2p``: one group per rank, zig-zag segments: pure sub-ring, (n - 1) rounds forward, and
-    backward K/V again plus dK/dV back.
+    backward K/V again plus dK/dV back;
+  - ``p2p_docs``: the same ring on :data:`CALIBRATION_DOCUMENTS` equal packed documents, each cut
+    into 2 n zig-zag chunks (Megatron's THD split): tens of small document windows per layer, each
+    one kernel call with the runtime's slicing and merging around it.
 
   :func:`fit_latencies` then asks the cost model what the same calls cost *without* fixed costs
   (the measured compute rates and bandwidths of the profiled spec, a one-layer copy of the model)
   and divides the difference by the number of collectives / exchange steps, giving
-  ``collective_latency_us`` and ``p2p_latency_us`` for the spec's GPU types: measured minus
-  modelled, no constant set by hand. The same value goes to every type (the calls involve every
-  rank; the fit has two numbers for two layouts). Negative differences (the model already
-  over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the
+  ``collective_latency_us``, ``p2p_latency_us`` and ``window_overhead_us`` (per kernel call of a
+  packed micro-batch; fitted last, on top of the two latencies) for the spec's GPU types: measured
+  minus modelled, no constant set by hand. The same value goes to every type (the calls involve
+  every rank; the fit has three numbers for three layouts). On ``shared_core`` nodes
+  each rank's count of fixed costs is weighted by its contention factor
+  (:mod:`megatron_hexiseq.costmodel.contention`), as the cost model will charge them; the latency
+  is the one that makes the slowest modelled rank match the measured call. Negative differences
+  (the model already over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the
   figures.
 """
 
@@ -38,6 +45,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -47,6 +55,8 @@ from megatron_hexiseq.attention.groups import build_hexiseq_groups
 from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate, linear_flops_per_token
+from megatron_hexiseq.costmodel.contention import contention_scale, shared_core_members
+from megatron_hexiseq.costmodel.documents import estimate_documents
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
 from megatron_hexiseq.megatron.config import cpu_device_shim
@@ -60,6 +70,7 @@ from megatron_hexiseq.profile.measure import (
 )
 from megatron_hexiseq.profile.run import CpuCalibration
 from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
+from megatron_hexiseq.varlen.schemes import zigzag_docs
 
 
 def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> dict[str, Any]:
@@ -229,6 +240,10 @@ CALIBRATION_SEQ = (
     MODEL_ATTENTION_SEQ  # longest sequence the calibration runs (the profile's attention cap)
 )
 CALIBRATION_LAYERS = 4  # attention calls per timed repetition (forward all, then backward all)
+# equal documents of the packed calibration call: a ProLong micro-batch of the testbed's 2K tokens
+# (documents scaled by 1/16, bench/varlen_testbed.py) holds 8-17; 12 is the middle, and a cluster's
+# own distribution is not known to `profile`
+CALIBRATION_DOCUMENTS = 12
 
 
 def calibration_heads(num_heads: int, nodes: list[str]) -> list[int]:
@@ -250,6 +265,13 @@ def calibration_heads(num_heads: int, nodes: list[str]) -> list[int]:
     return per
 
 
+def calibration_cu_seqlens(seq_length: int, world: int) -> list[int]:
+    """Boundaries of the ``p2p_docs`` call's equal documents: :data:`CALIBRATION_DOCUMENTS` of
+    them, fewer when a document would not give each of the ``2 world`` zig-zag chunks a token."""
+    docs = max(1, min(CALIBRATION_DOCUMENTS, seq_length // (2 * world)))
+    return [seq_length * i // docs for i in range(docs + 1)]
+
+
 def calibration_layouts(
     world: int,
     seq_length: int,
@@ -258,8 +280,9 @@ def calibration_layouts(
     hosts: list[str] | None = None,
     gpus: list[str] | None = None,
 ) -> dict[str, Layout]:
-    """The two layouts of all ``world`` ranks the fit uses: ``a2a`` (one group; heads by
-    :func:`calibration_heads` over ``hosts``) and ``p2p`` (a ring)."""
+    """The three layouts of all ``world`` ranks the fit uses: ``a2a`` (one group; heads by
+    :func:`calibration_heads` over ``hosts``), ``p2p`` (a ring) and ``p2p_docs`` (the ring on the
+    THD split of :func:`calibration_cu_seqlens`)."""
     sizes = split_evenly(seq_length, world)
     starts = [sum(sizes[:r]) for r in range(world)]
     per_head = calibration_heads(
@@ -284,7 +307,14 @@ def calibration_layouts(
         segments=zigzag_segments(seq_length, world),
         heads=[list(range(num_heads))] * world,
     )
-    return {"a2a": a2a, "p2p": p2p}
+    docs = layout_of(
+        group_sizes=[1] * world,
+        segments=zigzag_docs(
+            np.array(calibration_cu_seqlens(seq_length, world)), list(range(world)), world
+        ),
+        heads=[list(range(num_heads))] * world,
+    )
+    return {"a2a": a2a, "p2p": p2p, "p2p_docs": docs}
 
 
 def can_calibrate(model: ModelSpec, world: int) -> bool:
@@ -322,10 +352,13 @@ def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str
         "layers": layers,
         "a2a_heads": _heads(layouts["a2a"]),
     }
-    for name, layout, domains, g in (
-        ("a2a", layouts["a2a"], [list(range(world))], G),
-        ("a2a_compute", alone, [[r] for r in range(world)], 1),
-        ("p2p", layouts["p2p"], [list(range(world))], G),
+    cu = calibration_cu_seqlens(S, world)
+    out["documents"] = len(cu) - 1
+    for name, layout, domains, g, cu_seqlens in (
+        ("a2a", layouts["a2a"], [list(range(world))], G, None),
+        ("a2a_compute", alone, [[r] for r in range(world)], 1, None),
+        ("p2p", layouts["p2p"], [list(range(world))], G, None),
+        ("p2p_docs", layouts["p2p_docs"], [list(range(world))], G, cu),
     ):
         groups = build_hexiseq_groups(layout, domains=domains)
         s_r, h = layout.ranks[0 if len(domains) > 1 else me].num_tokens, layout.num_attention_heads
@@ -339,7 +372,9 @@ def time_calibration_layouts(model: ModelSpec, opts: ProfileOptions) -> dict[str
             start = time.perf_counter()
             # `layers` calls forward, then their backwards (as a model's layers run): per call time
             total = sum(
-                hexiseq_attn_func(q, k, v, groups=groups, kernel="auto").sum()
+                hexiseq_attn_func(
+                    q, k, v, groups=groups, kernel="auto", cu_seqlens=cu_seqlens
+                ).sum()
                 for _ in range(layers)
             )
             assert isinstance(total, torch.Tensor)  # layers >= 1: a sum of tensors, not sum's 0
@@ -356,12 +391,32 @@ def _heads(layout: Layout) -> list[int]:
     return [len(r.heads) for r in layout.ranks]
 
 
+def _solve_latency(measured: float, base: np.ndarray, count: np.ndarray) -> float:
+    """The latency x with ``max_r(base_r + count_r * x) = measured`` (seconds), 0 when the model
+    without fixed costs is already as slow as the measured call or nothing counts."""
+    some = count > 0
+    if not some.any():
+        return 0.0
+    return max(0.0, float(((measured - base[some]) / count[some]).min()))
+
+
 def fit_latencies(
     spec: dict[str, Any], calibration: dict[str, Any], model: ModelSpec
 ) -> dict[str, Any]:
-    """Set ``collective_latency_us`` and ``p2p_latency_us`` of every GPU type in ``spec`` (in place)
-    from the timed calibration calls; returns the fit (measured, modelled, counts) for the raw JSON."""
-    cluster = cluster_from_dict(spec, source="profiled cluster spec")
+    """Set ``collective_latency_us``, ``p2p_latency_us`` and (when the calibration timed the
+    packed call) ``window_overhead_us`` of every GPU type in ``spec`` (in place) from the timed
+    calibration calls; returns the fit (measured, modelled, counts) for the raw JSON."""
+    fitted = ("collective_latency_us", "p2p_latency_us", "window_overhead_us")
+
+    def spec_with(values: dict[str, float]) -> dict[str, Any]:
+        out = {**spec, "gpus": {k: dict(v) for k, v in spec["gpus"].items()}}
+        for entry in out["gpus"].values():
+            for key in fitted:
+                entry.pop(key, None)
+            entry.update(values)
+        return out
+
+    cluster = cluster_from_dict(spec_with({}), source="profiled cluster spec")
     S = calibration["seq_length"]
     one_layer = replace(model, num_layers=1, seq_length=S)
     options = TrainOptions()
@@ -370,31 +425,80 @@ def fit_latencies(
         cluster.world_size, S, model.num_attention_heads, model.num_query_groups, hosts, gpus
     )
     passes = 1 + 1  # forward + backward (no recompute in the calibration call)
-    counts = {
-        "a2a": passes * 4,  # q, k, v in and the output back, per pass
-        "p2p": (passes + 1)
-        * max(kv_exchange_forward(layouts["p2p"], cluster, one_layer, 1).rounds),
-    }
+    shared = bool(shared_core_members(cluster))
     fit: dict[str, Any] = {}
-    for name, layout in layouts.items():
-        est = estimate(layout, cluster, one_layer, options)
+
+    def record(name: str, base: np.ndarray, count: np.ndarray, weighted: np.ndarray) -> None:
         measured = calibration[f"{name}_call_s"]
-        if name == "a2a":  # measured compute (same work, no communication) + modelled bytes
-            modelled = calibration["a2a_compute_call_s"] + max(
-                r.breakdown["a2a_s"] for r in est.per_rank
-            )
-        else:  # modelled compute and exposed transfer (a zig-zag ring: equal work on every rank)
-            modelled = max(r.time_s - r.breakdown["linear_s"] for r in est.per_rank)
-        per_step = max(0.0, measured - modelled) / counts[name] if counts[name] else 0.0
         fit[name] = {
             "measured_s": measured,
-            "modelled_without_fixed_s": modelled,
-            "steps": counts[name],
-            "latency_us": significant(per_step * 1e6),
+            "modelled_without_fixed_s": float(base.max()),
+            "steps": int(count.max()),
+            "latency_us": significant(_solve_latency(measured, base, weighted) * 1e6),
+        }
+
+    for name in ("a2a", "p2p"):
+        est = estimate(layouts[name], cluster, one_layer, options)
+        linear = np.array([r.breakdown["linear_s"] for r in est.per_rank])
+        base = np.array([r.time_s for r in est.per_rank]) - linear
+        # each rank's contention factor from the model's phases (without fixed costs)
+        weight = contention_scale(cluster, linear, base) if shared else np.ones(linear.size)
+        if name == "a2a":  # measured compute (same work, no communication) + modelled bytes
+            a2a_bytes = max(r.breakdown["a2a_s"] for r in est.per_rank)
+            base = np.full(linear.size, calibration["a2a_compute_call_s"] + a2a_bytes)
+            count = np.full(linear.size, float(passes * 4))  # q, k, v in, output back, per pass
+        else:  # K/V, K/V again in the backward, dK/dV back; per round with something to receive
+            rounds = kv_exchange_forward(layouts[name], cluster, one_layer, 1).rounds
+            count = (passes + 1) * np.array(rounds, dtype=np.float64)
+        record(name, base, count, count * weight)
+    if "p2p_docs_call_s" in calibration:  # the latencies as fitted; per kernel call what is left
+        latencies = {
+            "collective_latency_us": fit["a2a"]["latency_us"],
+            "p2p_latency_us": fit["p2p"]["latency_us"],
+        }
+        cu = calibration_cu_seqlens(S, cluster.world_size)
+
+        def phase(overhead_us: float) -> float:
+            """The packed call's slowest attention phase with this overhead per kernel call (it
+            also makes the ranks busier, so their contention-scaled latencies grow with it)."""
+            c = cluster_from_dict(
+                spec_with(latencies | {"window_overhead_us": overhead_us}),
+                source="profiled cluster spec",
+            )
+            e = estimate_documents(layouts["p2p_docs"], c, one_layer, options, cu)
+            return float((e.time_s - e.linear_s).max())
+
+        measured = calibration["p2p_docs_call_s"]
+        e = estimate_documents(
+            layouts["p2p_docs"],
+            cluster_from_dict(spec_with(latencies), source="profiled cluster spec"),
+            one_layer,
+            options,
+            cu,
+        )
+        calls = int(passes * e.kernel_calls.max())
+        without = phase(0.0)
+        overhead_us = 0.0
+        if without < measured and calls:
+            # phase() grows monotonically, for the rank with most calls by at least `calls` per
+            # unit: bisect between 0 and the overhead that rank alone would need
+            low = float((e.time_s - e.linear_s).min())
+            lo, hi = 0.0, (measured - low) / calls * 1e6
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if phase(mid) < measured else (lo, mid)
+            overhead_us = hi
+        fit["p2p_docs"] = {
+            "measured_s": measured,
+            "modelled_without_fixed_s": without,
+            "steps": calls,
+            "latency_us": significant(overhead_us),
         }
     for entry in spec["gpus"].values():
         entry["collective_latency_us"] = fit["a2a"]["latency_us"]
         entry["p2p_latency_us"] = fit["p2p"]["latency_us"]
+        if "p2p_docs" in fit:
+            entry["window_overhead_us"] = fit["p2p_docs"]["latency_us"]
     return fit
 
 
