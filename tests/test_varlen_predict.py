@@ -87,3 +87,46 @@ def test_predict_ranks_layouts_as_estimate_documents(case):
             assert (p_own < p_structure) == (t_own < t_structure)
         got = bp.plan(batch).layout
         assert _times(c, m, o, cu, got)[0] <= min(t_own, t_structure) * (1 + 1e-12)
+
+
+def test_predict_adds_the_kernel_call_overhead_as_estimate_documents_does():
+    """A cluster with ``window_overhead_us``: on a packed micro-batch predict and estimate_documents
+    both add it once per kernel call (document windows; one call per block with cuDNN / flash),
+    every layer and pass, and not for one document."""
+    N = 4096
+
+    def cluster(overhead_us):
+        spec = {
+            "name": "c",
+            "gpus": {t: {"window_overhead_us": overhead_us} for t in TYPES[:2]},
+            "nodes": [
+                {"name": f"n{i}", "gpu": t, "count": 4, "network_GBps": 25.0}
+                for i, t in enumerate(TYPES[:2])
+            ],
+        }
+        return cluster_from_dict(spec)
+
+    plain, slow = cluster(0.0), cluster(40.0)
+    m = get_model("llama3-8b", overrides={"seq_length": N})
+    o = TrainOptions.for_model(m)
+    passes = (3 if o.recompute else 2) * m.num_layers
+    structure = symmetric_layout(plain, m, N, 2)
+    rng = random.Random(5)
+    lengths = [rng.randint(30, 1500) for _ in range(60)]
+    for batch in pack_batches(lengths, N, 3, seed=4):
+        assert len(batch) > 2
+        cu = np.cumsum([0, *batch])
+        lay = BatchPlanner(structure, plain, m, o).plan(batch, or_structure=False).layout
+        e0, e1 = (estimate_documents(lay, c, m, o, tuple(cu.tolist())) for c in (plain, slow))
+        assert (e0.kernel_calls > 0).all()
+        extra = e0.kernel_calls * passes * 40e-6
+        assert e1.attention_s - e0.attention_s == pytest.approx(extra, rel=1e-9)
+        p0 = BatchPlanner(structure, plain, m, o).predict(lay, cu)
+        p1 = BatchPlanner(structure, slow, m, o).predict(lay, cu)
+        assert p1 - p0 == pytest.approx(
+            e1.iteration_time_s - e0.iteration_time_s, rel=1e-6, abs=1e-12
+        )
+    one = np.array([0, N])
+    assert BatchPlanner(structure, slow, m, o).predict(structure, one) == pytest.approx(
+        BatchPlanner(structure, plain, m, o).predict(structure, one), rel=1e-12
+    )

@@ -48,6 +48,7 @@ from megatron_hexiseq.costmodel.document_calls import (
     VARLEN_KERNELS,
     call_slowdown,
     document_calls,
+    group_calls,
 )
 from megatron_hexiseq.costmodel.documents import (
     GroupPorts,
@@ -208,6 +209,8 @@ class BatchPlanner:
         self.rank_linear_s = lin
         self._init_predict(structure, cluster, model, options, heads * att, kv_token)
         self.rank_overhead_s = np.array([d.step_overhead_s for d in devs])
+        # each kernel call of a packed micro-batch, every layer and pass (estimate_documents')
+        self.rank_call_s = passes * L * np.array([d.window_overhead_s for d in devs])
         self.heads = [r.heads for r in structure.ranks]
         self.hosts = [r.host for r in structure.ranks]
         self.gpus = [r.gpu for r in structure.ranks]
@@ -370,10 +373,13 @@ class BatchPlanner:
         each scaled by the slowdown of the kernel calls the runtime makes for them
         (``document_calls`` / ``call_slowdown``: per (group, document) one causal local window, per
         query piece and earlier group one full received window, one variable-length call per block
-        with flash / cuDNN); the group's phase is its slowest member's, plus the all-to-all, the
-        fixed cost and the received K/V time its cross-group attention cannot hide (as ``_split``
-        charges it, the cross attention at its achieved rate). O(pieces + calls x group size), so
-        a plan can be checked against the structure's own layout."""
+        with flash / cuDNN) and, with several documents, the cluster's ``window_overhead_us`` per
+        call; the group's phase is its slowest member's, plus the all-to-all, the fixed cost and
+        the received K/V time its cross-group attention cannot hide (as ``_split`` charges it, the
+        cross attention at its achieved rate). Core contention (``shared_core`` nodes, the CPU
+        testbed) is left to ``estimate_documents``, which decides close calls (``EXACT_MARGIN``).
+        O(pieces + calls x group size), so a plan can be checked against the structure's own
+        layout."""
         W, n = self.structure.world_size, len(self.groups)
         pieces = document_pieces(layout, cu)
         gi = self.group_index
@@ -393,16 +399,24 @@ class BatchPlanner:
         recv = np.bincount(cells % n, weights=last_end - cu[cells // n] - held, minlength=n)
         cross = g_pairs - own
         slow_local, slow_cross = np.ones(W), np.ones(W)
-        if self.rates.groups:
-            slow_local, slow_cross, _ = call_slowdown(
-                document_calls(pieces, pg, n, cu),
-                layout,
-                self.rank_heads,
-                self.rates,
-                self.options.micro_batch_size,
-                self.varlen_rank & (cu.size > 2),
-            )
-        local_s = own[gi] * slow_local * self.rank_attention_s  # per rank, every pass
+        call_s = np.zeros(W)
+        packed_calls = cu.size > 2 and bool(self.rank_call_s.any())
+        if self.rates.groups or packed_calls:
+            calls = document_calls(pieces, pg, n, cu)
+            one_call = self.varlen_rank & (cu.size > 2)
+            if self.rates.groups:
+                slow_local, slow_cross, _ = call_slowdown(
+                    calls,
+                    layout,
+                    self.rank_heads,
+                    self.rates,
+                    self.options.micro_batch_size,
+                    one_call,
+                )
+            if packed_calls:
+                per_window, per_block = group_calls(calls, n)
+                call_s = np.where(one_call, per_block[gi], per_window[gi]) * self.rank_call_s
+        local_s = own[gi] * slow_local * self.rank_attention_s + call_s  # per rank, every pass
         cross_s = cross[gi] * slow_cross * self.rank_attention_s
         exposed = np.zeros(W)
         if n > 1:
