@@ -18,6 +18,8 @@ nodes that do not share a core (GPUs) keep their fixed costs as they are. docs/c
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
@@ -58,3 +60,27 @@ def contention_scale(
         sibling[top] = second
         scale[members] = np.minimum(1.0, sibling / step) if step > 0 else 0.0
     return scale
+
+
+class ScaledFixedCosts(NamedTuple):
+    """Per rank, the head all-to-all time (bytes and scaled collective latencies) and the scaled
+    K/V-step latencies."""
+
+    a2a_s: np.ndarray
+    kv_latency_s: np.ndarray
+
+
+def scale_fixed_costs(
+    cluster: Cluster,
+    linear_s: np.ndarray,
+    busy_s: np.ndarray,
+    a2a_s: np.ndarray,
+    a2a_fixed_s: np.ndarray,
+    kv_latency_s: np.ndarray,
+) -> ScaledFixedCosts:
+    """The fixed costs of ``estimate`` and ``estimate_documents`` under core contention: ``a2a_s``
+    holds ``a2a_fixed_s`` of collective latencies, which are scaled by :func:`contention_scale`
+    as ``kv_latency_s`` is; ``busy_s``: each rank's attention phase without fixed costs. Only for
+    clusters with :func:`shared_core_members` (callers skip it otherwise)."""
+    scale = contention_scale(cluster, linear_s, busy_s)
+    return ScaledFixedCosts(a2a_s - a2a_fixed_s + a2a_fixed_s * scale, kv_latency_s * scale)

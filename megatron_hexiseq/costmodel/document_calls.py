@@ -123,17 +123,21 @@ def document_calls(pieces: Pieces, pg: np.ndarray, n: int, cu: np.ndarray) -> Do
     )
 
 
-def group_calls(calls: DocumentCalls, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per group of ``n``, its kernel calls in one layer and pass: one per window, and one per
-    block when a block's windows are one variable-length call (its own window and one per source
-    group it reads; without enumeration, the windows' count as an upper bound)."""
+def rank_kernel_calls(
+    calls: DocumentCalls, n: int, group_of_rank: np.ndarray, one_call_per_block: np.ndarray
+) -> np.ndarray:
+    """Per rank, its kernel calls in one layer and pass (its group's, ``n`` groups): one per window,
+    or, for ranks in ``one_call_per_block`` (a variable-length kernel), one per block: its group's
+    own window and one per source group it reads (without enumeration, the windows' count as an
+    upper bound)."""
     per_window = np.rint(np.bincount(calls.group, weights=calls.windows, minlength=n)).astype(
         np.int64
     )
-    if not calls.exact:
-        return per_window, per_window
-    blocks = np.unique(calls.group * (n + 1) + (calls.source + 1)) // (n + 1)
-    return per_window, np.bincount(blocks, minlength=n).astype(np.int64)
+    per_block = per_window
+    if calls.exact:
+        blocks = np.unique(calls.group * (n + 1) + (calls.source + 1)) // (n + 1)
+        per_block = np.bincount(blocks, minlength=n).astype(np.int64)
+    return np.where(one_call_per_block, per_block[group_of_rank], per_window[group_of_rank])
 
 
 def call_slowdown(

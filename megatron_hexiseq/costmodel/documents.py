@@ -27,8 +27,8 @@ with one document it is ``estimate``'s runtime and pays nothing extra.
 
 Everything else is ``costmodel.estimate``'s model (linear work, head all-to-all, the sub-ring order of
 rounds ``(g - s) mod n``, the double-buffered pipeline, the fan-out of K/V heads, fixed costs and
-their core-contention scaling (``costmodel.contention``), memory, bulk-synchronous iteration time); with one document ``[0, N]`` this module reproduces ``estimate``
-(a test pins it). Two exchange kinds: ``"pruned"`` (HexiSeq's sub-rings with document pruning) and
+their core-contention scaling (``costmodel.contention``), memory, bulk-synchronous iteration
+time); with one document ``[0, N]`` this module reproduces ``estimate`` (a test pins it). Two exchange kinds: ``"pruned"`` (HexiSeq's sub-rings with document pruning) and
 ``"te-ring"`` (Transformer Engine's THD ring inside each ring group: every step forwards the
 neighbour's whole K/V, no pruning; its per-step compute is taken as the ring's cross pairs spread
 evenly over the steps). When a layout cuts documents into so many pieces that enumerating the
@@ -48,13 +48,13 @@ import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import ClusterArrays, cluster_arrays
-from megatron_hexiseq.costmodel.contention import contention_scale, shared_core_members
+from megatron_hexiseq.costmodel.contention import scale_fixed_costs, shared_core_members
 from megatron_hexiseq.costmodel.document_calls import (
     VARLEN_KERNELS,
     BlockSlowdown,
     call_slowdown,
     document_calls,
-    group_calls,
+    rank_kernel_calls,
 )
 from megatron_hexiseq.costmodel.estimate import (
     _a2a_layer_s,
@@ -234,8 +234,7 @@ def estimate_documents(
             slow_local, slow_cross, by_block = call_slowdown(
                 calls, layout, heads, rates, b, one_call
             )
-        per_window, per_block = group_calls(calls, n)
-        kernel_calls = np.where(one_call, per_block[gi], per_window[gi])
+        kernel_calls = rank_kernel_calls(calls, n, gi, one_call)
     attention_s = (own[gi] * slow_local + (g_pairs - own)[gi] * slow_cross) * heads * att_rate
     if cu.size > 2:  # several documents: each kernel call's fixed cost, forward and backward
         attention_s = attention_s + (passes_fwd + 1) * L * kernel_calls * dev.window_overhead_s
@@ -307,11 +306,10 @@ def estimate_documents(
     kv_latency_s = steps * rounds * dev.p2p_latency_s
     if shared_core_members(cluster):  # shared cores: fixed costs paid while a sibling computes
         a2a_fixed = a2a_fixed_g[gi]
-        scale = contention_scale(
-            cluster, linear_s, attention_s + a2a_s - a2a_fixed + (passes_fwd + 2) * exposed_fwd
+        busy = attention_s + a2a_s - a2a_fixed + (passes_fwd + 2) * exposed_fwd
+        a2a_s, kv_latency_s = scale_fixed_costs(
+            cluster, linear_s, busy, a2a_s, a2a_fixed, kv_latency_s
         )
-        a2a_s = a2a_s - a2a_fixed + a2a_fixed * scale
-        kv_latency_s = kv_latency_s * scale
     kv_exchange_s = (passes_fwd + 2) * comm_fwd + kv_latency_s
     kv_exposed_s = (passes_fwd + 2) * exposed_fwd + kv_latency_s
     time_s = linear_s + attention_s + a2a_s + kv_exposed_s

@@ -37,7 +37,7 @@ import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.comm import cluster_arrays, group_links, rank_times_from_links
-from megatron_hexiseq.costmodel.contention import contention_scale, shared_core_members
+from megatron_hexiseq.costmodel.contention import scale_fixed_costs, shared_core_members
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.costmodel.formulas import (
     BF16_BYTES,
@@ -216,13 +216,10 @@ def estimate(
     kv_latency_s = steps * np.array(exchange.rounds, dtype=np.int64) * dev.p2p_latency_s
     if shared_core_members(cluster):  # shared cores: fixed costs paid while a sibling computes
         a2a_fixed = np.array(group_a2a_fixed_s)[gi]
-        scale = contention_scale(
-            cluster,
-            linear_s,
-            attention_s + g_a2a - a2a_fixed + (passes_fwd + 2) * np.array(exchange.exposed_s),
+        busy = attention_s + g_a2a - a2a_fixed + (passes_fwd + 2) * np.array(exchange.exposed_s)
+        g_a2a, kv_latency_s = scale_fixed_costs(
+            cluster, linear_s, busy, g_a2a, a2a_fixed, kv_latency_s
         )
-        g_a2a = g_a2a - a2a_fixed + a2a_fixed * scale
-        kv_latency_s = kv_latency_s * scale
     kv_s = (passes_fwd + 2) * np.array(exchange.comm_s) + kv_latency_s
     kv_exposed_s = (passes_fwd + 2) * np.array(exchange.exposed_s) + kv_latency_s
     compute_s = linear_s + attention_s
@@ -408,7 +405,8 @@ def _attention_core_bytes(
 @dataclass(frozen=True)
 class _DeviceArrays:
     """Per device of one cluster: step overhead s, P2P latency s, kernel-call overhead s of packed
-    micro-batches, memory bytes (arrays), and the GPU types as (first device of the type, a mask of its devices)."""
+    micro-batches, memory bytes (arrays), and the GPU types as (first device of the type, a mask
+    of its devices)."""
 
     overhead_s: np.ndarray
     p2p_latency_s: np.ndarray

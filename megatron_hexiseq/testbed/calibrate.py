@@ -29,12 +29,12 @@ model, and it measures what training executes:
   ``collective_latency_us``, ``p2p_latency_us`` and ``window_overhead_us`` (per kernel call of a
   packed micro-batch; fitted last, on top of the two latencies) for the spec's GPU types: measured
   minus modelled, no constant set by hand. The same value goes to every type (the calls involve
-  every rank; the fit has three numbers for three layouts). On ``shared_core`` nodes
-  each rank's count of fixed costs is weighted by its contention factor
+  every rank; the fit has three numbers for three layouts). On ``shared_core`` nodes each rank's
+  count of fixed costs is weighted by its contention factor
   (:mod:`megatron_hexiseq.costmodel.contention`), as the cost model will charge them; the latency
   is the one that makes the slowest modelled rank match the measured call. Negative differences
-  (the model already over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas; docs/testbed.md the
-  figures.
+  (the model already over-predicts) give 0. docs/cost_model.md, "Fixed costs", has the formulas;
+  docs/testbed.md the figures.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from megatron_hexiseq.attention.groups import build_hexiseq_groups
 from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.costmodel import TrainOptions, estimate, linear_flops_per_token
-from megatron_hexiseq.costmodel.contention import contention_scale, shared_core_members
+from megatron_hexiseq.costmodel.contention import contention_scale
 from megatron_hexiseq.costmodel.documents import estimate_documents
 from megatron_hexiseq.costmodel.exchange import kv_exchange_forward
 from megatron_hexiseq.layout import Layout, make_layout, split_evenly, zigzag_segments
@@ -425,7 +425,6 @@ def fit_latencies(
         cluster.world_size, S, model.num_attention_heads, model.num_query_groups, hosts, gpus
     )
     passes = 1 + 1  # forward + backward (no recompute in the calibration call)
-    shared = bool(shared_core_members(cluster))
     fit: dict[str, Any] = {}
 
     def record(name: str, base: np.ndarray, count: np.ndarray, weighted: np.ndarray) -> None:
@@ -442,7 +441,7 @@ def fit_latencies(
         linear = np.array([r.breakdown["linear_s"] for r in est.per_rank])
         base = np.array([r.time_s for r in est.per_rank]) - linear
         # each rank's contention factor from the model's phases (without fixed costs)
-        weight = contention_scale(cluster, linear, base) if shared else np.ones(linear.size)
+        weight = contention_scale(cluster, linear, base)  # 1 off shared-core nodes
         if name == "a2a":  # measured compute (same work, no communication) + modelled bytes
             a2a_bytes = max(r.breakdown["a2a_s"] for r in est.per_rank)
             base = np.full(linear.size, calibration["a2a_compute_call_s"] + a2a_bytes)
@@ -477,7 +476,7 @@ def fit_latencies(
             cu,
         )
         calls = int(passes * e.kernel_calls.max())
-        without = phase(0.0)
+        without = float((e.time_s - e.linear_s).max())  # phase(0.0)
         overhead_us = 0.0
         if without < measured and calls:
             # phase() grows monotonically, for the rank with most calls by at least `calls` per

@@ -48,7 +48,7 @@ from megatron_hexiseq.costmodel.document_calls import (
     VARLEN_KERNELS,
     call_slowdown,
     document_calls,
-    group_calls,
+    rank_kernel_calls,
 )
 from megatron_hexiseq.costmodel.documents import (
     GroupPorts,
@@ -414,8 +414,7 @@ class BatchPlanner:
                     one_call,
                 )
             if packed_calls:
-                per_window, per_block = group_calls(calls, n)
-                call_s = np.where(one_call, per_block[gi], per_window[gi]) * self.rank_call_s
+                call_s = rank_kernel_calls(calls, n, gi, one_call) * self.rank_call_s
         local_s = own[gi] * slow_local * self.rank_attention_s + call_s  # per rank, every pass
         cross_s = cross[gi] * slow_cross * self.rank_attention_s
         exposed = np.zeros(W)
