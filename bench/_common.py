@@ -12,6 +12,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
 
+# ProLong's document lengths, in the shared folder beside the checkout (the packed-document benches)
+PROLONG_DOCS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "..",
+    "..",
+    "shared",
+    "data",
+    "doc_lengths_prolong.json",
+)
+
 
 def in_fresh_process(target: Callable[..., None], *args: Any) -> Any:
     """Run ``target(*args, queue)`` in a new (spawned) process and return what it put on the queue:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import sys
@@ -51,12 +50,12 @@ from planner_suite import random_case
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster, cluster_from_dict
-from megatron_hexiseq.costmodel.formulas import attention_s_per_pair_head, linear_s_per_token
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec, get_model
 from megatron_hexiseq.planner.baselines import even_in_groups
 from megatron_hexiseq.planner.canonical import canonical_cluster
+from megatron_hexiseq.planner.heuristics import balanced_bands
 from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.planner.stage1_groups import node_blocks
 from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
@@ -153,53 +152,6 @@ def _proportional(cl: Cluster, groups: Sequence[Sequence[int]], total: int) -> l
     return out
 
 
-def _balanced_bands(
-    cl: Cluster, model: ModelSpec, groups: Sequence[Sequence[int]], start: int, total: int
-) -> list[int]:
-    """Tokens per band (in order, from ``start``) so that every band's compute time is equal: a band
-    of T tokens at P on n ranks of one type takes ``(T/n) lin + (H/n) att T (2P + T) / 2``."""
-    H = model.num_attention_heads
-    opts = TrainOptions()
-    coef = []
-    for g in groups:
-        d = cl.devices[g[0]]
-        n = len(g)
-        coef.append(
-            (
-                linear_s_per_token(model, d, opts) / n,
-                H * attention_s_per_pair_head(model, d, opts) / n,
-            )
-        )
-
-    def fill(tau: float) -> list[int]:
-        P, out = start, []
-        for (lin, att), g in zip(coef, groups):
-            # att/2 T^2 + (lin + att P) T - tau = 0
-            a, b = att / 2, lin + att * P
-            T = (-b + math.sqrt(b * b + 4 * a * tau)) / (2 * a) if a > 0 else tau / b
-            T = max(len(g), int(T))
-            out.append(T)
-            P += T
-        return out
-
-    lo, hi = 0.0, 1.0
-    while sum(fill(hi)) < total:
-        hi *= 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if sum(fill(mid)) < total:
-            lo = mid
-        else:
-            hi = mid
-    out = fill(hi)
-    excess = sum(out) - total
-    for i in range(len(out) - 1, -1, -1):  # trim the rounding from the last (fastest) bands
-        take = min(excess, out[i] - len(groups[i]))
-        out[i] -= take
-        excess -= take
-    return out
-
-
 def members(cl: Cluster, model: ModelSpec, S: int) -> list[Member]:
     """Every family member on ``cl`` in its device order (see the module docstring)."""
     H = model.num_attention_heads
@@ -245,7 +197,7 @@ def members(cl: Cluster, model: ModelSpec, S: int) -> list[Member]:
                 f"knode(k={k},bands,balanced)",
                 f"{label(groups)}; bands slow-first, balanced",
                 groups,
-                _balanced_bands(cl, model, groups, 0, S),
+                balanced_bands(cl, model, groups, S),
                 bands,
             )
         )

@@ -34,20 +34,17 @@ import sys
 import time
 
 import torch
-from _common import in_fresh_process, write_outputs
+from _common import PROLONG_DOCS, in_fresh_process, write_outputs
 
 from megatron_hexiseq.attention.counts import rank_counts
 from megatron_hexiseq.attention.documents import parse_cu_seqlens
 from megatron_hexiseq.layout import Layout, make_layout
 
 H, G, D = 8, 2, 128  # counts: a Llama-like head shape
-DATA = os.path.join(
-    os.path.dirname(__file__), "..", "..", "shared", "data", "doc_lengths_prolong.json"
-)
 
 
 def prolong_lengths() -> list[int]:
-    with open(DATA) as f:
+    with open(PROLONG_DOCS) as f:
         return [int(x) for x in json.load(f)]
 
 

@@ -23,13 +23,12 @@ Writes results/bench/varlen_suite.{json,md,png} and prints the table.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 
-from _common import write_outputs
+from _common import PROLONG_DOCS, write_outputs
 from planner_suite import TYPES, cluster_spec
 
 from megatron_hexiseq.cluster import cluster_from_dict
@@ -37,14 +36,6 @@ from megatron_hexiseq.model import get_model
 from megatron_hexiseq.varlen.compare import compare
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, load_doc_lengths
 
-PROLONG = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)),
-    "..",
-    "..",
-    "shared",
-    "data",
-    "doc_lengths_prolong.json",
-)
 SIZES = (32, 64, 128, 128, 256, 512, 1024)
 TOKENS = (65536, 131072, 262144, 524288, 1048576)
 BASELINES = ("hexiseq-fixed", "megatron-thd-cp", "dynamic-cp", "per-document")
@@ -93,7 +84,7 @@ def run_case(case: dict, batches: int) -> dict:
     cluster = cluster_from_dict(case["spec"])
     model = get_model(case["model"], overrides={"seq_length": case["tokens"]})
     if case["dist"] == "prolong":
-        docs = load_doc_lengths(PROLONG)
+        docs = load_doc_lengths(PROLONG_DOCS)
     else:
         docs = heavy_tailed_lengths(200_000, seed=case["seed"])
     t0 = time.process_time()

@@ -26,6 +26,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _common import PROLONG_DOCS  # noqa: E402
+
 from megatron_hexiseq.cluster import cluster_from_dict  # noqa: E402
 from megatron_hexiseq.commands.profile import profile_testbed  # noqa: E402
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
@@ -34,15 +36,6 @@ from megatron_hexiseq.profile.measure import ProfileOptions  # noqa: E402
 from megatron_hexiseq.testbed.packed import DOC_SCALE, SCHEMES, compare_packed  # noqa: E402
 from megatron_hexiseq.varlen.compare import plan_fixed  # noqa: E402
 from megatron_hexiseq.varlen.packing import load_doc_lengths  # noqa: E402
-
-DEFAULT_DOCS = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)),
-    "..",
-    "..",
-    "shared",
-    "data",
-    "doc_lengths_prolong.json",
-)
 
 
 def bench_shape(shape: str, model, lengths, args) -> dict:
@@ -150,7 +143,7 @@ def main() -> int:
     p.add_argument("--shapes", default="1+2,1+3")
     p.add_argument("--model-config", default="examples/models/cpu-demo.yaml")
     p.add_argument("--seq", type=int, default=2048, help="tokens per micro-batch (default 2048)")
-    p.add_argument("--docs", default=DEFAULT_DOCS, help="JSON list of document lengths")
+    p.add_argument("--docs", default=PROLONG_DOCS, help="JSON list of document lengths")
     p.add_argument("--doc-scale", type=float, default=DOC_SCALE)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
