@@ -108,15 +108,26 @@ def test_gpt_matches_single_process(runs, case):
             atol=tol * float(want.abs().max()),
             msg=lambda m: f"gradient of {name}: {m}",
         )
-    # parameters after 3 AdamW steps. Adam normalises each element's step (m / (sqrt(v) + 1e-8)), so
-    # for gradients near 1e-8 fp32 summation-order noise (gradients agree to ~7e-7 norm-wise) moves
-    # that element's step: compare each parameter's total update norm-wise (1e-3 relative; measured
-    # worst 3.5e-4) and elementwise to 5% of one step.
+    # parameters after 3 AdamW steps. Adam normalises each element's step (m / (sqrt(v) + 1e-8)): an
+    # element whose gradient is at the level of the gradients' elementwise error (tol x the tensor's
+    # largest magnitude, above) can take any step in [-lr, lr] in either run. So compare each
+    # parameter's total update norm-wise (1e-3 relative; measured worst 3.5e-4), and elementwise only
+    # where step 0's gradient is at least 100x its error bound: there each gradient is known to 1%,
+    # each of the 3 steps (a ratio of the gradients to themselves) to about 2% of lr, the total to
+    # 10% of one step (a dropped or doubled token moves a step by ~1/N of the gradient: still caught
+    # norm-wise, and elementwise where it changes the sign of the mean).
     for name, want in ref.params.items():
         got_p, init = per_rank[0].params[name], ref.initial_params[name]
         update = float(torch.linalg.vector_norm(want - init))
         assert update > 0, name
         assert float(torch.linalg.vector_norm(got_p - want)) <= 1e-3 * update, name
+        grad0 = ref.grads[name].abs()
+        known = grad0 >= 100 * tol * float(grad0.max())
+        assert bool(known.any()), name
         torch.testing.assert_close(
-            got_p, want, rtol=0, atol=0.05 * CASES[case].lr, msg=lambda m: f"parameter {name}: {m}"
+            got_p[known],
+            want[known],
+            rtol=0,
+            atol=0.1 * CASES[case].lr,
+            msg=lambda m: f"parameter {name}: {m}",
         )
