@@ -1,0 +1,10 @@
+"""Whole-job planning on a mixed cluster: domains of GPUs, each with its own HexiSeq layout and its
+own share of the global batch (``spec``: the ``JobPlan`` contract and its file).
+
+This layer sits above ``planner`` and ``costmodel``: the single-sequence planner is called per
+domain; ``varlen`` and the Megatron integration read job files from here.
+"""
+
+from megatron_hexiseq.job.spec import Domain, DomainRank, JobPlan, SampleRange
+
+__all__ = ["Domain", "DomainRank", "JobPlan", "SampleRange"]
