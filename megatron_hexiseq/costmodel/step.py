@@ -13,9 +13,12 @@ one domain) and ends with what every rank does once, whatever the tokens
   --overlap-param-gather``) each runs bucket by bucket behind the compute
   (:func:`grad_sync_exposed_s`);
 - **Megatron-FSDP** (``memory_mode`` ``fsdp``): every micro-batch gathers each layer's parameters
-  in its forward and again in its backward and reduce-scatters its gradients
-  (:func:`fsdp_comm`); prefetched layer by layer, so only what the compute cannot cover is exposed
-  (:func:`fsdp_exposed_s`). ``estimate`` adds it to each micro-batch; nothing is left for the step;
+  in its forward and again in its backward and reduce-scatters its gradients, inside the shard
+  group (:func:`fsdp_comm`); prefetched layer by layer, so only what the compute cannot cover is
+  exposed (:func:`fsdp_exposed_s`). ``estimate`` adds it to each micro-batch. Every rank of a
+  shard group must join each of these collectives, so domains that run different numbers of
+  micro-batches cannot share one: a job shards inside each domain, and the step sums the domains'
+  gradients (:func:`grad_sync`);
 - **the optimizer step**: Adam over the rank's shard, memory-bound (:func:`optimizer_s`).
 
 Overlap rule (:func:`overlapped_s`): ``chunks`` equal pieces of communication, each ready when the
@@ -109,10 +112,10 @@ def forward_fraction(options: TrainOptions) -> float:
 
 
 class GradSync(NamedTuple):
-    """The step's gradient reduction over the job's ranks (0 under ``fsdp``: per micro-batch)."""
+    """The step's gradient reduction (whole collectives, seconds)."""
 
-    reduce_scatter_s: float  # fp32 gradients, whole collective
-    all_gather_s: float  # bf16 parameters, whole collective
+    reduce_scatter_s: float  # fp32 gradients
+    all_gather_s: float  # bf16 parameters (fsdp: the all-reduce's second half, fp32 gradients)
     buckets: int  # DDP buckets each collective is cut into
 
 
@@ -123,14 +126,18 @@ def grad_buckets(model: ModelSpec, ranks_n: int) -> int:
 
 
 def grad_sync(model: ModelSpec, options: TrainOptions, ranks_n: int, bus_GBps: float) -> GradSync:
-    """The distributed optimizer's reduce-scatter of gradients and all-gather of parameters over
-    ``ranks_n`` ranks (nothing under ``fsdp``, which reduces and gathers every micro-batch)."""
-    if options.memory_mode == "fsdp":
-        return GradSync(0.0, 0.0, 1)
+    """The step's gradient reduction over ``ranks_n`` participants at ``bus_GBps``.
+
+    ``distributed_optimizer``: the reduce-scatter of the fp32 gradients and the all-gather of the
+    bf16 parameters over every rank of the job. ``fsdp``: Megatron-FSDP reduces and gathers inside
+    each domain every micro-batch (:func:`fsdp_comm`); what is left for the step is summing the
+    domains' gradients, an all-reduce of the fp32 gradients (a reduce-scatter and an all-gather of
+    4 bytes per parameter) among the ``ranks_n`` domains, each a participant (none for one)."""
     p = model.num_parameters
+    gathered = GRAD_BYTES if options.memory_mode == "fsdp" else PARAM_BYTES
     return GradSync(
         ring_collective_s(GRAD_BYTES * p, ranks_n, bus_GBps),
-        ring_collective_s(PARAM_BYTES * p, ranks_n, bus_GBps),
+        ring_collective_s(gathered * p, ranks_n, bus_GBps),
         grad_buckets(model, ranks_n),
     )
 
@@ -244,22 +251,36 @@ class StepFixed(NamedTuple):
 
 
 def step_fixed(
-    cluster: Cluster, ranks: Sequence[int], model: ModelSpec, options: TrainOptions
+    cluster: Cluster,
+    domains: Sequence[Sequence[int]],
+    model: ModelSpec,
+    options: TrainOptions,
 ) -> StepFixed:
-    """The step's fixed costs over devices ``ranks`` of ``cluster``.
+    """The step's fixed costs of a job whose domains are the devices ``domains`` of ``cluster``.
 
     A cluster whose devices carry a measured ``step_overhead_ms`` (``profile --testbed``) pays that
     once per step, the largest of its ranks': it was measured around the whole step's gradient
-    reduction and optimizer, so neither is priced again. Otherwise the gradient reduction over
-    every rank (:func:`grad_sync`) and the optimizer step of the slowest rank's memory
-    (:func:`optimizer_s`; devices without an ``hbm_GBps`` figure are not priced)."""
+    reduction and optimizer, so neither is priced again. Otherwise the gradient reduction
+    (:func:`grad_sync`) and the optimizer step of the slowest rank's memory (:func:`optimizer_s`;
+    devices without an ``hbm_GBps`` figure are not priced). ``distributed_optimizer`` shards the
+    optimizer over every rank and reduces over their ring (:func:`ring_bus_GBps`); ``fsdp`` shards
+    inside each domain and sums the domains' gradients over the slowest domain's network (each
+    domain's GPUs' ``network_GBps`` together)."""
+    ranks = [r for d in domains for r in d]
     n = len(ranks)
-    bus = ring_bus_GBps(cluster, ranks)
-    overhead = max(cluster.devices[r].step_overhead_s for r in ranks)
+    devs = cluster.devices
+    overhead = max(devs[r].step_overhead_s for r in ranks)
+    if options.memory_mode == "fsdp":
+        participants = len(domains)
+        bus = min(sum(devs[r].network_GBps for r in d) for d in domains)
+        opt = max(optimizer_s(model, options, len(d), devs[r].hbm_Bps) for d in domains for r in d)
+    else:
+        participants = n
+        bus = ring_bus_GBps(cluster, ranks)
+        opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
     if overhead > 0:
         return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
-    opt = max(optimizer_s(model, options, n, cluster.devices[r].hbm_Bps) for r in ranks)
-    return StepFixed(n, bus, grad_sync(model, options, n, bus), opt, 0.0)
+    return StepFixed(n, bus, grad_sync(model, options, participants, bus), opt, 0.0)
 
 
 def step_time_s(
