@@ -106,3 +106,35 @@ def test_domains_of_one_shape_share_a_plan_and_move_between_hosts():
     opts = TrainOptions(micro_batch_size=2)
     with pytest.raises(HexiSeqError, match="not a multiple of the micro-batch size 2"):
         plan_job(cluster, model, 4096, 5, opts)
+
+
+def test_cpu_testbed_cluster_pays_its_measured_step_overhead_once():
+    # what profile --testbed 1+2 writes: one type, measured fixed costs, a shared-core node
+    spec = {
+        "name": "testbed-1+2",
+        "gpus": {
+            "CPU": {
+                "bf16_tflops": 0.02,
+                "attention_tflops": 0.01,
+                "efficiency": 1.0,
+                "memory_gib": 4,
+                "nvlink_GBps": 3,
+                "step_overhead_ms": 25.0,
+                "collective_latency_us": 900.0,
+                "p2p_latency_us": 1200.0,
+            }
+        },
+        "nodes": [
+            {"name": "h-c0", "gpu": "CPU", "count": 1, "network_GBps": 2},
+            {"name": "h-c1", "gpu": "CPU", "count": 2, "network_GBps": 2, "shared_core": True},
+        ],
+    }
+    cluster = cluster_from_dict(spec)
+    model = get_model(None, config_path="examples/models/cpu-demo.yaml")
+    job = plan_job(cluster, model, 2048, 4, TrainOptions.for_model(model), reproducible=True)
+    pred = job.predicted
+    assert pred["overhead_s"] == pytest.approx(0.025)
+    assert pred["grad_reduce_s"] == pred["optimizer_s"] == 0.0  # measured, not modelled again
+    busy = max(d["busy_s"] for d in pred["domains"])
+    assert pred["step_time_s"] == pytest.approx(busy + 0.025)
+    assert price_job(job).step_s == pytest.approx(pred["step_time_s"], rel=1e-8)

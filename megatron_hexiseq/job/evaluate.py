@@ -329,3 +329,36 @@ def price_job(job: JobPlan) -> Priced:
         job.model_spec,
         job.train_options,
     )
+
+
+def simulate_job(job: JobPlan) -> list[dict[str, Any]]:
+    """The job and each feasible alternative priced again from the file (``simulate`` of a job
+    file): name, step, tokens/s, whether every domain fits, the step the file records."""
+    rows = []
+    tokens = job.global_batch * job.seq_length
+    named = [("job", job)] + [
+        (n, job.alternative(n)) for n in job.alternative_names() if _runs(job, n)
+    ]
+    for name, j in named:
+        p = price_job(j)
+        feasible = all(e.feasible for e in p.evals)
+        recorded = (j.predicted or {}).get("step_time_s")
+        rows.append(
+            {
+                "name": name,
+                "step_time_s": p.step_s if feasible else None,
+                "tokens_per_s": tokens / p.step_s if feasible else 0.0,
+                "feasible": feasible,
+                "recorded_step_time_s": recorded,
+                "domains": len(j.domains),
+                "memory_problems": [
+                    f"domain {d}: {e.reason}" for d, e in enumerate(p.evals) if not e.feasible
+                ],
+            }
+        )
+    return rows
+
+
+def _runs(job: JobPlan, name: str) -> bool:
+    alt = next(a for a in job.alternatives if a["name"] == name)
+    return bool(alt.get("feasible")) and bool(alt.get("domains"))

@@ -406,3 +406,22 @@ def _check_numbers_finite(data: Mapping[str, Any], source: str) -> None:
 
     for key in ("predicted", "alternatives", "planner", "meta", "options"):
         walk(data.get(key), key)
+
+
+def load_layout_or_job(path: str | os.PathLike) -> Layout | JobPlan:
+    """A layout file or a job file, told apart by its ``format`` (the commands that take either:
+    ``show``, ``validate``, ``simulate``); each validated as its own loader does."""
+    data = read_json(path, "layout or job file")
+    if isinstance(data, Mapping) and data.get("format") == FORMAT:
+        return JobPlan.from_dict(data, source=f"job {path}")
+    return Layout.from_dict(data, source=f"layout {path}")
+
+
+def is_job_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a job file (its ``format``); False for anything else, including a
+    file that cannot be read (the caller's loader then says why)."""
+    try:
+        data = read_json(path, "file")
+    except HexiSeqError:
+        return False
+    return isinstance(data, Mapping) and data.get("format") == FORMAT
