@@ -238,8 +238,9 @@ def fsdp_rank_exposed_s(
 class StepFixed(NamedTuple):
     """What a job's step costs once, whatever its micro-batches, over the job's ranks."""
 
-    ranks: int
-    bus_GBps: float  # of the ring over every rank of the job
+    ranks: int  # every rank of the job
+    participants: int  # of the reduction: every rank (distributed optimizer) or domain (fsdp)
+    bus_GBps: float  # of the reduction's ring
     sync: GradSync
     optimizer_s: float  # the slowest rank's
     overhead_s: float  # measured step overhead (the CPU testbed), else 0
@@ -279,8 +280,8 @@ def step_fixed(
         bus = ring_bus_GBps(cluster, ranks)
         opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
     if overhead > 0:
-        return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
-    return StepFixed(n, bus, grad_sync(model, options, participants, bus), opt, 0.0)
+        return StepFixed(n, participants, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
+    return StepFixed(n, participants, bus, grad_sync(model, options, participants, bus), opt, 0.0)
 
 
 def step_time_s(

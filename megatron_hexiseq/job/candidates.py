@@ -21,7 +21,7 @@ The search's families (whole nodes; each domain planned by ``plan``, once per sh
   into equal domains of a few GPUs), the kinds' cuts chosen together with the shares
   (``shares.best_combination``); also on the fastest kind alone;
 - ``mixed``: ``D`` domains dealt round-robin over the nodes, kind after kind (domains of unequal
-  composition, differing by at most one node of a kind);
+  composition, differing by at most one node of a kind), ``D`` = each kind's node count or 2;
 - ``paired``: each node of a slower kind with ``j`` nodes of the fastest kind, the other nodes
   ``typed``.
 
@@ -276,7 +276,9 @@ def paired(ev: Evaluator, modes: Sequence[Mode], beat: float = math.inf) -> Foun
     """Each node of a slower kind ``s`` with ``j`` nodes of the fastest kind; the rest typed."""
     nodes_of = ev.index.nodes_of
     every = ev.index.canonical_ranks()
-    best = NONE
+    best = Found(None, "", "no slower kind has as few nodes as the fastest")
+    if all(len(nodes_of[0]) < len(n) for n in nodes_of[1:]):
+        return best
     for mode in modes:
         opts = ev.options(every, *mode)
         if ev.ideal_step_s(every, opts) >= _limit(best, beat):

@@ -168,8 +168,8 @@ def _step(p: Priced | None) -> float:
 
 def _mixed_counts(nodes_of: Sequence[Sequence[str]]) -> list[int]:
     """The domain counts the ``mixed`` family deals: each kind's node count (every node of that
-    kind seeds a domain), powers of two, and the common divisors (equal replicas)."""
+    kind seeds a domain, the others dealt around it) and 2 (two halves). (Equal replicas are
+    ``hexiseq-replicas``; more counts cost a plan of large mixed domains each, and none won on
+    the job suite.)"""
     total = sum(len(n) for n in nodes_of)
-    out = {len(n) for n in nodes_of}
-    out |= {2**i for i in range(1, total.bit_length())}
-    return sorted(d for d in out if 2 <= d <= total)
+    return sorted(d for d in {len(n) for n in nodes_of} | {2} if 2 <= d <= total)
