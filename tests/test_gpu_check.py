@@ -145,7 +145,12 @@ def test_multi_pretrain_dry_run_and_bad_arguments(tmp_path) -> None:
     proc = _bench("bench/gpu_check_multi.py", *argv[:2], "3", *argv[3:])
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     proc = _bench(
-        "bench/gpu_check_multi.py", "pretrain", "--nproc", "4", "--megatron-lm", "/nonexistent"
+        "bench/gpu_check_multi.py",
+        "pretrain",
+        "--nproc",
+        "4",
+        "--megatron-lm",
+        str(tmp_path / "none"),
     )
     assert proc.returncode == 2 and "no pretrain_gpt.py" in proc.stderr
     env = _env() | {"NPROC": "1"}
