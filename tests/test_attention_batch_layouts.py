@@ -30,7 +30,7 @@ from dataclasses import replace
 import pytest
 import torch
 from nccl_sim import NcclSim
-from test_attention_documents import _Recorder, random_bounds
+from test_attention_documents import _Recorder
 from test_attention_documents import _sim_dist as _sim_dist  # noqa: F401 (fixture)
 
 import megatron_hexiseq.attention.comm as comm
@@ -43,7 +43,11 @@ from megatron_hexiseq.attention import (
 )
 from megatron_hexiseq.attention.counts import rank_counts
 from megatron_hexiseq.attention.documents import parse_cu_seqlens
-from megatron_hexiseq.attention.testing_layouts import random_batch_layout, random_layout
+from megatron_hexiseq.attention.testing_layouts import (
+    random_batch_layout,
+    random_bounds,
+    random_layout,
+)
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks

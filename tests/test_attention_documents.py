@@ -29,6 +29,7 @@ import pytest
 import torch
 from nccl_sim import NcclSim, SimError
 from torch.utils._python_dispatch import TorchDispatchMode
+from varlen_standin import flash_backward, flash_forward
 
 import megatron_hexiseq.attention.comm as comm
 import megatron_hexiseq.attention.groups as groups_mod
@@ -47,7 +48,7 @@ from megatron_hexiseq.attention.documents import (
 )
 from megatron_hexiseq.attention.kernels import Kernel, kv_map
 from megatron_hexiseq.attention.peers import build_schedule, group_runs, runs_positions
-from megatron_hexiseq.attention.testing_layouts import random_layout
+from megatron_hexiseq.attention.testing_layouts import random_bounds, random_layout
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
@@ -61,21 +62,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def random_bounds(rng: random.Random, lay: Layout) -> list[int]:
-    """Boundaries mixing 1-token documents, segment edges, random cuts; sometimes one document."""
-    S = lay.seq_length
-    kind = rng.random()
-    if kind < 0.15 or S < 2:
-        return [0, S]  # one document spanning every rank
-    edges = sorted({e for r in lay.ranks for s, e in r.segments if 0 < e < S})
-    cuts = set(rng.sample(edges, rng.randint(0, len(edges)))) if kind < 0.5 else set()
-    cuts |= set(rng.sample(range(1, S), rng.randint(1, min(S - 1, 6))))
-    if rng.random() < 0.4:  # a run of 1-token documents
-        a = rng.randrange(1, S)
-        cuts |= set(range(a, min(S, a + rng.randint(1, 4))))
-    return [0, *sorted(cuts), S]
 
 
 def _positions_docs(bounds: tuple[int, ...], S: int) -> list[int]:
@@ -420,53 +406,7 @@ def test_rank_counts_equal_the_runtime_stats(_sim_dist) -> None:
                 assert got == {k: v for k, v in getattr(want, name).items() if v}, (i, r, name)
 
 
-# ---- the variable-length (CUDA) path, emulated on CPU ------------------------------------------
-def _emulated_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
-    """``aten._flash_attention_forward`` in float64: packed [N, H, D], K/V [M, G, D], LSE [H, N]."""
-    N, H, D = q.shape
-    rep = H // k.shape[1]
-    out, lse = torch.empty_like(q), q.new_empty(H, N)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
-    assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
-    for i in range(len(cq) - 1):
-        qs = q[cq[i] : cq[i + 1]].transpose(0, 1)
-        ks = k[ck[i] : ck[i + 1]].repeat_interleave(rep, 1).transpose(0, 1)
-        vs = v[ck[i] : ck[i + 1]].repeat_interleave(rep, 1).transpose(0, 1)
-        s = qs @ ks.transpose(-1, -2) * scale
-        if causal:
-            assert qs.shape[1] == ks.shape[1]
-            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-        lse[:, cq[i] : cq[i + 1]] = torch.logsumexp(s, -1)
-        out[cq[i] : cq[i + 1]] = (torch.softmax(s, -1) @ vs).transpose(0, 1)
-    return out, lse, torch.empty(2), torch.empty(()), torch.empty(0)
-
-
-def _emulated_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, p, causal, rng, un, *, scale):
-    N, H, D = q.shape
-    G = k.shape[1]
-    rep = H // G
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        qs, dos, os_ = (x[a:b].transpose(0, 1) for x in (q, do, o))
-        ks = k[c:d].repeat_interleave(rep, 1).transpose(0, 1)
-        vs = v[c:d].repeat_interleave(rep, 1).transpose(0, 1)
-        s = qs @ ks.transpose(-1, -2) * scale
-        if causal:
-            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-        P = torch.exp(s - lse[:, a:b, None])
-        dvs = P.transpose(-1, -2) @ dos
-        dP = dos @ vs.transpose(-1, -2)
-        dS = P * (dP - (dos * os_).sum(-1, keepdim=True))
-        dq[a:b] = (dS @ ks * scale).transpose(0, 1)
-        dks = (dS.transpose(-1, -2) @ qs * scale).transpose(0, 1)
-        dk[c:d] = dks.reshape(d - c, G, rep, D).sum(2)
-        dv[c:d] = dvs.transpose(0, 1).reshape(d - c, G, rep, D).sum(2)
-    return dq, dk, dv
-
-
+# ---- the variable-length (CUDA) path, emulated on CPU (tests/varlen_standin.py) -----------------
 def test_varlen_path_emulated_on_cpu(_sim_dist, monkeypatch: pytest.MonkeyPatch) -> None:
     """The packing, GQA (one call per head segment, K/V at G heads), scatter and LSE merge of the
     CUDA path, exact."""
@@ -475,8 +415,8 @@ def test_varlen_path_emulated_on_cpu(_sim_dist, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(
         varlen,
         "_varlen_ops",
-        lambda: (lambda *a, **k: calls.append(a[0].is_contiguous()) or _emulated_fwd(*a, **k),
-                 _emulated_bwd),
+        lambda: (lambda *a, **k: calls.append(a[0].is_contiguous()) or flash_forward(*a, **k),
+                 flash_backward),
     )  # fmt: skip
     rng = random.Random(41)
     for i in range(16):
@@ -539,7 +479,7 @@ def test_hot_path_reuses_the_micro_batch_schedule(
     loop path no tensor has S x T elements per head pair (no mask, no scores)."""
     if emulated_varlen:
         monkeypatch.setattr(varlen, "uses_varlen", lambda kernel: True)
-        monkeypatch.setattr(varlen, "_varlen_ops", lambda: (_emulated_fwd, _emulated_bwd))
+        monkeypatch.setattr(varlen, "_varlen_ops", lambda: (flash_forward, flash_backward))
     lay = make_layout(
         seq_length=96,
         num_attention_heads=8,

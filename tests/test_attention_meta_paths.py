@@ -26,7 +26,6 @@ import random
 import pytest
 import torch
 from nccl_sim import NcclSim
-from test_attention_documents import random_bounds
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_hexiseq.attention.comm as comm
@@ -35,7 +34,11 @@ import megatron_hexiseq.attention.hexiseq as hexiseq_mod
 from megatron_hexiseq import kernel_rules
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
 from megatron_hexiseq.attention.kernels import Kernel, parse_kernel
-from megatron_hexiseq.attention.testing_layouts import random_batch_layout, random_layout
+from megatron_hexiseq.attention.testing_layouts import (
+    random_batch_layout,
+    random_bounds,
+    random_layout,
+)
 from megatron_hexiseq.layout import Layout, make_layout
 
 META = torch.device("meta")
