@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from _common import in_fresh_process, write_outputs
-from planner_suite import TYPES, cluster_spec
+from planner_suite import TYPES, cluster_spec, node_shares
 
 from megatron_hexiseq.cluster import cluster_from_dict, load_cluster
 from megatron_hexiseq.job.candidates import ALTERNATIVES
@@ -58,12 +58,7 @@ PAPER = {16384: 1.08, 32768: 1.17}
 def random_case(rng: random.Random, world: int, name: str) -> dict:
     k = rng.choice((2, 3, 4)) if world >= 64 else rng.choice((2, 3))
     types = sorted(rng.sample(TYPES, k), key=TYPES.index)
-    nodes = world // 8
-    weights = [rng.uniform(0.5, 2.0) for _ in types]
-    counts = [max(1, round(nodes * w / sum(weights))) for w in weights]
-    while sum(counts) != nodes:
-        j = counts.index(max(counts))
-        counts[j] += 1 if sum(counts) < nodes else -1
+    counts = node_shares(rng, k, world // 8)
     network = rng.choice(("equal", "matched"))
     model = rng.choice(MODELS + (("llama3-70b",) if world >= 128 else ()))
     domain = rng.choice([g for g in (8, 16, 32, 64) if g <= world])

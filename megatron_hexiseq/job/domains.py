@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_hexiseq.cluster import Cluster, Device, Node
 from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.planner.canonical import hardware_key
 
 Shape = tuple[tuple[Any, int], ...]
 
@@ -31,15 +32,7 @@ def node_kind(node: Node) -> tuple[Any, ...]:
 def kind_order_key(d: Device, node: Node) -> tuple[Any, ...]:
     """Fastest kind first (the planner's canonical node order, without name and count); ``d``: a
     device of ``node``."""
-    return (
-        -d.flops_per_s,
-        -d.attention_flops_per_s,
-        -node.network_GBps,
-        -node.nvlink_GBps,
-        -node.memory_gib,
-        node.gpu.name,
-        node.shared_core,
-    )
+    return (*hardware_key(node, d), node.shared_core)
 
 
 class NodeIndex:
