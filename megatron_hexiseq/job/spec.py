@@ -27,6 +27,8 @@ job's is refused.
 
 JSON form: ``format: "megatron-hexiseq/job"``, ``version: 1``; the JSON Schema lives in
 ``megatron_hexiseq/schema/job.schema.json``. ``JobPlan.from_json(job.to_json())`` is exact.
+``load_layout_or_job`` reads either kind of file, told apart by its ``format`` (``show``,
+``validate``, ``simulate``).
 """
 
 from __future__ import annotations
