@@ -169,7 +169,7 @@ class HexiSeqGroups:
 
 
 def build_hexiseq_groups(
-    layout: Layout,
+    layout: Layout | Sequence[Layout],
     *,
     domains: Sequence[Sequence[int]] | None = None,
     cp_groups: Sequence[ProcessGroup] | None = None,
@@ -177,16 +177,21 @@ def build_hexiseq_groups(
     timeout: timedelta | None = None,
     pg_options: Callable[[str], Any] | None = None,
 ) -> HexiSeqGroups:
-    """Collective over the default group; see the module docstring. ``device``: where the warm-up
+    """Collective over the default group; see the module docstring. ``layout``: the layout every
+    domain runs, or one layout per domain (a job: domains of different sizes and layouts; every
+    process creates every domain's groups, in domain order). ``device``: where the warm-up
     collective's tensor lives (the backend's device: CUDA for NCCL; default CPU)."""
     world, me = dist.get_world_size(), dist.get_rank()
     if domains is None:
         domains = [list(range(world))]
     domains = [tuple(int(x) for x in d) for d in domains]
+    layouts = [layout] * len(domains) if isinstance(layout, Layout) else list(layout)
+    if len(layouts) != len(domains):
+        raise HexiSeqError(f"got {len(layouts)} layouts for {len(domains)} domains")
     for i, d in enumerate(domains):
-        if len(d) != layout.world_size:
+        if len(d) != layouts[i].world_size:
             raise HexiSeqError(
-                f"domain {i} has {len(d)} ranks but the layout has {layout.world_size}; "
+                f"domain {i} has {len(d)} ranks but the layout has {layouts[i].world_size}; "
                 f"use a layout planned for context-parallel size {len(d)}"
             )
         if list(d) != sorted(d) or len(set(d)) != len(d):
@@ -200,6 +205,7 @@ def build_hexiseq_groups(
         raise HexiSeqError(f"global rank {me} must be in exactly one domain, found in {len(mine)}")
     dom = mine[0]
     rank = domains[dom].index(me)
+    layout = layouts[dom]
 
     def new_group(ranks: Sequence[int], kind: str) -> ProcessGroup:
         kwargs: dict[str, Any] = {}
@@ -216,7 +222,7 @@ def build_hexiseq_groups(
         g = cp_groups[i] if cp_groups is not None else new_group(d, "cp")
         if i == dom:
             cp_group = g
-        for grp in layout.groups:
+        for grp in layouts[i].groups:
             members = [d[r] for r in grp.ranks]
             if len(members) > 1:
                 pg = new_group(members, "a2a")
