@@ -9,7 +9,9 @@ options at the Megatron boundary). Then every process warms up each group it bel
 collective in which all members take part (CP group first, then its A2A group; the same order on
 every process), so no lazily created communicator waits for a member that never posts to it (a rank
 with no heads takes no part in the sub-ring exchange). A *domain* is one copy of the layout: the
-global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group).
+global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group). A job gives
+one layout per domain (domains of different sizes and layouts, ``megatron/job_runtime.py``); the
+groups of every domain are still created by every process, in domain order.
 
 Global ranks of a domain must be ascending in layout-rank order, so that the group rank torch assigns
 (position among the sorted global ranks) equals the layout rank, in the CP group and in A2A groups.
