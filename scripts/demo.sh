@@ -5,10 +5,14 @@
 # Creates/refreshes .venv on first use. Knobs: TESTBED (ranks per core), STEPS, SEQ, MODEL.
 # PACKED=1: packed documents (DOCS, default ../shared/data/doc_lengths_prolong.json): train the
 # THD-style even split, the fixed HexiSeq layout and per-micro-batch layouts on the same micro-batches.
+# JOB=1: plan a whole job (GLOBAL_BATCH sequences per step, default 8; testbed default 1+3) and train
+# it, one HexiSeq domain over every rank and equal-share data parallelism, from the same weights.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 cd "$ROOT"
-TESTBED=${TESTBED:-1+2}
+JOB=${JOB:-0}
+GLOBAL_BATCH=${GLOBAL_BATCH:-8}
+if [ "$JOB" = 1 ]; then TESTBED=${TESTBED:-1+3} STEPS=${STEPS:-12}; else TESTBED=${TESTBED:-1+2}; fi
 STEPS=${STEPS:-30}
 SEQ=${SEQ:-2048}
 MODEL=${MODEL:-examples/models/cpu-demo.yaml}
@@ -19,6 +23,15 @@ mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore  # Megatron warns about Apex/TE absence on every rank; nothing to act on
 echo "== 1/3 profile the testbed ($TESTBED ranks per core), calibrated with the model's own layer shapes"
 megatron-hexiseq profile --testbed "$TESTBED" --memory-gib 4 --model-config "$MODEL" -o "$OUT/cluster.yaml"
+if [ "$JOB" = 1 ]; then
+  echo "== 2/3 plan the job: $GLOBAL_BATCH sequences of $SEQ tokens per step"
+  megatron-hexiseq plan --cluster "$OUT/cluster.yaml" --model-config "$MODEL" --seq-length "$SEQ" \
+    --global-batch "$GLOBAL_BATCH" -o "$OUT/job.json"
+  echo "== 3/3 train three times: the job, one HexiSeq domain over every rank, equal-share data parallelism"
+  python -m megatron_hexiseq.testbed.job_demo --job "$OUT/job.json" --testbed "$TESTBED" --steps "$STEPS" \
+    -o "$OUT/job_demo.json" --markdown "$OUT/job_demo.md" --plot "$OUT/job_demo.png"
+  exit
+fi
 echo "== 2/3 plan"
 megatron-hexiseq plan --cluster "$OUT/cluster.yaml" --model-config "$MODEL" --seq-length "$SEQ" -o "$OUT/layout.json"
 if [ "$PACKED" = 1 ]; then
