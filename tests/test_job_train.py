@@ -27,7 +27,10 @@ from __future__ import annotations
 import pytest
 import torch
 from test_job_runtime import job_1_2, job_three_domains, one_domain_job
-from test_megatron_gpt import reordering_tolerance  # the fp32 two-orderings bound, derived there
+from test_megatron_gpt import (  # the fp32 two-orderings bound, derived there, and its checks
+    assert_matches_reference,
+    reordering_tolerance,
+)
 
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.testbed.job_train import (
@@ -88,24 +91,7 @@ def _grad_distance(got: dict, want: dict) -> float:
 def test_job_matches_single_process(exact_runs, case):
     cases, parallel, refs, _ = exact_runs
     ref, per_rank, tol = refs[case], parallel[case], _tolerance(cases[case])
-    for res in per_rank:  # every rank reports the global per-token loss of every step
-        torch.testing.assert_close(
-            torch.tensor(res.losses), torch.tensor(ref.losses), rtol=tol, atol=0
-        )
-    got = per_rank[0].grads
-    assert got.keys() == ref.grads.keys() and len(got) >= 4 * 4
-    for name, want in ref.grads.items():
-        assert want.abs().max() > 0, name
-        assert float(torch.linalg.vector_norm(got[name] - want)) <= tol * float(
-            torch.linalg.vector_norm(want)
-        ), name
-        torch.testing.assert_close(
-            got[name],
-            want,
-            rtol=tol,
-            atol=tol * float(want.abs().max()),
-            msg=lambda m: f"gradient of {name}: {m}",
-        )
+    assert_matches_reference(per_rank, ref, tol)
 
 
 def test_a_dropped_or_doubled_share_would_fail(exact_runs):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from test_job_runtime import job_1_2
+from test_megatron_lm import _parse  # Megatron-LM's parse_args + validate_args with our flags
 
 from megatron_hexiseq.testbed.spawn import run_ranks
 
@@ -45,20 +46,6 @@ ARGV = (
     "--vocab-size 128 --no-rope-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
     "--no-persist-layer-norm"
 ).split()
-
-
-def _parse(argv: list[str], rank: int, world: int):
-    import megatron.training.arguments as margs
-
-    from megatron_hexiseq.megatron import plugin
-
-    margs.get_device_arch_version = lambda: 9  # CUDA-only query inside validate_args
-    sys.argv = ["pretrain_gpt.py"] + argv
-    args = margs.parse_args(extra_args_provider=plugin.extra_args_provider(None))
-    args.rank, args.world_size = rank, world
-    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    args.padded_vocab_size = 128
-    return args
 
 
 def _worker(rank: int, world: int, checkout: str, job_path: str) -> dict:

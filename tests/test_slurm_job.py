@@ -14,15 +14,12 @@ Megatron-FSDP, 1 otherwise).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 import test_slurm
 from test_slurm import _rank_lines, _run
-from test_slurm_megatron_args import MEGATRON_LM, MODEL_ARGV, ROOT, VALIDATE
+from test_slurm_megatron_args import MEGATRON_LM, MODEL_ARGV, validate
 
 from megatron_hexiseq.cluster import cluster_from_dict, cluster_to_dict
 from megatron_hexiseq.job import Domain, JobPlan
@@ -148,21 +145,6 @@ def test_job_commands_pass_megatron_validate_args_in_every_memory_mode(stand_ins
             assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == ("8" if fsdp else "1")
             assert ("--recompute-granularity" in argv) == recompute
         commands += run
-    path = tmp_path / "commands.json"
-    path.write_text(json.dumps(commands))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(MEGATRON_LM)]),
-        "PYTHONWARNINGS": "ignore",
-    }
-    res = subprocess.run(
-        [sys.executable, "-c", VALIDATE, str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    verdicts = json.loads(res.stdout.strip().splitlines()[-1])
+    verdicts, _ = validate(commands, tmp_path)
     failed = [(c[0], v) for c, v in zip(commands, verdicts) if v[0] is not None]
     assert not failed, failed[:3]
