@@ -324,6 +324,23 @@ def test_huge_or_deep_json(d, capsys, monkeypatch):
     _error(capsys, ["show", str(d / "big.json")], "MiB, more than the")
 
 
+# ---- document lengths: varlen, plan --doc-lengths ------------------------------------------------
+def test_many_one_token_documents_plan_within_the_time_limit(d, capsys):
+    """65,536 one-token documents per micro-batch are valid: ``plan --doc-lengths`` plans them, and
+    --time-limit bounds the structure choice (past it only the planner's own layout is scored)."""
+    (d / "ones.json").write_text("[1]")
+    argv = _plan(d, "--seq-length", "65536", "--doc-lengths", str(d / "ones.json"))
+    argv[argv.index("--time-limit") + 1] = "0.001"
+    assert main([*argv, "--format", "json"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    layout = json.loads((d / "out.json").read_text())
+    rec = layout["planner"]["documents"]
+    assert rec["time_limit_reached"] is True and layout["planner"]["time_limit_reached"] is True
+    assert rec["chosen"] == "hexiseq" and rec["candidates"][0]["mean_step_s"] > 0
+    assert len(rec["candidates"]) > 1
+    assert all(r["reason"] == "not scored: time limit" for r in rec["candidates"][1:])
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [

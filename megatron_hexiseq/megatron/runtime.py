@@ -303,6 +303,15 @@ def prove_kernel(kernel: str, run: RunShape, device: torch.device) -> Kernel:
     return concrete
 
 
+def reused_cp_group(
+    cp_group: dist.ProcessGroup | None, nccl_cfgs: dict[str, dict[str, Any]]
+) -> dist.ProcessGroup | None:
+    """Megatron's CP group, to carry HexiSeq's sub-ring exchange too (one NCCL communicator over
+    the domain's ranks, not two); None (HexiSeq creates its own) without one, or when the NCCL
+    YAML asks for other options for HexiSeq's CP traffic (a ``hexiseq_cp`` entry)."""
+    return None if cp_group is None or "hexiseq_cp" in nccl_cfgs else cp_group
+
+
 def build_runtime(
     layout: Layout,
     run: RunShape,
@@ -321,7 +330,9 @@ def build_runtime(
     Collective over the default group (every process calls it once, after Megatron's
     ``initialize_model_parallel``). ``cp_group`` is Megatron's CP group of this process;
     ``timeout`` and ``nccl_cfgs`` (``nccl_comm_cfgs``) are applied to HexiSeq's own groups as
-    Megatron applies them to its own (NCCL options only on the NCCL backend).
+    Megatron applies them to its own (NCCL options only on the NCCL backend). Every process passes
+    its ``cp_group`` on (``reused_cp_group``): the sub-ring exchange runs on Megatron's CP
+    communicator, and HexiSeq creates only its A2A groups.
     """
     check_run(layout, run, source=source)
     if dist.get_world_size() != run.world_size:
@@ -347,6 +358,7 @@ def build_runtime(
     groups = build_hexiseq_groups(
         layout,
         domains=domains,
+        cp_group=reused_cp_group(cp_group, nccl_cfgs or {}),
         device=device,
         timeout=timeout,
         pg_options=hexiseq_pg_options(nccl_cfgs or {}) if nccl else None,
