@@ -183,6 +183,25 @@ def test_every_process_finds_its_domain_and_layout_rank():
         job_place(job, 4)
 
 
+def test_domain_layout_records_its_own_cluster_for_the_batch_planner():
+    """A domain over two nodes listed high rank first: renumbered, its layout's meta holds the
+    domain's GPUs in layout-rank order, the job's model and options, and the batch planner
+    (``--hexiseq-batch-plan``) builds on it."""
+    from megatron_hexiseq.layout import check_matches
+    from megatron_hexiseq.megatron.batch_layout import batch_planner_layouts
+    from megatron_hexiseq.run_config import options_from_record
+
+    mixed = layout_on([2, 0], [[(0, 20)], [(20, 48)]], [[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1]])
+    job = make_job([([2, 0], 1, mixed), ([1], 1, layout_on([1], *ONE_RANK))])
+    layout, ranks = domain_layout(job, 0)
+    assert ranks == (0, 2) and [r.host for r in layout.ranks] == ["c0", "c1"]
+    cluster = cluster_from_dict(layout.meta["cluster_spec"])
+    check_matches(layout, cluster, replace(TINY_GPT, seq_length=SEQ))
+    assert [(n.name, n.count) for n in cluster.nodes] == [("c0", 1), ("c1", 1)]
+    assert options_from_record(layout.meta["options"]) == job.train_options
+    assert batch_planner_layouts(layout, "job j.json domain 0") is not None
+
+
 def test_renumbering_keeps_what_every_rank_holds():
     pair = job_1_2().domains[1].layout
     swapped = renumber(pair, [1, 0])

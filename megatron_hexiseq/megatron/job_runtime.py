@@ -39,10 +39,12 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 from megatron_hexiseq.attention.groups import build_hexiseq_groups
+from megatron_hexiseq.cluster import cluster_to_dict
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job import JobPlan, SampleRange
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
+from megatron_hexiseq.megatron.batch_layout import CLUSTER_SPEC_KEY, MODEL_SPEC_KEY
 from megatron_hexiseq.megatron.runtime import (
     HexiSeqRuntime,
     RunShape,
@@ -97,10 +99,36 @@ def renumber(layout: Layout, order: Sequence[int]) -> Layout:
 
 def domain_layout(job: JobPlan, domain: int) -> tuple[Layout, tuple[int, ...]]:
     """Domain ``domain``'s layout over its process ranks in ascending order, and those ranks
-    (layout rank ``j`` runs on process rank ``ranks[j]``)."""
+    (layout rank ``j`` runs on process rank ``ranks[j]``). Its ``meta`` records what the batch
+    planner (``--hexiseq-batch-plan``) reads, from the job: the domain's own cluster (its GPUs,
+    device ``j`` = layout rank ``j``), the job's model and training options."""
     ranks = domain_process_ranks(job)[domain]
     order = sorted(range(len(ranks)), key=lambda j: ranks[j])
-    return renumber(job.domains[domain].layout, order), tuple(sorted(ranks))
+    layout = renumber(job.domains[domain].layout, order)
+    meta = {
+        **layout.meta,
+        CLUSTER_SPEC_KEY: domain_cluster(job, domain),
+        MODEL_SPEC_KEY: dict(job.model),
+        "options": dict(job.options),
+    }
+    return replace(layout, meta=meta), tuple(sorted(ranks))
+
+
+def domain_cluster(job: JobPlan, domain: int) -> dict[str, Any]:
+    """The cluster spec of one domain's GPUs: the job's nodes, each with as many GPUs as the
+    domain has there (nodes in file order, so device ``j`` is the domain's ``j``-th GPU in cluster
+    order, which is the renumbered layout's rank order)."""
+    data = cluster_to_dict(job.cluster_spec)
+    mine = {job.cluster_spec.devices[r].node for r in job.domains[domain].ranks}
+    count = {
+        n: sum(job.cluster_spec.devices[r].node == n for r in job.domains[domain].ranks)
+        for n in mine
+    }
+    data["nodes"] = [
+        {**node, "count": count[node["name"]]} for node in data["nodes"] if node["name"] in mine
+    ]
+    data["name"] = f"{data.get('name', 'cluster')}-domain{domain}"
+    return data
 
 
 def job_place(job: JobPlan, process_rank: int) -> JobPlace:
