@@ -69,8 +69,9 @@ def replicated_tensors(module: torch.nn.Module) -> tuple[list[torch.Tensor], lis
 
 
 def tensors_hash(tensors: Iterable[torch.Tensor]) -> int:
-    """The 64-bit hash of the tensors' bits (module docstring), as an unsigned Python int."""
-    total = 0
+    """The 64-bit hash of the tensors' bits (module docstring), as an unsigned Python int. The sum
+    stays on the tensors' device (int64, wrapping mod 2^64) until the end: one host sync per device."""
+    totals: dict[torch.device, torch.Tensor] = {}
     offset = 0
     for t in tensors:
         flat = t.detach().reshape(-1)
@@ -85,9 +86,10 @@ def tensors_hash(tensors: Iterable[torch.Tensor]) -> int:
                 dtype=torch.int64,
                 device=part.device,
             )
-            total += int((part * ((pos * _MIX) | 1)).sum())
+            chunk = (part * ((pos * _MIX) | 1)).sum()
+            totals[part.device] = totals[part.device] + chunk if part.device in totals else chunk
         offset += bits.numel()
-    return total % (1 << 64)
+    return sum(int(t) for t in totals.values()) % (1 << 64)
 
 
 def _comm_device(group: Any) -> torch.device:
