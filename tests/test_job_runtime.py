@@ -252,6 +252,17 @@ def test_megatron_features_a_job_cannot_run_are_refused(flags, message):
         job_plugin.check_job_args(argparse.Namespace(**({"dataloader_type": "single"} | flags)))
 
 
+@pytest.mark.parametrize("flag", ["use_megatron_fsdp", "use_torch_fsdp2"])
+def test_fsdp_needs_equal_micro_batch_counts(flag):
+    """FSDP gathers over every rank in every micro-batch: uneven counts would hang."""
+    fsdp = argparse.Namespace(dataloader_type="single", **{flag: True})
+    with pytest.raises(HexiSeqError, match=r"domains run 1/3 micro-batches per step") as info:
+        job_plugin.check_job_args(fsdp, job_1_2())
+    assert "--" + flag.replace("_", "-") in str(info.value)
+    job_plugin.check_job_args(fsdp, one_domain_job())  # one count: every rank joins every gather
+    job_plugin.check_job_args(argparse.Namespace(dataloader_type="single"), job_1_2())
+
+
 # ---- data --------------------------------------------------------------------------------------
 def _sampler(job: JobPlan, domain: int, consumed: int, total: int) -> JobBatchSampler:
     return JobBatchSampler(

@@ -58,8 +58,29 @@ def runtime_options(args: argparse.Namespace, hs: HexiSeqArgs) -> dict[str, Any]
     }
 
 
-def check_job_args(args: argparse.Namespace) -> None:
-    """Megatron features that assume every rank runs the same micro-batches: one line each."""
+FSDP_FLAGS = (
+    ("--use-megatron-fsdp", "use_megatron_fsdp"),
+    ("--use-torch-fsdp2", "use_torch_fsdp2"),
+)
+
+
+def check_job_args(args: argparse.Namespace, job: JobPlan | None = None) -> None:
+    """Megatron features that assume every rank runs the same micro-batches: one line each.
+
+    FSDP (``--use-megatron-fsdp``, ``--use-torch-fsdp2``) gathers every layer's parameters and
+    reduce-scatters its gradients in every micro-batch over its shard group, ``dp_cp`` = every rank
+    of a job: domains that run different numbers of micro-batches would stop joining those
+    collectives at different points (a hang), so such a job is refused; with equal counts every
+    rank joins them in lockstep and the job runs (slower than a per-domain shard group would)."""
+    fsdp = [f for f, attr in FSDP_FLAGS if getattr(args, attr, False)]
+    counts = sorted({d.micro_batches for d in job.domains}) if job is not None else []
+    if fsdp and len(counts) > 1:
+        raise HexiSeqError(
+            f"{fsdp[0]} gathers parameters in every micro-batch over every rank, and this job's "
+            f"domains run {'/'.join(map(str, counts))} micro-batches per step: they cannot join "
+            "the same gathers; use the distributed optimizer (plan with --memory-mode "
+            "distributed_optimizer) or a job with equal micro-batch counts"
+        )
     kind = getattr(args, "dataloader_type", "single") or "single"
     if kind != "single":
         raise HexiSeqError(
@@ -95,7 +116,7 @@ def setup_job(
     (collective over the default group)."""
     assert hs.job is not None
     job = JobPlan.load(hs.job)
-    check_job_args(args)
+    check_job_args(args, job)
     runtime, place = build_job_runtime(
         job,
         RunShape.from_megatron_args(args),
@@ -164,7 +185,7 @@ def install_training_seams(
     ``training.build_pretraining_data_loader`` (a job) as the module docstring says."""
     check = None
     if hs.check_params:
-        if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        if any(getattr(args, attr, False) for _, attr in FSDP_FLAGS):
             warnings.warn(
                 "hexiseq: --hexiseq-check-params has no effect with FSDP: each parameter is stored "
                 "once, on one rank (checked at start-up, before sharding)",
