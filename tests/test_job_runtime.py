@@ -243,6 +243,7 @@ def test_run_mismatches_are_refused_in_one_line(change, batch, message):
         ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
         ({"hybrid_context_parallel": True}, "--hybrid-context-parallel"),
         ({"full_validation": True}, "--full-validation"),
+        ({"num_experts": 8}, "--num-experts"),
     ],
 )
 def test_megatron_features_a_job_cannot_run_are_refused(flags, message):

@@ -103,6 +103,12 @@ def check_job_args(args: argparse.Namespace, job: JobPlan | None = None) -> None
             "--full-validation",
             "reads the validation set in its own data-parallel order",
         ),
+        (
+            "num_experts",
+            "--num-experts (MoE)",
+            "all-reduces its routers' load-balancing statistics over Megatron's context-parallel "
+            "group in every micro-batch, and that group is every rank of a job",
+        ),
     )
     for attr, flag, why in refused:
         if getattr(args, attr, None):
