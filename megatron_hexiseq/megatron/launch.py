@@ -150,8 +150,9 @@ def job_domains(job: JobPlan) -> list[str]:
             f"{process[r]}@{v.node}:{v.local_index}" for r, v in zip(dom.ranks, devices)
         )
         start, stop = job.sample_range(d)
+        types = sorted({v.gpu.name for v in devices})
         lines.append(
-            f"domain {d}: {dom.size} x {devices[0].gpu.name if len({v.gpu.name for v in devices}) == 1 else 'mixed'}, "
+            f"domain {d}: {dom.size} x {' + '.join(types)}, "
             f"ranks {where}, {dom.micro_batches} micro-batches per step (samples {start}-{stop - 1} "
             f"of each global batch of {job.global_batch}), groups "
             f"{[list(g.ranks) for g in dom.layout.groups]}"

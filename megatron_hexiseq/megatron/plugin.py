@@ -144,9 +144,10 @@ def defer_seq_length_check(args: argparse.Namespace) -> None:
     == 0`` for its even zig-zag split, which a HexiSeq layout does not use (any length splits). The
     assert runs only when ``seq_length`` is set; right after it, ``validate_args`` copies
     ``encoder_seq_length`` into ``seq_length`` when ``seq_length`` is None. So for a HexiSeq run
-    (``--hexiseq-layout`` or ``--hexiseq-job``, and ``--cp-comm-type hexiseq``) whose length fails that assert, this moves
-    the value to ``encoder_seq_length``; ``validate_args`` then restores it, with every other check
-    on ``seq_length`` (max position embeddings, ...) still applied. Stock runs are untouched.
+    (``--hexiseq-layout`` or ``--hexiseq-job``, and ``--cp-comm-type hexiseq``) whose length fails
+    that assert, this moves the value to ``encoder_seq_length``; ``validate_args`` then restores
+    it, with every other check on ``seq_length`` (max position embeddings, ...) still applied.
+    Stock runs are untouched.
     """
     cp = getattr(args, "context_parallel_size", 1) or 1
     seq = getattr(args, "seq_length", None)
