@@ -228,12 +228,16 @@ def layout_field(path: str, field: str) -> str:
     opts = check_options_record(layout.meta.get("options"), f"layout {path}")
     if field == "memory-mode":
         return str(opts.get("memory_mode") or "")
-    flags = opts.get("megatron_flags") or []
+    return flag_words(opts.get("megatron_flags") or [], f"layout {path}: meta.options")
+
+
+def flag_words(flags: Any, where: str) -> str:
+    """Planner-recorded Megatron flags as one space-separated line, each checked to be a plain
+    flag word (no spaces, quotes or shell characters): ``where`` names the record in the error."""
     for flag in flags:
         if not isinstance(flag, str) or not re.fullmatch(r"[A-Za-z0-9_.=:/+-]+", flag):
             raise HexiSeqError(
-                f"layout {path}: meta.options.megatron_flags holds {short(flag)}, not a flag; "
-                "re-plan the layout"
+                f"{where}.megatron_flags holds {short(flag)}, not a flag; re-plan it"
             )
     return " ".join(flags)
 

@@ -98,6 +98,29 @@ RUNS = {
 }
 
 
+def validate(
+    commands: list[tuple[dict, list[str]]], tmp_path: Path
+) -> tuple[list, subprocess.CompletedProcess]:
+    """Every ``(env, argv)`` through Megatron-LM's ``parse_args`` + ``validate_args`` (``VALIDATE``,
+    one fresh interpreter): per command ``[error or None, create_attention_mask_in_dataloader]``."""
+    path = tmp_path / "commands.json"
+    path.write_text(json.dumps(commands))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(MEGATRON_LM)]),
+        "PYTHONWARNINGS": "ignore",
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", VALIDATE, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res
+
+
 def _dry_run(stand_ins: dict, tmp_path: Path, name: str) -> list[tuple[dict, list[str]]]:
     hosts, gpus, seq, plan_args = RUNS[name]
     env = {
@@ -140,22 +163,7 @@ def test_dry_run_commands_pass_megatron_validate_args_in_every_memory_mode(stand
         fsdp += [uses_fsdp == {True}] * len(run)
     # the same command lines with a flag HexiSeq refuses, then rank 0 of the first run again
     refused = [(commands[0][0], commands[0][1] + flag.split()) for flag in REFUSED]
-    path = tmp_path / "commands.json"
-    path.write_text(json.dumps(commands + refused + commands[:1]))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(MEGATRON_LM)]),
-        "PYTHONWARNINGS": "ignore",
-    }
-    res = subprocess.run(
-        [sys.executable, "-c", VALIDATE, str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    verdicts = json.loads(res.stdout.strip().splitlines()[-1])
+    verdicts, res = validate(commands + refused + commands[:1], tmp_path)
     failed = [(c[0], v) for c, v in zip(commands, verdicts) if v[0] is not None]
     assert not failed, failed[:3]
     assert any(fsdp) and not all(fsdp)

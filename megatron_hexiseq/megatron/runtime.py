@@ -282,6 +282,27 @@ def hexiseq_pg_options(cfgs: dict[str, dict[str, Any]]):
     return options
 
 
+def prove_kernel(kernel: str, run: RunShape, device: torch.device) -> Kernel:
+    """The concrete attention kernel, proven on this device and dtype by every rank (collective
+    over the default group): all agree before anyone creates a group, and a failure on any rank
+    is the same one-line error on every rank."""
+    concrete, failure = None, None
+    try:
+        concrete = check_kernel(
+            kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64
+        )
+    except HexiSeqError as e:
+        failure = str(e)
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [(g, f) for g, f in enumerate(failures) if f]
+    if failed:
+        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise HexiSeqError(f"global rank {failed[0][0]}: {failed[0][1]}{more}")
+    assert concrete is not None
+    return concrete
+
+
 def reused_cp_group(
     cp_group: dist.ProcessGroup | None, nccl_cfgs: dict[str, dict[str, Any]]
 ) -> dist.ProcessGroup | None:
@@ -332,20 +353,7 @@ def build_runtime(
         if dist.get_rank() == 0:
             warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)
     device = runtime_device()
-    concrete, failure = None, None
-    try:  # every rank proves its own device; all agree before anyone creates a group
-        concrete = check_kernel(
-            kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64
-        )
-    except HexiSeqError as e:
-        failure = str(e)
-    failures: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    failed = [(g, f) for g, f in enumerate(failures) if f]
-    if failed:
-        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-        raise HexiSeqError(f"global rank {failed[0][0]}: {failed[0][1]}{more}")
-    assert concrete is not None
+    concrete = prove_kernel(kernel, run, device)
     nccl = dist.get_backend() == "nccl"
     groups = build_hexiseq_groups(
         layout,

@@ -34,7 +34,9 @@ with the same boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -55,6 +57,7 @@ from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.config import cpu_device_shim, transformer_config
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 from megatron_hexiseq.megatron.loss import per_token_loss
+from megatron_hexiseq.megatron.params_check import share_initial_parameters
 from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
 from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime, RunShape, build_runtime
@@ -69,6 +72,7 @@ __all__ = [
     "StepTiming",
     "train_step",
     "make_batch",
+    "ddp_and_optimizer",
     "build_gpt",
     "run_shape",
     "train_rank",
@@ -88,19 +92,33 @@ class StepTiming:
 
 
 def train_step(
-    ddp, opt, params, batch: dict[str, torch.Tensor], *, report_group=None, before_update=None
+    ddp,
+    opt,
+    params,
+    batch: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+    *,
+    report_group=None,
+    before_update=None,
 ) -> tuple[torch.Tensor, StepTiming]:
-    """One step of the driver: zero the grad buffers, forward, per-token loss sum, backward;
-    ``finalize_model_grads`` (sums gradients, divides by the global token count) and the all-reduce
-    of ``[loss_sum, num_tokens]`` over ``report_group``; ``before_update()`` if given; AdamW on the
-    gradient buffers. Returns the reduced ``report [2]`` (global loss sum, token count) and the
-    timing. Used by :func:`train_rank`, ``profile``'s model-step measurement and the overlap bench."""
+    """One step of the driver: zero the grad buffers; forward, per-token loss sum and backward of
+    each micro-batch (``batch``: one, or a list: all but the last under DDP's ``no_sync``, as
+    Megatron's schedule accumulates them); ``finalize_model_grads`` (sums gradients, divides by the
+    global token count) and the all-reduce of ``[loss_sum, num_tokens]`` over ``report_group``;
+    ``before_update()`` if given; AdamW on the gradient buffers. Returns the reduced ``report [2]``
+    (global loss sum, token count) and the timing. Used by :func:`train_rank`, the job driver
+    (``testbed/job_train.py``), ``profile``'s model-step measurement and the overlap bench."""
+    batches = [batch] if isinstance(batch, Mapping) else list(batch)
     t0 = time.perf_counter()
     ddp.zero_grad_buffer()
     opt.zero_grad(set_to_none=True)
-    out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss_sum, num_tokens = per_token_loss(out, batch["loss_mask"])
-    loss_sum.backward()
+    loss_sum = num_tokens = torch.zeros((), dtype=torch.int)
+    for i, micro in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            out = ddp(micro["tokens"], micro["position_ids"], None, labels=micro["labels"])
+            micro_loss, micro_tokens = per_token_loss(out, micro["loss_mask"])
+            micro_loss.backward()
+        loss_sum, num_tokens = loss_sum + micro_loss.detach(), num_tokens + micro_tokens
     t1 = time.perf_counter()
     finalize_model_grads([ddp], num_tokens=num_tokens.clone())  # sums grads, / global tokens
     report = torch.stack([loss_sum.detach(), num_tokens.float()])
@@ -208,6 +226,21 @@ def _packed_runtime(
     return replace(runtime, documents=docs, batch_layout=batch_layout)
 
 
+def ddp_and_optimizer(
+    model: GPTModel, *, bucket_size: int | None, overlap: bool, lr: float
+) -> tuple[DistributedDataParallel, list[torch.nn.Parameter], torch.optim.AdamW]:
+    """Megatron DDP over ``dp_cp`` (fp32 gradient buffers, ``bucket_size`` parameters per bucket,
+    the reduction overlapped with the backward when ``overlap``), its trainable parameters, and
+    AdamW over them. Per-token loss: ``model.config.calculate_per_token_loss``."""
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap, bucket_size=bucket_size, grad_reduce_in_fp32=True
+    )
+    with cpu_device_shim():
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    return ddp, params, torch.optim.AdamW(params, lr=lr)
+
+
 def run_shape(cfg: TrainConfig) -> RunShape:
     """The ``RunShape`` this driver runs (for ``runtime.check_run`` before spawning)."""
     return RunShape(
@@ -252,17 +285,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
                 batch_layout=runtime.batch_layout,
             )
         model = build_gpt(cfg, runtime=runtime)
-        ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=cfg.overlap_grad_reduce,
-            bucket_size=cfg.bucket_size,
-            grad_reduce_in_fp32=True,
-        )  # per-token loss: config.calculate_per_token_loss
-        with cpu_device_shim():
-            ddp = DistributedDataParallel(model.config, ddp_config, model)
-        params = [p for p in ddp.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr)
-        replica = mpu.get_data_parallel_rank()
         dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
+        share_initial_parameters(model, (dp_cp, None))  # as the plugin's model provider does
+        ddp, params, opt = ddp_and_optimizer(
+            model, bucket_size=cfg.bucket_size, overlap=cfg.overlap_grad_reduce, lr=cfg.lr
+        )
+        replica = mpu.get_data_parallel_rank()
         losses, times = [], []
         kept_grads: dict[str, dict[str, torch.Tensor]] = {}  # "grads" once keep_grads ran
         resumed: dict[str, dict] | None = None
@@ -315,21 +343,27 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
         mpu.destroy_model_parallel()
 
 
-def train_reference(cfg: TrainConfig) -> TrainResult:
+def train_reference(
+    cfg: TrainConfig, global_batch: Callable[[int], dict[str, torch.Tensor]] | None = None
+) -> TrainResult:
     """The single-process oracle: same weights and data, every replica's batch at once, full sequence.
 
+    ``global_batch(step)``: the step's whole batch ``[B, S]`` (default: every replica's
+    ``make_batch``, concatenated; the job driver gives its global batches).
     Needs a default process group of size 1 (call it inside ``run_ranks(..., 1)``) because
     megatron-core modules read their (trivial) tensor-parallel group.
     """
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
     try:
         with cpu_device_shim():  # stock RoPE moves its frequencies to torch.cuda.current_device()
-            return _train_reference(cfg)
+            return _train_reference(cfg, global_batch)
     finally:
         mpu.destroy_model_parallel()
 
 
-def _train_reference(cfg: TrainConfig) -> TrainResult:
+def _train_reference(
+    cfg: TrainConfig, global_batch: Callable[[int], dict[str, torch.Tensor]] | None
+) -> TrainResult:
     """Body of ``train_reference`` (model-parallel state initialised, CUDA shim active)."""
     docs = None
     if cfg.documents is not None:
@@ -348,8 +382,11 @@ def _train_reference(cfg: TrainConfig) -> TrainResult:
     for step in range(cfg.steps):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        parts = [make_batch(cfg, step, r) for r in range(cfg.data_parallel)]
-        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        if global_batch is not None:
+            batch = global_batch(step)
+        else:
+            parts = [make_batch(cfg, step, r) for r in range(cfg.data_parallel)]
+            batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         if docs is not None:
             docs.update_from_tokens(batch["tokens"])  # Megatron's EOD rule, every sample
         out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
