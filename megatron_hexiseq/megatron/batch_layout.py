@@ -20,8 +20,8 @@ attention keeps its view, RoPE's angles are saved tensors), so schedules that in
 are fine.
 
 Checked per micro-batch, one ``HexiSeqError`` line each: the structure (``with_layout``), the
-sequence length, and that every rank holds a token (Megatron's attention layer cannot run an empty
-shard, as for the job's layout).
+sequence length, that every rank holds a token (Megatron's attention layer cannot run an empty
+shard, as for the job's layout) and, with TP and sequence parallelism, a multiple of t tokens.
 
 ``--hexiseq-batch-plan``: the provider is ``PlannerLayouts``, the batch planner
 (``varlen.batch.BatchPlanner``) built on the job's layout with the cluster, model and training
@@ -44,6 +44,7 @@ from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.documents import positions_in_documents
+from megatron_hexiseq.megatron.tensor_parallel import check_bundle_tokens
 
 if TYPE_CHECKING:  # annotations only: the planner imports the cost model
     from megatron_hexiseq.varlen.batch import BatchPlanner
@@ -95,10 +96,13 @@ class MicroBatchLayout:
         provider: BatchLayouts,
         *,
         reset_position_ids: bool = False,
+        tokens_multiple_of: int = 1,
     ) -> None:
         self.groups = groups
         self.provider = provider
         self.reset_position_ids = reset_position_ids
+        # TP with sequence parallelism: every bundle holds a multiple of t tokens (tensor_parallel.py)
+        self.tokens_multiple_of = tokens_multiple_of
         self.plan: BatchPlan | None = None
 
     @property
@@ -124,6 +128,7 @@ class MicroBatchLayout:
                 f"the micro-batch's layout gives ranks {empty} no tokens; Megatron's attention "
                 "layer cannot run an empty sequence shard: give every rank at least one token"
             )
+        check_bundle_tokens(layout, self.tokens_multiple_of, what="the micro-batch's layout")
         groups = self.groups.with_layout(layout)  # the structure check, one line
         positions = tuple(layout.ranks[groups.rank].positions())
         rope = positions

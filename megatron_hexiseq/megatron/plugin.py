@@ -199,10 +199,13 @@ def setup(
                 "(plan one with 'megatron-hexiseq plan')"
             )
         return None
-    if cp_group is None:
-        from megatron.core import parallel_state as mpu
+    from megatron.core import parallel_state as mpu
 
+    if cp_group is None:
         cp_group = mpu.get_context_parallel_group()
+    tp_group = (
+        mpu.get_tensor_model_parallel_group() if args.tensor_model_parallel_size > 1 else None
+    )
     layout = Layout.load(hs.layout)
     check_before_training(
         args
@@ -222,6 +225,7 @@ def setup(
             getattr(args, "high_priority_stream_groups", None) or (),
         ),
         fp32_grad_wire=hs.fp32_grad_wire,
+        tp_group=tp_group,
     )
     runtime = replace(runtime, documents=micro_batch_documents(args, layout.seq_length))
     if hs.batch_plan:
@@ -283,8 +287,14 @@ def micro_batch_layout(
             "per-micro-batch layouts do not support pipeline parallelism yet (middle stages "
             "do not load the batch); use --pipeline-model-parallel-size 1"
         )
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
     return MicroBatchLayout(
-        groups, provider, reset_position_ids=bool(getattr(args, "reset_position_ids", False))
+        groups,
+        provider,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        tokens_multiple_of=getattr(args, "tensor_model_parallel_size", 1)
+        if sequence_parallel
+        else 1,
     )
 
 
