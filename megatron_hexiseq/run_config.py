@@ -69,6 +69,7 @@ OPTION_FIELDS = (
     "data_parallel_size",
     "capacity_fraction",
     "attention_kernel",
+    "tensor_model_parallel_size",
 )
 _RECORD_TYPES = {
     "micro_batch_size": int,
@@ -77,6 +78,7 @@ _RECORD_TYPES = {
     "data_parallel_size": int,
     "capacity_fraction": float,
     "attention_kernel": str,
+    "tensor_model_parallel_size": int,
     "memory_modes_tried": list,
     "megatron_flags": list,
 }
@@ -96,6 +98,10 @@ class TrainOptions:
     ``capacity_fraction``: usable share of each device's memory.
     ``attention_kernel``: the block kernel the run forces (``--hexiseq-kernel``), ``auto`` for the
     runtime's choice per GPU; the cost model prices that kernel's achieved rate.
+    ``tensor_model_parallel_size``: t > 1 runs Megatron's tensor + sequence parallelism inside TP
+    bundles of t GPUs (``--tensor-model-parallel-size t --sequence-parallel``); the cost model then
+    prices one TP rank of a bundle (``costmodel.tp``: its share of the model, the sequence-parallel
+    collectives over NVLink, the activations sequence parallelism divides).
     """
 
     micro_batch_size: int = 1
@@ -104,9 +110,10 @@ class TrainOptions:
     data_parallel_size: int = 1
     capacity_fraction: float = 0.95
     attention_kernel: str = "auto"
+    tensor_model_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "data_parallel_size"):
+        for name in ("micro_batch_size", "data_parallel_size", "tensor_model_parallel_size"):
             check_positive_int(name, getattr(self, name))
         if self.memory_mode not in MEMORY_MODES:
             raise HexiSeqError(
@@ -130,8 +137,10 @@ class TrainOptions:
 
 
 def megatron_flags(options: TrainOptions) -> list[str]:
-    """Megatron-LM flags that realise a memory mode (see docs/planner.md)."""
-    return MEMORY_FLAGS[options.memory_mode] + (RECOMPUTE_FLAGS if options.recompute else [])
+    """Megatron-LM flags that realise a memory mode (see docs/planner.md), and TP bundles."""
+    t = options.tensor_model_parallel_size
+    tp = ["--tensor-model-parallel-size", str(t), "--sequence-parallel"] if t > 1 else []
+    return MEMORY_FLAGS[options.memory_mode] + (RECOMPUTE_FLAGS if options.recompute else []) + tp
 
 
 def mode_label(options: TrainOptions) -> str:
@@ -160,6 +169,11 @@ def options_record(options: TrainOptions, tried: Sequence[TrainOptions]) -> dict
         "data_parallel_size": options.data_parallel_size,
         "capacity_fraction": options.capacity_fraction,
         "attention_kernel": options.attention_kernel,
+        **(
+            {"tensor_model_parallel_size": options.tensor_model_parallel_size}
+            if options.tensor_model_parallel_size > 1
+            else {}
+        ),
         "memory_modes_tried": [mode_label(o) for o in tried],
         "megatron_flags": megatron_flags(options),
     }

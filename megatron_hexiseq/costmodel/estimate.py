@@ -137,7 +137,12 @@ class Estimate:
 def estimate(
     layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()
 ) -> Estimate:
-    """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``)."""
+    """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``; a layout over
+    TP bundles is priced on its bundle problem, ``costmodel.tp``)."""
+    if layout.tensor_model_parallel_size > 1:
+        from megatron_hexiseq.costmodel.tp import estimate_bundles
+
+        return estimate_bundles(layout, cluster, model, options)
     check_matches(layout, cluster, model)
     b, L = options.micro_batch_size, model.num_layers
     passes_fwd = 2 if options.recompute else 1
