@@ -12,13 +12,17 @@ GPU count (``tensor_parallel.valid_tp_sizes``; and the sequence, for sequence pa
 planning any t it computes a **lower bound** of every layout's iteration time for that t
 (``iteration_lower_bound``: the slowest linear phase is at least the tokens over the summed linear
 speed of the bundles, the slowest attention phase at least the pair-heads over the summed attention
-speed, with the tokens each GPU's memory can hold, in the cheapest memory mode that can fit), plans
-the t in ascending order of bound and skips every t whose bound is not below the fastest plan so
-far (exact in the cost model: such a t has no faster layout) or is ``AUTO_BOUND_SLACK`` (2%) or
-more above the smallest bound (not exact: the bounds leave out the terms a plan adds to them, 5-40%
-of its time, alike for every t; on generated 128-GPU clusters the plans' times kept the bounds'
-order except between t's whose bounds were within 1%). It keeps ``auto`` at one to three plans. The record (``planner.tensor_parallel``) lists each t's bound, its plan's time or
-why it was skipped or infeasible.
+speed, with the tokens each GPU's memory can hold, and Megatron-FSDP's exposed gathers, in the
+cheapest memory mode that can fit). It plans the t in ascending order of bound and skips every t
+whose bound is not below the fastest plan so far (exact in the cost model: such a t has no faster
+layout), and plans at most ``AUTO_MAX_PLANS`` (2) t's in all (not exact: a third t whose bound is
+below the best plan is not planned; the bounds leave out terms that differ between t's, the
+imbalance of the two phases over few large bundles, the K/V exchange, 5-40% of a plan's time, so
+the order of the bounds is not always the order of the plans: llama3-70b at 128K on the 64-GPU
+four-types cluster has bounds 9.63 / 9.82 s at t = 8 / 4 and plans of 13.57 / 12.51 s, which is why
+two are planned). ``auto`` thus costs at most two plans, each on fewer devices than the cluster
+(W / t). The record (``planner.tensor_parallel``) lists each t's bound, its plan's time or why it
+was skipped or infeasible.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.formulas import attention_s_per_pair_head, linear_s_per_token
+from megatron_hexiseq.costmodel.step import fsdp_rank_exposed_s
 from megatron_hexiseq.costmodel.tp import bundle_problem
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
@@ -46,11 +53,9 @@ AUTO = "auto"
 # stays below estimate's time for any call mix.
 ATTENTION_RATE_MARGIN = 1.05
 
-# auto plans a t only when its bound is within this fraction of the smallest t's bound (and below
-# the fastest plan so far): the bounds leave out the same terms for every t (the K/V exchange, the
-# head all-to-all, the two phases' imbalance: 5-40% of the time), so a t whose bound is 2% worse is
-# taken to plan no faster. Not exact: see the module docstring.
-AUTO_BOUND_SLACK = 0.02
+# auto plans at most this many t's fully (those with the smallest bounds that the fastest plan so
+# far does not rule out): see the module docstring.
+AUTO_MAX_PLANS = 2
 
 Progress = Callable[[str], None]
 
@@ -114,7 +119,9 @@ def iteration_lower_bound(
     least one (``t`` with sequence parallelism), so a mode fits only if every ``M_r`` reaches that
     and ``sum M_r >= S`` (the attention core and buffers only lower ``M_r``). Linear phase: rank r
     takes ``t_r * lin_r`` with ``sum t_r = S`` and ``t_r <= M_r``, so its maximum is at least the
-    smallest Z with ``sum min(M_r, Z / lin_r) >= S`` (water-filling). Attention phase: rank r takes
+    smallest Z with ``sum min(M_r, Z / lin_r) >= S`` (water-filling), plus Megatron-FSDP's exposed
+    collectives behind a linear work of Z (``step.fsdp_rank_exposed_s``; work plus exposed part
+    only grows with the work). Attention phase: rank r takes
     ``pairs(group) * h_r * att_r`` (times its calls' slowdown, >= 1 / ``ATTENTION_RATE_MARGIN``),
     and the pair-heads of all ranks sum to ``S (S + 1) / 2 * H`` (every group holds every head), so
     its maximum is at least that over ``sum(1 / att_r)``. The iteration is the sum of the two
@@ -142,7 +149,11 @@ def iteration_lower_bound(
         ):
             continue
         attention_speed = sum(r.devices / r.att_s for r in rows)
-        bound = _water_fill(S, rows) + S * (S + 1) / 2 * H / attention_speed / ATTENTION_RATE_MARGIN
+        linear = _water_fill(S, rows)
+        # Megatron-FSDP's exposed gathers: x + fsdp(x) grows with the linear work x (the exposed
+        # part shrinks by less than the work grows), so the slowest rank pays at least this
+        linear += float(fsdp_rank_exposed_s(cluster, model, o, np.array([linear]))[0])
+        bound = linear + S * (S + 1) / 2 * H / attention_speed / ATTENTION_RATE_MARGIN
         best = bound if best is None else min(best, bound)
     return best
 
@@ -216,6 +227,7 @@ def plan_tp(
         t: {"tensor_model_parallel_size": t, "lower_bound_s": _sig(bounds[t])} for t in sizes
     }
     best: tuple[float, int, Layout] | None = None
+    planned = 0
     for tp in order:
         bound = bounds[tp]
         assert bound is not None
@@ -223,9 +235,9 @@ def plan_tp(
         if best is not None and bound >= best[0]:
             rec["skipped"] = "its lower bound is not below the fastest plan"
             continue
-        if bound >= (1 + AUTO_BOUND_SLACK) * bounds[order[0]]:  # type: ignore[operator]
+        if planned == AUTO_MAX_PLANS:
             rec["skipped"] = (
-                f"its lower bound is {AUTO_BOUND_SLACK:.0%} or more above the smallest bound"
+                f"auto plans at most {AUTO_MAX_PLANS} sizes: those with the smallest lower bounds"
             )
             continue
         left = time_limit_s - (time.perf_counter() - t0)
@@ -251,6 +263,7 @@ def plan_tp(
         except HexiSeqError as e:
             rec["infeasible"] = str(e)
             continue
+        planned += 1
         time_s = costmodel.estimate(
             layout, cluster, model, _chosen_options(layout, options)
         ).iteration_time_s
