@@ -8,7 +8,9 @@ One 6-process spawn (3 TP bundles x t = 2, Megatron's ``tp-cp-ep-dp-pp`` grid, C
    K/V head) and MQA 8 / 1 (Megatron replicates the K/V head on both TP ranks). Starting from the
    single-process model's weights (each TP rank its Megatron shard), per-token losses of 2 AdamW
    steps, every gradient of step 0 on both TP ranks, and the parameters after the steps equal stock
-   single-process Megatron (TP = CP = 1, plain causal attention) on the same data.
+   single-process Megatron (TP = CP = 1, plain causal attention) on the same data. A third run packs
+   documents (EOD tokens read by the slicer, RoPE restarting per document) with a layout of its own
+   every micro-batch (bundles of even token counts), against the document-masked reference.
 2. The attention runtime on Megatron's TP x CP groups with a **0-token bundle** (bundle 1 holds
    heads but no tokens; Megatron's attention layer cannot run an empty shard, so this case runs
    ``hexiseq_attn_func`` on the groups ``build_runtime`` builds, ``cp_domains`` of Megatron's CP
@@ -37,13 +39,18 @@ holds no tokens of its own to mix.
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from megatron_hexiseq.attention.testing_layouts import random_batch_layout
+from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.planner.tp import round_segments
 from megatron_hexiseq.tensor_parallel import global_kv_head, global_query_head, tp_heads
 from megatron_hexiseq.testbed.spawn import run_ranks
 from megatron_hexiseq.testbed.tp_cpu import tp_slice
@@ -63,6 +70,27 @@ BUNDLES = make_layout(  # over 3 bundles of 2: groups [2, 1]; heads per TP rank:
     tensor_model_parallel_size=TP,
 )
 TINY_MQA = replace(TINY_GPT, name="tiny-mqa", num_query_groups=1)
+
+
+class EvenBatchLayouts:
+    """Document lengths -> a random layout of the job's structure (several runs per bundle, whole
+    documents inside one group), its boundaries rounded to multiples of t (sequence parallelism)."""
+
+    def __init__(self, job: Layout) -> None:
+        self.job = job
+
+    def __call__(self, lengths: tuple[int, ...]) -> Layout:
+        cu = [0, *np.cumsum(lengths).tolist()]
+        for seed in range(100):
+            rng = random.Random(hash((lengths, seed)))
+            try:
+                lay = random_batch_layout(rng, self.job, bounds=cu, min_tokens=4)
+                return round_segments(lay, self.job.tensor_model_parallel_size)
+            except HexiSeqError:  # a bundle left without tokens: draw again
+                continue
+        raise AssertionError(lengths)
+
+
 CASES = [
     TrainConfig(
         model=model,
@@ -75,6 +103,18 @@ CASES = [
         tensor_model_parallel_size=TP,
     )
     for model, kernel, chunks in ((TINY_GPT, "reference", 1), (TINY_MQA, "auto", 2))
+] + [  # packed documents (EOD tokens, --reset-attention-mask) with a layout per micro-batch
+    TrainConfig(
+        layout=BUNDLES,
+        steps=2,
+        kernel="auto",
+        return_grads=True,
+        return_params=True,
+        tensor_model_parallel_size=TP,
+        documents=((5, 1, 20, 22), (10, 10, 2, 26)),
+        batch_layouts=EvenBatchLayouts(BUNDLES),
+        reset_position_ids=True,
+    )
 ]
 
 
@@ -179,7 +219,9 @@ def test_attention_on_tp_groups_with_a_zero_token_bundle(runs):
     assert [checked for _, checked in parallel] == [4 * len(ATTENTION_MODELS)] * 6
 
 
-@pytest.mark.parametrize("case", [0, 1], ids=["gqa-8-2", "mqa-8-1-replicated-kv"])
+@pytest.mark.parametrize(
+    "case", [0, 1, 2], ids=["gqa-8-2", "mqa-8-1-replicated-kv", "packed-per-batch-layouts"]
+)
 def test_tp_gpt_matches_single_process(runs, case):
     parallel, reference = runs
     ref, cfg = reference[case], CASES[case]

@@ -223,3 +223,22 @@ def test_cli_flag(tmp_path):
     )
     assert bad.returncode == 2 and "from 1 to 1024 or 'auto'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_batch_planner_over_bundles():
+    """``--hexiseq-batch-plan`` with a layout over bundles: plans on the bundle problem, returns
+    layouts over bundles of the job's structure, every bundle a multiple of t tokens."""
+    from megatron_hexiseq.attention.documents import parse_cu_seqlens
+    from megatron_hexiseq.attention.groups import structure_difference
+    from megatron_hexiseq.cluster import cluster_to_dict
+    from megatron_hexiseq.megatron.batch_layout import batch_planner_layouts
+
+    c, m = _cluster(), _model()
+    job = plan_tp(c, m, SEQ, TrainOptions(), tensor_model_parallel_size=4, reproducible=True)
+    job = replace(
+        job, meta={**job.meta, "cluster_spec": cluster_to_dict(c), "model_spec": m.to_dict()}
+    )
+    provider = batch_planner_layouts(job)
+    lay = provider(parse_cu_seqlens([0, 999, 20001, 20002, SEQ], seq_length=SEQ, batch=1))
+    assert structure_difference(lay, job) is None and lay.tensor_model_parallel_size == 4
+    assert all(r.num_tokens % 4 == 0 and r.num_tokens > 0 for r in lay.ranks)

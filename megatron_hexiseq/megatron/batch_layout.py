@@ -32,7 +32,7 @@ options ``plan`` recorded in it (``batch_planner_layouts``). With per-sample bou
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -147,10 +147,14 @@ class MicroBatchLayout:
 
 
 class PlannerLayouts:
-    """``BatchLayouts`` from the batch planner (module docstring): deterministic, no communication."""
+    """``BatchLayouts`` from the batch planner (module docstring): deterministic, no communication.
+    With TP bundles (``tensor_model_parallel_size`` t > 1) the planner works on the bundle problem
+    (``costmodel.tp``) and each plan becomes a layout over bundles, its boundaries rounded to
+    multiples of t (``planner.tp.round_segments``, as ``plan`` does)."""
 
-    def __init__(self, planner: BatchPlanner) -> None:
+    def __init__(self, planner: BatchPlanner, tensor_model_parallel_size: int = 1) -> None:
         self.planner = planner
+        self.tensor_model_parallel_size = tensor_model_parallel_size
 
     def __call__(self, bounds: DocumentBounds | None) -> Layout:
         if bounds is None:
@@ -159,7 +163,13 @@ class PlannerLayouts:
                 "none recorded: add --reset-attention-mask (or feed THD batches)"
             )
         cuts = sorted(set().union(*bounds.samples))
-        return self.planner.plan(np.diff(cuts).tolist()).layout
+        layout = self.planner.plan(np.diff(cuts).tolist()).layout
+        tp = self.tensor_model_parallel_size
+        if tp == 1:
+            return layout
+        from megatron_hexiseq.planner.tp import round_segments
+
+        return replace(round_segments(layout, tp), tensor_model_parallel_size=tp)
 
 
 def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
@@ -184,4 +194,10 @@ def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayo
         source=f"{source}: meta.{MODEL_SPEC_KEY}",
     )
     options = options_from_record(check_options_record(meta["options"], source))
-    return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
+    tp = layout.tensor_model_parallel_size
+    if tp == 1:
+        return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
+    from megatron_hexiseq.costmodel.tp import bundle_problem, over_bundles
+
+    cluster, model, options = bundle_problem(cluster, model, options, tp)
+    return PlannerLayouts(BatchPlanner(over_bundles(layout), cluster, model, options), tp)

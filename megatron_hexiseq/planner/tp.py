@@ -15,8 +15,9 @@ speed of the bundles, the slowest attention phase at least the pair-heads over t
 speed, with the tokens each GPU's memory can hold, and Megatron-FSDP's exposed gathers, in the
 cheapest memory mode that can fit). It plans the t in ascending order of bound and skips every t
 whose bound is not below the fastest plan so far (exact in the cost model: such a t has no faster
-layout), and plans at most ``AUTO_MAX_PLANS`` (2) t's in all (not exact: a third t whose bound is
-below the best plan is not planned; the bounds leave out terms that differ between t's, the
+layout), and plans at most ``AUTO_MAX_PLANS`` (2) t's in all: the smallest bound's and t = 1 (so
+``auto`` is never slower than TP = 1 unless TP = 1's bound shows it cannot be faster), else the
+second smallest bound's (not exact: a third t whose bound is below the best plan is not planned; the bounds leave out terms that differ between t's, the
 imbalance of the two phases over few large bundles, the K/V exchange, 5-40% of a plan's time, so
 the order of the bounds is not always the order of the plans: llama3-70b at 128K on the 64-GPU
 four-types cluster has bounds 9.63 / 9.82 s at t = 8 / 4 and plans of 13.57 / 12.51 s, which is why
@@ -223,6 +224,9 @@ def plan_tp(
         mode_opts = [replace(b_opts, memory_mode=m, recompute=r) for m, r in tried_modes]
         bounds[tp] = iteration_lower_bound(b_cluster, b_model, seq_length, mode_opts)
     order = sorted((t for t in sizes if bounds[t] is not None), key=lambda t: (bounds[t], t))
+    if 1 in order[1:]:  # t = 1 is one of the (at most two) planned unless its bound rules it out
+        order.remove(1)
+        order.insert(1, 1)
     records: dict[int, dict[str, Any]] = {
         t: {"tensor_model_parallel_size": t, "lower_bound_s": _sig(bounds[t])} for t in sizes
     }

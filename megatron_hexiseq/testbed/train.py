@@ -220,8 +220,12 @@ def _packed_runtime(
             plan_times.append(time.thread_time() - t0)
             return layout
 
+        tp = cfg.tensor_model_parallel_size
         batch_layout = MicroBatchLayout(
-            runtime.groups, provider, reset_position_ids=cfg.reset_position_ids
+            runtime.groups,
+            provider,
+            reset_position_ids=cfg.reset_position_ids,
+            tokens_multiple_of=tp if cfg.sequence_parallel else 1,
         )
     return replace(runtime, documents=docs, batch_layout=batch_layout)
 
