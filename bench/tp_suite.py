@@ -27,7 +27,7 @@ import sys
 import time
 
 from _common import write_outputs
-from planner_suite import cluster_spec
+from planner_suite import SEQS, random_case
 
 from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import cluster_from_dict
@@ -36,33 +36,17 @@ from megatron_hexiseq.model import get_model
 from megatron_hexiseq.planner.tp import plan_tp
 from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions, options_from_record
 
-TYPES = ("H100-SXM-80GB", "A100-SXM-80GB", "A800-80GB", "L40S-48GB")
 MODELS = ("llama3-70b", "codellama-34b", "llama3-8b")  # llama3-8b: the control (fits at TP = 1)
-SEQS = (131072, 262144, 524288, 1048576)
 SIZES = (64, 64, 128, 128, 256, 256, 512, 1024)
 TP_SIZES = (1, 2, 4, 8)
 
 
 def make_case(rng: random.Random, world: int, model: str, name: str) -> dict:
-    """A mixed cluster of ``world`` GPUs (as ``planner_suite.random_case``) for ``model``."""
-    k = rng.choice((2, 3, 4))
-    types = sorted(rng.sample(TYPES, k), key=TYPES.index)
-    nodes = world // 8
-    weights = [rng.uniform(0.5, 2.0) for _ in types]
-    counts = [max(1, round(nodes * w / sum(weights))) for w in weights]
-    while sum(counts) != nodes:
-        j = counts.index(max(counts))
-        counts[j] += 1 if sum(counts) < nodes else -1
-    network = rng.choice(("equal", "matched"))
-    realistic = [s for s in SEQS if 2048 * world <= s <= 32768 * world]  # 2K-32K tokens per GPU
-    seq = rng.choice(realistic or [max(SEQS)])  # 1024 GPUs: 1M (1K per GPU, 8K per TP-8 bundle)
-    label = f"{world} {'/'.join(t.split('-')[0] for t in types)} {network}"
-    return {
-        "label": label,
-        "spec": cluster_spec(name, types, counts, network, rng),
-        "model": model,
-        "seq_length": seq,
-    }
+    """A mixed cluster of ``world`` GPUs (``planner_suite.random_case``) for ``model``, with a
+    sequence of 2K-32K tokens per GPU (1M at 1024 GPUs: 1K per GPU, 8K per bundle of 8)."""
+    case = random_case(rng, world, name)
+    realistic = [s for s in SEQS if 2048 * world <= s <= 32768 * world]
+    return case | {"model": model, "seq_length": rng.choice(realistic or [max(SEQS)])}
 
 
 def plan_row(case: dict) -> dict:

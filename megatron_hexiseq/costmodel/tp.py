@@ -29,7 +29,7 @@ import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from megatron_hexiseq.cluster import Cluster, Device
+from megatron_hexiseq.cluster import Cluster, cluster_of_nodes
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
@@ -83,21 +83,9 @@ def bundle_cluster(cluster: Cluster, tp: int) -> Cluster:
     if got is not None and got[0] is cluster:
         return got[1]
     check_bundle_nodes([(n.name, n.count) for n in cluster.nodes], tp)
-    nodes = tuple(replace(n, count=n.count // tp) for n in cluster.nodes)
-    devices = tuple(
-        Device(
-            index=i,
-            node=n.name,
-            local_index=j,
-            gpu=n.gpu,
-            nvlink_GBps=n.nvlink_GBps,
-            network_GBps=n.network_GBps,
-            memory_gib=n.memory_gib,
-            shared_core=n.shared_core,
-        )
-        for i, (n, j) in enumerate((n, j) for n in nodes for j in range(n.count))
+    bundles = cluster_of_nodes(
+        cluster.name, [replace(n, count=n.count // tp) for n in cluster.nodes]
     )
-    bundles = Cluster(name=cluster.name, nodes=nodes, devices=devices)
     if len(_BUNDLE_CLUSTERS) >= 8:
         _BUNDLE_CLUSTERS.pop(next(iter(_BUNDLE_CLUSTERS)))
     _BUNDLE_CLUSTERS[key] = (cluster, bundles)
