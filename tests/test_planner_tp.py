@@ -9,6 +9,7 @@ fastest planned t chosen), the CLI flag.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -26,7 +27,7 @@ from megatron_hexiseq.costmodel.formulas import (
 )
 from megatron_hexiseq.costmodel.tp import bundle_cluster, bundle_problem, rank_model
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import check_matches, make_layout
+from megatron_hexiseq.layout import Layout, check_matches, make_layout
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.planner.baselines import baseline_layouts
 from megatron_hexiseq.planner.plan import plan
@@ -242,3 +243,28 @@ def test_batch_planner_over_bundles():
     lay = provider(parse_cu_seqlens([0, 999, 20001, 20002, SEQ], seq_length=SEQ, batch=1))
     assert structure_difference(lay, job) is None and lay.tensor_model_parallel_size == 4
     assert all(r.num_tokens % 4 == 0 and r.num_tokens > 0 for r in lay.ranks)
+
+
+def test_cli_plans_over_bundles_with_documents(tmp_path):
+    """``plan --tensor-model-parallel-size 4 --doc-lengths``: the structure for packed documents is
+    chosen on the bundle problem and written as a layout over bundles that ``validate`` accepts."""
+    docs = tmp_path / "docs.json"
+    docs.write_text(json.dumps([3000, 500, 12000, 800, 40000, 7000, 2000] * 6))
+    out = tmp_path / "l.json"
+    cluster = "examples/clusters/mixed-h100-a100.yaml"
+    cli = [sys.executable, "-m", "megatron_hexiseq"]
+    res = subprocess.run(
+        cli
+        + ["plan", "--cluster", cluster, "--model", "llama3-8b", "--seq-length", "65536"]
+        + ["--tensor-model-parallel-size", "4", "--doc-lengths", str(docs), "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    lay = Layout.load(out)
+    assert lay.tensor_model_parallel_size == 4 and "documents" in lay.planner
+    assert all(r.num_tokens % 4 == 0 for r in lay.ranks)
+    ok = subprocess.run(
+        cli + ["validate", str(out), "--cluster", cluster], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and "matches cluster" in ok.stdout, ok.stderr

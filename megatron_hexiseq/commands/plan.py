@@ -205,7 +205,16 @@ def _for_documents(layout: Layout, prob: Problem, docs: list[int]) -> Layout:
     from megatron_hexiseq.varlen.structure import choose_structure
 
     options = options_from_record(layout.meta["options"], prob.options)
-    chosen, record = choose_structure(layout, prob.cluster, prob.model, options, docs)
+    tp = layout.tensor_model_parallel_size
+    if tp == 1:
+        chosen, record = choose_structure(layout, prob.cluster, prob.model, options, docs)
+    else:  # structures of the bundle problem (costmodel.tp), back as layouts over bundles
+        from megatron_hexiseq.costmodel.tp import bundle_problem, over_bundles
+        from megatron_hexiseq.planner.tp import round_segments
+
+        b_cluster, b_model, b_options = bundle_problem(prob.cluster, prob.model, options, tp)
+        chosen, record = choose_structure(over_bundles(layout), b_cluster, b_model, b_options, docs)
+        chosen = replace(round_segments(chosen, tp), tensor_model_parallel_size=tp)
     est = costmodel.estimate(chosen, prob.cluster, prob.model, options)
     planner = {**layout.planner, "documents": record}
     return with_fields(
