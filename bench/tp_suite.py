@@ -145,6 +145,19 @@ def write(rows: list[dict], out: str, seed: int) -> str:
             ]
             for k in sorted({r["seq_length"] // r["gpus"] for r in rows})
         },
+        "auto_missed_best_tp": [
+            {
+                "case": f"{r['label']} {r['model']}",
+                "auto_tp": r["tpauto"]["tp"],
+                "best_tp": r["best_tp"],
+                "loss": r["tpauto"]["iteration_time_s"]
+                / r[f"tp{r['best_tp']}"]["iteration_time_s"],
+            }
+            for r in rows
+            if r["tpauto"]["feasible"]
+            and r["tpauto"]["iteration_time_s"]
+            > r[f"tp{r['best_tp']}"]["iteration_time_s"] * (1 + 1e-9)
+        ],
         "tp1_fits_without_fsdp": len(no_fsdp),
         "auto_slower_than_tp1_there": worse,
     }
@@ -154,6 +167,13 @@ def write(rows: list[dict], out: str, seed: int) -> str:
         f"{summary['llama3_70b_median_speedup_auto'] or 0:.2f}x over {len(seventy)} cases "
         f"(where TP = 1 fits at all); cases where TP = 1 fits without FSDP: {len(no_fsdp)}, "
         f"auto slower than TP = 1 there: {len(worse)}.",
+        f"auto's t slower than the best t of the four: {len(summary['auto_missed_best_tp'])} "
+        "cases ("
+        + ", ".join(
+            f"{m['case']}: t={m['auto_tp']} vs {m['best_tp']}, {m['loss']:.3f}x"
+            for m in summary["auto_missed_best_tp"]
+        )
+        + ").",
         "llama3-70b speed-ups by tokens per GPU: "
         + "; ".join(
             f"{k}: {', '.join(f'{x:.2f}x' for x in v)}"

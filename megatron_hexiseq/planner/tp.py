@@ -13,16 +13,18 @@ planning any t it computes a **lower bound** of every layout's iteration time fo
 (``iteration_lower_bound``: the slowest linear phase is at least the tokens over the summed linear
 speed of the bundles, the slowest attention phase at least the pair-heads over the summed attention
 speed, with the tokens each GPU's memory can hold, and Megatron-FSDP's exposed gathers, in the
-cheapest memory mode that can fit). It plans the t in ascending order of bound and skips every t
-whose bound is not below the fastest plan so far (exact in the cost model: such a t has no faster
-layout), and plans at most ``AUTO_MAX_PLANS`` (2) t's in all: the smallest bound's and t = 1 (so
-``auto`` is never slower than TP = 1 unless TP = 1's bound shows it cannot be faster), else the
-second smallest bound's (not exact: a third t whose bound is below the best plan is not planned; the bounds leave out terms that differ between t's, the
-imbalance of the two phases over few large bundles, the K/V exchange, 5-40% of a plan's time, so
-the order of the bounds is not always the order of the plans: llama3-70b at 128K on the 64-GPU
-four-types cluster has bounds 9.63 / 9.82 s at t = 8 / 4 and plans of 13.57 / 12.51 s, which is why
-two are planned). ``auto`` thus costs at most two plans, each on fewer devices than the cluster
-(W / t). The record (``planner.tensor_parallel``) lists each t's bound, its plan's time or why it
+cheapest memory mode that can fit). It plans the t in that order, t = 1 moved to second, skips
+every t whose bound is not below the fastest plan so far (exact in the cost model: such a t has no
+faster layout), and plans at most ``AUTO_MAX_PLANS`` (3) t's in all: the smallest bound's, t = 1's
+(so ``auto`` is never slower than TP = 1 unless TP = 1's bound shows it cannot be faster) and the
+next smallest bound's. Not exact: a fourth t whose bound is below the best plan is not planned. The
+bounds leave out terms that differ between t's (how well the planner balances the two phases over
+W / t bundles, the K/V exchange, the achieved attention rate of each bundle's call sizes: 5-40% of
+a plan's time), so their order is not the plans' order: llama3-70b at 128K on the 64-GPU
+four-types cluster has bounds 9.63 / 9.82 s at t = 8 / 4 and plans of 13.57 / 12.51 s; at 256K on
+a 128-GPU H100/A100/A800 cluster the four bounds lie within 3% (13.28-13.63 s) and the plans range
+from 15.33 (t = 4) to 17.98 s (t = 2). ``auto`` thus costs at most three plans, each on W / t
+devices. The record (``planner.tensor_parallel``) lists each t's bound, its plan's time or why it
 was skipped or infeasible.
 """
 
@@ -56,7 +58,7 @@ ATTENTION_RATE_MARGIN = 1.05
 
 # auto plans at most this many t's fully (those with the smallest bounds that the fastest plan so
 # far does not rule out): see the module docstring.
-AUTO_MAX_PLANS = 2
+AUTO_MAX_PLANS = 3
 
 Progress = Callable[[str], None]
 
@@ -224,7 +226,7 @@ def plan_tp(
         mode_opts = [replace(b_opts, memory_mode=m, recompute=r) for m, r in tried_modes]
         bounds[tp] = iteration_lower_bound(b_cluster, b_model, seq_length, mode_opts)
     order = sorted((t for t in sizes if bounds[t] is not None), key=lambda t: (bounds[t], t))
-    if 1 in order[1:]:  # t = 1 is one of the (at most two) planned unless its bound rules it out
+    if 1 in order[1:]:  # t = 1 is planned second unless its bound rules it out
         order.remove(1)
         order.insert(1, 1)
     records: dict[int, dict[str, Any]] = {
@@ -241,7 +243,8 @@ def plan_tp(
             continue
         if planned == AUTO_MAX_PLANS:
             rec["skipped"] = (
-                f"auto plans at most {AUTO_MAX_PLANS} sizes: those with the smallest lower bounds"
+                f"auto plans at most {AUTO_MAX_PLANS} sizes: the smallest bound's, TP = 1's and "
+                "the next smallest bound's"
             )
             continue
         left = time_limit_s - (time.perf_counter() - t0)
