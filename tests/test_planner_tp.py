@@ -25,7 +25,7 @@ from megatron_hexiseq.costmodel.formulas import (
     tp_collective_bytes_per_token,
     tp_collective_s_per_token,
 )
-from megatron_hexiseq.costmodel.tp import bundle_cluster, bundle_problem, rank_model
+from megatron_hexiseq.costmodel.tp import bundle_cluster, bundle_setting, rank_model
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches, make_layout
 from megatron_hexiseq.model import get_model
@@ -146,7 +146,7 @@ def test_round_segments():
 def test_estimate_of_a_layout_over_bundles_is_its_bundle_problems():
     c, m = _cluster(), _model()
     opts = TrainOptions(memory_mode="fsdp")
-    bc, rm, ro = bundle_problem(c, m, opts, 4)
+    bc, rm, ro = bundle_setting(c, m, opts, 4)
     base = next(b.layout for b in baseline_layouts(bc, rm, SEQ) if b.layout is not None)
     over = replace(base, tensor_model_parallel_size=4)
     check_matches(over, c, m)
@@ -195,7 +195,7 @@ def test_auto_bounds_every_plan_and_keeps_the_fastest():
 def test_lower_bound_is_below_every_baseline():
     c, m = _cluster(), _model()
     for t in (1, 2, 4):
-        bc, rm, ro = bundle_problem(c, m, TrainOptions(memory_mode="fsdp"), t)
+        bc, rm, ro = bundle_setting(c, m, TrainOptions(memory_mode="fsdp"), t)
         bound = iteration_lower_bound(bc, rm, SEQ, [ro])
         assert bound is not None
         for b in baseline_layouts(bc, rm, SEQ):

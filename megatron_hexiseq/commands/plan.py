@@ -209,10 +209,10 @@ def _for_documents(layout: Layout, prob: Problem, docs: list[int]) -> Layout:
     if tp == 1:
         chosen, record = choose_structure(layout, prob.cluster, prob.model, options, docs)
     else:  # structures of the bundle problem (costmodel.tp), back as layouts over bundles
-        from megatron_hexiseq.costmodel.tp import bundle_problem, over_bundles
+        from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
         from megatron_hexiseq.planner.tp import round_segments
 
-        b_cluster, b_model, b_options = bundle_problem(prob.cluster, prob.model, options, tp)
+        b_cluster, b_model, b_options = bundle_setting(prob.cluster, prob.model, options, tp)
         chosen, record = choose_structure(over_bundles(layout), b_cluster, b_model, b_options, docs)
         chosen = replace(round_segments(chosen, tp), tensor_model_parallel_size=tp)
     est = costmodel.estimate(chosen, prob.cluster, prob.model, options)

@@ -19,25 +19,21 @@ heads, query groups, FFN and vocabulary divided by t as Megatron splits them), w
   with t: Korthikanti et al. 2022, Sec. 4.2.2), the attention core at the rank's bundle heads, the
   head all-to-all and the K/V exchange between TP-rank-i peers at each GPU's own ports.
 
-``estimate(layout over bundles, real cluster, model, options)`` comes here (``estimate`` calls
-:func:`estimate_bundles`), so ``simulate``, ``show`` and the planner price a TP layout alike.
+``estimate(layout over bundles, real cluster, model, options)`` prices its ``bundle_problem``, so
+``simulate``, ``show`` and the planner price a TP layout alike.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from megatron_hexiseq.cluster import Cluster, cluster_of_nodes
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout, check_matches
+from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.tensor_parallel import check_bundle_nodes, tp_heads
-
-if TYPE_CHECKING:
-    from megatron_hexiseq.costmodel.estimate import Estimate
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -93,10 +89,22 @@ def bundle_cluster(cluster: Cluster, tp: int) -> Cluster:
 
 
 def bundle_problem(
+    layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions
+) -> tuple[Layout, Cluster, ModelSpec, TrainOptions]:
+    """What a layout over bundles of t GPUs (``layout.tensor_model_parallel_size``) is priced on:
+    the layout as a plain layout of the bundle cluster, the bundle cluster, one TP rank's model and
+    the options with t (module docstring). ``estimate`` calls it; ``cluster`` and ``model`` are
+    the real ones (``check_matches`` passed)."""
+    tp = layout.tensor_model_parallel_size
+    b_cluster, b_model, b_options = bundle_setting(cluster, model, options, tp)
+    return over_bundles(layout), b_cluster, b_model, b_options
+
+
+def bundle_setting(
     cluster: Cluster, model: ModelSpec, options: TrainOptions, tp: int
 ) -> tuple[Cluster, ModelSpec, TrainOptions]:
-    """``(bundle cluster, one TP rank's model, options with t)``: what a layout over bundles of
-    ``tp`` GPUs is planned and priced on (module docstring)."""
+    """``(bundle cluster, one TP rank's model, options with t)``: what layouts over bundles of
+    ``tp`` GPUs are planned on (the planner's and the batch planner's bundle problem)."""
     return (
         bundle_cluster(cluster, tp),
         rank_model(model, tp),
@@ -108,16 +116,3 @@ def over_bundles(layout: Layout) -> Layout:
     """``layout`` (over TP bundles) as a plain layout of the bundle problem (t = 1: the bundle
     cluster's devices are the bundles)."""
     return replace(layout, tensor_model_parallel_size=1)
-
-
-def estimate_bundles(
-    layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions
-) -> Estimate:
-    """``estimate`` of a layout over TP bundles on the real ``cluster`` and ``model``: the bundle
-    problem's estimate (rank r = bundle r; every GPU of a bundle has the same time and memory)."""
-    from megatron_hexiseq.costmodel.estimate import estimate
-
-    tp = layout.tensor_model_parallel_size
-    check_matches(layout, cluster, model)
-    bundles, rank, opts = bundle_problem(cluster, model, options, tp)
-    return estimate(over_bundles(layout), bundles, rank, opts)

@@ -197,7 +197,7 @@ def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayo
     tp = layout.tensor_model_parallel_size
     if tp == 1:
         return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
-    from megatron_hexiseq.costmodel.tp import bundle_problem, over_bundles
+    from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
 
-    cluster, model, options = bundle_problem(cluster, model, options, tp)
+    cluster, model, options = bundle_setting(cluster, model, options, tp)
     return PlannerLayouts(BatchPlanner(over_bundles(layout), cluster, model, options), tp)

@@ -203,9 +203,8 @@ def setup(
 
     if cp_group is None:
         cp_group = mpu.get_context_parallel_group()
-    tp_group = (
-        mpu.get_tensor_model_parallel_group() if args.tensor_model_parallel_size > 1 else None
-    )
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    tp_group = mpu.get_tensor_model_parallel_group() if tp > 1 else None
     layout = Layout.load(hs.layout)
     check_before_training(
         args

@@ -41,7 +41,7 @@ from megatron_hexiseq import costmodel
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.formulas import attention_s_per_pair_head, linear_s_per_token
 from megatron_hexiseq.costmodel.step import fsdp_rank_exposed_s
-from megatron_hexiseq.costmodel.tp import bundle_problem
+from megatron_hexiseq.costmodel.tp import bundle_setting
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
@@ -222,7 +222,7 @@ def plan_tp(
     tried_modes = list(modes) if modes else [(options.memory_mode, options.recompute)]
     bounds: dict[int, float | None] = {}
     for tp in sizes:
-        b_cluster, b_model, b_opts = bundle_problem(cluster, model, options, tp)
+        b_cluster, b_model, b_opts = bundle_setting(cluster, model, options, tp)
         mode_opts = [replace(b_opts, memory_mode=m, recompute=r) for m, r in tried_modes]
         bounds[tp] = iteration_lower_bound(b_cluster, b_model, seq_length, mode_opts)
     order = sorted((t for t in sizes if bounds[t] is not None), key=lambda t: (bounds[t], t))
@@ -300,7 +300,7 @@ def _plan_bundles(
     kw: dict[str, Any],
 ) -> Layout:
     """``plan`` on the bundle problem, as a layout over bundles of the real cluster."""
-    b_cluster, b_model, b_opts = bundle_problem(cluster, model, options, tp)
+    b_cluster, b_model, b_opts = bundle_setting(cluster, model, options, tp)
     planned = plan(
         b_cluster, b_model, seq_length, b_opts, time_limit_s=time_limit_s, progress=progress, **kw
     )
