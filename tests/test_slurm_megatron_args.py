@@ -77,6 +77,11 @@ REFUSED = {
     "--enable-cuda-graph": "HexiSeqError: --enable-cuda-graph: HexiSeq attention does not run",
     "--external-cuda-graph": "HexiSeqError: --external-cuda-graph: HexiSeq attention does not",
     "--rope-type yarn": "HexiSeqError: --rope-type yarn: HexiSeq's layout RoPE does not",
+    "--init-model-with-meta-device": "HexiSeqError: --init-model-with-meta-device: HexiSeq needs",
+    "--qk-clip": "HexiSeqError: --qk-clip: HexiSeq attention does not report each head's",
+    "--log-max-attention-logit": "HexiSeqError: --log-max-attention-logit: HexiSeq attention",
+    "--attention-dropout 0.1": "HexiSeqError: --attention-dropout 0.1: HexiSeq attention is exact",
+    "--overlap-moe-expert-parallel-comm": "HexiSeqError: --overlap-moe-expert-parallel-comm: its",
 }
 
 stand_ins = test_slurm.stand_ins  # the fixture: stand-in srun/scontrol on PATH, DRY_RUN=1
@@ -187,5 +192,7 @@ def test_dry_run_commands_pass_megatron_validate_args_in_every_memory_mode(stand
     assert "(it would take 16.0 GiB per GPU" in res.stdout  # micro-batch 1 at 131072 tokens
     for (flag, message), (error, _) in zip(REFUSED.items(), verdicts[len(commands) :]):
         assert error is not None and error.startswith(message), (flag, error)
-        assert "drop" in error or "use --rope-type rope" in error
+        assert any(
+            x in error for x in ("drop", "use --rope-type rope", "pass --attention-dropout 0")
+        )
     assert verdicts[-1] == [None, False]

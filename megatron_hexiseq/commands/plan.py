@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import replace
 
 from megatron_hexiseq.cluster import cluster_to_dict
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
             "use the default hierarchical planner"
         )
+    started = time.perf_counter()  # --time-limit bounds the plan and the structure choice together
     with waiting(
         f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
         enabled=args.format != "json",
@@ -153,8 +155,10 @@ def run(args: argparse.Namespace) -> int:
             reproducible=args.reproducible,
             progress=say,
         )
-    if docs is not None:
-        layout = _for_documents(layout, prob, docs)
+        if docs is not None:
+            say("choosing the structure for the document lengths")
+            left_s = args.time_limit - (time.perf_counter() - started)
+            layout = _for_documents(layout, prob, docs, left_s)
     layout = replace(
         layout,
         meta={
@@ -196,27 +200,35 @@ def _tp_size(value: str) -> int | str:
     return int(value)
 
 
-def _for_documents(layout: Layout, prob: Problem, docs: list[int]) -> Layout:
+def _for_documents(layout: Layout, prob: Problem, docs: list[int], left_s: float) -> Layout:
     """``--doc-lengths``: the structure ``varlen.structure.choose_structure`` picks, with the
-    planned layout's records; ``predicted`` is the chosen layout's (one long sequence, as always)."""
+    planned layout's records; ``predicted`` is the chosen layout's (one long sequence, as always).
+    ``left_s``: what is left of --time-limit (the planner's own layout is scored whatever it is)."""
     from megatron_hexiseq import costmodel
     from megatron_hexiseq.planner.build import with_fields
+    from megatron_hexiseq.planner.candidate import Deadline
     from megatron_hexiseq.run_config import options_from_record
     from megatron_hexiseq.varlen.structure import choose_structure
 
     options = options_from_record(layout.meta["options"], prob.options)
+    deadline = Deadline(max(left_s, 0.0))
     tp = layout.tensor_model_parallel_size
     if tp == 1:
-        chosen, record = choose_structure(layout, prob.cluster, prob.model, options, docs)
+        chosen, record = choose_structure(
+            layout, prob.cluster, prob.model, options, docs, deadline=deadline
+        )
     else:  # structures of the bundle problem (costmodel.tp), back as layouts over bundles
         from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
         from megatron_hexiseq.planner.tp import round_segments
 
         b_cluster, b_model, b_options = bundle_setting(prob.cluster, prob.model, options, tp)
-        chosen, record = choose_structure(over_bundles(layout), b_cluster, b_model, b_options, docs)
+        chosen, record = choose_structure(
+            over_bundles(layout), b_cluster, b_model, b_options, docs, deadline=deadline
+        )
         chosen = replace(round_segments(chosen, tp), tensor_model_parallel_size=tp)
     est = costmodel.estimate(chosen, prob.cluster, prob.model, options)
     planner = {**layout.planner, "documents": record}
+    planner["time_limit_reached"] = bool(planner.get("time_limit_reached")) or deadline.reached
     return with_fields(
         chosen,
         predicted=est.to_predicted(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.errors import HexiSeqError, check_positive_int
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
 from megatron_hexiseq.progress import waiting
 
@@ -52,13 +52,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.cluster import load_cluster
     from megatron_hexiseq.model import get_model
+    from megatron_hexiseq.varlen.batch import MAX_BATCH_TOKENS
     from megatron_hexiseq.varlen.compare import compare, plot_rank_times
     from megatron_hexiseq.varlen.packing import load_doc_lengths
 
-    check_positive_int("--tokens-per-batch", args.tokens_per_batch)
+    check_positive_int("--tokens-per-batch", args.tokens_per_batch, at_most=MAX_BATCH_TOKENS)
     check_positive_int("--batches", args.batches, at_most=100_000)
     if args.seed < 0:
-        raise HexiSeqError(f"--seed must be a non-negative integer, got {args.seed}")
+        raise HexiSeqError(f"--seed must be a non-negative integer, got {short(args.seed)}")
     check_outputs(
         [("-o", args.output), ("--plot", args.plot)],
         inputs=[args.cluster, args.model_config, args.doc_lengths],

@@ -291,6 +291,15 @@ def hexiseq_pg_options(cfgs: dict[str, dict[str, Any]]):
     return options
 
 
+def reused_cp_group(
+    cp_group: dist.ProcessGroup | None, nccl_cfgs: dict[str, dict[str, Any]]
+) -> dist.ProcessGroup | None:
+    """Megatron's CP group, to carry HexiSeq's sub-ring exchange too (one NCCL communicator over
+    the domain's ranks, not two); None (HexiSeq creates its own) without one, or when the NCCL
+    YAML asks for other options for HexiSeq's CP traffic (a ``hexiseq_cp`` entry)."""
+    return None if cp_group is None or "hexiseq_cp" in nccl_cfgs else cp_group
+
+
 def build_runtime(
     layout: Layout,
     run: RunShape,
@@ -310,8 +319,10 @@ def build_runtime(
     Collective over the default group (every process calls it once, after Megatron's
     ``initialize_model_parallel``). ``cp_group`` is Megatron's CP group of this process;
     ``timeout`` and ``nccl_cfgs`` (``nccl_comm_cfgs``) are applied to HexiSeq's own groups as
-    Megatron applies them to its own (NCCL options only on the NCCL backend). ``tp_group``:
-    Megatron's TP group of this process (with TP > 1 every TP group must sit on one host).
+    Megatron applies them to its own (NCCL options only on the NCCL backend). Every process passes
+    its ``cp_group`` on (``reused_cp_group``): the sub-ring exchange runs on Megatron's CP
+    communicator, and HexiSeq creates only its A2A groups. ``tp_group``: Megatron's TP group of
+    this process (with TP > 1 every TP group must sit on one host).
     """
     check_run(layout, run, source=source)
     if dist.get_world_size() != run.world_size:
@@ -359,6 +370,7 @@ def build_runtime(
     groups = build_hexiseq_groups(
         layout,
         domains=domains,
+        cp_group=reused_cp_group(cp_group, nccl_cfgs or {}),
         device=device,
         timeout=timeout,
         pg_options=hexiseq_pg_options(nccl_cfgs or {}) if nccl else None,
