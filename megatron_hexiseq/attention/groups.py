@@ -57,9 +57,14 @@ BATCH_LAYOUTS_KEPT = 4  # per-micro-batch layouts whose views (schedules, indice
 
 def structure_difference(batch: Layout, job: Layout) -> str | None:
     """The first way ``batch`` does not run on ``job``'s process groups, or None when it does
-    (the same world size, heads, query groups and groups; every rank in the same group with the
+    (the same world size, heads, query groups, TP size and groups; every rank in the same group with the
     same query heads, host and GPU; segments may differ)."""
-    for name in ("world_size", "num_attention_heads", "num_query_groups"):
+    for name in (
+        "world_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "tensor_model_parallel_size",
+    ):
         if getattr(batch, name) != getattr(job, name):
             return f"{name} is {getattr(batch, name)}, the job's is {getattr(job, name)}"
     if batch.groups != job.groups:

@@ -173,6 +173,12 @@ def check_job_run(
             "Megatron's pipeline schedules cannot (every stage passes every micro-batch on); use "
             "--pipeline-model-parallel-size 1"
         )
+    if run.tensor_model_parallel_size != 1:
+        raise HexiSeqError(
+            f"--hexiseq-job plans every GPU as one rank holding the whole model; tensor "
+            f"parallelism ({run.tensor_model_parallel_size}) runs only with a layout planned over "
+            "TP bundles (--hexiseq-layout): use --tensor-model-parallel-size 1"
+        )
     if run.world_size != W:
         raise HexiSeqError(
             f"{source} runs on {W} GPUs but the run has {run.world_size} processes; launch "
@@ -196,8 +202,7 @@ def check_job_run(
             f"{job.micro_batch_size}"
         )
     for d, dom in enumerate(job.domains):  # each domain as a one-layout run of its own size
-        tp = run.tensor_model_parallel_size  # (refused by check_run, which names it)
-        alone = replace(run, world_size=dom.size * tp, context_parallel_size=dom.size)
+        alone = replace(run, world_size=dom.size, context_parallel_size=dom.size)
         check_run(dom.layout, alone, source=f"{source} domain {d}")
 
 

@@ -1,10 +1,12 @@
 """Rank placement for launchers (``scripts/slurm/hexiseq.sbatch``): which process runs where.
 
-Megatron's rank order (``tp-cp-ep-dp-pp``, TP = PP = 1) gives global rank ``g`` the CP rank
-``g % CP`` and the data-parallel replica ``g // CP``; the CP rank is the layout rank. Layout rank
-``r`` must run on its planned host (``layout.ranks[r].host``, a node name of the cluster YAML =
-the scheduler's hostname) at local GPU index = its position among the layout ranks of that host
-(the cluster numbers devices node by node, local index ascending).
+Megatron's rank order (``tp-cp-ep-dp-pp``, PP = 1) gives global rank ``g`` the TP rank ``g % TP``,
+the CP rank ``(g // TP) % CP`` and the data-parallel replica ``g // (TP x CP)``; the CP rank is the
+layout rank (with TP > 1 a layout rank is a TP bundle: ``layout.tensor_model_parallel_size``
+consecutive global ranks on one host). Layout rank ``r`` must run on its planned host
+(``layout.ranks[r].host``, a node name of the cluster YAML = the scheduler's hostname) at local GPU
+indices = its position among the layout ranks of that host, times TP, plus the TP rank (the cluster
+numbers devices node by node, local index ascending).
 
 Data-parallel replicas: the allocation's nodes are split per GPU type into ``D`` equal consecutive
 blocks (replica ``i`` takes block ``i`` of every type, file order kept). The layout is planned on
@@ -83,7 +85,8 @@ def placements(
     replicas = split_replicas(nodes, data_parallel)
     names0 = [str(n["name"]) for n in replicas[0]]
     counts0 = [int(n.get("count", 1)) for n in replicas[0]]
-    local: list[int] = []
+    t = layout.tensor_model_parallel_size  # a layout rank is a TP bundle of t GPUs of its host
+    local: list[int] = []  # each layout rank's first local GPU index
     for r in layout.ranks:
         if r.host not in names0:
             raise HexiSeqError(
@@ -91,18 +94,19 @@ def placements(
                 f"allocation's (first replica's) nodes {names0}; re-plan for this allocation"
             )
         j = names0.index(r.host)
-        local.append(sum(1 for q in layout.ranks[: r.rank] if q.host == r.host))
-        if local[-1] >= counts0[j]:
+        local.append(t * sum(1 for q in layout.ranks[: r.rank] if q.host == r.host))
+        if local[-1] + t > counts0[j]:
             raise HexiSeqError(
-                f"layout puts {local[-1] + 1} ranks on host '{r.host}', which has {counts0[j]} GPUs"
+                f"layout puts {local[-1] + t} GPUs on host '{r.host}', which has {counts0[j]}"
             )
     out = []
     for i, replica in enumerate(replicas):
         for r in layout.ranks:
             host = str(replica[names0.index(r.host)]["name"])
-            out.append(
-                Placement(rank=i * layout.world_size + r.rank, host=host, local_rank=local[r.rank])
-            )
+            first = (i * layout.world_size + r.rank) * t  # Megatron's tp-cp-ep-dp-pp order
+            out += [
+                Placement(rank=first + k, host=host, local_rank=local[r.rank] + k) for k in range(t)
+            ]
     return out
 
 

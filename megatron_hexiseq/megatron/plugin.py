@@ -217,10 +217,11 @@ def setup(
         runtime, place, job = job_plugin.setup_job(args, hs)
         source = f"job {hs.job} domain {place.domain}"
     else:
-        if cp_group is None:
-            from megatron.core import parallel_state as mpu
+        from megatron.core import parallel_state as mpu
 
+        if cp_group is None:
             cp_group = mpu.get_context_parallel_group()
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
         assert hs.layout is not None
         source = f"layout {hs.layout}"
         layout = Layout.load(hs.layout)
@@ -232,6 +233,7 @@ def setup(
             RunShape.from_megatron_args(args),
             cp_group=cp_group,
             source=source,
+            tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
             **job_plugin.runtime_options(args, hs),
         )
     layout = runtime.layout
@@ -301,8 +303,14 @@ def micro_batch_layout(
             "per-micro-batch layouts do not support pipeline parallelism yet (middle stages "
             "do not load the batch); use --pipeline-model-parallel-size 1"
         )
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
     return MicroBatchLayout(
-        groups, provider, reset_position_ids=bool(getattr(args, "reset_position_ids", False))
+        groups,
+        provider,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        tokens_multiple_of=getattr(args, "tensor_model_parallel_size", 1)
+        if sequence_parallel
+        else 1,
     )
 
 

@@ -48,6 +48,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_hexiseq.attention.documents import DocumentBounds
 from megatron_hexiseq.errors import HexiSeqError
@@ -63,6 +64,11 @@ from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime, RunShape, build_runtime
 from megatron_hexiseq.megatron.spec import hexiseq_spec
 from megatron_hexiseq.testbed import ckpt
+from megatron_hexiseq.testbed.tp_cpu import (
+    cpu_sequence_parallel,
+    load_tp_slices,
+    sequence_parallel_spec,
+)
 from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig, TrainResult
 
 __all__ = [
@@ -171,10 +177,18 @@ def build_gpt(
     module class ``core_attention`` when given (``profile`` times the model without attention).
     """
     cp = cfg.layout.world_size if runtime is not None else 1
-    config = transformer_config(cfg.model, context_parallel_size=cp)
+    tp = cfg.tensor_model_parallel_size if runtime is not None else 1
+    sp = cfg.sequence_parallel and tp > 1
+    config = transformer_config(
+        cfg.model, context_parallel_size=cp, tensor_model_parallel_size=tp, sequence_parallel=sp
+    )
+    spec: ModuleSpec | TransformerBlockSubmodules
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     if runtime is not None:
         spec = hexiseq_spec(spec, runtime)
+        if sp:  # a norm that takes sequence parallelism on CPU (testbed/tp_cpu.py)
+            assert isinstance(spec, ModuleSpec)
+            spec = sequence_parallel_spec(spec, cfg.model.num_layers)
     else:
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
             module=core_attention or LocalCausalAttention,
@@ -195,6 +209,9 @@ def build_gpt(
     if runtime is not None:
         positions = [p for s, e in runtime.segments for p in range(s, e)]
         install_rope(model, positions, runtime.documents, runtime.batch_layout)
+        if cfg.init_params is not None:
+            rank = mpu.get_tensor_model_parallel_rank()
+            load_tp_slices(model, cfg.init_params, rank, tp, gated_linear_unit=cfg.model.swiglu)
     return model
 
 
@@ -220,8 +237,12 @@ def _packed_runtime(
             plan_times.append(time.thread_time() - t0)
             return layout
 
+        tp = cfg.tensor_model_parallel_size
         batch_layout = MicroBatchLayout(
-            runtime.groups, provider, reset_position_ids=cfg.reset_position_ids
+            runtime.groups,
+            provider,
+            reset_position_ids=cfg.reset_position_ids,
+            tokens_multiple_of=tp if cfg.sequence_parallel else 1,
         )
     return replace(runtime, documents=docs, batch_layout=batch_layout)
 
@@ -243,104 +264,115 @@ def ddp_and_optimizer(
 
 def run_shape(cfg: TrainConfig) -> RunShape:
     """The ``RunShape`` this driver runs (for ``runtime.check_run`` before spawning)."""
+    tp = cfg.tensor_model_parallel_size
     return RunShape(
-        world_size=cfg.layout.world_size * cfg.data_parallel,
-        tensor_model_parallel_size=1,
+        world_size=cfg.layout.world_size * cfg.data_parallel * tp,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         context_parallel_size=cfg.layout.world_size,
         seq_length=cfg.layout.seq_length,
         num_attention_heads=cfg.model.num_attention_heads,
         num_query_groups=cfg.model.num_query_groups,
+        sequence_parallel=cfg.sequence_parallel and tp > 1,
     )
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
-    """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel`` ranks."""
-    W = cfg.layout.world_size
-    if world_size != W * cfg.data_parallel:
+    """``run_ranks`` worker: train ``cfg.steps`` steps on ``layout.world_size x data_parallel``
+    ranks (x ``tensor_model_parallel_size``: TP bundles, Megatron's sequence parallelism inside,
+    its CPU stand-ins from ``testbed/tp_cpu.py``)."""
+    W, tp = cfg.layout.world_size, cfg.tensor_model_parallel_size
+    if world_size != W * cfg.data_parallel * tp:
         raise HexiSeqError(
-            f"train_rank needs layout ranks x data_parallel = {W} x {cfg.data_parallel} = "
-            f"{W * cfg.data_parallel} processes, got {world_size}"
+            f"train_rank needs layout ranks x data_parallel x TP = {W} x {cfg.data_parallel} x "
+            f"{tp} = {W * cfg.data_parallel * tp} processes, got {world_size}"
         )
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=W)
     try:
-        # another model / length / data is refused before anything is built
-        resume_from = ckpt.check_checkpoint(cfg) if cfg.load_dir is not None else None
-        runtime = build_runtime(
-            cfg.layout,
-            run_shape(cfg),
-            cp_group=mpu.get_context_parallel_group(),
-            kernel=cfg.kernel,
-            comm_chunks=cfg.comm_chunks,
-        )
-        plan_times: list[float] = []
-        slicer = None
-        if cfg.documents is not None:
-            runtime = _packed_runtime(cfg, runtime, plan_times)
-            slicer = LayoutBatchSlicer(
-                runtime.segments,
-                cfg.layout.seq_length,
-                runtime.documents,
-                reset_attention_mask=True,
-                batch_layout=runtime.batch_layout,
-            )
-        model = build_gpt(cfg, runtime=runtime)
-        dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
-        share_initial_parameters(model, (dp_cp, None))  # as the plugin's model provider does
-        ddp, params, opt = ddp_and_optimizer(
-            model, bucket_size=cfg.bucket_size, overlap=cfg.overlap_grad_reduce, lr=cfg.lr
-        )
-        replica = mpu.get_data_parallel_rank()
-        losses, times = [], []
-        kept_grads: dict[str, dict[str, torch.Tensor]] = {}  # "grads" once keep_grads ran
-        resumed: dict[str, dict] | None = None
-        keep = cfg.return_params and rank == 0
-        start = 0
-        if resume_from is not None:
-            start = ckpt.load_checkpoint(resume_from, model, opt, dp_cp_group=dp_cp)
-            resumed = ckpt.snapshot(model, opt) if keep else None
-
-        def keep_grads() -> None:
-            kept_grads["grads"] = {
-                n: p.main_grad.detach().clone() for n, p in model.named_parameters()
-            }
-
-        for step in range(start, cfg.steps):
-            t_start = time.perf_counter()
-            if slicer is not None:  # the Megatron boundary's slicer: documents, batch layout
-                batch = slicer(make_batch(cfg, step, replica))
-            else:
-                batch = slice_batch(
-                    make_batch(cfg, step, replica),
-                    segments=runtime.segments,
-                    seq_length=cfg.layout.seq_length,
-                )
-            want = step == 0 and cfg.return_grads and rank == 0
-            report, _ = train_step(
-                ddp,
-                opt,
-                params,
-                batch,
-                report_group=dp_cp,
-                before_update=keep_grads if want else None,
-            )
-            times.append(time.perf_counter() - t_start)
-            losses.append(float(report[0] / report[1]))
-            if cfg.save_dir is not None and step + 1 == cfg.save_at_step:
-                ckpt.save_checkpoint(cfg, model, opt, step + 1, dp_cp_group=dp_cp)
-        final = ckpt.snapshot(model, opt) if keep else {}
-        return TrainResult(
-            losses,
-            times,
-            kept_grads.get("grads"),
-            final.get("params"),
-            start_step=start,
-            opt_state=final.get("opt_state"),
-            resumed=resumed,
-            plan_times_s=plan_times if cfg.batch_layouts is not None else None,
-        )
+        with cpu_sequence_parallel() if tp > 1 else contextlib.nullcontext():
+            return _train_rank(rank, cfg)
     finally:
         mpu.destroy_model_parallel()
+
+
+def _train_rank(rank: int, cfg: TrainConfig) -> TrainResult:
+    """Body of ``train_rank`` (model-parallel state initialised). With TP the first t global ranks
+    (data-parallel replica 0, layout rank 0: one rank per TP rank) return gradients and parameters."""
+    tp = cfg.tensor_model_parallel_size
+    # another model / length / data is refused before anything is built
+    resume_from = ckpt.check_checkpoint(cfg) if cfg.load_dir is not None else None
+    runtime = build_runtime(
+        cfg.layout,
+        run_shape(cfg),
+        cp_group=mpu.get_context_parallel_group(),
+        kernel=cfg.kernel,
+        comm_chunks=cfg.comm_chunks,
+        tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
+    )
+    plan_times: list[float] = []
+    slicer = None
+    if cfg.documents is not None:
+        runtime = _packed_runtime(cfg, runtime, plan_times)
+        slicer = LayoutBatchSlicer(
+            runtime.segments,
+            cfg.layout.seq_length,
+            runtime.documents,
+            reset_attention_mask=True,
+            batch_layout=runtime.batch_layout,
+        )
+    model = build_gpt(cfg, runtime=runtime)
+    dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
+    share_initial_parameters(model, (dp_cp, None))  # as the plugin's model provider does
+    ddp, params, opt = ddp_and_optimizer(
+        model, bucket_size=cfg.bucket_size, overlap=cfg.overlap_grad_reduce, lr=cfg.lr
+    )
+    replica = mpu.get_data_parallel_rank()
+    losses, times = [], []
+    kept_grads: dict[str, dict[str, torch.Tensor]] = {}  # "grads" once keep_grads ran
+    resumed: dict[str, dict] | None = None
+    keep = cfg.return_params and rank < tp
+    start = 0
+    if resume_from is not None:
+        start = ckpt.load_checkpoint(resume_from, model, opt, dp_cp_group=dp_cp)
+        resumed = ckpt.snapshot(model, opt) if keep else None
+
+    def keep_grads() -> None:
+        kept_grads["grads"] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+
+    for step in range(start, cfg.steps):
+        t_start = time.perf_counter()
+        if slicer is not None:  # the Megatron boundary's slicer: documents, batch layout
+            batch = slicer(make_batch(cfg, step, replica))
+        else:
+            batch = slice_batch(
+                make_batch(cfg, step, replica),
+                segments=runtime.segments,
+                seq_length=cfg.layout.seq_length,
+            )
+        want = step == 0 and cfg.return_grads and rank < tp
+        report, _ = train_step(
+            ddp,
+            opt,
+            params,
+            batch,
+            report_group=dp_cp,
+            before_update=keep_grads if want else None,
+        )
+        times.append(time.perf_counter() - t_start)
+        losses.append(float(report[0] / report[1]))
+        if cfg.save_dir is not None and step + 1 == cfg.save_at_step:
+            ckpt.save_checkpoint(cfg, model, opt, step + 1, dp_cp_group=dp_cp)
+    final = ckpt.snapshot(model, opt) if keep else {}
+    return TrainResult(
+        losses,
+        times,
+        kept_grads.get("grads"),
+        final.get("params"),
+        start_step=start,
+        opt_state=final.get("opt_state"),
+        resumed=resumed,
+        plan_times_s=plan_times if cfg.batch_layouts is not None else None,
+    )
 
 
 def train_reference(
