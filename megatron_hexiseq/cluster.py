@@ -508,6 +508,11 @@ def _build(data: Any, source: str) -> Cluster:
             )
         seen.add(node.name)
         nodes.append(node)
+    return cluster_of_nodes(data.get("name", "cluster"), nodes)
+
+
+def cluster_of_nodes(name: str, nodes: Sequence[Node]) -> Cluster:
+    """The cluster of ``nodes`` (validated already), its devices numbered node by node."""
     devices = tuple(
         Device(
             index=idx,
@@ -521,7 +526,7 @@ def _build(data: Any, source: str) -> Cluster:
         )
         for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
     )
-    return Cluster(name=data.get("name", "cluster"), nodes=tuple(nodes), devices=devices)
+    return Cluster(name=name, nodes=tuple(nodes), devices=devices)
 
 
 def _check_names_and_size(nodes: Sequence[Mapping[str, Any]]) -> None:

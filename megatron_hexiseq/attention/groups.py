@@ -11,7 +11,9 @@ options at the Megatron boundary). Then every process warms up each group it bel
 collective in which all members take part (CP group first, then its A2A group; the same order on
 every process), so no lazily created communicator waits for a member that never posts to it (a rank
 with no heads takes no part in the sub-ring exchange). A *domain* is one copy of the layout: the
-global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group).
+global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group). A job gives
+one layout per domain (domains of different sizes and layouts, ``megatron/job_runtime.py``); the
+groups of every domain are still created by every process, in domain order.
 
 Global ranks of a domain must be ascending in layout-rank order, so that the group rank torch assigns
 (position among the sorted global ranks) equals the layout rank, in the CP group and in A2A groups.
@@ -55,9 +57,14 @@ BATCH_LAYOUTS_KEPT = 4  # per-micro-batch layouts whose views (schedules, indice
 
 def structure_difference(batch: Layout, job: Layout) -> str | None:
     """The first way ``batch`` does not run on ``job``'s process groups, or None when it does
-    (the same world size, heads, query groups and groups; every rank in the same group with the
+    (the same world size, heads, query groups, TP size and groups; every rank in the same group with the
     same query heads, host and GPU; segments may differ)."""
-    for name in ("world_size", "num_attention_heads", "num_query_groups"):
+    for name in (
+        "world_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "tensor_model_parallel_size",
+    ):
         if getattr(batch, name) != getattr(job, name):
             return f"{name} is {getattr(batch, name)}, the job's is {getattr(job, name)}"
     if batch.groups != job.groups:
@@ -171,7 +178,7 @@ class HexiSeqGroups:
 
 
 def build_hexiseq_groups(
-    layout: Layout,
+    layout: Layout | Sequence[Layout],
     *,
     domains: Sequence[Sequence[int]] | None = None,
     cp_groups: Sequence[ProcessGroup] | None = None,
@@ -180,19 +187,23 @@ def build_hexiseq_groups(
     timeout: timedelta | None = None,
     pg_options: Callable[[str], Any] | None = None,
 ) -> HexiSeqGroups:
-    """Collective over the default group; see the module docstring. ``cp_groups``: one existing
-    group per domain; ``cp_group``: this process's existing group over its own domain (every
-    process passes one, or none does: a process that passes none creates every domain's CP group).
-    ``device``: where the warm-up collective's tensor lives (the backend's device: CUDA for NCCL;
-    default CPU)."""
+    """Collective over the default group; see the module docstring. ``layout``: the layout every
+    domain runs, or one layout per domain (a job: domains of different sizes and layouts; every
+    process creates every domain's groups, in domain order). ``cp_groups``: one existing group per
+    domain; ``cp_group``: this process's existing group over its own domain (every process passes
+    one, or none does: a process that passes none creates every domain's CP group). ``device``:
+    where the warm-up collective's tensor lives (the backend's device: CUDA for NCCL; default CPU)."""
     world, me = dist.get_world_size(), dist.get_rank()
     if domains is None:
         domains = [list(range(world))]
     domains = [tuple(int(x) for x in d) for d in domains]
+    layouts = [layout] * len(domains) if isinstance(layout, Layout) else list(layout)
+    if len(layouts) != len(domains):
+        raise HexiSeqError(f"got {len(layouts)} layouts for {len(domains)} domains")
     for i, d in enumerate(domains):
-        if len(d) != layout.world_size:
+        if len(d) != layouts[i].world_size:
             raise HexiSeqError(
-                f"domain {i} has {len(d)} ranks but the layout has {layout.world_size}; "
+                f"domain {i} has {len(d)} ranks but the layout has {layouts[i].world_size}; "
                 f"use a layout planned for context-parallel size {len(d)}"
             )
         if list(d) != sorted(d) or len(set(d)) != len(d):
@@ -208,6 +219,7 @@ def build_hexiseq_groups(
         raise HexiSeqError(f"global rank {me} must be in exactly one domain, found in {len(mine)}")
     dom = mine[0]
     rank = domains[dom].index(me)
+    layout = layouts[dom]
     if cp_group is not None and sorted(dist.get_process_group_ranks(cp_group)) != list(
         domains[dom]
     ):
@@ -232,7 +244,7 @@ def build_hexiseq_groups(
             g = cp_groups[i] if cp_groups is not None else new_group(d, "cp")
             if i == dom:
                 mine_cp = g
-        for grp in layout.groups:
+        for grp in layouts[i].groups:
             members = [d[r] for r in grp.ranks]
             if len(members) > 1:
                 pg = new_group(members, "a2a")

@@ -127,6 +127,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "busy/idle bar) (.png, .pdf, .svg, ...)",
     )
     p.add_argument(
+        "--tensor-model-parallel-size",
+        default="1",
+        metavar="T|auto",
+        help="plan over TP bundles of T GPUs of one node (Megatron's tensor + sequence parallelism "
+        "inside each bundle; T divides the heads and every node's GPU count), or auto: the planner "
+        "picks one T for the job (planner.tensor_parallel records each T considered). Default 1",
+    )
+    p.add_argument(
         "--reproducible",
         action="store_true",
         help="write 0 for wall-clock fields so the same inputs give a byte-identical file",
@@ -140,8 +148,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
     # (every command's parser) takes ~0.1 s CPU without them
-    from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.report import print_layout
+    from megatron_hexiseq.planner.tp import plan_tp
 
     if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
         raise HexiSeqError(
@@ -150,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.global_batch is not None or args.plot or args.no_overlap_grad_sync:
         return _run_job(args)
+    tp = _tp_size(args.tensor_model_parallel_size)
     check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config, args.doc_lengths])
     prob = load_problem(args)
     docs = None
@@ -167,11 +176,12 @@ def run(args: argparse.Namespace) -> int:
         f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
         enabled=args.format != "json",
     ) as say:
-        layout = plan(
+        layout = plan_tp(
             prob.cluster,
             prob.model,
             prob.seq_length,
             prob.options,
+            tensor_model_parallel_size=tp,
             modes=prob.modes,
             time_limit_s=args.time_limit,
             method=args.method,
@@ -211,6 +221,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tp_size(value: str) -> int | str:
+    """``--tensor-model-parallel-size``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or not 1 <= int(value) <= 1024:
+        raise HexiSeqError(
+            f"--tensor-model-parallel-size must be an integer from 1 to 1024 or 'auto', got "
+            f"{value!r}"
+        )
+    return int(value)
+
+
 def _for_documents(layout: Layout, prob: Problem, docs: list[int], left_s: float) -> Layout:
     """``--doc-lengths``: the structure ``varlen.structure.choose_structure`` picks, with the
     planned layout's records; ``predicted`` is the chosen layout's (one long sequence, as always).
@@ -223,9 +245,20 @@ def _for_documents(layout: Layout, prob: Problem, docs: list[int], left_s: float
 
     options = options_from_record(layout.meta["options"], prob.options)
     deadline = Deadline(max(left_s, 0.0))
-    chosen, record = choose_structure(
-        layout, prob.cluster, prob.model, options, docs, deadline=deadline
-    )
+    tp = layout.tensor_model_parallel_size
+    if tp == 1:
+        chosen, record = choose_structure(
+            layout, prob.cluster, prob.model, options, docs, deadline=deadline
+        )
+    else:  # structures of the bundle problem (costmodel.tp), back as layouts over bundles
+        from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
+        from megatron_hexiseq.planner.tp import round_segments
+
+        b_cluster, b_model, b_options = bundle_setting(prob.cluster, prob.model, options, tp)
+        chosen, record = choose_structure(
+            over_bundles(layout), b_cluster, b_model, b_options, docs, deadline=deadline
+        )
+        chosen = replace(round_segments(chosen, tp), tensor_model_parallel_size=tp)
     est = costmodel.estimate(chosen, prob.cluster, prob.model, options)
     planner = {**layout.planner, "documents": record}
     planner["time_limit_reached"] = bool(planner.get("time_limit_reached")) or deadline.reached
@@ -250,11 +283,12 @@ def _run_job(args: argparse.Namespace) -> int:
         ("--doc-lengths", args.doc_lengths is not None),
         ("--method " + args.method, args.method != "hierarchical"),
         ("--data-parallel-size", args.data_parallel_size != 1),
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size != "1"),
     ):
         if given:
             raise HexiSeqError(
                 f"{flag} does not apply with --global-batch: a job plans every GPU of the cluster "
-                "with the hierarchical planner per domain; drop it"
+                "with the hierarchical planner per domain, TP = 1; drop it"
             )
     outputs = [("-o", args.output)] + ([("--plot", args.plot)] if args.plot else [])
     check_outputs(

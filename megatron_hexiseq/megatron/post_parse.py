@@ -4,7 +4,7 @@ Runs right after argparse has parsed Megatron-LM's command line (``plugin.after_
 ``validate_args`` and before anything is built, on every rank alike, and once more on the final
 args in ``plugin.setup`` (the model provider's first call, before any collective and before the
 datasets are built): Megatron-LM's ``--yaml-cfg`` replaces the parsed args after the hook. A run
-without ``--hexiseq-layout`` is left as it is.
+without ``--hexiseq-layout`` or ``--hexiseq-job`` is left as it is.
 
 * ``refuse_unsupported(args)``: Megatron features HexiSeq attention does not support yet end the
   run here with one line naming the flag and what to do (``HexiSeqError``: exit 2 through
@@ -41,8 +41,8 @@ GiB = 1024**3
 
 
 def is_hexiseq_run(args: argparse.Namespace) -> bool:
-    """A layout was given: HexiSeq attention replaces Megatron's context parallelism."""
-    return bool(getattr(args, "hexiseq_layout", None))
+    """A layout or a job was given: HexiSeq attention replaces Megatron's context parallelism."""
+    return bool(getattr(args, "hexiseq_layout", None) or getattr(args, "hexiseq_job", None))
 
 
 def _cuda_graph_flag(args: argparse.Namespace) -> str | None:
