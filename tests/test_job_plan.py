@@ -59,6 +59,10 @@ def test_never_slower_than_any_alternative(seed):
     # the file prices again to its own step, and its shares are the min-max of its domains
     assert price_job(job).step_s == pytest.approx(step, rel=1e-8)
     assert sum(d.micro_batches for d in job.domains) == batch
+    # Megatron-FSDP: every rank joins each micro-batch's collectives, so the shares are equal
+    for j in [job] + [job.alternative(a["name"]) for a in job.alternatives if a["feasible"]]:
+        if j.options["memory_mode"] == "fsdp":
+            assert len({d.micro_batches for d in j.domains}) == 1
     assert JobPlan.from_json(job.to_json()) == job
 
 

@@ -16,6 +16,7 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job.shares import (
     DomainTime,
     best_combination,
+    best_equal_combination,
     busy_s,
     equal_shares,
     min_max_shares,
@@ -101,3 +102,35 @@ def test_slot_search_refuses_too_many_domains():
     slots = [[[DomainTime(1.0, 0.0)] * 3, [DomainTime(5.0, 0.0)]]]
     got = best_combination(slots, 2)
     assert got is not None and got.options == (1,) and got.busy_s == 10.0
+
+
+def test_equal_slot_search_is_the_best_equal_combination():
+    # every domain the same number of micro-batches (Megatron-FSDP): against enumerating every
+    # combination whose domain count divides n
+    rng = random.Random(8)
+    for _ in range(150):
+        slots = [
+            [
+                [
+                    DomainTime(rng.uniform(0.5, 3), rng.choice([0.0, 0.3]))
+                    for _ in range(rng.randint(1, 3))
+                ]
+                for _ in range(rng.randint(1, 3))
+            ]
+            for _ in range(rng.randint(1, 3))
+        ]
+        n = rng.randint(1, 12)
+        want = None
+        for combo in itertools.product(*[range(len(s)) for s in slots]):
+            domains = [d for s, o in zip(slots, combo) for d in s[o]]
+            if n % len(domains) == 0:
+                b = busy_s(domains, [n // len(domains)] * len(domains))
+                want = b if want is None else min(want, b)
+        got = best_equal_combination(slots, n)
+        if want is None:
+            assert got is None
+        else:
+            assert got is not None and got.busy_s == pytest.approx(want), (slots, n)
+            domains = [d for s, o in zip(slots, got.options) for d in s[o]]
+            assert n % len(domains) == 0
+            assert busy_s(domains, [n // len(domains)] * len(domains)) == pytest.approx(got.busy_s)

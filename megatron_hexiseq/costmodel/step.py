@@ -15,10 +15,10 @@ one domain) and ends with what every rank does once, whatever the tokens
 - **Megatron-FSDP** (``memory_mode`` ``fsdp``): every micro-batch gathers each layer's parameters
   in its forward and again in its backward and reduce-scatters its gradients, inside the shard
   group (:func:`fsdp_comm`); prefetched layer by layer, so only what the compute cannot cover is
-  exposed (:func:`fsdp_exposed_s`). ``estimate`` adds it to each micro-batch. Every rank of a
-  shard group must join each of these collectives, so domains that run different numbers of
-  micro-batches cannot share one: a job shards inside each domain, and the step sums the domains'
-  gradients (:func:`grad_sync`);
+  exposed (:func:`fsdp_exposed_s`). ``estimate`` adds it to each micro-batch; nothing is left
+  for the step. In a job the shard group is every rank (Megatron's ``dp_cp``), every rank must
+  join each of these collectives, so every domain runs the same number of micro-batches (the
+  job runtime refuses other counts) and they go in lockstep;
 - **the optimizer step**: Adam over the rank's shard, memory-bound (:func:`optimizer_s`).
 
 Overlap rule (:func:`overlapped_s`): ``chunks`` equal pieces of communication, each ready when the
@@ -126,18 +126,15 @@ def grad_buckets(model: ModelSpec, ranks_n: int) -> int:
 
 
 def grad_sync(model: ModelSpec, options: TrainOptions, ranks_n: int, bus_GBps: float) -> GradSync:
-    """The step's gradient reduction over ``ranks_n`` participants at ``bus_GBps``.
-
-    ``distributed_optimizer``: the reduce-scatter of the fp32 gradients and the all-gather of the
-    bf16 parameters over every rank of the job. ``fsdp``: Megatron-FSDP reduces and gathers inside
-    each domain every micro-batch (:func:`fsdp_comm`); what is left for the step is summing the
-    domains' gradients, an all-reduce of the fp32 gradients (a reduce-scatter and an all-gather of
-    4 bytes per parameter) among the ``ranks_n`` domains, each a participant (none for one)."""
+    """The distributed optimizer's reduce-scatter of the fp32 gradients and all-gather of the bf16
+    parameters over ``ranks_n`` ranks at ``bus_GBps`` (nothing under ``fsdp``, which reduces and
+    gathers every micro-batch, :func:`fsdp_comm`)."""
+    if options.memory_mode == "fsdp":
+        return GradSync(0.0, 0.0, 1)
     p = model.num_parameters
-    gathered = GRAD_BYTES if options.memory_mode == "fsdp" else PARAM_BYTES
     return GradSync(
         ring_collective_s(GRAD_BYTES * p, ranks_n, bus_GBps),
-        ring_collective_s(gathered * p, ranks_n, bus_GBps),
+        ring_collective_s(PARAM_BYTES * p, ranks_n, bus_GBps),
         grad_buckets(model, ranks_n),
     )
 
@@ -239,8 +236,7 @@ class StepFixed(NamedTuple):
     """What a job's step costs once, whatever its micro-batches, over the job's ranks."""
 
     ranks: int  # every rank of the job
-    participants: int  # of the reduction: every rank (distributed optimizer) or domain (fsdp)
-    bus_GBps: float  # of the reduction's ring
+    bus_GBps: float  # of the ring over them
     sync: GradSync
     optimizer_s: float  # the slowest rank's
     overhead_s: float  # measured step overhead (the CPU testbed), else 0
@@ -263,25 +259,18 @@ def step_fixed(
     once per step, the largest of its ranks': it was measured around the whole step's gradient
     reduction and optimizer, so neither is priced again. Otherwise the gradient reduction
     (:func:`grad_sync`) and the optimizer step of the slowest rank's memory (:func:`optimizer_s`;
-    devices without an ``hbm_GBps`` figure are not priced). ``distributed_optimizer`` shards the
-    optimizer over every rank and reduces over their ring (:func:`ring_bus_GBps`); ``fsdp`` shards
-    inside each domain and sums the domains' gradients over the slowest domain's network (each
-    domain's GPUs' ``network_GBps`` together)."""
+    devices without an ``hbm_GBps`` figure are not priced). Both memory modes shard the optimizer
+    over every rank of the job (Megatron's ``dp_cp``), the reduction's ring over them
+    (:func:`ring_bus_GBps`)."""
     ranks = [r for d in domains for r in d]
     n = len(ranks)
     devs = cluster.devices
+    bus = ring_bus_GBps(cluster, ranks)
     overhead = max(devs[r].step_overhead_s for r in ranks)
-    if options.memory_mode == "fsdp":
-        participants = len(domains)
-        bus = min(sum(devs[r].network_GBps for r in d) for d in domains)
-        opt = max(optimizer_s(model, options, len(d), devs[r].hbm_Bps) for d in domains for r in d)
-    else:
-        participants = n
-        bus = ring_bus_GBps(cluster, ranks)
-        opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
     if overhead > 0:
-        return StepFixed(n, participants, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
-    return StepFixed(n, participants, bus, grad_sync(model, options, participants, bus), opt, 0.0)
+        return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
+    opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
+    return StepFixed(n, bus, grad_sync(model, options, n, bus), opt, 0.0)
 
 
 def step_time_s(

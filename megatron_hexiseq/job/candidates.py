@@ -10,7 +10,7 @@ Alternatives (:data:`ALTERNATIVES`):
   replica sets the pace.
 - ``fast-only``: the same on the fastest kind of node alone, the other GPUs idle.
 - ``typed-dp``: each kind of node its own symmetric replicas (its own ``c`` and best ``hp``), uneven
-  shares by the exact min-max.
+  shares by the exact min-max (equal under ``fsdp``, as every job of several domains).
 - ``hexiseq-one-domain``: today's ``plan`` over every GPU, every micro-batch on it.
 - ``hexiseq-replicas``: ``D`` equal mixed replicas (the same nodes of every kind in each), each
   planned by ``plan``, for every ``D`` that divides every kind's node count.
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from megatron_hexiseq.job.evaluate import DomainEval, Evaluator, Priced
-from megatron_hexiseq.job.shares import best_combination, equal_shares
+from megatron_hexiseq.job.shares import best_combination, best_equal_combination, equal_shares
 from megatron_hexiseq.run_config import TrainOptions, mode_label
 
 ALTERNATIVES = (
@@ -315,12 +315,10 @@ def _best_of_slots(
     kept = [[o for o in slot if all(e.feasible for e in o[1])] for slot in slots]
     if any(not slot for slot in kept):
         return None
-    # the offsets (exposed gradient reduction): the distributed optimizer's ring over ``union``
-    # does not depend on the cut; fsdp's sum over domains does, and is taken at its most (every
-    # candidate domain a participant, the slowest one's network), the chosen job priced exactly
-    everyone = sorted({d for slot in kept for o in slot for d in o[0]})
-    times = [[ev.times(everyone, opts, evals) for _, evals in slot] for slot in kept]
-    choice = best_combination(times, ev.micro_batches)
+    # the offsets (exposed gradient reduction) depend on the ranks, not on the cut
+    times = [[ev.times([union], opts, evals) for _, evals in slot] for slot in kept]
+    search = best_equal_combination if opts.memory_mode == "fsdp" else best_combination
+    choice = search(times, ev.micro_batches)
     if choice is None:
         return None
     doms = [d for slot, o in zip(kept, choice.options) for d in slot[o][0]]

@@ -36,7 +36,7 @@ from megatron_hexiseq.costmodel.step import (
 )
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job.domains import NodeIndex, Shape, move_layout, sub_cluster
-from megatron_hexiseq.job.shares import DomainTime, busy_s, min_max_shares
+from megatron_hexiseq.job.shares import DomainTime, busy_s, equal_shares, min_max_shares
 from megatron_hexiseq.job.spec import JobPlan
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
@@ -127,14 +127,16 @@ class Evaluator:
 
     # ---- options -------------------------------------------------------------------------
     def options(self, union: Sequence[int], memory_mode: str, recompute: bool) -> TrainOptions:
-        """The job's options when the ranks ``union`` take part: the distributed optimizer shards
-        over all of them (their ring recorded with them); Megatron-FSDP inside each domain."""
-        opts = replace(self.base, memory_mode=memory_mode, recompute=recompute)
-        if memory_mode == "fsdp":
-            return opts
+        """The job's options when the ranks ``union`` take part: the optimizer (under ``fsdp`` also
+        the parameters and gradients) shards over all of them, Megatron's ``dp_cp``, whose ring
+        sets the pace of Megatron-FSDP's per-micro-batch collectives."""
         bus = ring_bus_GBps(self.cluster, union)
         return replace(
-            opts, shard_group_size=len(union), shard_group_GBps=bus if math.isfinite(bus) else 0.0
+            self.base,
+            memory_mode=memory_mode,
+            recompute=recompute,
+            shard_group_size=len(union),
+            shard_group_GBps=bus if math.isfinite(bus) else 0.0,
         )
 
     # ---- domains -------------------------------------------------------------------------
@@ -265,9 +267,14 @@ class Evaluator:
         shares: Sequence[int] | None = None,
     ) -> Priced | None:
         """The job of these domains (every one feasible): min-max shares unless ``shares`` are
-        given (stock Megatron's equal ones). None if infeasible."""
+        given (stock Megatron's equal ones); under ``fsdp`` equal shares (every rank joins each
+        micro-batch's collectives: the job runtime refuses other counts). None if infeasible."""
         if any(not ev.feasible for ev in evals) or len(domains) > self.micro_batches:
             return None
+        if shares is None and options.memory_mode == "fsdp":
+            shares = equal_shares(len(domains), self.micro_batches)
+            if shares is None:
+                return None
         fixed = self.fixed(domains, options)
         times = self.times(domains, options, evals)
         got = tuple(shares) if shares is not None else min_max_shares(times, self.micro_batches)

@@ -39,7 +39,7 @@ def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[st
         "overhead_s": sig(fixed.overhead_s),
         "grad_reduce_s": sig(fixed.sync.reduce_scatter_s),
         "param_gather_s": sig(fixed.sync.all_gather_s),
-        "reduction": {"participants": fixed.participants, "bus_GBps": sig(fixed.bus_GBps)},
+        "shard_group": {"ranks": fixed.ranks, "bus_GBps": sig(fixed.bus_GBps)},
         "memory_mode": mode_label(priced.options),
         "domains": [
             {

@@ -143,3 +143,44 @@ def best_combination(slots: Sequence[Sequence[Sequence[DomainTime]]], n: int) ->
     options = tuple(reversed(chosen))
     domains = [d for s, o in enumerate(options) for d in slots[s][o]]
     return Choice(options, busy_s(domains, min_max_shares(domains, n)))
+
+
+def best_equal_combination(
+    slots: Sequence[Sequence[Sequence[DomainTime]]], n: int
+) -> Choice | None:
+    """:func:`best_combination` when every domain must take the same number of micro-batches
+    (Megatron-FSDP: every rank joins each micro-batch's collectives): for every count ``D`` of
+    domains dividing ``n``, the choice of one option per slot with ``D`` domains in all that
+    minimises the busiest ``(n / D) t_d + x_d`` (a knapsack over the slots on exactly ``D``
+    domains), then the best ``D``. None when no choice has a number of domains dividing ``n``."""
+    slots = [[list(o) for o in slot] for slot in slots]
+    if not slots or any(not slot for slot in slots):
+        return None
+    best: Choice | None = None
+    for D in (d for d in range(1, n + 1) if n % d == 0):
+        m = n // D
+        worst = np.full(D + 1, np.inf)  # worst[j]: the least busiest domain with j domains
+        worst[0] = 0.0
+        picks = []
+        for slot in slots:
+            new, pick = np.full(D + 1, np.inf), np.full(D + 1, -1)
+            for o, option in enumerate(slot):
+                k = len(option)
+                if k > D:
+                    continue
+                busy = max(m * d.micro_batch_s + d.offset_s for d in option)
+                cand = np.full(D + 1, np.inf)
+                cand[k:] = np.maximum(worst[: D + 1 - k], busy)
+                better = cand < new
+                new[better], pick[better] = cand[better], o
+            worst = new
+            picks.append(pick)
+        if not np.isfinite(worst[D]) or (best is not None and worst[D] >= best.busy_s):
+            continue
+        j, chosen = D, []
+        for s in range(len(slots) - 1, -1, -1):
+            o = int(picks[s][j])
+            chosen.append(o)
+            j -= len(slots[s][o])
+        best = Choice(tuple(reversed(chosen)), float(worst[D]))
+    return best
