@@ -20,7 +20,7 @@ from megatron_hexiseq.commands.inputs import (
 )
 from megatron_hexiseq.elastic import record_exclusions
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int
-from megatron_hexiseq.io import atomic_path, check_outputs
+from megatron_hexiseq.io import check_outputs
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.progress import waiting
 
@@ -299,7 +299,7 @@ def _run_job(args: argparse.Namespace) -> int:
             f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
             f"got {args.time_limit}"
         )
-    from megatron_hexiseq.job.report import plot_job, print_job
+    from megatron_hexiseq.job.report import print_job, save_plot
     from megatron_hexiseq.job.search import plan_job
 
     prob = load_problem(args)
@@ -324,8 +324,7 @@ def _run_job(args: argparse.Namespace) -> int:
         job = replace(job, meta={**job.meta, "excluded": [str(e) for e in prob.survivors.excluded]})
     job.save(args.output)
     if args.plot:
-        with atomic_path(args.plot) as tmp:
-            plot_job(tmp, job)
+        save_plot(args.plot, job)
     if args.format == "json":
         sys.stdout.write(job.to_json())
     else:

@@ -10,7 +10,7 @@ import sys
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.elastic import diff_layouts
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.io import atomic_path, check_outputs
+from megatron_hexiseq.io import check_outputs
 from megatron_hexiseq.job.spec import JobPlan, load_layout_or_job
 from megatron_hexiseq.layout import Layout
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show_job(args: argparse.Namespace, job: JobPlan) -> int:
-    from megatron_hexiseq.job.report import plot_job, print_job
+    from megatron_hexiseq.job.report import print_job, save_plot
 
     if args.previous:
         raise HexiSeqError(
@@ -92,8 +92,7 @@ def _show_job(args: argparse.Namespace, job: JobPlan) -> int:
         )
     check_outputs([("--plot", args.plot)], inputs=[args.layout], figures=["--plot"])
     if args.plot:
-        with atomic_path(args.plot) as tmp:
-            plot_job(tmp, job)
+        save_plot(args.plot, job)
     if args.format == "json":
         sys.stdout.write(job.to_json())
     else:

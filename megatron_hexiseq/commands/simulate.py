@@ -205,7 +205,7 @@ def _simulate_job(args: argparse.Namespace, path: str, job: JobPlan, files: int)
     """A job file: the job and each alternative it records, priced again by the job model (on the
     cluster, model and options the file records)."""
     from megatron_hexiseq.job.evaluate import simulate_job
-    from megatron_hexiseq.job.report import plot_job
+    from megatron_hexiseq.job.report import save_plot
     from megatron_hexiseq.planner.report import _fmt_rate, _fmt_time, make_console
 
     given = [
@@ -258,8 +258,7 @@ def _simulate_job(args: argparse.Namespace, path: str, job: JobPlan, files: int)
             )
         make_console().print(table)
     if args.plot:
-        with atomic_path(args.plot) as tmp:
-            plot_job(tmp, job)
+        save_plot(args.plot, job)
         if args.format != "json":
             print(f"wrote {args.plot}")
     return 0

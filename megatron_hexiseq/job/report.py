@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from megatron_hexiseq.io import atomic_path
 from megatron_hexiseq.job.spec import JobPlan
 from megatron_hexiseq.planner.report import _fmt_rate, _fmt_time, make_console
 
@@ -219,3 +220,9 @@ def plot_job(path: str, job: JobPlan) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def save_plot(path: str, job: JobPlan) -> None:
+    """:func:`plot_job` written atomically (an interrupted run leaves no half-written figure)."""
+    with atomic_path(path) as tmp:
+        plot_job(tmp, job)
