@@ -417,13 +417,3 @@ def load_layout_or_job(path: str | os.PathLike) -> Layout | JobPlan:
     if isinstance(data, Mapping) and data.get("format") == FORMAT:
         return JobPlan.from_dict(data, source=f"job {path}")
     return Layout.from_dict(data, source=f"layout {path}")
-
-
-def is_job_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a job file (its ``format``); False for anything else, including a
-    file that cannot be read (the caller's loader then says why)."""
-    try:
-        data = read_json(path, "file")
-    except HexiSeqError:
-        return False
-    return isinstance(data, Mapping) and data.get("format") == FORMAT
