@@ -103,17 +103,23 @@ def cycling_case() -> dict:
     }
 
 
+def node_shares(rng: random.Random, types: int, nodes: int) -> list[int]:
+    """Nodes per GPU type: shares drawn in [0.5, 2], at least one node each, rounding fixed on
+    the largest share."""
+    weights = [rng.uniform(0.5, 2.0) for _ in range(types)]
+    counts = [max(1, round(nodes * w / sum(weights))) for w in weights]
+    while sum(counts) != nodes:
+        j = counts.index(max(counts))
+        counts[j] += 1 if sum(counts) < nodes else -1
+    return counts
+
+
 def random_case(rng: random.Random, world: int, name: str) -> dict:
     """One generated case of ``world`` GPUs (types, shares, network, model and length drawn from
     ``rng``; the node list shuffled)."""
     k = rng.choice((2, 3, 4)) if world >= 64 else rng.choice((2, 3))
     types = sorted(rng.sample(TYPES, k), key=TYPES.index)
-    nodes = world // 8
-    weights = [rng.uniform(0.5, 2.0) for _ in types]
-    counts = [max(1, round(nodes * w / sum(weights))) for w in weights]
-    while sum(counts) != nodes:  # fix the rounding on the largest share
-        j = counts.index(max(counts))
-        counts[j] += 1 if sum(counts) < nodes else -1
+    counts = node_shares(rng, len(types), world // 8)
     network = rng.choice(("equal", "matched"))
     model = rng.choice(MODELS)
     seq = rng.choice(SEQS[1:] if world >= 512 else SEQS)

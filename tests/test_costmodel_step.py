@@ -102,6 +102,7 @@ def test_grad_sync_of_the_distributed_optimizer():
     assert s.all_gather_s == pytest.approx(15 / 16 * 2 * p / 200e9)  # bf16 parameters
     assert s.buckets == math.ceil(p / 40e6) == grad_buckets(m, 16)
     assert grad_buckets(m, 1024) == math.ceil(p / 1024e6)  # Megatron's 1M x dp bucket
+    # fsdp reduces and gathers every micro-batch (in estimate): nothing is left for the step
     assert grad_sync(m, TrainOptions(memory_mode="fsdp"), 16, 200.0) == GradSync(0.0, 0.0, 1)
     sync = GradSync(reduce_scatter_s=2.0, all_gather_s=1.0, buckets=10)
     assert grad_sync_exposed_s(sync, TrainOptions(), 5.0, 5.0) == 3.0  # not overlapped
@@ -131,7 +132,7 @@ def test_optimizer_step_moves_the_shard_at_hbm_bandwidth():
 def test_step_fixed_and_step_time():
     c = _two_nodes()
     m = get_model("gpt-7b")
-    fixed = step_fixed(c, [0, 1, 2, 3], m, TrainOptions())
+    fixed = step_fixed(c, [[0, 1], [2, 3]], m, TrainOptions())
     assert fixed.bus_GBps == 50.0 and fixed.ranks == 4 and not fixed.measured
     assert fixed.sync == grad_sync(m, TrainOptions(), 4, 50.0)
     # the slowest memory sets the optimizer's pace (A100: 2039 GB/s)
@@ -140,11 +141,15 @@ def test_step_fixed_and_step_time():
     assert step_time_s([1.0, 3.0], [0.5, 0.1], [3, 1], fixed) == pytest.approx(
         3.5 + fixed.optimizer_s
     )
+    # fsdp shards over every rank too (Megatron's dp_cp) and leaves no reduction for the step
+    fsdp = TrainOptions(memory_mode="fsdp")
+    ff = step_fixed(c, [[0, 1], [2, 3]], m, fsdp)
+    assert ff.sync == GradSync(0.0, 0.0, 1) and ff.optimizer_s == optimizer_s(m, fsdp, 4, 2039e9)
     # a measured step overhead (the CPU testbed) replaces the modelled reduction and optimizer
     spec = cluster_to_dict(c)
     for g in spec["gpus"].values():
         g["step_overhead_ms"] = 20.0
-    measured = step_fixed(cluster_from_dict(spec), [0, 1, 2, 3], m, TrainOptions())
+    measured = step_fixed(cluster_from_dict(spec), [[0, 1, 2, 3]], m, TrainOptions())
     assert measured.measured and measured.overhead_s == pytest.approx(0.02)
     assert measured.sync == GradSync(0.0, 0.0, 1) and measured.optimizer_s == 0.0
 

@@ -1495,3 +1495,107 @@ def test_interrupts_exit_130_and_kill_every_rank(tmp_path, capsys, case):
     assert not [
         p for p in tmp_path.iterdir() if p.suffix in (".png",) or p.name in ("t.json", "demo.json")
     ]
+
+
+# ---- job plans: plan --global-batch and the job files show / validate / simulate read ----------
+def _job_file(d: Path) -> Path:
+    """A small valid job file (two domains of one GPU type each), written once per test folder."""
+    path = d / "job.json"
+    if not path.exists():
+        assert main(_plan(d, "--global-batch", "4", "--reproducible", out=path)) == 0
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--global-batch", "0"], "--global-batch must be a positive integer"),
+        (["--global-batch", "-3"], "--global-batch must be a positive integer"),
+        (["--global-batch", "99999999999"], "--global-batch must be a positive integer"),
+        (["--plot", "{d}/p.png"], "--plot goes with --global-batch"),
+        (["--no-overlap-grad-sync"], "--no-overlap-grad-sync goes with --global-batch"),
+        (
+            ["--global-batch", "4", "--data-parallel-size", "2"],
+            "--data-parallel-size does not apply",
+        ),
+        (["--global-batch", "4", "--method", "node"], "--method node does not apply"),
+        (["--global-batch", "4", "--doc-lengths", "{d}/m.yaml"], "--doc-lengths does not apply"),
+        (["--global-batch", "4", "--plot", "{d}/p.txt"], "--plot"),
+        (
+            ["--global-batch", "3", "--micro-batch-size", "2"],
+            "not a multiple of the micro-batch size",
+        ),
+    ],
+)
+def test_job_plan_flags_checked_before_the_search(d, capsys, monkeypatch, argv, match):
+    import megatron_hexiseq.job.search
+
+    def reached(*a, **k):
+        raise AssertionError("the job search started before the inputs were checked")
+
+    if "micro-batch" not in match:
+        monkeypatch.setattr(megatron_hexiseq.job.search, "plan_job", reached)
+    _error(capsys, _plan(d, *[a.format(d=d) for a in argv]), match)
+    assert not (d / "out.json").exists() and not (d / "p.png").exists()
+
+
+def _edit_job(d: Path, edit) -> Path:
+    data = json.loads(_job_file(d).read_text())
+    edit(data)
+    path = d / "bad-job.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _overlap(data: dict) -> None:
+    data["domains"][1]["ranks"][0] = data["domains"][0]["ranks"][0]
+
+
+def _wrong_total(data: dict) -> None:
+    data["global_batch"] += 1
+
+
+def _nan_step(data: dict) -> None:
+    data["predicted"]["step_time_s"] = float("nan")
+
+
+def _bad_mode(data: dict) -> None:
+    data["options"]["memory_mode"] = "zero-9"
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_overlap, "is in domain 0 too"),
+        (_wrong_total, "but global_batch is"),
+        (_nan_step, "must be finite"),
+        (_bad_mode, "memory_mode must be one of"),
+        (lambda data: data.update(version=7), "job version 7 is not supported"),
+        (lambda data: data.pop("domains"), "'domains' is a required property"),
+    ],
+)
+@pytest.mark.parametrize("command", ["show", "validate", "simulate"])
+def test_broken_job_files_are_one_line(d, capsys, edit, match, command):
+    path = _edit_job(d, edit)
+    argv = ["simulate", "--layout", str(path)] if command == "simulate" else [command, str(path)]
+    _error(capsys, argv, match)
+
+
+def test_job_files_refuse_layout_only_flags(d, capsys):
+    job = _job_file(d)
+    capsys.readouterr()
+    _error(capsys, ["show", str(job), "--previous", str(job)], "is a job file")
+    _error(capsys, ["validate", str(job), "--previous", str(job)], "is a job file")
+    _error(
+        capsys,
+        ["simulate", "--layout", str(job), "--cluster", str(d / "c.yaml")],
+        "is a job file",
+    )
+    _error(capsys, ["simulate", "--layout", str(job), "--baselines"], "drop --baselines")
+    other = d / "other.yaml"
+    other.write_text(CLUSTER.replace("{name: h0", "{name: zz").replace("{name: a0", "{name: yy"))
+    _error(capsys, ["validate", str(job), "--cluster", str(other)], "re-plan the job")
+    assert main(["plan", "--cluster", str(d / "c.yaml"), "--model-config", str(d / "m.yaml"),
+                 "--time-limit", "1", "-o", str(d / "lay.json")]) == 0  # fmt: skip
+    capsys.readouterr()
+    _error(capsys, ["show", str(d / "lay.json"), "--plot", str(d / "x.png")], "is a layout")

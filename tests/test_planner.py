@@ -1037,3 +1037,20 @@ def test_a_generated_cluster_that_crashed_stage_three_plans():
     m = get_model("gpt-13b", overrides={"seq_length": 262144})
     lay = plan(cl, m, 262144, TrainOptions(), modes=AUTO_MODES, reproducible=True)
     assert lay.predicted["feasible"] and sum(r.num_tokens for r in lay.ranks) == 262144
+
+
+def test_one_gpu_type_on_nodes_of_two_networks():
+    # the drop-slowest heuristic dropped types by name: with one type on nodes of two networks it
+    # kept no rank and divided by zero
+    cluster = cluster_from_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {"name": "a", "gpu": "A100-SXM-80GB", "count": 8, "network_GBps": 25},
+                {"name": "b", "gpu": "A100-SXM-80GB", "count": 8, "network_GBps": 12.5},
+            ],
+        }
+    )
+    seq = 1 << 16
+    lay = plan(cluster, get_model("gpt-7b", overrides={"seq_length": seq}), seq, TrainOptions())
+    assert lay.predicted["feasible"]

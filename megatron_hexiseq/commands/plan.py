@@ -19,7 +19,7 @@ from megatron_hexiseq.commands.inputs import (
     load_problem,
 )
 from megatron_hexiseq.elastic import record_exclusions
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int
 from megatron_hexiseq.io import check_outputs
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.progress import waiting
@@ -36,13 +36,23 @@ EXAMPLES = """examples:
   megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --hosts 'gpu[01-02]' \
       --model gpt-7b --seq-length 131072 --exclude gpu01:3 -o layout2.json
   megatron-hexiseq show layout2.json --previous layout.json   # what changed, can it resume
+  # the whole job: 64 sequences per step, domains of GPUs with their own layouts and shares
+  megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \
+      --seq-length 32768 --global-batch 64 -o job.json --plot job.png
 
 The layout records the cluster and model specs it was planned for (meta), so 'simulate --layout'
 and 'validate' need nothing else. With --data-parallel-size D the predicted tokens/s are those of
 D copies of the cluster (each running this layout on its own sequences).
+
+With --global-batch B, plan writes a job file instead (docs/job.md): the cluster's GPUs in
+domains, each with its own layout and its share of the B sequences per step, the step's fixed
+costs priced (gradient reduction, optimizer), and every alternative (stock Megatron CP x DP, the
+fastest GPU type alone, one replica set per GPU type, one HexiSeq domain over all, equal mixed
+replicas) recorded beside it. 'show', 'validate' and 'simulate --layout' read job files too.
 """
 METHODS = ("hierarchical", "node", "exact")
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
+MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
 DEFAULT_TIME_LIMIT_S = 120.0  # planner.plan.DEFAULT_TIME_LIMIT_S (not imported: --help stays fast)
 
 
@@ -96,6 +106,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "of for one long sequence; planner.documents records the candidates' mean step times",
     )
     p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="B",
+        help="plan the whole job: B sequences per training step over every GPU, in domains with "
+        "their own layouts and shares; -o writes a job file (docs/job.md)",
+    )
+    p.add_argument(
+        "--no-overlap-grad-sync",
+        action="store_true",
+        help="with --global-batch: the run does not pass --overlap-grad-reduce "
+        "--overlap-param-gather (the gradient reduction is priced fully exposed)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="job.png",
+        default=None,
+        help="with --global-batch: draw the domains (GPUs coloured by domain, each domain's "
+        "busy/idle bar) (.png, .pdf, .svg, ...)",
+    )
+    p.add_argument(
         "--tensor-model-parallel-size",
         default="1",
         metavar="T|auto",
@@ -125,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
             f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
             f"got {args.time_limit}"
         )
+    if args.global_batch is not None or args.plot or args.no_overlap_grad_sync:
+        return _run_job(args)
     tp = _tp_size(args.tensor_model_parallel_size)
     check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config, args.doc_lengths])
     prob = load_problem(args)
@@ -236,3 +269,65 @@ def _for_documents(layout: Layout, prob: Problem, docs: list[int], left_s: float
         planner=planner,
         meta={**layout.meta, "chosen": record["chosen"]},
     )
+
+
+def _run_job(args: argparse.Namespace) -> int:
+    """``--global-batch``: plan the whole job and write a job file."""
+    if args.global_batch is None:
+        raise HexiSeqError(
+            f"{'--plot' if args.plot else '--no-overlap-grad-sync'} goes with --global-batch B "
+            "(a job plan)"
+        )
+    check_positive_int("--global-batch", args.global_batch, at_most=MAX_GLOBAL_BATCH)
+    for flag, given in (
+        ("--doc-lengths", args.doc_lengths is not None),
+        ("--method " + args.method, args.method != "hierarchical"),
+        ("--data-parallel-size", args.data_parallel_size != 1),
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size != "1"),
+    ):
+        if given:
+            raise HexiSeqError(
+                f"{flag} does not apply with --global-batch: a job plans every GPU of the cluster "
+                "with the hierarchical planner per domain, TP = 1; drop it"
+            )
+    outputs = [("-o", args.output)] + ([("--plot", args.plot)] if args.plot else [])
+    check_outputs(
+        outputs, inputs=[args.cluster, args.model_config], figures=["--plot"] if args.plot else []
+    )
+    if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
+        raise HexiSeqError(
+            f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
+            f"got {args.time_limit}"
+        )
+    from megatron_hexiseq.job.report import print_job, save_plot
+    from megatron_hexiseq.job.search import plan_job
+
+    prob = load_problem(args)
+    options = replace(prob.options, overlap_grad_sync=not args.no_overlap_grad_sync)
+    with waiting(
+        f"planning a job of {args.global_batch} x {prob.seq_length:,} tokens on "
+        f"{prob.cluster.world_size} GPUs",
+        enabled=args.format != "json",
+    ) as say:
+        job = plan_job(
+            prob.cluster,
+            prob.model,
+            prob.seq_length,
+            args.global_batch,
+            options,
+            modes=prob.modes,
+            time_limit_s=args.time_limit,
+            reproducible=args.reproducible,
+            progress=say,
+        )
+    if prob.survivors is not None:
+        job = replace(job, meta={**job.meta, "excluded": [str(e) for e in prob.survivors.excluded]})
+    job.save(args.output)
+    if args.plot:
+        save_plot(args.plot, job)
+    if args.format == "json":
+        sys.stdout.write(job.to_json())
+    else:
+        print_job(job)
+        print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else ""))
+    return 0

@@ -1,4 +1,5 @@
-"""``megatron-hexiseq simulate``: evaluate layouts and/or the baselines with the cost model."""
+"""``megatron-hexiseq simulate``: evaluate layouts and/or the baselines with the cost model, or a job
+file and its alternatives with the job model."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megatron_hexiseq.commands.inputs import (
 )
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import atomic_path, check_outputs
+from megatron_hexiseq.job.spec import JobPlan, load_layout_or_job
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.progress import waiting
 
@@ -29,6 +31,7 @@ EXAMPLES = """examples:
   megatron-hexiseq simulate --cluster examples/clusters/four-types-64.yaml --model llama3-70b \\
       --seq-length 262144 --recompute --baselines --format json
   megatron-hexiseq simulate --layout layout.json --baselines --per-rank
+  megatron-hexiseq simulate --layout job.json --plot job.png   # a job file and its alternatives
 
 Prints one summary row per layout and baseline (iteration time, tokens/s, speed-up of the best,
 memory); --per-rank adds each one's per-rank table. With --memory-mode auto (default) and a
@@ -85,7 +88,11 @@ def run(args: argparse.Namespace) -> int:
         inputs=[args.cluster, args.model_config, *args.layout],
         figures=["--plot"],
     )
-    layouts = [(path, Layout.load(path)) for path in args.layout]
+    loaded = [(path, load_layout_or_job(path)) for path in args.layout]
+    jobs = [(path, x) for path, x in loaded if isinstance(x, JobPlan)]
+    if jobs:
+        return _simulate_job(args, jobs[0][0], jobs[0][1], len(loaded))
+    layouts = [(path, x) for path, x in loaded if isinstance(x, Layout)]
     seqs = {lay.seq_length for _, lay in layouts}
     if args.seq_length is None and len(seqs) > 1:
         raise HexiSeqError(
@@ -192,3 +199,66 @@ def summary_table(rows: Sequence[Any], *, title: str) -> Any:
             f"(rank {tight.rank})",
         )
     return table
+
+
+def _simulate_job(args: argparse.Namespace, path: str, job: JobPlan, files: int) -> int:
+    """A job file: the job and each alternative it records, priced again by the job model (on the
+    cluster, model and options the file records)."""
+    from megatron_hexiseq.job.evaluate import simulate_job
+    from megatron_hexiseq.job.report import save_plot
+    from megatron_hexiseq.planner.report import _fmt_rate, _fmt_time, make_console
+
+    given = [
+        flag
+        for flag, value in (
+            ("another --layout", files > 1),
+            ("--cluster", args.cluster),
+            ("--hosts", args.hosts),
+            ("--model", args.model),
+            ("--model-config", args.model_config),
+            ("--seq-length", args.seq_length is not None),
+            ("--micro-batch-size", args.micro_batch_size),
+            ("--recompute", args.recompute),
+            ("--memory-mode", args.memory_mode != "auto"),
+            ("--data-parallel-size", args.data_parallel_size != 1),
+            ("--attention-kernel", args.attention_kernel != "auto"),
+            ("--baselines", args.baselines),
+            ("--per-rank", args.per_rank),
+        )
+        if value
+    ]
+    if given:
+        raise HexiSeqError(
+            f"{path} is a job file: it records its cluster, model and options, and its alternatives "
+            f"are simulated with it; drop {given[0]}"
+        )
+    with waiting("simulating", enabled=args.format != "json"):
+        rows = simulate_job(job)
+    if args.format == "json":
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+    else:
+        from rich.table import Table
+
+        best = min((r["step_time_s"] for r in rows if r["feasible"]), default=None)
+        table = Table(
+            title=f"{path}: {job.global_batch} x {job.seq_length:,} tokens per step on "
+            f"{job.cluster_spec.world_size} GPUs ({job.model_spec.name})"
+        )
+        for col in ("job", "domains", "step", "tokens/s", "best is faster by", "file's step"):
+            table.add_column(col, justify="left" if col == "job" else "right")
+        for r in rows:
+            step = r["step_time_s"]
+            table.add_row(
+                r["name"],
+                str(r["domains"]),
+                _fmt_time(step),
+                _fmt_rate(r["tokens_per_s"]),
+                f"{step / best:.2f}x" if step and best else "OUT OF MEMORY",
+                _fmt_time(r["recorded_step_time_s"]),
+            )
+        make_console().print(table)
+    if args.plot:
+        save_plot(args.plot, job)
+        if args.format != "json":
+            print(f"wrote {args.plot}")
+    return 0

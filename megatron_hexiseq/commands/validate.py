@@ -1,4 +1,5 @@
-"""``megatron-hexiseq validate``: check a layout file (and, with --cluster, that it fits the cluster)."""
+"""``megatron-hexiseq validate``: check a layout file (and, with --cluster, that it fits the
+cluster) or a job file (its domains, shares and layouts, and that every domain fits its GPUs)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from megatron_hexiseq.commands import describe
 from megatron_hexiseq.commands.inputs import check_fits, planned_options, recorded_model
 from megatron_hexiseq.elastic import diff_layouts
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.job.spec import JobPlan, load_layout_or_job
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.run_config import TrainOptions
 
@@ -17,6 +19,7 @@ EXAMPLES = """examples:
   megatron-hexiseq validate layout.json --cluster examples/clusters/mixed-h100-a100.yaml
   # a re-planned layout must resume the old one's checkpoints (same model, length, memory mode)
   megatron-hexiseq validate layout.json --previous old-layout.json
+  megatron-hexiseq validate job.json --cluster examples/clusters/mixed-h100-a100.yaml
 """
 
 
@@ -28,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("layout", help="layout JSON file")
+    p.add_argument("layout", help="layout or job JSON file (told apart by its format)")
     p.add_argument(
         "--cluster",
         metavar="C.yaml",
@@ -45,7 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = Layout.load(args.layout)
+    loaded = load_layout_or_job(args.layout)
+    if isinstance(loaded, JobPlan):
+        return _validate_job(args, loaded)
+    layout = loaded
     diff = None
     if args.previous:
         diff = diff_layouts(Layout.load(args.previous), layout)
@@ -76,4 +82,45 @@ def run(args: argparse.Namespace) -> int:
         print(f"changes against {args.previous}:")
         for line in diff.lines():
             print(f"  {line}")
+    return 0
+
+
+def _validate_job(args: argparse.Namespace, job: JobPlan) -> int:
+    """A job file: valid as loaded (``JobPlan``), every domain's layout within its GPUs' memory
+    under the job's options (the cost model, on the cluster it records), and with --cluster the
+    cluster's GPUs, rank by rank, those the job was planned for."""
+    from megatron_hexiseq.job.evaluate import price_job
+
+    if args.previous:
+        raise HexiSeqError(f"--previous compares two layouts; {args.layout} is a job file")
+    where = ""
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+        planned = job.cluster_spec
+        if cluster.world_size != planned.world_size:
+            raise HexiSeqError(
+                f"job {args.layout} was planned for {planned.world_size} GPUs, cluster "
+                f"{cluster.name!r} has {cluster.world_size}; re-plan the job for this cluster"
+            )
+        for r in job.run_ranks:
+            a, b = planned.devices[r], cluster.devices[r]
+            if (a.node, a.gpu.name) != (b.node, b.gpu.name):
+                raise HexiSeqError(
+                    f"job {args.layout}: cluster rank {r} is {a.node}/{a.gpu.name} in the job but "
+                    f"{b.node}/{b.gpu.name} in cluster {cluster.name!r}; re-plan the job"
+                )
+        where = f", matches cluster {cluster.name!r}"
+    priced = price_job(job)
+    problems = [f"domain {d}: {e.reason}" for d, e in enumerate(priced.evals) if not e.feasible]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise HexiSeqError(
+            f"job {args.layout} does not fit the memory of its GPUs: {problems[0]}{more}; "
+            "re-plan the job"
+        )
+    print(
+        f"ok: {args.layout}: {len(job.domains)} domain{'' if len(job.domains) == 1 else 's'} on "
+        f"{len(job.run_ranks)} of {job.cluster_spec.world_size} GPUs, {job.global_batch} sequences "
+        f"of {job.seq_length} tokens per step{where}, every domain fits its memory"
+    )
     return 0

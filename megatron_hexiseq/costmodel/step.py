@@ -13,9 +13,12 @@ one domain) and ends with what every rank does once, whatever the tokens
   --overlap-param-gather``) each runs bucket by bucket behind the compute
   (:func:`grad_sync_exposed_s`);
 - **Megatron-FSDP** (``memory_mode`` ``fsdp``): every micro-batch gathers each layer's parameters
-  in its forward and again in its backward and reduce-scatters its gradients
-  (:func:`fsdp_comm`); prefetched layer by layer, so only what the compute cannot cover is exposed
-  (:func:`fsdp_exposed_s`). ``estimate`` adds it to each micro-batch; nothing is left for the step;
+  in its forward and again in its backward and reduce-scatters its gradients, inside the shard
+  group (:func:`fsdp_comm`); prefetched layer by layer, so only what the compute cannot cover is
+  exposed (:func:`fsdp_exposed_s`). ``estimate`` adds it to each micro-batch; nothing is left
+  for the step. In a job the shard group is every rank (Megatron's ``dp_cp``), every rank must
+  join each of these collectives, so every domain runs the same number of micro-batches (the
+  job runtime refuses other counts) and they go in lockstep;
 - **the optimizer step**: Adam over the rank's shard, memory-bound (:func:`optimizer_s`).
 
 Overlap rule (:func:`overlapped_s`): ``chunks`` equal pieces of communication, each ready when the
@@ -109,10 +112,10 @@ def forward_fraction(options: TrainOptions) -> float:
 
 
 class GradSync(NamedTuple):
-    """The step's gradient reduction over the job's ranks (0 under ``fsdp``: per micro-batch)."""
+    """The step's gradient reduction (whole collectives, seconds)."""
 
-    reduce_scatter_s: float  # fp32 gradients, whole collective
-    all_gather_s: float  # bf16 parameters, whole collective
+    reduce_scatter_s: float  # fp32 gradients
+    all_gather_s: float  # bf16 parameters (fsdp: the all-reduce's second half, fp32 gradients)
     buckets: int  # DDP buckets each collective is cut into
 
 
@@ -123,8 +126,9 @@ def grad_buckets(model: ModelSpec, ranks_n: int) -> int:
 
 
 def grad_sync(model: ModelSpec, options: TrainOptions, ranks_n: int, bus_GBps: float) -> GradSync:
-    """The distributed optimizer's reduce-scatter of gradients and all-gather of parameters over
-    ``ranks_n`` ranks (nothing under ``fsdp``, which reduces and gathers every micro-batch)."""
+    """The distributed optimizer's reduce-scatter of the fp32 gradients and all-gather of the bf16
+    parameters over ``ranks_n`` ranks at ``bus_GBps`` (nothing under ``fsdp``, which reduces and
+    gathers every micro-batch, :func:`fsdp_comm`)."""
     if options.memory_mode == "fsdp":
         return GradSync(0.0, 0.0, 1)
     p = model.num_parameters
@@ -231,8 +235,8 @@ def fsdp_rank_exposed_s(
 class StepFixed(NamedTuple):
     """What a job's step costs once, whatever its micro-batches, over the job's ranks."""
 
-    ranks: int
-    bus_GBps: float  # of the ring over every rank of the job
+    ranks: int  # every rank of the job
+    bus_GBps: float  # of the ring over them
     sync: GradSync
     optimizer_s: float  # the slowest rank's
     overhead_s: float  # measured step overhead (the CPU testbed), else 0
@@ -244,21 +248,28 @@ class StepFixed(NamedTuple):
 
 
 def step_fixed(
-    cluster: Cluster, ranks: Sequence[int], model: ModelSpec, options: TrainOptions
+    cluster: Cluster,
+    domains: Sequence[Sequence[int]],
+    model: ModelSpec,
+    options: TrainOptions,
 ) -> StepFixed:
-    """The step's fixed costs over devices ``ranks`` of ``cluster``.
+    """The step's fixed costs of a job whose domains are the devices ``domains`` of ``cluster``.
 
     A cluster whose devices carry a measured ``step_overhead_ms`` (``profile --testbed``) pays that
     once per step, the largest of its ranks': it was measured around the whole step's gradient
-    reduction and optimizer, so neither is priced again. Otherwise the gradient reduction over
-    every rank (:func:`grad_sync`) and the optimizer step of the slowest rank's memory
-    (:func:`optimizer_s`; devices without an ``hbm_GBps`` figure are not priced)."""
+    reduction and optimizer, so neither is priced again. Otherwise the gradient reduction
+    (:func:`grad_sync`) and the optimizer step of the slowest rank's memory (:func:`optimizer_s`;
+    devices without an ``hbm_GBps`` figure are not priced). Both memory modes shard the optimizer
+    over every rank of the job (Megatron's ``dp_cp``), the reduction's ring over them
+    (:func:`ring_bus_GBps`)."""
+    ranks = [r for d in domains for r in d]
     n = len(ranks)
+    devs = cluster.devices
     bus = ring_bus_GBps(cluster, ranks)
-    overhead = max(cluster.devices[r].step_overhead_s for r in ranks)
+    overhead = max(devs[r].step_overhead_s for r in ranks)
     if overhead > 0:
         return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
-    opt = max(optimizer_s(model, options, n, cluster.devices[r].hbm_Bps) for r in ranks)
+    opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
     return StepFixed(n, bus, grad_sync(model, options, n, bus), opt, 0.0)
 
 

@@ -27,6 +27,8 @@ job's is refused.
 
 JSON form: ``format: "megatron-hexiseq/job"``, ``version: 1``; the JSON Schema lives in
 ``megatron_hexiseq/schema/job.schema.json``. ``JobPlan.from_json(job.to_json())`` is exact.
+``load_layout_or_job`` reads either kind of file, told apart by its ``format`` (``show``,
+``validate``, ``simulate``).
 """
 
 from __future__ import annotations
@@ -406,3 +408,12 @@ def _check_numbers_finite(data: Mapping[str, Any], source: str) -> None:
 
     for key in ("predicted", "alternatives", "planner", "meta", "options"):
         walk(data.get(key), key)
+
+
+def load_layout_or_job(path: str | os.PathLike) -> Layout | JobPlan:
+    """A layout file or a job file, told apart by its ``format`` (the commands that take either:
+    ``show``, ``validate``, ``simulate``); each validated as its own loader does."""
+    data = read_json(path, "layout or job file")
+    if isinstance(data, Mapping) and data.get("format") == FORMAT:
+        return JobPlan.from_dict(data, source=f"job {path}")
+    return Layout.from_dict(data, source=f"layout {path}")

@@ -12,22 +12,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_hexiseq.cluster import Cluster, Node
+from megatron_hexiseq.cluster import Cluster, Device, Node
 from megatron_hexiseq.layout import Group, Layout, RankPlan
 
 
-def _node_key(node: Node, first_device: int, cluster: Cluster) -> tuple:
-    d = cluster.devices[first_device]
+def hardware_key(node: Node, device: Device) -> tuple:
+    """A node's hardware, fastest first (``device``: one of its devices): achieved matmul rate,
+    attention rate, network, NVLink, memory, GPU type name. The canonical order's key before the
+    GPU count and name; the job planner orders its kinds of node by it too."""
     return (
-        -d.flops_per_s,
-        -d.attention_flops_per_s,
+        -device.flops_per_s,
+        -device.attention_flops_per_s,
         -node.network_GBps,
         -node.nvlink_GBps,
         -node.memory_gib,
-        d.gpu.name,
-        -node.count,
-        node.name,
+        device.gpu.name,
     )
+
+
+def _node_key(node: Node, first_device: int, cluster: Cluster) -> tuple:
+    return (*hardware_key(node, cluster.devices[first_device]), -node.count, node.name)
 
 
 def canonical_order(cluster: Cluster) -> list[int]:

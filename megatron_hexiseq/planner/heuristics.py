@@ -218,6 +218,8 @@ def heuristic_layouts(cluster: Cluster, model: ModelSpec, seq_length: int) -> li
     for k in range(1, len(types)):
         slow = {name for _, _, name in types[:k]}
         kept = sum(d.gpu.name not in slow for d in canon.devices)
+        if kept == 0:  # one GPU type on nodes of different networks: nothing is left to keep
+            continue
         hps = [
             hp
             for hp in head_parallel_sizes(kept, H) + ([kept] if H % kept == 0 else [])
