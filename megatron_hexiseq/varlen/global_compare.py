@@ -1,0 +1,433 @@
+"""Every global-batch scheme on the same steps: what ``megatron-hexiseq varlen --global-batch-tokens``
+reports.
+
+``compare_global`` packs ``steps`` global batches of ``samples = G // S`` loader samples of ``S``
+tokens (``packing.pack_batches``, shuffled with ``seed``; a document cut at a sample boundary is
+two units) and runs each scheme of ``global_schemes`` on each step, on the whole cluster. Every
+stock configuration a user could pick is tried and the best (lowest mean step) reported:
+``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``, at least ``MIN_TOKENS_PER_GPU``
+tokens per GPU), ``megatron-hybrid-cp`` at ``max_seqlen_per_rank`` in ``HYBRID_TOKENS`` (up to
+``S``), ``speed-aware-packing`` at every CP size, ``fast-only`` the best of the three on the
+fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
+
+``hexiseq-global`` runs on the job's domains (``--job``) or, without one, on the best of the
+candidate domain sets (``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
+one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``[MIN_TOKENS_PER_GPU,
+MAX_TOKENS_PER_GPU]``; each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
+the structure ``plan --doc-lengths`` would choose (``structure.choose_structure``), and micro-batch
+counts by speed (``domains.speed_shares``). The candidate is chosen on one global batch packed with
+``CHOICE_SEED`` (not the compared steps').
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.job.spec import JobPlan
+from megatron_hexiseq.layout import Layout
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions, modes_to_try
+from megatron_hexiseq.varlen.compare import FORMAT, VERSION, plan_fixed, rank_records
+from megatron_hexiseq.varlen.domains import (
+    Domain,
+    domain_options,
+    fastest_type_ranks,
+    replica_blocks,
+    speed_shares,
+    sub_cluster,
+    typed_blocks,
+)
+from megatron_hexiseq.varlen.global_planner import GlobalPlanner, _signature, retarget
+from megatron_hexiseq.varlen.global_schemes import (
+    Pricer,
+    SchemeStep,
+    cp_dp_step,
+    cp_sizes,
+    hexiseq_step,
+    hybrid_cp_step,
+    speed_aware_step,
+    thd_step,
+)
+from megatron_hexiseq.varlen.packing import pack_batches
+from megatron_hexiseq.varlen.structure import choose_structure
+
+SCHEMES = (
+    "hexiseq-global",
+    "megatron-cp-dp",
+    "megatron-hybrid-cp",
+    "speed-aware-packing",
+    "fast-only",
+)
+BASELINES = SCHEMES[1:]
+APPENDIX = ("megatron-thd-cp",)
+MIN_TOKENS_PER_GPU, MAX_TOKENS_PER_GPU = 1024, 32768
+HYBRID_TOKENS = (4096, 8192, 16384, 32768)
+CHOICE_SEED = 1_000_003
+STRUCTURE_BATCHES = 4
+
+
+def global_batches(
+    doc_lengths: Sequence[int], seq_length: int, samples: int, steps: int, seed: int
+) -> list[list[list[int]]]:
+    """``steps`` global batches of ``samples`` loader samples of ``seq_length`` tokens each."""
+    packed = pack_batches(doc_lengths, seq_length, samples * steps, seed)
+    return [packed[i * samples : (i + 1) * samples] for i in range(steps)]
+
+
+def units_of(samples: Sequence[Sequence[int]]) -> list[int]:
+    """The units of a global batch: every sample's documents, loader order."""
+    return [int(x) for s in samples for x in s]
+
+
+def modes_for(model: ModelSpec) -> list[TrainOptions]:
+    """The memory modes the baselines try, in order of overhead."""
+    base = TrainOptions.for_model(model)
+    return [replace(base, memory_mode=m, recompute=r) for m, r in modes_to_try("auto", False)]
+
+
+# ---- HexiSeq domains ------------------------------------------------------------------------
+def domains_from_job(job: JobPlan) -> list[Domain]:
+    """The job file's domains, each on its sub-cluster, with the job's options."""
+    cluster, W = job.cluster_spec, len(job.run_ranks)
+    opts = job.train_options
+    return [
+        Domain(
+            index=i,
+            ranks=d.ranks,
+            micro_batches=d.micro_batches,
+            structure=d.layout,
+            cluster=sub_cluster(cluster, d.ranks, name=f"{cluster.name}:domain{i}"),
+            options=domain_options(opts, W, d.size),
+        )
+        for i, d in enumerate(job.domains)
+    ]
+
+
+def _rehost(layout: Layout, cluster: Cluster) -> Layout:
+    """``layout`` (a layout of a cluster like ``cluster``) with ``cluster``'s hosts and GPUs."""
+    like = replace(
+        layout,
+        ranks=tuple(
+            replace(r, host=d.node, gpu=d.gpu.name) for r, d in zip(layout.ranks, cluster.devices)
+        ),
+        meta={},
+    )
+    return retarget(layout, like)
+
+
+def plan_domains(
+    cluster: Cluster,
+    model: ModelSpec,
+    blocks: Sequence[Sequence[int]],
+    seq_length: int,
+    samples: int,
+    doc_lengths: Sequence[int],
+    *,
+    time_limit_s: float = 60.0,
+) -> list[Domain]:
+    """Domains on ``blocks`` (cluster ranks each): every kind of block planned once (``plan``'s
+    layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
+    counts by speed (``speed_shares`` of ``samples``)."""
+
+    W = sum(len(b) for b in blocks)
+    planned: dict[tuple, tuple[Layout, TrainOptions]] = {}
+    domains = []
+    for i, b in enumerate(blocks):
+        sub = sub_cluster(cluster, b, name=f"{cluster.name}:domain{i}")
+        probe = Domain(
+            index=i,
+            ranks=tuple(b),
+            micro_batches=1,
+            structure=_trivial(sub, model),
+            cluster=sub,
+            options=TrainOptions.for_model(model),
+        )
+        key = _signature(probe)[0]
+        if key not in planned:
+            lay, opt = plan_fixed(sub, model, seq_length, time_limit_s)
+            m = replace(model, seq_length=seq_length)
+            structure, _ = choose_structure(
+                lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
+            )
+            planned[key] = (structure, opt)
+        structure, opt = planned[key]
+        domains.append(
+            Domain(
+                index=i,
+                ranks=tuple(b),
+                micro_batches=1,
+                structure=_rehost(structure, sub),
+                cluster=sub,
+                options=domain_options(opt, W, len(b)),
+            )
+        )
+    costs = GlobalPlanner(domains, model).costs
+    pairs_per_token = _pairs_per_token(doc_lengths, seq_length)
+    speeds = [
+        1.0 / c.cost_as(seq_length, int(seq_length * pairs_per_token)) if c.capacity else 0.0
+        for c in costs
+    ]
+    counts = speed_shares(samples, speeds)
+    return [replace(d, micro_batches=m) for d, m in zip(domains, counts)]
+
+
+def _pairs_per_token(doc_lengths: Sequence[int], seq_length: int) -> float:
+    """Mean document-masked pairs per token of samples packed from the lengths (cut at S)."""
+    x = np.minimum(np.asarray(doc_lengths, dtype=np.float64), seq_length)
+    return float((x * (x + 1) / 2).sum() / x.sum())
+
+
+def _trivial(sub: Cluster, model: ModelSpec) -> Layout:
+    from megatron_hexiseq.varlen.schemes import ring_layout
+
+    n = sub.world_size
+    return ring_layout(sub, replace(model, seq_length=n), n, [[(j, j + 1)] for j in range(n)])
+
+
+def hexiseq_candidates(
+    cluster: Cluster, seq_length: int, samples: int
+) -> list[tuple[str, list[list[int]]]]:
+    """Candidate domain sets (module docstring): (name, blocks of cluster ranks)."""
+    W = cluster.world_size
+    types = {d.gpu.name for d in cluster.devices}
+    out: list[tuple[str, list[list[int]]]] = []
+    n = 1
+    while n <= W:
+        per_gpu = seq_length // n
+        if W % n == 0 and MIN_TOKENS_PER_GPU <= per_gpu <= MAX_TOKENS_PER_GPU and W // n <= samples:
+            rep = replica_blocks(cluster, W // n)
+            if rep is not None:
+                out.append((f"replicas(n={n})", rep))
+            if len(types) > 1:
+                typed = typed_blocks(cluster, n)
+                if typed is not None and len(typed) <= samples:
+                    out.append((f"typed(n={n})", typed))
+        n *= 2
+    return out
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+def compare_global(
+    cluster: Cluster,
+    model: ModelSpec,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+    global_batch_tokens: int,
+    steps: int,
+    seed: int,
+    *,
+    job: JobPlan | None = None,
+    keep_assignments: bool = True,
+    progress: Callable[[str], None] | None = None,
+    time_limit_s: float = 60.0,
+    schemes: Sequence[str] = SCHEMES + APPENDIX,
+) -> dict[str, Any]:
+    """The ``out.json`` document of ``varlen --global-batch-tokens`` (module docstring)."""
+    say = progress or (lambda message: None)
+    samples = global_batch_tokens // seq_length
+    if samples < 1:
+        raise HexiSeqError(
+            f"--global-batch-tokens {global_batch_tokens:,} is less than one sample of "
+            f"{seq_length:,} tokens"
+        )
+    m = replace(model, seq_length=seq_length)
+    batches = global_batches(doc_lengths, seq_length, samples, steps, seed)
+    pricer = Pricer(cluster, m)
+    modes = modes_for(m)
+    results: dict[str, list[SchemeStep]] = {}
+    tried: dict[str, list[dict[str, Any]]] = {}
+    domains_rec: dict[str, Any] = {}
+
+    def best_of(
+        name: str, configs: list[tuple[dict[str, Any], Callable[[list[list[int]]], SchemeStep]]]
+    ) -> None:
+        rows, best = [], None
+        for cfg, run in configs:
+            try:
+                got = [run(b) for b in batches]
+            except HexiSeqError as e:
+                rows.append({**cfg, "reason": str(e)})
+                continue
+            mean = float(np.mean([g.step_s for g in got]))
+            feasible = all(g.feasible for g in got)
+            rows.append({**cfg, "mean_step_s": _sig(mean), "feasible": feasible})
+            if best is None or (not feasible, mean) < (not best[0], best[1]):
+                best = (feasible, mean, got)
+        tried[name] = rows
+        if best is not None:
+            results[name] = best[2]
+
+    def stock(ranks: Sequence[int] | None) -> list[tuple[dict[str, Any], Callable]]:
+        n = len(ranks) if ranks is not None else cluster.world_size
+        max_cp = max(1, seq_length // MIN_TOKENS_PER_GPU)
+        out: list[tuple[dict[str, Any], Callable]] = []
+        for c in cp_sizes(n, seq_length, samples, max_cp):
+            out.append(({"scheme": "megatron-cp-dp", "cp": c},
+                        lambda b, c=c: cp_dp_step(pricer, b, c, modes, ranks)))  # fmt: skip
+        for t in [t for t in HYBRID_TOKENS if t <= seq_length]:
+            out.append(({"scheme": "megatron-hybrid-cp", "max_seqlen_per_rank": t},
+                        lambda b, t=t: hybrid_cp_step(pricer, units_of(b), t, modes, ranks)))  # fmt: skip
+        c = 1
+        while c <= min(n, max_cp):
+            if n % c == 0:
+                out.append(({"scheme": "speed-aware-packing", "cp": c},
+                            lambda b, c=c: speed_aware_step(pricer, units_of(b), samples, c, modes, ranks)))  # fmt: skip
+            c *= 2
+        return out
+
+    all_stock = stock(None)
+    for name in ("megatron-cp-dp", "megatron-hybrid-cp", "speed-aware-packing"):
+        if name in schemes:
+            say(f"{name}")
+            best_of(name, [x for x in all_stock if x[0]["scheme"] == name])
+    if "fast-only" in schemes:
+        fast = fastest_type_ranks(cluster)
+        if len(fast) < cluster.world_size:
+            say("fast-only")
+            best_of("fast-only", stock(fast))
+            domains_rec["fast-only"] = {"ranks": fast}
+    if "megatron-thd-cp" in schemes:
+        say("megatron-thd-cp (appendix)")
+        best_of(
+            "megatron-thd-cp",
+            [({"scheme": "megatron-thd-cp"}, lambda b: thd_step(pricer, b, modes))],
+        )
+    if "hexiseq-global" in schemes:
+        say("hexiseq-global: choosing the domains")
+        chosen, cands = _choose_domains(
+            cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say
+        )
+        domains_rec["hexiseq-global"] = {
+            "chosen": chosen[0],
+            "candidates": cands,
+            "domains": [
+                {
+                    "ranks": list(d.ranks),
+                    "micro_batches": d.micro_batches,
+                    "groups": [list(g.ranks) for g in d.structure.groups],
+                    "memory_mode": d.options.memory_mode,
+                    "recompute": d.options.recompute,
+                }
+                for d in chosen[1].domains
+            ],  # fmt: skip
+        }
+        say("hexiseq-global")
+        results["hexiseq-global"] = [
+            hexiseq_step(chosen[1], pricer, units_of(b), {"domains": chosen[0]}) for b in batches
+        ]
+    out_steps = []
+    if keep_assignments:
+        for i, b in enumerate(batches):
+            out_steps.append(
+                {
+                    "samples": [list(s) for s in b],
+                    "schemes": {k: step_record(v[i]) for k, v in results.items()},
+                }
+            )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "mode": "global",
+        "cluster": cluster.name,
+        "world_size": cluster.world_size,
+        "model": model.name,
+        "seq_length": seq_length,
+        "samples_per_step": samples,
+        "global_batch_tokens": samples * seq_length,
+        "steps_count": steps,
+        "seed": seed,
+        "schemes": {k: summarize_global(k, v, samples * seq_length) for k, v in results.items()},
+        "tried": tried,
+        "domains": domains_rec,
+        "steps": out_steps,
+    }
+
+
+def _choose_domains(cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say):
+    if job is not None:
+        if job.seq_length != S:
+            raise HexiSeqError(
+                f"the job is planned for {job.seq_length:,}-token sequences but the samples have "
+                f"{S:,}; use --tokens-per-batch {job.seq_length}"
+            )
+        doms = domains_from_job(job)
+        return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
+    probe = units_of(global_batches(doc_lengths, S, samples, 1, CHOICE_SEED)[0])
+    best = None
+    rows: list[dict[str, Any]] = []
+    for name, blocks in hexiseq_candidates(cluster, S, samples):
+        say(f"hexiseq-global: {name}")
+        try:
+            doms = plan_domains(
+                cluster, model, blocks, S, samples, doc_lengths, time_limit_s=time_limit_s
+            )
+            gp = GlobalPlanner(doms, model)
+            st = hexiseq_step(gp, pricer, probe, {})
+        except HexiSeqError as e:
+            rows.append({"name": name, "reason": str(e)})
+            continue
+        rows.append(
+            {"name": name, "step_s": _sig(st.step_s), "feasible": st.feasible, "domains": len(doms)}
+        )
+        if best is None or (not st.feasible, st.step_s) < (not best[0], best[1]):
+            best = (st.feasible, st.step_s, name, gp)
+    if best is None:
+        raise HexiSeqError(
+            "no HexiSeq domain set fits this global batch; use longer samples or a larger batch"
+        )
+    return (best[2], best[3]), rows
+
+
+def summarize_global(name: str, steps: Sequence[SchemeStep], tokens: int) -> dict[str, Any]:
+    """Per scheme: mean / p90 step, whole-cluster tokens/s, slowest over mean domain (averaged over
+    steps), feasibility, the configuration, and the planner's CPU time."""
+    st = np.array([s.step_s for s in steps])
+    imb = [max(s.domain_s) / float(np.mean(s.domain_s)) for s in steps if len(s.domain_s) > 1]
+    rec: dict[str, Any] = {
+        "mean_step_s": _sig(float(st.mean())),
+        "p90_step_s": _sig(float(np.percentile(st, 90))),
+        "tokens_per_s": _sig(tokens / float(st.mean())),
+        "domain_imbalance": _sig(float(np.mean(imb))) if imb else 1.0,
+        "feasible": all(s.feasible for s in steps),
+        "config": steps[0].config,
+        "domains": len(steps[0].domain_s),
+    }
+    if name == "hexiseq-global":
+        sched = np.array([s.schedule_s for s in steps]) * 1e3
+        plan = np.array([x for s in steps for x in s.plan_s]) * 1e3
+        rec.update(
+            schedule_ms_max=_sig(float(sched.max())),
+            plan_ms_p50=_sig(float(np.median(plan))),
+            plan_ms_max=_sig(float(plan.max())),
+        )
+    return rec
+
+
+def step_record(step: SchemeStep) -> dict[str, Any]:
+    """One scheme's step in ``out.json``: every micro-batch with its per-rank records
+    (``compare.rank_records``: cluster rank, domain, group, segments, heads)."""
+    out = [
+        {
+            "domain": r.domain,
+            "index": r.micro_batch,
+            "step_s": _sig(r.estimate.iteration_time_s),
+            "doc_lengths": np.diff(r.cu_seqlens).tolist(),
+            "ranks": rank_records(r.layout, r.ranks, r.domain),
+        }
+        for r in step.runs
+    ]
+    return {
+        "step_s": _sig(step.step_s),
+        "domain_s": [_sig(x) for x in step.domain_s],
+        "micro_batches": out,
+    }
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.6g}")
