@@ -236,16 +236,54 @@ def setup(
             runtime, batch_layout=micro_batch_layout(args, runtime.groups, batch_layouts)
         )
     if pretrain_module is not None:
-        # pretrain_gpt's module-level functions, replaced on purpose (the batch seams)
-        slicer = LayoutBatchSlicer(
-            runtime.segments,
-            layout.seq_length,
+        runtime = install_batch_seams(args, runtime, pretrain_module, cp_group)
+    return runtime
+
+
+def install_batch_seams(
+    args: argparse.Namespace,
+    runtime: HexiSeqRuntime,
+    pretrain_module: ModuleType,
+    cp_group: dist.ProcessGroup | None,
+) -> HexiSeqRuntime:
+    """Replace ``pretrain_gpt``'s batch functions (the batch seams, on purpose). Without pipeline
+    parallelism every micro-batch is prepared ahead off the training thread
+    (``batch_ahead``: boundaries from the CPU batch, plan, host slices, agreement checks) and
+    ``get_batch`` only copies; with it, the slicer slices on the device as before."""
+    reset_mask = bool(getattr(args, "reset_attention_mask", False))
+    prepared = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+    if prepared:
+        from megatron_hexiseq.megatron.batch_ahead import ahead_batches, micro_batches_per_step
+        from megatron_hexiseq.megatron.batch_layout import fixed_layout
+
+        if runtime.batch_layout is None:
+            runtime = replace(
+                runtime,
+                batch_layout=fixed_layout(
+                    runtime.groups,
+                    reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+                ),
+            )
+        assert runtime.batch_layout is not None and runtime.documents is not None
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        pretrain_module.get_batch_on_this_tp_rank = ahead_batches(  # type: ignore[attr-defined]
             runtime.documents,
-            reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-            batch_layout=runtime.batch_layout,
+            runtime.batch_layout,
+            reset_attention_mask=reset_mask,
+            cp_group=cp_group,
+            depth=micro_batches_per_step(),
+            device=device,
         )
-        pretrain_module.get_batch_on_this_cp_rank = slicer  # type: ignore[attr-defined]
-        pretrain_module.get_thd_batch_on_this_cp_rank = slicer.thd  # type: ignore[attr-defined]
+    slicer = LayoutBatchSlicer(
+        runtime.segments,
+        runtime.layout.seq_length,
+        runtime.documents,
+        reset_attention_mask=reset_mask,
+        batch_layout=runtime.batch_layout,
+        prepared=prepared,
+    )
+    pretrain_module.get_batch_on_this_cp_rank = slicer  # type: ignore[attr-defined]
+    pretrain_module.get_thd_batch_on_this_cp_rank = slicer.thd  # type: ignore[attr-defined]
     return runtime
 
 

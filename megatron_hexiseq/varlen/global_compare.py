@@ -4,16 +4,15 @@ reports.
 ``compare_global`` packs ``steps`` global batches of ``samples = G // S`` loader samples of ``S``
 tokens (``packing.pack_batches``, shuffled with ``seed``; a document cut at a sample boundary is
 two units) and runs each scheme of ``global_schemes`` on each step, on the whole cluster. Every
-stock configuration a user could pick is tried and the best (lowest mean step) reported:
-``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``, at least ``MIN_TOKENS_PER_GPU``
-tokens per GPU), ``megatron-hybrid-cp`` at ``max_seqlen_per_rank`` in ``HYBRID_TOKENS`` (up to
-``S``), ``speed-aware-packing`` at every CP size, ``fast-only`` the best of the three on the
-fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
+stock configuration a user could pick is tried and the best (lowest mean step) reported, within
+``tokens_per_gpu`` (``TOKENS_PER_GPU``: 4K-32K tokens per GPU per micro-batch, the long-context
+regime): ``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``),
+``megatron-hybrid-cp`` at ``max_seqlen_per_rank`` in ``HYBRID_TOKENS``, ``speed-aware-packing`` at
+every CP size, ``fast-only`` the best of the three on the fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
 
 ``hexiseq-global`` runs on the job's domains (``--job``) or, without one, on the best of the
 candidate domain sets (``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
-one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``[MIN_TOKENS_PER_GPU,
-MAX_TOKENS_PER_GPU]``; each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
+one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``tokens_per_gpu``; each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
 the structure ``plan --doc-lengths`` would choose (``structure.choose_structure``), and micro-batch
 counts by speed (``domains.speed_shares``). The candidate is chosen on one global batch packed with
 ``CHOICE_SEED`` (not the compared steps').
@@ -66,7 +65,7 @@ SCHEMES = (
 )
 BASELINES = SCHEMES[1:]
 APPENDIX = ("megatron-thd-cp",)
-MIN_TOKENS_PER_GPU, MAX_TOKENS_PER_GPU = 1024, 32768
+TOKENS_PER_GPU = (4096, 32768)  # tokens per GPU per micro-batch of every configuration tried
 HYBRID_TOKENS = (4096, 8192, 16384, 32768)
 CHOICE_SEED = 1_000_003
 STRUCTURE_BATCHES = 4
@@ -191,7 +190,10 @@ def _trivial(sub: Cluster, model: ModelSpec) -> Layout:
 
 
 def hexiseq_candidates(
-    cluster: Cluster, seq_length: int, samples: int
+    cluster: Cluster,
+    seq_length: int,
+    samples: int,
+    tokens_per_gpu: tuple[int, int] = TOKENS_PER_GPU,
 ) -> list[tuple[str, list[list[int]]]]:
     """Candidate domain sets (module docstring): (name, blocks of cluster ranks)."""
     W = cluster.world_size
@@ -200,7 +202,7 @@ def hexiseq_candidates(
     n = 1
     while n <= W:
         per_gpu = seq_length // n
-        if W % n == 0 and MIN_TOKENS_PER_GPU <= per_gpu <= MAX_TOKENS_PER_GPU and W // n <= samples:
+        if W % n == 0 and tokens_per_gpu[0] <= per_gpu <= tokens_per_gpu[1] and W // n <= samples:
             rep = replica_blocks(cluster, W // n)
             if rep is not None:
                 out.append((f"replicas(n={n})", rep))
@@ -227,6 +229,7 @@ def compare_global(
     progress: Callable[[str], None] | None = None,
     time_limit_s: float = 60.0,
     schemes: Sequence[str] = SCHEMES + APPENDIX,
+    tokens_per_gpu: tuple[int, int] = TOKENS_PER_GPU,
 ) -> dict[str, Any]:
     """The ``out.json`` document of ``varlen --global-batch-tokens`` (module docstring)."""
     say = progress or (lambda message: None)
@@ -265,17 +268,22 @@ def compare_global(
 
     def stock(ranks: Sequence[int] | None) -> list[tuple[dict[str, Any], Callable]]:
         n = len(ranks) if ranks is not None else cluster.world_size
-        max_cp = max(1, seq_length // MIN_TOKENS_PER_GPU)
+        lo, hi = tokens_per_gpu
+        max_cp = max(1, seq_length // lo)
+
+        def in_range(c: int) -> bool:
+            return lo <= seq_length // c <= hi
+
         out: list[tuple[dict[str, Any], Callable]] = []
-        for c in cp_sizes(n, seq_length, samples, max_cp):
+        for c in [c for c in cp_sizes(n, seq_length, samples, max_cp) if in_range(c)]:
             out.append(({"scheme": "megatron-cp-dp", "cp": c},
                         lambda b, c=c: cp_dp_step(pricer, b, c, modes, ranks)))  # fmt: skip
-        for t in [t for t in HYBRID_TOKENS if t <= seq_length]:
+        for t in [t for t in HYBRID_TOKENS if t <= seq_length and lo <= t <= hi]:
             out.append(({"scheme": "megatron-hybrid-cp", "max_seqlen_per_rank": t},
                         lambda b, t=t: hybrid_cp_step(pricer, units_of(b), t, modes, ranks)))  # fmt: skip
         c = 1
         while c <= min(n, max_cp):
-            if n % c == 0:
+            if n % c == 0 and in_range(c):
                 out.append(({"scheme": "speed-aware-packing", "cp": c},
                             lambda b, c=c: speed_aware_step(pricer, units_of(b), samples, c, modes, ranks)))  # fmt: skip
             c *= 2
@@ -301,8 +309,9 @@ def compare_global(
     if "hexiseq-global" in schemes:
         say("hexiseq-global: choosing the domains")
         chosen, cands = _choose_domains(
-            cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say
-        )
+            cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say,
+            tokens_per_gpu,
+        )  # fmt: skip
         domains_rec["hexiseq-global"] = {
             "chosen": chosen[0],
             "candidates": cands,
@@ -349,7 +358,9 @@ def compare_global(
     }
 
 
-def _choose_domains(cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say):
+def _choose_domains(
+    cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say, tokens_per_gpu
+):
     if job is not None:
         if job.seq_length != S:
             raise HexiSeqError(
@@ -361,7 +372,7 @@ def _choose_domains(cluster, model, doc_lengths, S, samples, job, pricer, time_l
     probe = units_of(global_batches(doc_lengths, S, samples, 1, CHOICE_SEED)[0])
     best = None
     rows: list[dict[str, Any]] = []
-    for name, blocks in hexiseq_candidates(cluster, S, samples):
+    for name, blocks in hexiseq_candidates(cluster, S, samples, tokens_per_gpu):
         say(f"hexiseq-global: {name}")
         try:
             doms = plan_domains(
