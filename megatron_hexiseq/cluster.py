@@ -96,6 +96,11 @@ class GpuType:
     step (one sub-ring round of one layer, one direction of the pass); ``window_overhead_us`` per
     attention kernel call of a packed micro-batch (one document window, or one block with a
     variable-length kernel), forward and backward each: the runtime's slicing and merging around it.
+
+    ``hbm_GBps``: the device memory's bandwidth (datasheet, GB/s; the catalog's in
+    :data:`HBM_GBPS` with sources): what the optimizer step, a memory-bound pass over the rank's
+    shard, runs at (``costmodel.step``). 0: unknown, and the step's optimizer time is not priced
+    (the CPU testbed, whose measured ``step_overhead_ms`` holds it).
     """
 
     name: str
@@ -109,6 +114,7 @@ class GpuType:
     collective_latency_us: float = 0.0
     p2p_latency_us: float = 0.0
     window_overhead_us: float = 0.0
+    hbm_GBps: float = 0.0
     compute_capability: float | None = None
     achieved_tflops: tuple[tuple[str, float], ...] = ()
     attention_curves: tuple[tuple[str, Curve], ...] = ()
@@ -212,6 +218,11 @@ class Device:
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 2**30)
 
+    @property
+    def hbm_Bps(self) -> float:
+        """Device-memory bandwidth in bytes/s (0.0 when unknown)."""
+        return self.gpu.hbm_GBps * 1e9
+
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
@@ -271,10 +282,30 @@ def _gpu(
         nvlink_GBps=nvlink_GBps,
         efficiency=efficiency,
         source=source,
+        hbm_GBps=HBM_GBPS[name][0],
         compute_capability=gpu_rates.COMPUTE_CAPABILITY.get(name),
         achieved_tflops=tuple(sorted(gpu_rates.ACHIEVED_TFLOPS.get(name, {}).items())),
     )
 
+
+HBM_GBPS: Mapping[str, tuple[float, str]] = MappingProxyType(
+    {
+        "H100-SXM-80GB": (3350.0, "NVIDIA H100 Tensor Core GPU datasheet (SXM): 3.35 TB/s"),
+        "H100-PCIe-80GB": (2000.0, "NVIDIA H100 PCIe product brief PB-11133-001: 2,000 GB/s"),
+        "H200-141GB": (4800.0, "NVIDIA H200 Tensor Core GPU datasheet (SXM): 4.8 TB/s"),
+        "B200-192GB": (8000.0, "NVIDIA HGX B200 datasheet: 64 TB/s per 8 GPUs -> 8 TB/s per GPU"),
+        "A100-SXM-80GB": (2039.0, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 2,039 GB/s"),
+        "A100-SXM-40GB": (1555.0, "NVIDIA A100 Tensor Core GPU datasheet (40GB SXM): 1,555 GB/s"),
+        "A800-80GB": (2039.0, "NVIDIA A800 datasheet (80GB SXM): 2,039 GB/s, as the A100 80GB"),
+        "L40S-48GB": (864.0, "NVIDIA L40S datasheet: 864 GB/s GDDR6"),
+        "V100-SXM-32GB": (900.0, "NVIDIA V100 datasheet (SXM2): 900 GB/s HBM2"),
+        "CPU": (
+            0.0,
+            "unknown: the CPU testbed's measured step_overhead_ms holds the optimizer step",
+        ),
+    }
+)
+"""Device-memory bandwidth of the catalog's GPU types (GB/s) and where each figure comes from."""
 
 # Dense BF16 (no sparsity) peak, memory, and per-GPU one-direction NVLink = half the datasheet's
 # bidirectional aggregate. GPUs without NVLink get their PCIe link (one direction).
@@ -394,7 +425,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     """Plain dict that ``cluster_from_dict`` turns back into an equal Cluster.
 
     Every GPU type used is written out in full under ``gpus`` and every node field is explicit,
-    so the file does not depend on the catalog of the release that reads it.
+    so the file does not depend on the catalog of the release that reads it; except ``hbm_GBps``,
+    written only when it is not the catalog's own figure for that name (so a plan's recorded
+    spec is what it was before the field existed).
     """
     gpus: dict[str, dict[str, Any]] = {}
     for node in cluster.nodes:
@@ -411,6 +444,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         for key in _FIXED_COST_KEYS:
             if getattr(g, key):
                 entry[key] = getattr(g, key)
+        catalog = GPU_CATALOG.get(g.name)
+        if g.hbm_GBps and (catalog is None or catalog.hbm_GBps != g.hbm_GBps):
+            entry["hbm_GBps"] = g.hbm_GBps  # a catalog type's own figure comes from the catalog
         if g.compute_capability is not None:
             entry["compute_capability"] = g.compute_capability
         if g.achieved_tflops:

@@ -2,15 +2,18 @@
 automatic mode order, and the options record a layout carries.
 
 - ``TrainOptions``: micro-batch size, full activation recompute, memory mode, data-parallel
-  replicas, usable share of device memory (what Megatron's flags decide).
+  replicas, usable share of device memory, the optimizer's shard group (its size and ring
+  bandwidth, set for the domains of a job) and overlapped gradient reduction (what Megatron's
+  flags decide).
 - Memory modes (``MEMORY_MODES``): ``distributed_optimizer`` (Megatron's distributed optimizer,
   ZeRO-1) and ``fsdp`` (Megatron-FSDP, ZeRO-3). ``megatron_flags`` maps options to the flags
   that realise them, ``CHECKPOINT_FORMAT`` names each mode's checkpoint format.
 - ``--memory-mode auto`` tries ``AUTO_MODES`` in order of modelled overhead: distributed
   optimizer, fsdp, distributed optimizer + recompute, fsdp + recompute; ``modes_to_try`` narrows
   that order to what the flags allow.
-- ``options_record`` is what ``plan`` writes as a layout's ``meta.options``; ``options_from_record``
-  reads one back (type-checked, one-line errors naming the key).
+- ``options_record`` is what ``plan`` writes as a layout's ``meta.options`` (the shard group and
+  overlap fields only when set, ``RECORD_IF_SET``); ``options_from_record`` reads one back
+  (type-checked, one-line errors naming the key).
 
 The memory checks that need the cost model's byte formulas (does a mode fit at all, and the
 one-line "does not fit" message) are in ``megatron_hexiseq.planner.feasibility``: this module
@@ -49,6 +52,10 @@ MEMORY_FLAGS = {
         "fsdp_dtensor",
     ],
 }
+# --overlap-grad-reduce: each bucket's gradient reduction starts as soon as the backward has
+# produced it; --overlap-param-gather: the distributed optimizer's parameter all-gather runs bucket
+# by bucket under the next step's forward (megatron/core/distributed/distributed_data_parallel.py)
+OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather"]
 RECOMPUTE_FLAGS = [
     "--recompute-granularity",
     "full",
@@ -69,7 +76,13 @@ OPTION_FIELDS = (
     "data_parallel_size",
     "capacity_fraction",
     "attention_kernel",
+    "shard_group_size",
+    "shard_group_GBps",
+    "overlap_grad_sync",
 )
+# written into a record only when they differ from these defaults (a single-sequence layout's record
+# stays what it was before they existed)
+RECORD_IF_SET = {"shard_group_size": 0, "shard_group_GBps": 0.0, "overlap_grad_sync": False}
 _RECORD_TYPES = {
     "micro_batch_size": int,
     "recompute": bool,
@@ -77,6 +90,9 @@ _RECORD_TYPES = {
     "data_parallel_size": int,
     "capacity_fraction": float,
     "attention_kernel": str,
+    "shard_group_size": int,
+    "shard_group_GBps": float,
+    "overlap_grad_sync": bool,
     "memory_modes_tried": list,
     "megatron_flags": list,
 }
@@ -96,6 +112,15 @@ class TrainOptions:
     ``capacity_fraction``: usable share of each device's memory.
     ``attention_kernel``: the block kernel the run forces (``--hexiseq-kernel``), ``auto`` for the
     runtime's choice per GPU; the cost model prices that kernel's achieved rate.
+    ``shard_group_size``: ranks the optimizer state (with ``fsdp`` also the parameters and
+    gradients) is sharded over, and that Megatron-FSDP's collectives span; 0 (default):
+    ``data_parallel_size * world_size`` (:meth:`shard_ranks`). A job of several domains shards over
+    all its ranks, more than one domain's layout holds.
+    ``shard_group_GBps``: the bus bandwidth (GB/s) of a ring over that group; 0 (default): the
+    ring over the layout's own cluster (``costmodel.step.ring_bus_GBps``).
+    ``overlap_grad_sync``: ``--overlap-grad-reduce --overlap-param-gather`` (the step's gradient
+    reduction hides behind the last backward, the parameter all-gather behind the first forward;
+    ``costmodel.step``).
     """
 
     micro_batch_size: int = 1
@@ -104,10 +129,34 @@ class TrainOptions:
     data_parallel_size: int = 1
     capacity_fraction: float = 0.95
     attention_kernel: str = "auto"
+    shard_group_size: int = 0
+    shard_group_GBps: float = 0.0
+    overlap_grad_sync: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "data_parallel_size"):
             check_positive_int(name, getattr(self, name))
+        if (
+            not isinstance(self.shard_group_size, int)
+            or isinstance(self.shard_group_size, bool)
+            or self.shard_group_size < 0
+        ):
+            raise HexiSeqError(
+                f"shard_group_size must be an integer >= 0, got {short(self.shard_group_size)}"
+            )
+        if (
+            not isinstance(self.shard_group_GBps, (int, float))
+            or isinstance(self.shard_group_GBps, bool)
+            or not math.isfinite(self.shard_group_GBps)
+            or self.shard_group_GBps < 0
+        ):
+            raise HexiSeqError(
+                f"shard_group_GBps must be a number >= 0, got {short(self.shard_group_GBps)}"
+            )
+        if not isinstance(self.overlap_grad_sync, bool):
+            raise HexiSeqError(
+                f"overlap_grad_sync must be true or false, got {self.overlap_grad_sync!r}"
+            )
         if self.memory_mode not in MEMORY_MODES:
             raise HexiSeqError(
                 f"memory_mode must be one of {', '.join(MEMORY_MODES)}, got {self.memory_mode!r}"
@@ -123,6 +172,11 @@ class TrainOptions:
                 f"capacity_fraction must be in (0, 1], got {self.capacity_fraction!r}"
             )
 
+    def shard_ranks(self, world_size: int) -> int:
+        """Ranks the optimizer state is sharded over for a layout of ``world_size`` ranks:
+        ``shard_group_size``, or ``data_parallel_size * world_size`` when that is 0."""
+        return self.shard_group_size or self.data_parallel_size * world_size
+
     @classmethod
     def for_model(cls, model: ModelSpec, **kwargs: Any) -> TrainOptions:
         """Options whose micro-batch size comes from the model spec unless given."""
@@ -130,8 +184,13 @@ class TrainOptions:
 
 
 def megatron_flags(options: TrainOptions) -> list[str]:
-    """Megatron-LM flags that realise a memory mode (see docs/planner.md)."""
-    return MEMORY_FLAGS[options.memory_mode] + (RECOMPUTE_FLAGS if options.recompute else [])
+    """Megatron-LM flags that realise a memory mode (see docs/planner.md) and, when set, the
+    overlapped gradient reduction and parameter gather."""
+    return (
+        MEMORY_FLAGS[options.memory_mode]
+        + (RECOMPUTE_FLAGS if options.recompute else [])
+        + (OVERLAP_FLAGS if options.overlap_grad_sync else [])
+    )
 
 
 def mode_label(options: TrainOptions) -> str:
@@ -153,13 +212,18 @@ def modes_to_try(memory_mode: str, recompute: bool) -> tuple[tuple[str, bool], .
 
 def options_record(options: TrainOptions, tried: Sequence[TrainOptions]) -> dict[str, Any]:
     """A layout's ``meta.options``: the options it was planned with, the modes tried, the flags."""
-    return {
+    record: dict[str, Any] = {
         "micro_batch_size": options.micro_batch_size,
         "recompute": options.recompute,
         "memory_mode": options.memory_mode,
         "data_parallel_size": options.data_parallel_size,
         "capacity_fraction": options.capacity_fraction,
         "attention_kernel": options.attention_kernel,
+    }
+    for key, default in RECORD_IF_SET.items():
+        if getattr(options, key) != default:
+            record[key] = getattr(options, key)
+    return record | {
         "memory_modes_tried": [mode_label(o) for o in tried],
         "megatron_flags": megatron_flags(options),
     }

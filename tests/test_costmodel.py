@@ -119,8 +119,11 @@ def test_static_memory_each_mode():
     dist, fsdp = TrainOptions(), TrainOptions(memory_mode="fsdp")
     assert static_memory_bytes(TINY, dist, 4) == 6 * 872 + 12 * 872 // 4 == 7848
     assert static_memory_bytes(TINY, dist, 5) == 5232 + 2093  # ceil(10464 / 5)
-    assert static_memory_bytes(TINY, fsdp, 4) == 18 * 872 // 4 == 3924
-    assert static_memory_bytes(TINY, fsdp, 5) == 3140  # ceil(15696 / 5)
+    # fsdp: the shards plus Megatron-FSDP's working buffers, 2 layer units x 6 B per parameter
+    # (bf16 gathered + fp32 gradients) and one embedding-sized unit (V h = 128) x 6 B
+    assert TINY.layer_parameters == 600
+    assert static_memory_bytes(TINY, fsdp, 4) == 18 * 872 // 4 + 12 * 600 + 6 * 128 == 11892
+    assert static_memory_bytes(TINY, fsdp, 5) == 3140 + 7968  # ceil(15696 / 5) + buffers
     with pytest.raises(HexiSeqError):
         static_memory_bytes(TINY, dist, 0)
 
@@ -313,9 +316,12 @@ def test_ulysses_estimate_by_hand():
     assert r0.breakdown["mem_static"] == 6 * 872 + 12 * 872 // 2
     assert r0.memory_bytes == 10464 + 3 * 416 + 8 * (36 + 116) + 3 * 48
     assert r0.capacity_bytes == int(0.95 * 2**30) and e.feasible
-    # fsdp + recompute on rank 0: ceil(18 P / 2) + 3 x (2h + layer + out + layer) + 8 x (36 + 116) + 144
+    # fsdp + recompute on rank 0: ceil(18 P / 2) + FSDP's buffers 7968 + 3 x (2h + layer + out +
+    # layer) + 8 x (36 + 116) + 144
     fr = estimate(lay, c, TINY, TrainOptions(memory_mode="fsdp", recompute=True)).per_rank[0]
-    assert fr.memory_bytes == 18 * 872 // 2 + 3 * (16 + 144 + 128 + 144) + 8 * (36 + 116) + 3 * 48
+    assert fr.memory_bytes == (
+        18 * 872 // 2 + 7968 + 3 * (16 + 144 + 128 + 144) + 8 * (36 + 116) + 3 * 48
+    )
     # recompute: one more forward of compute and of the all-to-alls
     rc = estimate(lay, c, TINY, TrainOptions(recompute=True)).per_rank[1]
     assert rc.breakdown["linear_s"] == pytest.approx(4 / 3 * r1.breakdown["linear_s"])

@@ -195,11 +195,13 @@ def test_stage3_evenness_solve_is_the_most_even_optimum():
 
 
 def test_memory_feedback_inside_a_track_resplits_its_grouping(monkeypatch):
-    # 3 L40S nodes + 1 H100 node, gpt-13b, 896K tokens: the time-feedback tracks go over memory and
+    # 3 L40S nodes + 1 H100 node, gpt-13b, 800K tokens: the time-feedback tracks go over memory and
     # lower it; a track then re-splits its own grouping: Stage I runs once, for round 0 (inside a
     # track its factors made other groupings' members unequal: up to 2.1 of a 3.2 s plan). At 1M
     # tokens (suite row 1) round 0 itself is over memory since the cost model counts the attention
-    # backward's float32 transients, so the case needs the shorter sequence.
+    # backward's float32 transients, so the case needs the shorter sequence (896K until
+    # Megatron-FSDP's working buffers and per-layer collectives were priced: round 0 is over memory
+    # there now).
     import megatron_hexiseq.planner.hierarchical as hierarchical
 
     calls: list[str] = []
@@ -220,7 +222,7 @@ def test_memory_feedback_inside_a_track_resplits_its_grouping(monkeypatch):
             ],
         }
     )
-    seq = 7 << 17
+    seq = 25 << 15
     said: list[str] = []
     plan(
         cluster,

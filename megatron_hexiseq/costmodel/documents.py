@@ -76,6 +76,7 @@ from megatron_hexiseq.costmodel.pieces import (
     piece_pairs,
 )
 from megatron_hexiseq.costmodel.rates import cluster_rates
+from megatron_hexiseq.costmodel.step import fsdp_rank_exposed_s
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
@@ -219,6 +220,8 @@ def estimate_documents(
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
         att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
     linear_s = tokens * lin_rate + dev.overhead_s
+    if options.memory_mode == "fsdp":  # Megatron-FSDP's per-layer collectives, as estimate's
+        linear_s = linear_s + fsdp_rank_exposed_s(cluster, model, options, tokens * lin_rate)
     # every window a kernel call at its own achieved rate (module docstring, "Kernel calls")
     rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
     own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(

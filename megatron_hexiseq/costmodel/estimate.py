@@ -4,6 +4,9 @@ Per rank (all layers, one iteration = one micro-batch of ``b`` sequences, forwar
 
 - ``linear_s``    = b * tokens_r * train_flops(linear_flops_per_token) / flops_per_s + ``overhead_s``
                     (the device's fixed ``step_overhead_s`` per iteration: optimizer, framework)
+                    + ``fsdp_exposed_s`` (``fsdp`` only: Megatron-FSDP's per-layer parameter
+                    gathers and gradient reduce-scatter over the shard group that the rank's linear
+                    work does not hide, ``step.fsdp_exposed_s``)
 - ``attention_s`` = b * causal_pairs(group segments, [0, S)) * heads_r
                     * train_flops(attention_flops_per_pair_head) / (the kernel's long-block rate)
                     * slowdown_r (its calls' time at their achieved rates over their time at the
@@ -52,6 +55,7 @@ from megatron_hexiseq.costmodel.formulas import (
     static_memory_bytes,
 )
 from megatron_hexiseq.costmodel.rates import cluster_rates
+from megatron_hexiseq.costmodel.step import fsdp_rank_exposed_s
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
@@ -211,6 +215,10 @@ def estimate(
     g_a2a = np.array(group_a2a_s)[gi]
     g_tokens = np.array(group_tokens_of, dtype=np.int64)[gi]
     linear_s = t * lin_rate + dev.overhead_s
+    # Megatron-FSDP's per-layer collectives (zeros in other modes), in the linear phase
+    fsdp_s = fsdp_rank_exposed_s(cluster, model, options, t * lin_rate)
+    if options.memory_mode == "fsdp":
+        linear_s = linear_s + fsdp_s
     # at the long-block rate, then at the achieved rate of the rank's calls (1.0 for a flat rate)
     attention_s = g_pairs * heads_n * att_rate * np.array(exchange.slowdown)
     kv_latency_s = steps * np.array(exchange.rounds, dtype=np.int64) * dev.p2p_latency_s
@@ -250,6 +258,7 @@ def estimate(
             "capacity_bytes": capacity,
             "linear_s": linear_s,
             "overhead_s": dev.overhead_s,
+            "fsdp_exposed_s": fsdp_s,
             "attention_s": attention_s,
             "a2a_s": g_a2a,
             "kv_exchange_s": kv_s,
@@ -273,6 +282,7 @@ def estimate(
 _BREAKDOWN = (
     "linear_s",
     "overhead_s",
+    "fsdp_exposed_s",
     "attention_s",
     "a2a_s",
     "kv_exchange_s",
@@ -326,7 +336,7 @@ def memory_floor_fits(
     its tokens' activations and the attention core of its group's tokens): a necessary condition of
     ``estimate(...).feasible``, without the K/V exchange simulation (callers skip a memory mode)."""
     b = options.micro_batch_size
-    static = static_memory_bytes(model, options, options.data_parallel_size * layout.world_size)
+    static = static_memory_bytes(model, options, options.shard_ranks(layout.world_size))
     act = activation_bytes_per_token(model, options)
     tokens = [r.num_tokens for r in layout.ranks]
     group_tokens = {g.id: sum(tokens[r] for r in g.ranks) for g in layout.groups}
@@ -381,7 +391,7 @@ def rank_memory(
     )
     kv_n = np.asarray(kv_count, dtype=np.int64)
     return RankMemory(
-        static=static_memory_bytes(model, options, options.data_parallel_size * world_size),
+        static=static_memory_bytes(model, options, options.shard_ranks(world_size)),
         activations=b * tokens * activation_bytes_per_token(model, options),
         attention=b * group_tokens * core + b * max_block_tokens * blk_bwd,
         comm=b * tokens * a2a_buffer_bytes_per_token(model)

@@ -91,15 +91,24 @@ def static_memory_bytes(model: ModelSpec, options: TrainOptions, domain_size: in
     ``distributed_optimizer`` (Megatron's distributed optimizer = ZeRO-1 with fp32 grad buffers):
     bf16 params 2 B + fp32 main grads 4 B replicated, fp32 master params + Adam m + v = 12 B sharded
     over ``domain_size`` (= DP x CP ranks): ``6*P + ceil(12*P / domain)``.
-    ``fsdp`` (ZeRO-3): all 18 B/param sharded: ``ceil(18*P / domain)``. Gathered-parameter buffers
-    of FSDP (one layer at a time) are left out. (The modes and their flags: ``run_config``.)
+    ``fsdp`` (ZeRO-3): all 18 B/param sharded, ``ceil(18*P / domain)``, plus Megatron-FSDP's
+    working buffers (:func:`fsdp_buffer_bytes`). (The modes and their flags: ``run_config``.)
     """
     if domain_size <= 0:
         raise HexiSeqError(f"domain_size must be positive, got {domain_size}")
     p = model.num_parameters
     if options.memory_mode == "fsdp":
-        return -(-18 * p // domain_size)
+        return -(-18 * p // domain_size) + fsdp_buffer_bytes(model)
     return 6 * p + -(-12 * p // domain_size)
+
+
+def fsdp_buffer_bytes(model: ModelSpec) -> int:
+    """Megatron-FSDP's working buffers on top of its shards: two ``TransformerLayer`` units in
+    flight (the one computing and the one prefetched or being reduced), each with its gathered bf16
+    parameters and unsharded fp32 gradients (6 bytes per parameter), and the embedding or output
+    layer, gathered one at a time outside the units (6 bytes per parameter of ``V x h``)."""
+    unit = BF16_BYTES + FP32_BYTES
+    return 2 * unit * model.layer_parameters + unit * model.vocab_size * model.hidden_size
 
 
 def layer_activation_bytes_per_token(model: ModelSpec) -> int:

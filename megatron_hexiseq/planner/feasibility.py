@@ -16,9 +16,7 @@ from megatron_hexiseq.run_config import TrainOptions, mode_label
 
 def may_fit(cluster: Cluster, model: ModelSpec, seq_length: int, options: TrainOptions) -> bool:
     """Necessary condition: the devices' free memory (after static) holds every token's activations."""
-    static = costmodel.static_memory_bytes(
-        model, options, cluster.world_size * options.data_parallel_size
-    )
+    static = costmodel.static_memory_bytes(model, options, options.shard_ranks(cluster.world_size))
     act = options.micro_batch_size * costmodel.activation_bytes_per_token(model, options)
     free = sum(
         max(0.0, options.capacity_fraction * d.memory_bytes - static) for d in cluster.devices
@@ -32,7 +30,7 @@ def explain_infeasible(
     """One line: which GPU type runs out of memory, by how much, and what would help."""
     opts = tried[-1]  # the most memory-frugal mode tried
     W = cluster.world_size
-    static = costmodel.static_memory_bytes(model, opts, W * opts.data_parallel_size)
+    static = costmodel.static_memory_bytes(model, opts, opts.shard_ranks(W))
     act = max(1, costmodel.activation_bytes_per_token(model, opts))
     usable = [opts.capacity_fraction * d.memory_bytes for d in cluster.devices]
     free = [max(0.0, u - static) for u in usable]

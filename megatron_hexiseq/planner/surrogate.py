@@ -227,7 +227,7 @@ def build_surrogate(
     b = options.micro_batch_size
     a2a_b = b * a2a_bytes_per_token(model, recompute)
     kv_b = b * kv_bytes_per_token_per_head(model, recompute)
-    domain = W * options.data_parallel_size
+    domain = options.shard_ranks(W)
     static = costmodel.static_memory_bytes(model, options, domain)
     act = b * costmodel.activation_bytes_per_token(model, options)
     G = model.num_query_groups
