@@ -22,7 +22,7 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job import Domain as JobDomain
 from megatron_hexiseq.job import JobPlan
 from megatron_hexiseq.model import get_model
-from megatron_hexiseq.run_config import options_record
+from megatron_hexiseq.run_config import TrainOptions, options_record
 from megatron_hexiseq.varlen.domains import (
     Domain,
     cp_groups,
@@ -195,7 +195,7 @@ def test_job_domains_and_the_cli(typed, tmp_path, capsys) -> None:
     got = domains_from_job(job)
     assert [d.ranks for d in got] == [d.ranks for d in doms]
     assert [d.micro_batches for d in got] == [d.micro_batches for d in doms]
-    assert got[0].options == domain_options(doms[0].options, 8, 2)
+    assert got[0].options == domain_options(doms[0].options, MIX, list(range(8)), 2)
     jp = tmp_path / "job.json"
     job.save(jp)
     lp = tmp_path / "L.json"
@@ -227,7 +227,5 @@ def test_domain_needs_a_micro_batch() -> None:
             micro_batches=0,
             structure=_trivial(sub, get_model("gpt-tiny")),
             cluster=sub,
-            options=domain_options(
-                __import__("megatron_hexiseq.run_config").run_config.TrainOptions(), 8, 1
-            ),
+            options=TrainOptions(),
         )

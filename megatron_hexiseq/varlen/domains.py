@@ -78,11 +78,24 @@ def sub_cluster(cluster: Cluster, ranks: Sequence[int], name: str | None = None)
     )
 
 
-def domain_options(options: TrainOptions, run_ranks: int, size: int) -> TrainOptions:
-    """``options`` for pricing one domain of ``size`` GPUs in a run of ``run_ranks``: the
-    distributed optimizer and FSDP shard over every rank of the run (``data_parallel_size``
-    = ``run_ranks // size``, at least 1)."""
-    return replace(options, data_parallel_size=max(1, run_ranks // size))
+def domain_options(
+    options: TrainOptions, cluster: Cluster, run_ranks: Sequence[int], size: int
+) -> TrainOptions:
+    """``options`` for pricing one domain of ``size`` GPUs in a run on ``run_ranks`` of
+    ``cluster``: the distributed optimizer and Megatron-FSDP shard over every rank of the run
+    (``shard_group_size``), FSDP's collectives ride the ring over all of them
+    (``shard_group_GBps``, ``costmodel.step.ring_bus_GBps``); ``data_parallel_size`` = run ranks
+    // domain size."""
+    from megatron_hexiseq.costmodel.step import ring_bus_GBps
+
+    n = len(run_ranks)
+    bus = ring_bus_GBps(cluster, run_ranks) if n > 1 else 0.0
+    return replace(
+        options,
+        data_parallel_size=max(1, n // size),
+        shard_group_size=n,
+        shard_group_GBps=bus if bus != float("inf") else 0.0,
+    )
 
 
 def node_blocks(cluster: Cluster, order: Sequence[int] | None = None) -> list[list[int]]:

@@ -93,7 +93,7 @@ def modes_for(model: ModelSpec) -> list[TrainOptions]:
 # ---- HexiSeq domains ------------------------------------------------------------------------
 def domains_from_job(job: JobPlan) -> list[Domain]:
     """The job file's domains, each on its sub-cluster, with the job's options."""
-    cluster, W = job.cluster_spec, len(job.run_ranks)
+    cluster = job.cluster_spec
     opts = job.train_options
     return [
         Domain(
@@ -102,7 +102,7 @@ def domains_from_job(job: JobPlan) -> list[Domain]:
             micro_batches=d.micro_batches,
             structure=d.layout,
             cluster=sub_cluster(cluster, d.ranks, name=f"{cluster.name}:domain{i}"),
-            options=domain_options(opts, W, d.size),
+            options=domain_options(opts, cluster, job.run_ranks, d.size),
         )
         for i, d in enumerate(job.domains)
     ]
@@ -134,7 +134,7 @@ def plan_domains(
     layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
     counts by speed (``speed_shares`` of ``samples``)."""
 
-    W = sum(len(b) for b in blocks)
+    run = sorted(r for b in blocks for r in b)
     planned: dict[tuple, tuple[Layout, TrainOptions]] = {}
     domains = []
     for i, b in enumerate(blocks):
@@ -163,7 +163,7 @@ def plan_domains(
                 micro_batches=1,
                 structure=_rehost(structure, sub),
                 cluster=sub,
-                options=domain_options(opt, W, len(b)),
+                options=domain_options(opt, cluster, run, len(b)),
             )
         )
     costs = GlobalPlanner(domains, model).costs

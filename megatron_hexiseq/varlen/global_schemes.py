@@ -238,7 +238,7 @@ def cp_dp_step(
     groups = _cp_groups(pricer, c, ranks)
     D = len(groups)
     run_ranks = sorted(r for g in groups for r in g)
-    opts = [domain_options(o, len(run_ranks), c) for o in modes]
+    opts = [domain_options(o, cluster, run_ranks, c) for o in modes]
 
     def fits(o: TrainOptions) -> bool:
         return all(
@@ -280,7 +280,7 @@ def speed_aware_step(
     run_ranks = sorted(r for g in groups for r in g)
     last: Exception | None = None
     for o in modes:
-        opt = domain_options(o, len(run_ranks), c)
+        opt = domain_options(o, cluster, run_ranks, c)
         domains = [
             Domain(
                 index=i,
@@ -370,7 +370,7 @@ def hybrid_cp_step(
     k_long = sched.gpus_needed(longest)
     if k_long > W:
         raise HexiSeqError(f"a unit of {longest} tokens needs {k_long} GPUs, more than {W}")
-    opts = [domain_options(o, W, 1) for o in modes]
+    opts = [domain_options(o, cluster, run_ranks, 1) for o in modes]
     o = first_fit(
         opts,
         lambda o: pricer.ring(gpus[:k_long], [longest], o, memo=True)[2].feasible,
@@ -411,7 +411,7 @@ def thd_step(
     the first ``THD_SAMPLES`` samples priced, the step = their mean x the samples."""
     order = canonical_order(pricer.cluster)
     W = len(order)
-    opts = [domain_options(o, W, W) for o in modes]
+    opts = [domain_options(o, pricer.cluster, order, W) for o in modes]
     o = first_fit(opts, lambda o: pricer.ring(order, samples[0], o)[2].feasible)
     runs = []
     for i, docs in enumerate(samples[:THD_SAMPLES]):
