@@ -122,13 +122,20 @@ class MicroBatchLayout:
     def prepare(self, bounds: DocumentBounds | None) -> BatchPlan:
         """This micro-batch's checked ``BatchPlan``, without making it current (the planning
         thread of ``batch_ahead`` prepares plans ahead; the training thread sets ``plan``)."""
-        layout = self.provider(bounds)
+        return self.plan_of(self.provider(bounds), bounds)
+
+    def plan_of(
+        self, layout: Layout, bounds: DocumentBounds | None, *, any_length: bool = False
+    ) -> BatchPlan:
+        """The checked ``BatchPlan`` of ``layout`` for a micro-batch with ``bounds``.
+        ``any_length``: the micro-batch may have another length than the job's (the CPU
+        testbed's global-batch driver, whose micro-batches are bins of documents)."""
         if not isinstance(layout, Layout):
             raise HexiSeqError(
                 f"the per-micro-batch layout provider returned {type(layout).__name__}, not a "
                 "Layout; return a Layout of the job's groups and heads"
             )
-        if layout.seq_length != self.seq_length:
+        if layout.seq_length != self.seq_length and not any_length:
             raise HexiSeqError(
                 f"the micro-batch's layout covers {layout.seq_length} tokens but the micro-batch "
                 f"has {self.seq_length} (--seq-length); plan it for the whole micro-batch"
