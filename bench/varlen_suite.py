@@ -98,6 +98,12 @@ def run_case(case: dict, steps: int) -> dict:
         keep_assignments=False,
     )  # fmt: skip
     s = res["schemes"]
+    if "hexiseq-global" not in s:  # no HexiSeq domain set fits: reported, not compared
+        row = {
+            k: case[k] for k in ("label", "model", "seq", "tokens", "gpus", "homogeneous", "dist")
+        }
+        row["error"] = [c.get("reason", "") for c in res["domains"]["hexiseq-global"]["candidates"]]
+        return row
     ours = s["hexiseq-global"]["mean_step_s"]
     row = {
         k: case[k]
@@ -198,7 +204,8 @@ def _med(xs: list[float]) -> float | None:
 
 
 def summary(rows: list[dict]) -> dict:
-    out: dict = {}
+    out: dict = {"failed": sum("error" in r for r in rows)}
+    rows = [r for r in rows if "error" not in r]
     for kind, sel in (("mixed", [r for r in rows if not r["homogeneous"]]),
                       ("homogeneous", [r for r in rows if r["homogeneous"]])):  # fmt: skip
         keys = sorted({k for r in sel for k in r["speedup"]})
@@ -225,6 +232,14 @@ def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
         "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for i, r in enumerate(rows):
+        if "error" in r:
+            lines.append(
+                f"| {i} | {r['label']} | {r['model']} | {r['seq'] // 1024}K | "
+                f"{r['tokens'] / 2**20:.0f}M | {r['dist']} | no HexiSeq domain set fits | "
+                + " | ".join(["-"] * 10)
+                + " |"
+            )
+            continue
         lines.append(
             f"| {i} | {r['label']} | {r['model']} | {r['seq'] // 1024}K | {r['tokens'] / 2**20:.0f}M | "
             f"{r['dist']} | {r['domains']} | {r['tokens_per_s']['hexiseq-global']:,.0f} | "
@@ -261,7 +276,7 @@ def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
     def plot(ax) -> None:
         for k, color in (("megatron-cp-dp", "C0"), ("megatron-hybrid-cp", "C1"),
                          ("speed-aware-packing", "C2"), ("fast-only", "C3")):  # fmt: skip
-            pts = [(r["gpus"], r["speedup"][k]) for r in rows if k in r["speedup"]]
+            pts = [(r["gpus"], r["speedup"][k]) for r in rows if k in r.get("speedup", {})]
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, label=f"over {k}", s=18)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -97,7 +97,8 @@ class GlobalTrainConfig:
 @dataclass(frozen=True)
 class GlobalTrainResult:
     """Per rank: the global per-token loss and wall time of each step; per micro-batch of its
-    domain the exposed host time; per step the planning thread's CPU seconds; its domain's
+    domain the exposed host time; per step the planning thread's CPU seconds (schedule, layouts,
+    plans, slices, agreement checks; not the reading of the units' tokens); its domain's
     micro-batches (unit indices, layouts); step 0's gradients when asked (rank 0)."""
 
     losses: list[float]
@@ -156,6 +157,7 @@ class _Planner:
         self, step: int, units: Sequence[int]
     ) -> tuple[list[Prepared], list[tuple[int, ...]], float]:
         t0 = time.thread_time()
+        data_s = 0.0  # reading the units' tokens: the data loader's work, not planning
         bins = self.cfg.scheme.schedule(step, units)
         check_agreement(
             [digest_ints(_flat(bins))], self.world_side, names=[f"step {step}: the schedule"]
@@ -168,7 +170,9 @@ class _Planner:
             cu = [0, *np.cumsum(lengths).tolist()]
             bounds = parse_cu_seqlens(cu, seq_length=cu[-1], batch=1)
             plan = self.slot.plan_of(layout, bounds, any_length=True)
+            t1 = time.thread_time()
             batch = micro_batch(self.cfg, step, units, ids)
+            data_s += time.thread_time() - t1
             gather = torch.as_tensor(np.asarray(plan.positions, dtype=np.int64))
             tensors = {key: batch[key].index_select(1, gather) for key in TOKEN_KEYS}
             plan.host_index()
@@ -180,7 +184,7 @@ class _Planner:
                 self.domain_side,
                 names=[f"step {step} micro-batch {k}" for k in range(len(mine))],
             )
-        return items, mine, time.thread_time() - t0
+        return items, mine, time.thread_time() - t0 - data_s
 
     def next(self) -> tuple[list[Prepared], list[tuple[int, ...]], float]:
         kind, item = self.queue.get()

@@ -32,9 +32,15 @@ FORMAT, VERSION = "megatron-hexiseq/varlen", 2
 
 
 def plan_fixed(
-    cluster: Cluster, model: ModelSpec, tokens: int, time_limit_s: float = 120.0
+    cluster: Cluster,
+    model: ModelSpec,
+    tokens: int,
+    time_limit_s: float = 120.0,
+    options: TrainOptions | None = None,
 ) -> tuple[Layout, TrainOptions]:
-    """``plan``'s layout for one sequence of ``tokens`` (memory mode auto) and its options."""
+    """``plan``'s layout for one sequence of ``tokens`` (memory mode auto) and its options.
+    ``options``: the base options (default: the model's); a domain of a larger run passes its
+    run-wide sharding (``varlen.domains.domain_options``)."""
     from megatron_hexiseq.planner.plan import plan
 
     if tokens < cluster.world_size:
@@ -43,7 +49,7 @@ def plan_fixed(
             "at least one token"
         )
     m = replace(model, seq_length=tokens)
-    options = TrainOptions.for_model(m)
+    options = options or TrainOptions.for_model(m)
     layout = plan(
         cluster,
         m,

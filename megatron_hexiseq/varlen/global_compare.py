@@ -149,7 +149,8 @@ def plan_domains(
         )
         key = _signature(probe)[0]
         if key not in planned:
-            lay, opt = plan_fixed(sub, model, seq_length, time_limit_s)
+            base = domain_options(TrainOptions.for_model(model), cluster, run, len(b))
+            lay, opt = plan_fixed(sub, model, seq_length, time_limit_s, options=base)
             m = replace(model, seq_length=seq_length)
             structure, _ = choose_structure(
                 lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
@@ -312,24 +313,28 @@ def compare_global(
             cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say,
             tokens_per_gpu,
         )  # fmt: skip
-        domains_rec["hexiseq-global"] = {
-            "chosen": chosen[0],
-            "candidates": cands,
-            "domains": [
-                {
-                    "ranks": list(d.ranks),
-                    "micro_batches": d.micro_batches,
-                    "groups": [list(g.ranks) for g in d.structure.groups],
-                    "memory_mode": d.options.memory_mode,
-                    "recompute": d.options.recompute,
-                }
-                for d in chosen[1].domains
-            ],  # fmt: skip
-        }
-        say("hexiseq-global")
-        results["hexiseq-global"] = [
-            hexiseq_step(chosen[1], pricer, units_of(b), {"domains": chosen[0]}) for b in batches
-        ]
+        if chosen is None:  # no candidate domain set holds the global batch
+            domains_rec["hexiseq-global"] = {"chosen": None, "candidates": cands}
+        else:
+            domains_rec["hexiseq-global"] = {
+                "chosen": chosen[0],
+                "candidates": cands,
+                "domains": [
+                    {
+                        "ranks": list(d.ranks),
+                        "micro_batches": d.micro_batches,
+                        "groups": [list(g.ranks) for g in d.structure.groups],
+                        "memory_mode": d.options.memory_mode,
+                        "recompute": d.options.recompute,
+                    }
+                    for d in chosen[1].domains
+                ],  # fmt: skip
+            }
+            say("hexiseq-global")
+            results["hexiseq-global"] = [
+                hexiseq_step(chosen[1], pricer, units_of(b), {"domains": chosen[0]})
+                for b in batches
+            ]
     out_steps = []
     if keep_assignments:
         for i, b in enumerate(batches):
@@ -389,9 +394,7 @@ def _choose_domains(
         if best is None or (not st.feasible, st.step_s) < (not best[0], best[1]):
             best = (st.feasible, st.step_s, name, gp)
     if best is None:
-        raise HexiSeqError(
-            "no HexiSeq domain set fits this global batch; use longer samples or a larger batch"
-        )
+        return None, rows
     return (best[2], best[3]), rows
 
 
