@@ -37,10 +37,12 @@ def plan_fixed(
     tokens: int,
     time_limit_s: float = 120.0,
     options: TrainOptions | None = None,
+    recompute: bool = False,
 ) -> tuple[Layout, TrainOptions]:
     """``plan``'s layout for one sequence of ``tokens`` (memory mode auto) and its options.
     ``options``: the base options (default: the model's); a domain of a larger run passes its
-    run-wide sharding (``varlen.domains.domain_options``)."""
+    run-wide sharding (``varlen.domains.domain_options``). ``recompute``: only the modes with full
+    recompute (more tokens per micro-batch fit)."""
     from megatron_hexiseq.planner.plan import plan
 
     if tokens < cluster.world_size:
@@ -55,7 +57,7 @@ def plan_fixed(
         m,
         tokens,
         options,
-        modes=modes_to_try("auto", False),
+        modes=modes_to_try("auto", recompute),
         time_limit_s=time_limit_s,
         reproducible=True,
     )

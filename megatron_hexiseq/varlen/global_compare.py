@@ -12,10 +12,14 @@ every CP size, ``fast-only`` the best of the three on the fastest GPU type alone
 
 ``hexiseq-global`` runs on the job's domains (``--job``) or, without one, on the best of the
 candidate domain sets (``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
-one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``tokens_per_gpu``; each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
+one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``tokens_per_gpu``, and domains
+of one GPU type each at its own size (``fit_blocks``: the fewest GPUs of the type that hold a
+sample, and twice that); each planned in the memory mode ``plan`` picks and, as a second
+candidate, in a recompute mode (more tokens fit a micro-batch: long documents can go to more
+domains); each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
 the structure ``plan --doc-lengths`` would choose (``structure.choose_structure``), and micro-batch
-counts by speed (``domains.speed_shares``). The candidate is chosen on one global batch packed with
-``CHOICE_SEED`` (not the compared steps').
+counts by speed (``domains.speed_shares``). The candidate is chosen on ``CHOICE_STEPS`` global
+batches packed with ``CHOICE_SEED`` (not the compared steps').
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ APPENDIX = ("megatron-thd-cp",)
 TOKENS_PER_GPU = (4096, 32768)  # tokens per GPU per micro-batch of every configuration tried
 HYBRID_TOKENS = (4096, 8192, 16384, 32768)
 CHOICE_SEED = 1_000_003
+CHOICE_STEPS = 2  # global batches the domain set is chosen on
 STRUCTURE_BATCHES = 4
 
 
@@ -120,6 +125,53 @@ def _rehost(layout: Layout, cluster: Cluster) -> Layout:
     return retarget(layout, like)
 
 
+def _kind(cluster: Cluster, model: ModelSpec, ranks: Sequence[int]) -> tuple:
+    """What a block's plan depends on: its GPUs, links and node pattern (``_signature``)."""
+    sub = sub_cluster(cluster, ranks)
+    probe = Domain(
+        index=0,
+        ranks=tuple(ranks),
+        micro_batches=1,
+        structure=_trivial(sub, model),
+        cluster=sub,
+        options=TrainOptions.for_model(model),
+    )
+    return _signature(probe)[0]
+
+
+def _plan_block(
+    cluster: Cluster,
+    model: ModelSpec,
+    ranks: Sequence[int],
+    seq_length: int,
+    run: Sequence[int],
+    time_limit_s: float,
+    cache: dict,
+    recompute: bool = False,
+) -> tuple[Layout, TrainOptions]:
+    """``plan``'s layout (and options) for ``seq_length`` tokens on the block ``ranks`` of a run
+    on ``run`` (the optimizer sharded over the whole run), once per kind of block (``cache``);
+    a ``HexiSeqError`` when it does not fit (cached too). ``recompute``: recompute modes only."""
+    key = (_kind(cluster, model, ranks), len(run), seq_length, recompute)
+    if key not in cache:
+        base = domain_options(TrainOptions.for_model(model), cluster, run, len(ranks))
+        try:
+            cache[key] = plan_fixed(
+                sub_cluster(cluster, ranks),
+                model,
+                seq_length,
+                time_limit_s,
+                options=base,
+                recompute=recompute,
+            )
+        except HexiSeqError as e:
+            cache[key] = e
+    got = cache[key]
+    if isinstance(got, HexiSeqError):
+        raise got
+    return got
+
+
 def plan_domains(
     cluster: Cluster,
     model: ModelSpec,
@@ -129,34 +181,30 @@ def plan_domains(
     doc_lengths: Sequence[int],
     *,
     time_limit_s: float = 60.0,
+    cache: dict | None = None,
+    recompute: bool = False,
 ) -> list[Domain]:
     """Domains on ``blocks`` (cluster ranks each): every kind of block planned once (``plan``'s
     layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
-    counts by speed (``speed_shares`` of ``samples``)."""
-
+    counts by speed (``speed_shares`` of ``samples``). ``cache``: plans kept between calls;
+    ``recompute``: plan in the recompute modes only (more tokens fit a domain's micro-batch)."""
     run = sorted(r for b in blocks for r in b)
-    planned: dict[tuple, tuple[Layout, TrainOptions]] = {}
+    cache = {} if cache is None else cache
+    chosen: dict[tuple, tuple[Layout, TrainOptions]] = {}
     domains = []
     for i, b in enumerate(blocks):
         sub = sub_cluster(cluster, b, name=f"{cluster.name}:domain{i}")
-        probe = Domain(
-            index=i,
-            ranks=tuple(b),
-            micro_batches=1,
-            structure=_trivial(sub, model),
-            cluster=sub,
-            options=TrainOptions.for_model(model),
-        )
-        key = _signature(probe)[0]
-        if key not in planned:
-            base = domain_options(TrainOptions.for_model(model), cluster, run, len(b))
-            lay, opt = plan_fixed(sub, model, seq_length, time_limit_s, options=base)
+        key = _kind(cluster, model, b)
+        if key not in chosen:
+            lay, opt = _plan_block(
+                cluster, model, b, seq_length, run, time_limit_s, cache, recompute
+            )
             m = replace(model, seq_length=seq_length)
             structure, _ = choose_structure(
                 lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
             )
-            planned[key] = (structure, opt)
-        structure, opt = planned[key]
+            chosen[key] = (structure, opt)
+        structure, opt = chosen[key]
         domains.append(
             Domain(
                 index=i,
@@ -175,6 +223,51 @@ def plan_domains(
     ]
     counts = speed_shares(samples, speeds)
     return [replace(d, micro_batches=m) for d, m in zip(domains, counts)]
+
+
+def fit_blocks(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    tokens_per_gpu: tuple[int, int],
+    time_limit_s: float,
+    cache: dict,
+    scale: int = 1,
+) -> tuple[str, list[list[int]]] | None:
+    """Domains of one GPU type each, every type at its own size: the smallest power of two whose
+    GPUs hold a ``seq_length``-token sample in memory (``plan`` finds a layout) with at most
+    ``tokens_per_gpu[1]`` tokens per GPU, times ``scale``. None when some type has no such size
+    (or ``scale`` leaves fewer than ``tokens_per_gpu[0]`` tokens per GPU)."""
+    from megatron_hexiseq.planner.canonical import canonical_order
+
+    lo, hi = tokens_per_gpu
+    by_type: dict[str, list[int]] = {}
+    for r in canonical_order(cluster):
+        by_type.setdefault(cluster.devices[r].gpu.name, []).append(r)
+    run = list(range(cluster.world_size))
+    sizes: dict[str, int] = {}
+    for t, ranks in by_type.items():
+        n = 1
+        while n <= len(ranks):
+            if len(ranks) % n == 0 and seq_length // n <= hi:
+                try:
+                    _plan_block(cluster, model, ranks[:n], seq_length, run, time_limit_s, cache)
+                except HexiSeqError:
+                    n *= 2
+                    continue
+                break
+            n *= 2
+        n *= scale
+        if n > len(ranks) or len(ranks) % n or seq_length // n < lo:
+            return None
+        sizes[t] = n
+    blocks = [
+        ranks[i : i + sizes[t]]
+        for t, ranks in by_type.items()
+        for i in range(0, len(ranks), sizes[t])
+    ]
+    name = "typed-fit(" + ", ".join(f"{t.split('-')[0]}:{n}" for t, n in sizes.items()) + ")"
+    return name, blocks
 
 
 def _pairs_per_token(doc_lengths: Sequence[int], seq_length: int) -> float:
@@ -374,25 +467,38 @@ def _choose_domains(
             )
         doms = domains_from_job(job)
         return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
-    probe = units_of(global_batches(doc_lengths, S, samples, 1, CHOICE_SEED)[0])
+    probes = [
+        units_of(b) for b in global_batches(doc_lengths, S, samples, CHOICE_STEPS, CHOICE_SEED)
+    ]
     best = None
     rows: list[dict[str, Any]] = []
-    for name, blocks in hexiseq_candidates(cluster, S, samples, tokens_per_gpu):
-        say(f"hexiseq-global: {name}")
+    cache: dict = {}
+    candidates = hexiseq_candidates(cluster, S, samples, tokens_per_gpu)
+    if len({d.gpu.name for d in cluster.devices}) > 1:
+        for scale in (1, 2):
+            fit = fit_blocks(cluster, model, S, tokens_per_gpu, time_limit_s, cache, scale)
+            if fit is not None and len(fit[1]) <= samples and fit not in candidates:
+                candidates.append(fit)
+    for (name, blocks), recompute in [(c, r) for c in candidates for r in (False, True)]:
+        label = name + ("+recompute" if recompute else "")
+        say(f"hexiseq-global: {label}")
         try:
             doms = plan_domains(
-                cluster, model, blocks, S, samples, doc_lengths, time_limit_s=time_limit_s
-            )
+                cluster, model, blocks, S, samples, doc_lengths, time_limit_s=time_limit_s,
+                cache=cache, recompute=recompute,
+            )  # fmt: skip
             gp = GlobalPlanner(doms, model)
-            st = hexiseq_step(gp, pricer, probe, {})
+            got = [hexiseq_step(gp, pricer, probe, {}) for probe in probes]
         except HexiSeqError as e:
-            rows.append({"name": name, "reason": str(e)})
+            rows.append({"name": label, "reason": str(e)})
             continue
+        step = float(np.mean([g.step_s for g in got]))
+        feasible = all(g.feasible for g in got)
         rows.append(
-            {"name": name, "step_s": _sig(st.step_s), "feasible": st.feasible, "domains": len(doms)}
+            {"name": label, "step_s": _sig(step), "feasible": feasible, "domains": len(doms)}
         )
-        if best is None or (not st.feasible, st.step_s) < (not best[0], best[1]):
-            best = (st.feasible, st.step_s, name, gp)
+        if best is None or (not feasible, step) < (not best[0], best[1]):
+            best = (feasible, step, label, gp)
     if best is None:
         return None, rows
     return (best[2], best[3]), rows
