@@ -175,6 +175,31 @@ def test_compare_global_reports_every_scheme(typed) -> None:
     assert total == 16 * S
 
 
+def test_varlen_global_cli(typed, tmp_path, capsys) -> None:
+    _, docs, _ = typed
+    spec = tmp_path / "c.yaml"
+    spec.write_text(
+        "name: mix8\nnodes:\n"
+        + "".join(
+            f"  - {{name: {n}, gpu: {g}, count: 2, network_GBps: 25}}\n"
+            for n, g in (("a0", "A100-SXM-80GB"), ("h0", "H100-SXM-80GB"))
+        )
+    )
+    lp = tmp_path / "L.json"
+    lp.write_text(json.dumps(docs[:1500]))
+    out = tmp_path / "out.json"
+    args = ["varlen", "--cluster", str(spec), "--model", "gpt-tiny", "--doc-lengths", str(lp),
+            "--tokens-per-batch", str(S), "--global-batch-tokens", str(8 * S), "--batches", "1",
+            "-o", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["samples_per_step"] == 8 and set(data["schemes"]) >= {"hexiseq-global"}
+    printed = capsys.readouterr().out
+    assert "hexiseq-global" in printed and "megatron-thd-cp (appendix)" in printed
+    assert main([*args, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot draws per-micro-batch" in capsys.readouterr().err
+
+
 def _job(m, doms) -> JobPlan:
     return JobPlan(
         global_batch=sum(d.micro_batches for d in doms),

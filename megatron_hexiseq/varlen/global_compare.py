@@ -477,8 +477,9 @@ def _choose_domains(
     if len({d.gpu.name for d in cluster.devices}) > 1:
         for scale in (1, 2):
             fit = fit_blocks(cluster, model, S, tokens_per_gpu, time_limit_s, cache, scale)
-            if fit is not None and len(fit[1]) <= samples and fit not in candidates:
-                candidates.append(fit)
+            if fit is not None and len(fit[1]) <= samples:
+                if all(fit[1] != blocks for _, blocks in candidates):  # not a typed(n) already
+                    candidates.append(fit)
     for (name, blocks), recompute in [(c, r) for c in candidates for r in (False, True)]:
         label = name + ("+recompute" if recompute else "")
         say(f"hexiseq-global: {label}")
