@@ -31,7 +31,11 @@ class Domain:
     ``ranks``: cluster ranks (local rank ``j`` is ``ranks[j]``); ``structure``: a layout over the
     local ranks (its groups and heads are kept, its segments ignored); ``cluster``: the domain's
     ``sub_cluster``; ``options``: the training options its micro-batches are priced with (the
-    optimizer shards over the whole run: ``data_parallel_size`` = run ranks // domain size)."""
+    optimizer shards over the whole run: ``data_parallel_size`` = run ranks // domain size).
+    ``efficiency_1024``: how much longer the domain's planned micro-batches take than its
+    perfectly divided work, in 1/1024 (1024: as divided; ``global_batch.domain_costs`` scales the
+    integer table by it): measured once, when the domain is planned, on sample micro-batches of
+    the length distribution (``global_compare.plan_domains``)."""
 
     index: int
     ranks: tuple[int, ...]
@@ -39,6 +43,7 @@ class Domain:
     structure: Layout
     cluster: Cluster
     options: TrainOptions
+    efficiency_1024: int = 1024
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1:

@@ -10,9 +10,10 @@ domain by its own ``BatchPlanner`` (or, for the stock baselines, split THD zig-z
   work and head all-to-all of the whole domain, perfectly divided), per document-masked pair
   (attention; a unit of ``l`` tokens has ``l (l + 1) / 2``), and per micro-batch (fixed costs),
   rounded once from the cost model's rates (``domain_costs``) with IEEE basic operations only
-  (``math.fsum``, division, multiplication: correctly rounded, the same on every CPU). Every
-  decision below compares integers, so every rank that schedules the same units with the same
-  tables gets the same bins, whatever its CPU's ``log``/``exp`` or SIMD width.
+  (``math.fsum``, division, multiplication: correctly rounded, the same on every CPU), then scaled
+  by the domain's measured planning efficiency (an integer in 1/1024, fixed when the domain is
+  planned). Every decision below compares integers, so every rank that schedules the same units
+  with the same tables gets the same bins, whatever its CPU's ``log``/``exp`` or SIMD width.
 - **Units, longest first** (ties: loader order), each to the domain where the step's finish time
   (its fixed costs plus the costs of its units so far) grows least, among the domains with a bin
   that has room for it (``DomainCosts.capacity`` tokens: memory): the earliest-finish-time rule for
@@ -83,7 +84,9 @@ def _as(seconds: float) -> int:
     return int(round(seconds * ATTO))
 
 
-def domain_costs(planner: BatchPlanner, *, even: bool = False) -> DomainCosts:
+def domain_costs(
+    planner: BatchPlanner, *, even: bool = False, efficiency_1024: int = 1024
+) -> DomainCosts:
     """The integer table of a domain from its planner's rates (``BatchPlanner``: per group the
     linear seconds per token ``1 / c_g``, attention seconds per pair ``alpha_g``, all-to-all per
     group token, fixed costs, token capacity).
@@ -92,7 +95,9 @@ def domain_costs(planner: BatchPlanner, *, even: bool = False) -> DomainCosts:
     ``BatchPlanner`` per token and per pair, ``1 / sum c_g`` and ``1 / sum 1 / alpha_g``, the
     all-to-all at the linear split; capacity where the tightest group is full at that split.
     ``even`` (a THD zig-zag ring: every document in equal chunks): the slowest member paces,
-    ``n x max 1 / c_g`` per token over n ranks, likewise pairs; capacity ``n x min cap_g``."""
+    ``n x max 1 / c_g`` per token over n ranks, likewise pairs; capacity ``n x min cap_g``.
+    ``efficiency_1024``: the per-token and per-pair costs are scaled by it / 1024 (integers: the
+    domain's planned micro-batches over its divided work, ``Domain.efficiency_1024``)."""
     c = [1.0 / float(x) for x in planner.linear_per_token]
     inv_alpha = [1.0 / float(a) for a in planner.alpha]
     n = len(c)
@@ -108,7 +113,10 @@ def domain_costs(planner: BatchPlanner, *, even: bool = False) -> DomainCosts:
         token_s = 1.0 / C + a2a / A
         pair_s = 1.0 / A
         capacity = min(int(caps[g] * C / c[g]) for g in range(n))
-    return DomainCosts(_as(token_s), _as(pair_s), _as(fixed_s), capacity)
+    scale = int(efficiency_1024)
+    return DomainCosts(
+        _as(token_s) * scale // 1024, _as(pair_s) * scale // 1024, _as(fixed_s), capacity
+    )
 
 
 def schedule_global(

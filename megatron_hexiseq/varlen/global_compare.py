@@ -190,7 +190,7 @@ def plan_domains(
     ``recompute``: plan in the recompute modes only (more tokens fit a domain's micro-batch)."""
     run = sorted(r for b in blocks for r in b)
     cache = {} if cache is None else cache
-    chosen: dict[tuple, tuple[Layout, TrainOptions]] = {}
+    chosen: dict[tuple, tuple[Layout, TrainOptions, int]] = {}
     domains = []
     for i, b in enumerate(blocks):
         sub = sub_cluster(cluster, b, name=f"{cluster.name}:domain{i}")
@@ -203,8 +203,16 @@ def plan_domains(
             structure, _ = choose_structure(
                 lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
             )
-            chosen[key] = (structure, opt)
-        structure, opt = chosen[key]
+            dom = Domain(
+                index=i,
+                ranks=tuple(b),
+                micro_batches=1,
+                structure=structure,
+                cluster=sub,
+                options=domain_options(opt, cluster, run, len(b)),
+            )
+            chosen[key] = (structure, opt, efficiency(dom, model, doc_lengths, seq_length))
+        structure, opt, eff = chosen[key]
         domains.append(
             Domain(
                 index=i,
@@ -213,6 +221,7 @@ def plan_domains(
                 structure=_rehost(structure, sub),
                 cluster=sub,
                 options=domain_options(opt, cluster, run, len(b)),
+                efficiency_1024=eff,
             )
         )
     costs = GlobalPlanner(domains, model).costs
@@ -223,6 +232,32 @@ def plan_domains(
     ]
     counts = speed_shares(samples, speeds)
     return [replace(d, micro_batches=m) for d, m in zip(domains, counts)]
+
+
+def efficiency(
+    domain: Domain, model: ModelSpec, doc_lengths: Sequence[int], seq_length: int
+) -> int:
+    """``Domain.efficiency_1024``: the mean iteration of the domain's planned micro-batches
+    (``BatchPlanner`` on its structure, priced by ``estimate_documents``) over their perfectly
+    divided work (``domain_costs``' integer table), in 1/1024, on ``STRUCTURE_BATCHES``
+    micro-batches of ``seq_length`` tokens packed from the lengths with ``STRUCTURE_SEED`` (the
+    structure choice's own sample, not the compared steps'); within [1/2, 4]."""
+    from megatron_hexiseq.costmodel.documents import estimate_documents
+    from megatron_hexiseq.varlen.global_batch import ATTO, domain_costs
+    from megatron_hexiseq.varlen.structure import STRUCTURE_SEED
+
+    planner = GlobalPlanner([domain], model).planner(0)
+    table = domain_costs(planner)
+    planned, divided = 0.0, 0
+    for docs in pack_batches(doc_lengths, seq_length, STRUCTURE_BATCHES, STRUCTURE_SEED):
+        a = planner.plan(docs)
+        m = replace(model, seq_length=a.layout.seq_length)
+        est = estimate_documents(a.layout, domain.cluster, m, domain.options, a.cu_seqlens)
+        planned += est.iteration_time_s
+        pairs = sum(x * (x + 1) // 2 for x in docs)
+        divided += table.cost_as(sum(docs), pairs) + table.batch_as
+    ratio = planned * ATTO / max(divided, 1)
+    return int(round(1024 * min(4.0, max(0.5, ratio))))
 
 
 def fit_blocks(

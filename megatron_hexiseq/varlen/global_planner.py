@@ -57,6 +57,7 @@ def _signature(domain: Domain) -> tuple:
         tuple(g.ranks for g in s.groups),
         tuple((r.group, r.heads) for r in s.ranks),
         domain.options,
+        domain.efficiency_1024,
     )
 
 
@@ -101,7 +102,11 @@ class GlobalPlanner:
     def _cost(self, d: int) -> DomainCosts:
         key = self._sig[d]
         if key not in self._costs:
-            self._costs[key] = domain_costs(self.planner(d), even=self.mode == "zigzag")
+            self._costs[key] = domain_costs(
+                self.planner(d),
+                even=self.mode == "zigzag",
+                efficiency_1024=self.domains[d].efficiency_1024,
+            )
         return self._costs[key]
 
     def schedule(self, lengths: Sequence[int]) -> GlobalSchedule:
