@@ -6,8 +6,8 @@ packed from the scaled lengths; a document cut at a sample boundary is two units
 weights, on the same testbed shape; attention is exact, so the losses must agree (``LOSS_RTOL``):
 
 - ``hexiseq-global``: two domains (Megatron's data-parallel replicas of half the ranks each), the
-  structure ``plan --doc-lengths`` chooses for replica 0, micro-batch counts by speed
-  (``domains.speed_shares``), ``varlen.global_planner.GlobalPlanner``: units to (domain,
+  structure ``plan --doc-lengths`` chooses for replica 0, each domain's planning efficiency
+  measured (``global_compare.efficiency``), micro-batch counts by speed (``domains.speed_shares``), ``varlen.global_planner.GlobalPlanner``: units to (domain,
   micro-batch) bins by integer cost, each bin ``BatchPlanner``-planned in its domain.
 - ``megatron-cp-dp`` (``cp`` = c): CP rings of c consecutive ranks, DP = W / c, sample i to replica
   i mod DP, every document in 2c zig-zag chunks (on this project's runtime, so the K/V exchange is
@@ -46,7 +46,7 @@ from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
 from megatron_hexiseq.testbed.spawn import run_ranks
 from megatron_hexiseq.varlen.compare import plan_fixed
 from megatron_hexiseq.varlen.domains import Domain, domain_options, speed_shares, sub_cluster
-from megatron_hexiseq.varlen.global_compare import global_batches, units_of
+from megatron_hexiseq.varlen.global_compare import efficiency, global_batches, units_of
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner, retarget
 from megatron_hexiseq.varlen.schemes import ring_layout
 from megatron_hexiseq.varlen.structure import choose_structure
@@ -154,6 +154,7 @@ def schemes_for(
     lay, opt = plan_fixed(sub0, m, S, time_limit_s=30.0)
     structure, _ = choose_structure(lay, sub0, m, opt, doc_lengths)
     doms = _domains(cluster, half, structure, opt, [1, 1])
+    doms = [replace(d, efficiency_1024=efficiency(d, m, doc_lengths, S)) for d in doms]
     costs = GlobalPlanner(doms, m).costs
     ppt = sum(x * (x + 1) / 2 for s in samples[0] for x in s) / sum(sum(s) for s in samples[0])
     speeds = [1.0 / c.cost_as(S, int(S * ppt)) for c in costs]
