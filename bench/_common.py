@@ -4,6 +4,7 @@ output folder (atomically, so an interrupted run leaves no half-written result).
 from __future__ import annotations
 
 import os
+import random
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,42 @@ PROLONG_DOCS = os.environ.get("HEXISEQ_PROLONG_DOCS") or os.path.join(
     "data",
     "doc_lengths_prolong.json",
 )
+
+
+def prolong_lengths() -> list[int]:
+    """ProLong's document lengths (``PROLONG_DOCS``)."""
+    import json
+
+    with open(PROLONG_DOCS) as f:
+        return [int(x) for x in json.load(f)]
+
+
+def pack(lengths: list[int], S: int, rng: random.Random) -> list[int]:
+    """Boundaries ``[0, ..., S]`` of one micro-batch packed from shuffled documents."""
+    bounds, pos = [0], 0
+    while pos < S:
+        pos = min(S, pos + lengths[rng.randrange(len(lengths))])
+        bounds.append(pos)
+    return bounds
+
+
+def heavy_tailed(rng: random.Random, n: int) -> list[int]:
+    """``n`` document lengths: log-normal body (median ~2K), 10% Pareto tail above 16K."""
+    out = []
+    for _ in range(n):
+        x = rng.lognormvariate(7.6, 0.8)  # median ~2K
+        if rng.random() < 0.1:
+            x = 16384 * rng.paretovariate(1.1)
+        out.append(int(min(max(x, 16), 1 << 20)))
+    return out
+
+
+def document_lengths() -> tuple[str, list[int]]:
+    """ProLong's lengths where the shared data folder is beside the checkout, else a seeded
+    heavy-tailed draw (a GPU machine may hold the checkout only): (name, lengths)."""
+    if os.path.isfile(PROLONG_DOCS):
+        return "prolong", prolong_lengths()
+    return "heavy-tail seed 1", heavy_tailed(random.Random(1), 4096)
 
 
 def in_fresh_process(target: Callable[..., None], *args: Any) -> Any:

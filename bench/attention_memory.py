@@ -21,23 +21,29 @@ largest call) at 16K-64K tokens, beyond its inputs q, k, v, dout, written to att
   dispatcher; buffers a kernel allocates and frees inside its own call (FlashAttention's float32
   dq accumulator, its dK/dV expanded to H heads under GQA) are not seen;
 - ``--device cuda``: ``torch.cuda.max_memory_allocated`` over the call (everything, kernels included).
+``--documents`` adds, at the same tokens, the packed-document path (``cu_seqlens``: documents
+packed from ProLong's lengths, seed 1, or a heavy-tailed draw where the shared data is absent; the variable-length call with ``flash`` and ``cudnn``, K/V at
+G heads) and its peak over the dense path's (the target on a GPU: within 10%).
 
     python bench/attention_memory.py --gqa                                  # meta, flash and cudnn
-    python bench/attention_memory.py --gqa --device cuda --kernels auto flash --out results/gpu
+    python bench/attention_memory.py --gqa --documents                      # + the packed path
+    python bench/attention_memory.py --gqa --documents --device cuda --kernels auto flash --out results/gpu
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import resource
 import sys
 import time
 
 import torch
-from _common import write_outputs
+from _common import document_lengths, pack, write_outputs
 from _live_bytes import LiveBytes
 
 from megatron_hexiseq.attention import build_hexiseq_groups, hexiseq_attn_func
+from megatron_hexiseq.attention.documents import parse_cu_seqlens
 from megatron_hexiseq.attention.hexiseq import group_to_tokens, heads_to_group
 from megatron_hexiseq.attention.kernels import Kernel, resolve_kernel
 from megatron_hexiseq.attention.subring import subring_attn_func
@@ -96,8 +102,11 @@ def _worker(rank: int, world: int, layout: Layout, kernel: str) -> dict:
 GQA_H, GQA_D = 32, 128
 
 
-def _gqa_layer(S: int, G: int, kernel: str, device: torch.device, dtype: torch.dtype) -> dict:
-    """One layer's attention fwd+bwd on a one-rank layout: peak bytes beyond the inputs."""
+def _gqa_layer(
+    S: int, G: int, kernel: str, device: torch.device, dtype: torch.dtype, cu: list[int] | None
+) -> dict:
+    """One layer's attention fwd+bwd on a one-rank layout (packed documents ``cu``, or dense with
+    None): peak bytes beyond the inputs."""
     lay = make_layout(
         seq_length=S,
         num_attention_heads=GQA_H,
@@ -124,7 +133,10 @@ def _gqa_layer(S: int, G: int, kernel: str, device: torch.device, dtype: torch.d
 
     def layer() -> None:  # what hexiseq_attn_func runs once the kernel is resolved
         qg, kg, vg = heads_to_group(q, k, v, groups=groups)
-        o = subring_attn_func(qg, kg, vg, groups=groups, scale=GQA_D**-0.5, kernel=concrete)
+        docs = None if cu is None else parse_cu_seqlens(cu, seq_length=S, batch=1)
+        o = subring_attn_func(
+            qg, kg, vg, groups=groups, scale=GQA_D**-0.5, kernel=concrete, documents=docs
+        )
         out = group_to_tokens(o, groups=groups, num_heads=GQA_H)
         out.backward(dout.reshape(out.shape))
 
@@ -147,19 +159,34 @@ def _gqa_layer(S: int, G: int, kernel: str, device: torch.device, dtype: torch.d
     }
 
 
-def _gqa_worker(rank: int, world: int, seqs, ratios, kernels, device: str, dtype: str) -> list:
+def _gqa_worker(
+    rank: int, world: int, seqs, ratios, kernels, device: str, dtype: str, documents: bool
+) -> list:
     rows = []
     for kernel in kernels:
         for r in ratios:
             for S in seqs:
-                res = _gqa_layer(S, GQA_H // r, kernel, torch.device(device), getattr(torch, dtype))
-                kv_bytes = 2 * S * (GQA_H // r) * GQA_D * getattr(torch, dtype).itemsize
-                rows.append({"seq_length": S, "h_over_g": r, "kv_bytes": kv_bytes, **res})
-                print(
-                    f"{res['kernel']:9s} H/G={r} S={S:6d}: peak {res['peak_bytes'] / 2**20:9.1f} "
-                    f"MiB beyond the inputs (K+V {kv_bytes / 2**20:.0f} MiB)",
-                    flush=True,
-                )
+                paths = [("dense", None)]
+                if documents:
+                    paths.append(("documents", pack(document_lengths()[1], S, random.Random(1))))
+                dense = None
+                for path, cu in paths:
+                    res = _gqa_layer(
+                        S, GQA_H // r, kernel, torch.device(device), getattr(torch, dtype), cu
+                    )
+                    kv_bytes = 2 * S * (GQA_H // r) * GQA_D * getattr(torch, dtype).itemsize
+                    row = {"path": path, "seq_length": S, "h_over_g": r, "kv_bytes": kv_bytes}
+                    row["documents"] = 1 if cu is None else len(cu) - 1
+                    rows.append({**row, **res})
+                    dense = res["peak_bytes"] if cu is None else dense
+                    if cu is not None and dense:
+                        rows[-1]["over_dense"] = round(res["peak_bytes"] / dense, 3)
+                    print(
+                        f"{res['kernel']:9s} {path:9s} H/G={r} S={S:6d}: peak "
+                        f"{res['peak_bytes'] / 2**20:9.1f} MiB beyond the inputs "
+                        f"(K+V {kv_bytes / 2**20:.0f} MiB)",
+                        flush=True,
+                    )
     return rows
 
 
@@ -167,17 +194,26 @@ def main_gqa(a) -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("attention_memory: --device cuda needs a CUDA GPU")
     seqs = a.seqs if a.seqs_given else [16384, 32768, 65536]
-    rows = run_ranks(_gqa_worker, 1, seqs, a.ratios, a.kernels, a.device, a.dtype, timeout_s=3600)[
-        0
-    ]
+    rows = run_ranks(
+        _gqa_worker,
+        1,
+        seqs,
+        a.ratios,
+        a.kernels,
+        a.device,
+        a.dtype,
+        a.documents,
+        timeout_s=3600,
+    )[0]
     for r in rows:
         r["peak_mib"] = round(r["peak_bytes"] / 2**20, 1)
         r["kv_mib"] = round(r["kv_bytes"] / 2**20, 1)
     table = [
-        "| kernel | H/G | S | K+V MiB | peak MiB beyond inputs |",
-        "|---|---|---|---|---|",
+        "| kernel | path | documents | H/G | S | K+V MiB | peak MiB beyond inputs | over dense |",
+        "|---|---|---|---|---|---|---|---|",
     ] + [
-        f"| {r['kernel']} | {r['h_over_g']} | {r['seq_length']} | {r['kv_mib']} | {r['peak_mib']} |"
+        f"| {r['kernel']} | {r['path']} | {r['documents']} | {r['h_over_g']} | {r['seq_length']} "
+        f"| {r['kv_mib']} | {r['peak_mib']} | {r.get('over_dense', '')} |"
         for r in rows
     ]
     write_outputs(
@@ -189,6 +225,7 @@ def main_gqa(a) -> None:
             "heads": GQA_H,
             "head_dim": GQA_D,
             "batch": 1,
+            "document_lengths": document_lengths()[0] if a.documents else None,
             "rows": rows,
         },
         title=(
@@ -216,6 +253,11 @@ def main() -> None:
     p.add_argument("--ratios", type=int, nargs="+", default=[4, 8], help="--gqa: H/G values")
     p.add_argument(
         "--kernels", nargs="+", default=["flash", "cudnn"], help="--gqa: kernels (names)"
+    )
+    p.add_argument(
+        "--documents",
+        action="store_true",
+        help="--gqa: also the packed-document path at the same tokens (ProLong lengths)",
     )
     a = p.parse_args()
     a.seqs_given = "--seqs" in sys.argv

@@ -32,17 +32,19 @@ from planner_suite import random_case, timed
 TARGETS_S = {128: 0.5, 1024: 10.0, 4096: 60.0}
 
 
-def measure(sizes: list[int], count: int, seed: int, repeats: int, time_limit: float) -> list[dict]:
+def measure(
+    sizes: list[int], count: int, seed: int, repeats: int, time_limit: float, tp: int | str = 1
+) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for world in sizes:
         for i in range(count):
-            case = random_case(rng, world, f"speed-{world}-{i}")
+            case = random_case(rng, world, f"speed-{world}-{i}") | {"tp": tp}
             row = timed(case, time_limit, repeats)
             rows.append(row)
             print(
                 f"  {row['label']:34s} {row['model']:10s} {row['seq_length'] // 1024:5d}K: "
-                f"CPU {row['cpu_s']:.2f} s ({row.get('winner')})",
+                f"CPU {row['cpu_s']:.2f} s ({row.get('winner')}, tp {row.get('tp')})",
                 flush=True,
             )
     return rows
@@ -124,8 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=600.0, help="plan()'s wall-clock cap (s)")
     ap.add_argument("--out", default="results/bench")
+    ap.add_argument(
+        "--tensor-model-parallel-size",
+        default="1",
+        help="plan with TP bundles of this size, or 'auto' (choose t per case: planner/tp.py)",
+    )
     args = ap.parse_args(argv)
-    rows = measure(args.sizes, args.count, args.seed, args.repeats, args.time_limit)
+    tp = args.tensor_model_parallel_size
+    rows = measure(
+        args.sizes,
+        args.count,
+        args.seed,
+        args.repeats,
+        args.time_limit,
+        tp if tp == "auto" else int(tp),
+    )
     print(write(rows, args.out, args.seed))
     return 0
 

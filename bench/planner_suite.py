@@ -143,7 +143,7 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     from megatron_hexiseq.errors import HexiSeqError
     from megatron_hexiseq.model import get_model
     from megatron_hexiseq.planner.baselines import best_baseline
-    from megatron_hexiseq.planner.plan import plan
+    from megatron_hexiseq.planner.tp import plan_tp
     from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions
 
     cl = cluster_from_dict(case["spec"])
@@ -152,8 +152,14 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
     row["gpus"] = cl.world_size
     c0 = time.process_time()
     try:
-        lay = plan(
-            cl, m, case["seq_length"], TrainOptions(), modes=AUTO_MODES, time_limit_s=time_limit
+        lay = plan_tp(  # tp 1 (the default): plan() itself
+            cl,
+            m,
+            case["seq_length"],
+            TrainOptions(),
+            tensor_model_parallel_size=case.get("tp", 1),
+            modes=AUTO_MODES,
+            time_limit_s=time_limit,
         )
     except HexiSeqError as e:
         row.update(cpu_s=round(time.process_time() - c0, 3), plan_s=None, note=str(e)[:140])
@@ -185,6 +191,7 @@ def _run(case: dict, time_limit: float, queue: mp.Queue) -> None:
         + ("+recompute" if lay.meta["options"]["recompute"] else ""),
         groups=len(lay.groups),
         group_sizes=sorted({len(g.ranks) for g in lay.groups}),
+        tp=lay.tensor_model_parallel_size,
     )
     queue.put(row)
 

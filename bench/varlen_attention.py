@@ -27,44 +27,19 @@ above 16K, capped at 1M), several seeds each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import time
 
 import torch
-from _common import PROLONG_DOCS, in_fresh_process, write_outputs
+from _common import heavy_tailed, in_fresh_process, pack, prolong_lengths, write_outputs
 
 from megatron_hexiseq.attention.counts import rank_counts
 from megatron_hexiseq.attention.documents import parse_cu_seqlens
 from megatron_hexiseq.layout import Layout, make_layout
 
 H, G, D = 8, 2, 128  # counts: a Llama-like head shape
-
-
-def prolong_lengths() -> list[int]:
-    with open(PROLONG_DOCS) as f:
-        return [int(x) for x in json.load(f)]
-
-
-def heavy_tailed(rng: random.Random, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        x = rng.lognormvariate(7.6, 0.8)  # median ~2K
-        if rng.random() < 0.1:
-            x = 16384 * rng.paretovariate(1.1)
-        out.append(int(min(max(x, 16), 1 << 20)))
-    return out
-
-
-def pack(lengths: list[int], S: int, rng: random.Random) -> list[int]:
-    """Boundaries ``[0, ..., S]`` of one micro-batch packed from shuffled documents."""
-    bounds, pos = [0], 0
-    while pos < S:
-        pos = min(S, pos + lengths[rng.randrange(len(lengths))])
-        bounds.append(pos)
-    return bounds
 
 
 def layout_4(S: int, heads: int = H, kv: int = G) -> Layout:

@@ -54,9 +54,27 @@ MAX_CLUSTER_GPUS, MAX_CLUSTER_NODES = 65_536, 16_384
 MAX_PLAN_GPUS, MAX_PLAN_NODES = 4096, 1024
 
 
+# A cluster's own name (``name:``, ``profile --name``): a name as above, '+' allowed too (the CPU
+# testbed's shapes: cpu-testbed-1+2); it is printed in one-line tables and messages.
+CLUSTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"
+_CLUSTER_NAME = re.compile(CLUSTER_NAME_PATTERN)
+CLUSTER_NAME_RULE = (
+    "a letter or digit, then letters, digits, '_', '.', '+' or '-' (no spaces or line breaks), at "
+    "most 128 characters"
+)
+
+
 def is_name(text: object) -> bool:
-    """A node / host / GPU type name the launchers can pass around (:data:`NAME_PATTERN`)."""
-    return isinstance(text, str) and _NAME.match(text) is not None and ".." not in text
+    """A node / host / GPU type name the launchers can pass around (:data:`NAME_PATTERN`; the whole
+    text: ``re.match``'s ``$`` would also take a name ending in a line break)."""
+    return isinstance(text, str) and _NAME.fullmatch(text) is not None and ".." not in text
+
+
+def check_cluster_name(name: object, where: str = "name") -> str:
+    """``name`` if it follows :data:`CLUSTER_NAME_PATTERN`, else one HexiSeqError."""
+    if isinstance(name, str) and _CLUSTER_NAME.fullmatch(name) is not None:
+        return name
+    raise HexiSeqError(f"{where} {short(name)} is not a cluster name: {CLUSTER_NAME_RULE}")
 
 
 DEFAULT_EFFICIENCY = 0.5
@@ -475,6 +493,7 @@ def _build(data: Any, source: str) -> Cluster:
             f"expected a mapping with keys 'name' and 'nodes' at the top level, got {_kind(data)}"
         )
     spec_schema.check(data, "cluster", _where)  # types, ranges, required and unknown keys
+    check_cluster_name(data.get("name", "cluster"), "the cluster's name")
     _check_names_and_size(data["nodes"])
     types = dict(GPU_CATALOG)
     for gname, spec in (data.get("gpus") or {}).items():
@@ -489,6 +508,11 @@ def _build(data: Any, source: str) -> Cluster:
             )
         seen.add(node.name)
         nodes.append(node)
+    return cluster_of_nodes(data.get("name", "cluster"), nodes)
+
+
+def cluster_of_nodes(name: str, nodes: Sequence[Node]) -> Cluster:
+    """The cluster of ``nodes`` (validated already), its devices numbered node by node."""
     devices = tuple(
         Device(
             index=idx,
@@ -502,7 +526,7 @@ def _build(data: Any, source: str) -> Cluster:
         )
         for idx, (n, local) in enumerate((n, j) for n in nodes for j in range(n.count))
     )
-    return Cluster(name=data.get("name", "cluster"), nodes=tuple(nodes), devices=devices)
+    return Cluster(name=name, nodes=tuple(nodes), devices=devices)
 
 
 def _check_names_and_size(nodes: Sequence[Mapping[str, Any]]) -> None:

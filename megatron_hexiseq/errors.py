@@ -15,6 +15,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+MAX_OPTION_WORDS = (
+    2048  # words starting with '-' on one command line (argparse is quadratic in them)
+)
+MAX_MESSAGE = 1000  # characters of an error line, at most (the messages themselves stay far below)
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
@@ -24,8 +28,21 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with its own errors as one line and exit 2 (no usage block): every entry point's
     parser (``add_subparsers`` takes it as ``parser_class``)."""
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        """argparse's, after refusing more than ``MAX_OPTION_WORDS`` words that start with '-'
+        (its parsing takes time quadratic in them: 30,000 took 16 s of CPU)."""
+        words = sys.argv[1:] if args is None else list(args)
+        options = sum(1 for w in words if isinstance(w, str) and w.startswith("-"))
+        if options > MAX_OPTION_WORDS:
+            self.error(
+                f"{options:,} words start with '-', more than the {MAX_OPTION_WORDS:,} a command "
+                "line may hold"
+            )
+        return super().parse_known_args(words, namespace)
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+        # argparse quotes the offending value whole ("invalid int value: '999...'"): cut it short
+        self.exit(2, f"error: {short_text(message, 300)} (see '{self.prog} --help')\n")
 
 
 class HexiSeqError(ValueError):
@@ -39,6 +56,23 @@ def short(value: Any) -> str:
         return f"<an integer of {len(str(value)) if value.bit_length() < 10_000 else 'thousands of'} digits>"
     text = _SHORT.repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def short_text(text: str, limit: int = 120) -> str:
+    """A user's string (a path, a name, an argument) for a one-line message: unchanged when it is
+    printable and at most ``limit`` characters, else with control characters escaped (``\\n``) and
+    its middle cut (``head...tail``, at most ``limit`` characters). Unlike :func:`short`, no quotes."""
+    if len(text) <= limit and text.isprintable():
+        return text
+
+    def escaped(part: str) -> str:
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in part)
+
+    half = (limit - 3) // 2
+    if len(text) > limit:
+        return f"{escaped(text[:half])[:half]}...{escaped(text[-half:])[-half:]}"
+    out = escaped(text)
+    return out if len(out) <= limit else f"{out[:half]}...{out[-half:]}"
 
 
 def is_positive_int(value: Any, at_most: int | None = None) -> bool:
@@ -67,6 +101,12 @@ def check_positive_int(
     raise HexiSeqError(f"{prefix}{name} must be a positive integer, got {short(value)}{big}")
 
 
+def _one_line(error: HexiSeqError) -> str:
+    """The message as one line of at most ``MAX_MESSAGE`` characters, whatever a user's value put in
+    it (the values should already be cut short where the message is made: this is the last guard)."""
+    return short_text(str(error), MAX_MESSAGE)
+
+
 def _sigterm_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -81,13 +121,13 @@ def run_user_command(body: Callable[[], int | None], *, interrupts: bool = True)
         try:
             return int(body() or 0)
         except HexiSeqError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {_one_line(e)}", file=sys.stderr)
             return 2
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt), signal.getsignal(signal.SIGINT)
     try:
         return int(body() or 0)
     except HexiSeqError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         signal.signal(

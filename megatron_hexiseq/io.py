@@ -22,12 +22,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_hexiseq.errors import HexiSeqError, short
+from megatron_hexiseq.errors import HexiSeqError, short, short_text
 
 MAX_INPUT_BYTES = 256 << 20  # a 100,000-GPU layout is ~30 MB
 # YAML inputs are specs (a 16,384-node cluster is ~1.8 MB); PyYAML reads ~0.1 MB/s on a busy core,
 # so a larger file would be minutes of parsing before the size checks could refuse it
 MAX_YAML_BYTES = 4 << 20
+
+
+def _shown(path: str | os.PathLike, limit: int = 120) -> str:
+    """A path as a message shows it: ``errors.short_text`` (control characters escaped, the middle
+    of a long one cut)."""
+    return short_text(str(path), limit)
 
 
 def _umask() -> int:
@@ -60,14 +66,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     folder = _existing_folder(path, str(path))
     if path.is_symlink():
         raise HexiSeqError(
-            f"cannot write {path}: it is a symbolic link; give the real path or remove the link"
+            f"cannot write {_shown(path)}: it is a symbolic link; give the real path or remove "
+            "the link"
         )
     try:
         fd, tmp = tempfile.mkstemp(
             prefix=f".{path.stem[:64]}.", suffix=path.suffix[:16], dir=folder
         )
     except OSError as e:
-        raise HexiSeqError(f"cannot write {path}: {e.strerror} (folder {folder})") from None
+        raise HexiSeqError(
+            f"cannot write {_shown(path)}: {e.strerror} (folder {_shown(folder)})"
+        ) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         os.close(fd)
@@ -75,7 +84,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         os.replace(tmp, path)
     except OSError as e:
         _unlink(tmp)
-        raise HexiSeqError(f"cannot write {path}: {e.strerror}") from None
+        raise HexiSeqError(f"cannot write {_shown(path)}: {e.strerror}") from None
     except BaseException:
         _unlink(tmp)
         raise
@@ -91,7 +100,8 @@ def check_plot_path(flag: str, path: str | os.PathLike | None) -> None:
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in kinds:
         raise HexiSeqError(
-            f"{flag} {path}: cannot write a figure as {'.' + suffix if suffix else 'a file without a suffix'};"
+            f"{flag} {_shown(path)}: cannot write a figure as "
+            f"{'.' + _shown(suffix, 20) if suffix else 'a file without a suffix'};"
             f" use one of {', '.join('.' + k for k in sorted(kinds))}"
         )
 
@@ -127,9 +137,7 @@ def check_outputs(
         if str(raw) == "":
             raise HexiSeqError(f"{flag} is empty; give a file name")
         if str(raw).endswith(("/", os.sep)):  # Path("dir/") is "dir": it would write a file there
-            raise HexiSeqError(
-                f"{flag} {short(str(raw))} names a folder; give a file name to write"
-            )
+            raise HexiSeqError(f"{flag} {_shown(raw)} names a folder; give a file name to write")
         path = Path(raw)
         _check_name_length(flag, path)
         try:
@@ -137,33 +145,35 @@ def check_outputs(
         except FileNotFoundError:
             st = None
         except OSError as e:
-            raise HexiSeqError(f"cannot write {flag} {short(str(path))}: {e.strerror}") from None
+            raise HexiSeqError(f"cannot write {flag} {_shown(path)}: {e.strerror}") from None
         if st is not None and stat.S_ISLNK(st.st_mode):
             raise HexiSeqError(
-                f"{flag} {path} is a symbolic link; writing through it would replace another file: "
+                f"{flag} {_shown(path)} is a symbolic link; writing through it would replace "
+                "another file: "
                 "give the real path or remove the link"
             )
         if st is not None and not stat.S_ISREG(st.st_mode):
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise HexiSeqError(f"{flag} {path} is {kind}; give a file name to write")
+            raise HexiSeqError(f"{flag} {_shown(path)} is {kind}; give a file name to write")
         for other in ins:
             if _same(path, other):
                 raise HexiSeqError(
-                    f"{flag} {path} is also an input ({other}); writing it would destroy the input: "
+                    f"{flag} {_shown(path)} is also an input ({_shown(other)}); writing it would "
+                    "destroy the input: "
                     "give another output path"
                 )
         for oflag, other in seen:
             if _same(path, other):
                 raise HexiSeqError(
-                    f"{flag} and {oflag} are the same file {path}; give two different paths"
+                    f"{flag} and {oflag} are the same file {_shown(path)}; give two different paths"
                 )
         seen.append((flag, path))
-        folder = _existing_folder(path, f"{flag} {path}")
+        folder = _existing_folder(path, f"{flag} {_shown(path)}")
         try:  # the only test that holds for root, read-only mounts and ACLs alike: create a file there
             fd, probe = tempfile.mkstemp(prefix=".hexiseq-", suffix=".probe", dir=folder)
         except OSError as e:
             raise HexiSeqError(
-                f"cannot write {flag} {path}: {e.strerror} (folder {folder})"
+                f"cannot write {flag} {_shown(path)}: {e.strerror} (folder {_shown(folder)})"
             ) from None
         os.close(fd)
         _unlink(probe)
@@ -176,10 +186,12 @@ def _check_name_length(flag: str, path: Path) -> None:
         limit = os.pathconf(path.parent if str(path.parent) else ".", "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
-    if name > limit or len(os.fsencode(str(path))) > 4095:
+    whole = len(os.fsencode(str(path)))
+    if name > limit or whole > 4095:
+        what, most = ("file name", limit) if name > limit else ("path", 4095)
         raise HexiSeqError(
-            f"{flag} {short(str(path))}: the file name is {name} bytes, more than the {limit} the "
-            "file system allows; give a shorter name"
+            f"{flag} {_shown(path)}: the {what} is {name if name > limit else whole} bytes, more "
+            f"than the {most} the file system allows; give a shorter name"
         )
 
 
@@ -187,7 +199,9 @@ def _existing_folder(path: Path, what: str) -> Path:
     """The folder ``path`` would be written in; a one-line error when it does not exist."""
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
-        raise HexiSeqError(f"cannot write {what}: folder {folder} does not exist; create it first")
+        raise HexiSeqError(
+            f"cannot write {what}: folder {_shown(folder)} does not exist; create it first"
+        )
     return folder
 
 
@@ -202,26 +216,27 @@ def _same(a: Path, b: Path) -> bool:
 
 def _read_text(path: str | os.PathLike, what: str, limit: int | None = None) -> str:
     limit = MAX_INPUT_BYTES if limit is None else limit
+    what = f"{what} {_shown(path)}"
     try:
         size = os.stat(path).st_size
         if size > limit:
             raise HexiSeqError(
-                f"{what} {path} is {size / 2**20:.1f} MiB, more than the {limit >> 20} MiB "
+                f"{what} is {size / 2**20:.1f} MiB, more than the {limit >> 20} MiB "
                 "it may be; is it the right file?"
             )
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
-        raise HexiSeqError(f"{what} {path} does not exist") from None
+        raise HexiSeqError(f"{what} does not exist") from None
     except IsADirectoryError:
-        raise HexiSeqError(f"{what} {path} is a directory, not a file") from None
+        raise HexiSeqError(f"{what} is a directory, not a file") from None
     except OSError as e:
-        raise HexiSeqError(f"cannot read {what} {path}: {e.strerror}") from None
+        raise HexiSeqError(f"cannot read {what}: {e.strerror}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HexiSeqError(
-            f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
             "save it as UTF-8"
         ) from None
 
@@ -249,16 +264,16 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKey as e:
         raise HexiSeqError(
-            f"{what} {path}: key {short(e.args[0])} appears twice in one object; keep one"
+            f"{what} {_shown(path)}: key {short(e.args[0])} appears twice in one object; keep one"
         ) from None
     except json.JSONDecodeError as e:
         raise HexiSeqError(
-            f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            f"{what} {_shown(path)} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
     except RecursionError:
-        raise HexiSeqError(f"{what} {path} is nested too deeply to be a {what}") from None
+        raise HexiSeqError(f"{what} {_shown(path)} is nested too deeply to be a {what}") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise HexiSeqError(f"{what} {path} is not valid JSON: {short(str(e))}") from None
+        raise HexiSeqError(f"{what} {_shown(path)} is not valid JSON: {short(str(e))}") from None
 
 
 def _yaml_loader():
@@ -299,8 +314,8 @@ def read_yaml(path: str | os.PathLike, what: str = "YAML file") -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise HexiSeqError(f"{what} {path} is not valid YAML{where}: {problem}") from None
+        raise HexiSeqError(f"{what} {_shown(path)} is not valid YAML{where}: {problem}") from None
     except RecursionError:
-        raise HexiSeqError(f"{what} {path} is nested too deeply to be a {what}") from None
+        raise HexiSeqError(f"{what} {_shown(path)} is nested too deeply to be a {what}") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise HexiSeqError(f"{what} {path} is not valid YAML: {short(str(e))}") from None
+        raise HexiSeqError(f"{what} {_shown(path)} is not valid YAML: {short(str(e))}") from None

@@ -13,6 +13,15 @@ training (forward and backward):
 torch prefers it; not in deterministic mode), else flash, else efficient. Measured on an H200
 (docs/measured/h200-2026-12-04): cuDNN fwd+bwd 546 TFLOP/s at 32K tokens against flash's 324.
 
+Packed documents (``VARLEN_KERNELS``): with ``flash`` or ``cudnn`` every block of a packed
+micro-batch runs as PyTorch's variable-length flash call (``aten._flash_attention_forward``), one
+call per block, never a dense call per document window. For ``cudnn`` that is a different kernel on
+purpose: cuDNN builds an execution graph per distinct (q, k, v) shape and stride and keeps it for
+the life of the process, and the window shapes of packed micro-batches change with every
+micro-batch, so dense cuDNN calls would build graphs without end; flash's variable-length kernel
+has no per-shape state. ``cudnn_takes`` implies ``flash_takes`` for every input, so the call
+applies wherever cuDNN did.
+
 ``dtype`` is the short name: ``"bf16"``, ``"fp16"``, ``"fp32"``.
 """
 
@@ -22,6 +31,9 @@ CUDNN_MAX_HEAD_DIM = 128
 CUDNN_PREFERRED_FROM = 91501  # torch prefers cuDNN SDPA only above 9.15 (seq len % 128 != 0 fix)
 
 Capability = tuple[int, int]
+
+VARLEN_KERNELS = ("flash", "cudnn")
+"""Block kernels whose packed-document blocks run as one variable-length flash call per block."""
 
 
 def capability_of(cc: float) -> Capability:
@@ -75,3 +87,10 @@ def auto_kernel(
     if cudnn_preferred(cc, dtype, head_dim, cudnn_version, deterministic):
         return "cudnn"
     return "flash" if flash_takes(cc, dtype, head_dim) else "efficient"
+
+
+def packed_kernel(kernel: str) -> str:
+    """The kernel that runs a packed-document block when the block kernel is ``kernel``: ``flash``
+    (its variable-length call) for ``flash`` and ``cudnn``, else ``kernel`` itself (one call per
+    document window)."""
+    return "flash" if kernel in VARLEN_KERNELS else kernel

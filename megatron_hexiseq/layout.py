@@ -18,6 +18,10 @@ Rules (checked in ``__post_init__``; messages carry the numbers):
 Token order on a rank is segment order. Inside a group, the "group sequence" after the head
 all-to-all is the concatenation of the member ranks' tokens in ascending rank order.
 
+Tensor parallelism: with ``tensor_model_parallel_size = t > 1`` a rank is a TP bundle of t GPUs of
+one node and the head counts are per TP rank (``megatron_hexiseq.tensor_parallel``: the layout's
+head h is the model's head ``i * H/t + h`` on TP rank i). The JSON key is written only when t > 1.
+
 JSON form: ``format: "megatron-hexiseq/layout"``, ``version: 1``; the JSON Schema lives in
 ``megatron_hexiseq/schema/layout.schema.json``. ``Layout.from_json(layout.to_json())`` is exact.
 """
@@ -37,6 +41,7 @@ from megatron_hexiseq.cluster import NAME_RULE, Cluster
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.io import read_json, write_json_atomic
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.tensor_parallel import tp_heads
 
 FORMAT = "megatron-hexiseq/layout"
 VERSION = 1
@@ -82,6 +87,9 @@ class Layout:
     world_size: int
     groups: tuple[Group, ...]
     ranks: tuple[RankPlan, ...]
+    tensor_model_parallel_size: int = (
+        1  # t: each rank is a TP bundle of t GPUs (tensor_parallel.py)
+    )
     predicted: Mapping[str, Any] | None = field(default=None, compare=False)
     baselines: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)
     planner: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -133,6 +141,11 @@ class Layout:
             "num_attention_heads": self.num_attention_heads,
             "num_query_groups": self.num_query_groups,
             "world_size": self.world_size,
+            **(
+                {"tensor_model_parallel_size": self.tensor_model_parallel_size}
+                if self.tensor_model_parallel_size > 1
+                else {}
+            ),
             "groups": [{"id": g.id, "ranks": list(g.ranks)} for g in self.groups],
             "ranks": [
                 {
@@ -167,6 +180,7 @@ class Layout:
                 num_attention_heads=data["num_attention_heads"],
                 num_query_groups=data["num_query_groups"],
                 world_size=data["world_size"],
+                tensor_model_parallel_size=data.get("tensor_model_parallel_size", 1),
                 groups=tuple(Group(id=g["id"], ranks=tuple(g["ranks"])) for g in data["groups"]),
                 ranks=tuple(
                     RankPlan(
@@ -288,37 +302,49 @@ def zigzag_segments(seq_length: int, cp: int) -> list[list[Segment]]:
 def check_matches(
     layout: Layout, cluster: Cluster, model: ModelSpec | None = None, *, source: str = "the layout"
 ) -> None:
-    """A layout runs on ``cluster`` (rank r on ``cluster.devices[r]``: same count, host and GPU type)
-    and, given ``model``, trains it (same heads, query groups and sequence length); otherwise a
-    one-line HexiSeqError that starts with ``source`` ("layout out.json", "the layout")."""
-    if layout.world_size != cluster.world_size:
+    """A layout runs on ``cluster`` (rank r on ``cluster.devices[r]``: same count, host and GPU type;
+    with ``tensor_model_parallel_size`` t, bundle r on devices ``r*t .. r*t+t-1``, all on its host)
+    and, given ``model``, trains it (same heads, query groups and sequence length; per TP rank with
+    t > 1); otherwise a one-line HexiSeqError that starts with ``source`` ("layout out.json", "the
+    layout")."""
+    t = layout.tensor_model_parallel_size
+    if layout.world_size * t != cluster.world_size:
+        what = f"{layout.world_size} ranks" if t == 1 else f"{layout.world_size} TP bundles of {t}"
         raise HexiSeqError(
-            f"{source} has {layout.world_size} ranks but cluster {cluster.name!r} has "
+            f"{source} has {what} but cluster {cluster.name!r} has "
             f"{cluster.world_size} GPUs; plan for this cluster or pass the cluster it was planned for"
         )
-    for plan, dev in zip(layout.ranks, cluster.devices):
-        if plan.gpu != dev.gpu.name or plan.host != dev.node:
-            raise HexiSeqError(
-                f"{source} rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
-                f"{plan.rank} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
-                f"{cluster.name!r}?"
-            )
+    for plan in layout.ranks:
+        for dev in cluster.devices[plan.rank * t : (plan.rank + 1) * t]:
+            if plan.gpu != dev.gpu.name or plan.host != dev.node:
+                raise HexiSeqError(
+                    f"{source} rank {plan.rank} is on {plan.host}/{plan.gpu} but the cluster's device "
+                    f"{dev.index} is {dev.node}/{dev.gpu.name}; was the layout planned for cluster "
+                    f"{cluster.name!r}?"
+                )
     if model is None:
         return
-    if (layout.num_attention_heads, layout.num_query_groups) != (
-        model.num_attention_heads,
-        model.num_query_groups,
-    ):
+    want = _heads_per_tp_rank(model.num_attention_heads, model.num_query_groups, t, source)
+    if (layout.num_attention_heads, layout.num_query_groups) != want:
+        per = "" if t == 1 else f" per TP rank of {t}"
         raise HexiSeqError(
             f"{source} has {layout.num_attention_heads} heads in {layout.num_query_groups} query "
-            f"groups but model {model.name!r} has {model.num_attention_heads} in "
-            f"{model.num_query_groups}"
+            f"groups{per} but model {model.name!r} has {want[0]} in {want[1]}"
+            + ("" if t == 1 else f" ({model.num_attention_heads} / {model.num_query_groups})")
         )
     if layout.seq_length != model.seq_length:
         raise HexiSeqError(
             f"{source} is planned for seq_length {layout.seq_length} but model {model.name!r} has "
             f"seq_length {model.seq_length}; pass --seq-length {layout.seq_length}"
         )
+
+
+def _heads_per_tp_rank(heads: int, groups: int, tp: int, source: str) -> tuple[int, int]:
+    """``tensor_parallel.tp_heads`` with the message prefixed by ``source``."""
+    try:
+        return tp_heads(heads, groups, tp)
+    except HexiSeqError as e:
+        raise HexiSeqError(f"{source}: {e}") from None
 
 
 def _fail(msg: str) -> None:
@@ -330,7 +356,13 @@ def _is_int(x: Any) -> bool:
 
 
 def _validate(lay: Layout) -> None:
-    for name in ("seq_length", "num_attention_heads", "num_query_groups", "world_size"):
+    for name in (
+        "seq_length",
+        "num_attention_heads",
+        "num_query_groups",
+        "world_size",
+        "tensor_model_parallel_size",
+    ):
         check_positive_int(name, getattr(lay, name))
     H, G, W = lay.num_attention_heads, lay.num_query_groups, lay.world_size
     if H % G:
@@ -549,6 +581,14 @@ def _check_meta(data: Mapping[str, Any], source: str) -> None:
     if spec is not None:
         if not isinstance(spec, Mapping):
             raise HexiSeqError(f"{source}: meta.model_spec must be a mapping, got {short(spec)}")
+        tp = data.get("tensor_model_parallel_size", 1)
+        if tp > 1 and all(
+            isinstance(spec.get(k), int) for k in ("num_attention_heads", "num_query_groups")
+        ):  # a layout over TP bundles counts heads per TP rank
+            heads, groups = _heads_per_tp_rank(
+                spec["num_attention_heads"], spec["num_query_groups"], tp, source
+            )
+            spec = {**spec, "num_attention_heads": heads, "num_query_groups": groups}
         for key in ("num_attention_heads", "num_query_groups", "seq_length"):
             if key in spec and spec[key] != data[key]:
                 raise HexiSeqError(

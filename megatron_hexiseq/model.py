@@ -151,6 +151,10 @@ def _preset_specs() -> tuple[ModelSpec, ...]:
         # Llama 3 (Dubey et al. 2024, Table 3; HF meta-llama/Meta-Llama-3-8B and -70B config.json), GQA 8 groups.
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        # A 30B-class model: Code Llama 34B (Roziere et al. 2023, "Code Llama: Open Foundation Models
+        # for Code", Table 1 / Sec. 2; HF codellama/CodeLlama-34b-hf config.json: 48 layers, hidden
+        # 8192, 64 heads, 8 KV heads, intermediate 22016, vocabulary 32000, 16K positions), 33.7B.
+        _llama("codellama-34b", 48, 8192, 64, 8, 22016, 32000, 16384),
         # A tiny GPT for the CPU testbed (gloo ranks): 2 layers, 8 heads in 4 query groups (exercises GQA).
         ModelSpec(
             name="gpt-tiny",

@@ -10,6 +10,9 @@ Example (per rank; see scripts/slurm/)::
     PYTHONPATH=$MEGATRON_LM python -m megatron_hexiseq.pretrain_gpt \\
         --context-parallel-size 4 --cp-comm-type hexiseq --calculate-per-token-loss \\
         --hexiseq-layout layout.json --seq-length 131072 ... (usual Megatron flags)
+
+or, for a job of several domains, ``--hexiseq-job job.json --context-parallel-size <world size>``
+instead of ``--hexiseq-layout`` (docs/megatron.md, "Jobs").
 """
 
 from __future__ import annotations
@@ -18,18 +21,22 @@ import sys
 import time
 
 from megatron_hexiseq.errors import run_user_command
-from megatron_hexiseq.megatron.args import layout_flag
+from megatron_hexiseq.megatron.args import job_flag, layout_flag
 
 _PROGRAM_START_TIME = time.time()
 
 
 def main() -> int:
-    path = layout_flag(sys.argv[1:])
-    if path is not None:  # before Megatron, torch and init_process_group: a bad path costs a second
+    path, job = layout_flag(sys.argv[1:]), job_flag(sys.argv[1:])
+    if path is not None or job is not None:  # before Megatron, torch and init_process_group
+        from megatron_hexiseq.job import JobPlan
         from megatron_hexiseq.layout import Layout
 
         def check() -> None:
-            Layout.load(path)
+            if path is not None:
+                Layout.load(path)
+            if job is not None:
+                JobPlan.load(job)
 
         rc = run_user_command(check, interrupts=False)
         if rc:

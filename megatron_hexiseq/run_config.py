@@ -76,13 +76,19 @@ OPTION_FIELDS = (
     "data_parallel_size",
     "capacity_fraction",
     "attention_kernel",
+    "tensor_model_parallel_size",
     "shard_group_size",
     "shard_group_GBps",
     "overlap_grad_sync",
 )
 # written into a record only when they differ from these defaults (a single-sequence layout's record
 # stays what it was before they existed)
-RECORD_IF_SET = {"shard_group_size": 0, "shard_group_GBps": 0.0, "overlap_grad_sync": False}
+RECORD_IF_SET = {
+    "shard_group_size": 0,
+    "shard_group_GBps": 0.0,
+    "overlap_grad_sync": False,
+    "tensor_model_parallel_size": 1,
+}
 _RECORD_TYPES = {
     "micro_batch_size": int,
     "recompute": bool,
@@ -90,6 +96,7 @@ _RECORD_TYPES = {
     "data_parallel_size": int,
     "capacity_fraction": float,
     "attention_kernel": str,
+    "tensor_model_parallel_size": int,
     "shard_group_size": int,
     "shard_group_GBps": float,
     "overlap_grad_sync": bool,
@@ -112,6 +119,10 @@ class TrainOptions:
     ``capacity_fraction``: usable share of each device's memory.
     ``attention_kernel``: the block kernel the run forces (``--hexiseq-kernel``), ``auto`` for the
     runtime's choice per GPU; the cost model prices that kernel's achieved rate.
+    ``tensor_model_parallel_size``: t > 1 runs Megatron's tensor + sequence parallelism inside TP
+    bundles of t GPUs (``--tensor-model-parallel-size t --sequence-parallel``); the cost model then
+    prices one TP rank of a bundle (``costmodel.tp``: its share of the model, the sequence-parallel
+    collectives over NVLink, the activations sequence parallelism divides).
     ``shard_group_size``: ranks the optimizer state (with ``fsdp`` also the parameters and
     gradients) is sharded over, and that Megatron-FSDP's collectives span; 0 (default):
     ``data_parallel_size * world_size`` (:meth:`shard_ranks`). A job of several domains shards over
@@ -129,12 +140,13 @@ class TrainOptions:
     data_parallel_size: int = 1
     capacity_fraction: float = 0.95
     attention_kernel: str = "auto"
+    tensor_model_parallel_size: int = 1
     shard_group_size: int = 0
     shard_group_GBps: float = 0.0
     overlap_grad_sync: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "data_parallel_size"):
+        for name in ("micro_batch_size", "data_parallel_size", "tensor_model_parallel_size"):
             check_positive_int(name, getattr(self, name))
         if (
             not isinstance(self.shard_group_size, int)
@@ -184,12 +196,15 @@ class TrainOptions:
 
 
 def megatron_flags(options: TrainOptions) -> list[str]:
-    """Megatron-LM flags that realise a memory mode (see docs/planner.md) and, when set, the
-    overlapped gradient reduction and parameter gather."""
+    """Megatron-LM flags that realise a memory mode (see docs/planner.md), when set the overlapped
+    gradient reduction and parameter gather, and TP bundles (tensor + sequence parallelism)."""
+    t = options.tensor_model_parallel_size
+    tp = ["--tensor-model-parallel-size", str(t), "--sequence-parallel"] if t > 1 else []
     return (
         MEMORY_FLAGS[options.memory_mode]
         + (RECOMPUTE_FLAGS if options.recompute else [])
         + (OVERLAP_FLAGS if options.overlap_grad_sync else [])
+        + tp
     )
 
 

@@ -20,7 +20,7 @@ CLI (used by the sbatch script; errors are one line, exit 2)::
     python -m megatron_hexiseq.slurm allocation --gpu-types 'H100-SXM-80GB' --gpus-per-node 8 \\
         --network-gbps 25 --name slurm-42 -o C.yaml --hosts gpu01 gpu02 [--components 0 1]
     python -m megatron_hexiseq.slurm node-names C.yaml                 -> the node names, one line
-    python -m megatron_hexiseq.slurm layout-field L.json memory-mode|seq-length|megatron-flags
+    python -m megatron_hexiseq.slurm layout-field L.json memory-mode|seq-length|megatron-flags|tensor-model-parallel-size
 """
 
 from __future__ import annotations
@@ -217,23 +217,30 @@ def _number_text(flag: str, text: str) -> float:
 
 
 def layout_field(path: str, field: str) -> str:
-    """One value of a layout for the sbatch script: ``seq-length``, ``memory-mode`` (empty when
-    none is recorded) or ``megatron-flags`` (the planner's Megatron flags, space-separated)."""
+    """One value of a layout for the sbatch script: ``seq-length``, ``tensor-model-parallel-size``
+    (the GPUs of a TP bundle, 1 without TP), ``memory-mode`` (empty when none is recorded) or
+    ``megatron-flags`` (the planner's Megatron flags, space-separated)."""
     from megatron_hexiseq.layout import Layout
     from megatron_hexiseq.run_config import check_options_record
 
     layout = Layout.load(path)
     if field == "seq-length":
         return str(layout.seq_length)
+    if field == "tensor-model-parallel-size":
+        return str(layout.tensor_model_parallel_size)
     opts = check_options_record(layout.meta.get("options"), f"layout {path}")
     if field == "memory-mode":
         return str(opts.get("memory_mode") or "")
-    flags = opts.get("megatron_flags") or []
+    return flag_words(opts.get("megatron_flags") or [], f"layout {path}: meta.options")
+
+
+def flag_words(flags: Any, where: str) -> str:
+    """Planner-recorded Megatron flags as one space-separated line, each checked to be a plain
+    flag word (no spaces, quotes or shell characters): ``where`` names the record in the error."""
     for flag in flags:
         if not isinstance(flag, str) or not re.fullmatch(r"[A-Za-z0-9_.=:/+-]+", flag):
             raise HexiSeqError(
-                f"layout {path}: meta.options.megatron_flags holds {short(flag)}, not a flag; "
-                "re-plan the layout"
+                f"{where}.megatron_flags holds {short(flag)}, not a flag; re-plan it"
             )
     return " ".join(flags)
 
@@ -267,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p3.add_argument("cluster")
     p4 = sub.add_parser("layout-field", help="print one value of a layout")
     p4.add_argument("layout")
-    p4.add_argument("field", choices=("seq-length", "memory-mode", "megatron-flags"))
+    p4.add_argument(
+        "field",
+        choices=("seq-length", "memory-mode", "megatron-flags", "tensor-model-parallel-size"),
+    )
     args = parser.parse_args(argv)
 
     def body() -> int:

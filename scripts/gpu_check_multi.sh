@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU acceptance check of HexiSeq on 2+ GPUs of one node (torchrun, NCCL); see docs/gpu.md and
-# bench/gpu_check_multi.py. Parts:
+# scripts/gpu_check/multi.py (python -m gpu_check.multi). Parts:
 #   attention  fwd/bwd of HexiSeq attention vs float64 on random uneven layouts of all GPUs (bf16,
 #              fp16, comm_chunks 1-3), then 200 iterations whose CUDA memory must stay steady;
 #   pretrain   (4+ GPUs, even; Megatron-LM + Transformer Engine) pretrain_gpt.py in bf16 with the TE
@@ -37,7 +37,7 @@ case "$NPROC" in ''|*[!0-9]*) echo "gpu_check_multi: NPROC must be a number, got
 if [ "$NPROC" -lt 2 ]; then
   echo "gpu_check_multi: needs 2+ GPUs, found $NPROC; on one GPU run scripts/gpu_check.sh" >&2; exit 2
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 mkdir -p "$OUT_DIR"
 parts=attention
@@ -48,22 +48,22 @@ else
 fi
 if [ -n "$DRY_RUN" ]; then
   echo "# attention ($NPROC processes)"
-  echo "timeout -k 30 $HANG_TIMEOUT $PY -m torch.distributed.run --standalone --nproc-per-node $NPROC bench/gpu_check_multi.py attention --device $DEVICE --iters $ITERS --out $OUT_DIR --hang-timeout $HANG_TIMEOUT"
+  echo "timeout -k 30 $HANG_TIMEOUT $PY -m torch.distributed.run --standalone --nproc-per-node $NPROC -m gpu_check.multi attention --device $DEVICE --iters $ITERS --out $OUT_DIR --hang-timeout $HANG_TIMEOUT"
   if [ "$parts" = attention,pretrain ]; then
-    "$PY" bench/gpu_check_multi.py pretrain --nproc "$NPROC" --megatron-lm "$MEGATRON_LM" \
+    "$PY" -m gpu_check.multi pretrain --nproc "$NPROC" --megatron-lm "$MEGATRON_LM" \
       --steps "$STEPS" --out "$OUT_DIR" --hang-timeout "$HANG_TIMEOUT" --dry-run
   fi
   exit 0
 fi
 rm -f "$OUT_DIR/attention.json" "$OUT_DIR/pretrain.json"
 timeout -k 30 "$HANG_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-  bench/gpu_check_multi.py attention --device "$DEVICE" --iters "$ITERS" --out "$OUT_DIR" \
+  -m gpu_check.multi attention --device "$DEVICE" --iters "$ITERS" --out "$OUT_DIR" \
   --hang-timeout "$HANG_TIMEOUT" > "$OUT_DIR/attention.log" 2>&1 \
   || echo "gpu_check_multi: the attention part failed or timed out (see $OUT_DIR/attention.log)"
 tail -n 3 "$OUT_DIR/attention.log"
 if [ "$parts" = attention,pretrain ]; then
-  "$PY" bench/gpu_check_multi.py pretrain --nproc "$NPROC" --megatron-lm "$MEGATRON_LM" \
+  "$PY" -m gpu_check.multi pretrain --nproc "$NPROC" --megatron-lm "$MEGATRON_LM" \
     --steps "$STEPS" --out "$OUT_DIR" --hang-timeout "$HANG_TIMEOUT" || true
 fi
 echo
-exec "$PY" bench/gpu_check_multi.py report --out "$OUT_DIR" --parts "$parts"
+exec "$PY" -m gpu_check.multi report --out "$OUT_DIR" --parts "$parts"

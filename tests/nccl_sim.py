@@ -155,6 +155,9 @@ class NcclSim:
     def get_global_rank(self, group: SimGroup, group_rank: int) -> int:
         return group.ranks[group_rank]
 
+    def get_process_group_ranks(self, group: SimGroup) -> list[int]:
+        return list(group.ranks)
+
     def get_rank(self, group: SimGroup | None = None) -> int:
         me = self.local.rank
         if group is None:

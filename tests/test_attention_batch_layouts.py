@@ -17,7 +17,8 @@ Layer (a), and threads under NCCL's rules (``tests/nccl_sim.py``) for the multi-
 Layer (b): 4 gloo processes run two consecutive micro-batches with different per-batch layouts
 on the same groups, each matching the oracle.
 Layer (c), skipped without CUDA: ``test_per_batch_layouts_flash_on_cuda``, the same bf16 run with
-``flash`` (the variable-length path) on the GPU.
+``flash`` (the variable-length path) on the GPU; each simulated rank runs its own backward
+(``set_multithreading_enabled(False)``, checked in the CPU twin too), as the documents test does.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import replace
 import pytest
 import torch
 from nccl_sim import NcclSim
-from test_attention_documents import _Recorder, random_bounds
+from test_attention_documents import _Recorder
 from test_attention_documents import _sim_dist as _sim_dist  # noqa: F401 (fixture)
 
 import megatron_hexiseq.attention.comm as comm
@@ -42,7 +43,11 @@ from megatron_hexiseq.attention import (
 )
 from megatron_hexiseq.attention.counts import rank_counts
 from megatron_hexiseq.attention.documents import parse_cu_seqlens
-from megatron_hexiseq.attention.testing_layouts import random_batch_layout, random_layout
+from megatron_hexiseq.attention.testing_layouts import (
+    random_batch_layout,
+    random_bounds,
+    random_layout,
+)
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
@@ -403,7 +408,13 @@ def _low_precision_micro_batches(device: str, kernel: str) -> None:
                 comm_chunks=1 + i % 2,
                 cu_seqlens=cu,
             )
-            o.backward(dout[pos].bfloat16().to(device))
+            seen: list[bool] = []
+            o.register_hook(lambda g, seen=seen: seen.append(torch._C._is_multithreading_enabled()))
+            # the backward on this rank's thread: autograd's shared CUDA device thread would carry
+            # no simulated rank (and one rank's wait would block the others' backward)
+            with torch.autograd.set_multithreading_enabled(False):
+                o.backward(dout[pos].bfloat16().to(device))
+            assert seen == [False], seen  # it ran with autograd's device threads off
             out.append([t.detach().double().cpu() for t in (o, ql.grad, kl.grad, vl.grad)])
         return out
 

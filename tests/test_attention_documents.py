@@ -29,6 +29,7 @@ import pytest
 import torch
 from nccl_sim import NcclSim, SimError
 from torch.utils._python_dispatch import TorchDispatchMode
+from varlen_standin import flash_backward, flash_forward
 
 import megatron_hexiseq.attention.comm as comm
 import megatron_hexiseq.attention.groups as groups_mod
@@ -45,9 +46,9 @@ from megatron_hexiseq.attention.documents import (
     document_schedule,
     parse_cu_seqlens,
 )
-from megatron_hexiseq.attention.kernels import Kernel
+from megatron_hexiseq.attention.kernels import Kernel, kv_map
 from megatron_hexiseq.attention.peers import build_schedule, group_runs, runs_positions
-from megatron_hexiseq.attention.testing_layouts import random_layout
+from megatron_hexiseq.attention.testing_layouts import random_bounds, random_layout
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
@@ -61,21 +62,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def random_bounds(rng: random.Random, lay: Layout) -> list[int]:
-    """Boundaries mixing 1-token documents, segment edges, random cuts; sometimes one document."""
-    S = lay.seq_length
-    kind = rng.random()
-    if kind < 0.15 or S < 2:
-        return [0, S]  # one document spanning every rank
-    edges = sorted({e for r in lay.ranks for s, e in r.segments if 0 < e < S})
-    cuts = set(rng.sample(edges, rng.randint(0, len(edges)))) if kind < 0.5 else set()
-    cuts |= set(rng.sample(range(1, S), rng.randint(1, min(S - 1, 6))))
-    if rng.random() < 0.4:  # a run of 1-token documents
-        a = rng.randrange(1, S)
-        cuts |= set(range(a, min(S, a + rng.randint(1, 4))))
-    return [0, *sorted(cuts), S]
 
 
 def _positions_docs(bounds: tuple[int, ...], S: int) -> list[int]:
@@ -420,62 +406,18 @@ def test_rank_counts_equal_the_runtime_stats(_sim_dist) -> None:
                 assert got == {k: v for k, v in getattr(want, name).items() if v}, (i, r, name)
 
 
-# ---- the variable-length (CUDA) path, emulated on CPU ------------------------------------------
-def _emulated_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
-    """``aten._flash_attention_forward`` in float64: packed [N, H, D], K/V [M, G, D], LSE [H, N]."""
-    N, H, D = q.shape
-    rep = H // k.shape[1]
-    out, lse = torch.empty_like(q), q.new_empty(H, N)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    assert max_q == max(b - a for a, b in zip(cq, cq[1:]))
-    assert max_k == max(b - a for a, b in zip(ck, ck[1:]))
-    for i in range(len(cq) - 1):
-        qs = q[cq[i] : cq[i + 1]].transpose(0, 1)
-        ks = k[ck[i] : ck[i + 1]].repeat_interleave(rep, 1).transpose(0, 1)
-        vs = v[ck[i] : ck[i + 1]].repeat_interleave(rep, 1).transpose(0, 1)
-        s = qs @ ks.transpose(-1, -2) * scale
-        if causal:
-            assert qs.shape[1] == ks.shape[1]
-            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-        lse[:, cq[i] : cq[i + 1]] = torch.logsumexp(s, -1)
-        out[cq[i] : cq[i + 1]] = (torch.softmax(s, -1) @ vs).transpose(0, 1)
-    return out, lse, torch.empty(2), torch.empty(()), torch.empty(0)
-
-
-def _emulated_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, p, causal, rng, un, *, scale):
-    N, H, D = q.shape
-    G = k.shape[1]
-    rep = H // G
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        qs, dos, os_ = (x[a:b].transpose(0, 1) for x in (q, do, o))
-        ks = k[c:d].repeat_interleave(rep, 1).transpose(0, 1)
-        vs = v[c:d].repeat_interleave(rep, 1).transpose(0, 1)
-        s = qs @ ks.transpose(-1, -2) * scale
-        if causal:
-            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-        P = torch.exp(s - lse[:, a:b, None])
-        dvs = P.transpose(-1, -2) @ dos
-        dP = dos @ vs.transpose(-1, -2)
-        dS = P * (dP - (dos * os_).sum(-1, keepdim=True))
-        dq[a:b] = (dS @ ks * scale).transpose(0, 1)
-        dks = (dS.transpose(-1, -2) @ qs * scale).transpose(0, 1)
-        dk[c:d] = dks.reshape(d - c, G, rep, D).sum(2)
-        dv[c:d] = dvs.transpose(0, 1).reshape(d - c, G, rep, D).sum(2)
-    return dq, dk, dv
-
-
+# ---- the variable-length (CUDA) path, emulated on CPU (tests/varlen_standin.py) -----------------
 def test_varlen_path_emulated_on_cpu(_sim_dist, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The packing, GQA (native and expanded), scatter and LSE merge of the CUDA path, exact."""
+    """The packing, GQA (one call per head segment, K/V at G heads), scatter and LSE merge of the
+    CUDA path, exact."""
     calls = []
     monkeypatch.setattr(varlen, "uses_varlen", lambda kernel: True)
     monkeypatch.setattr(
         varlen,
         "_varlen_ops",
-        lambda: (lambda *a, **k: calls.append(1) or _emulated_fwd(*a, **k), _emulated_bwd),
-    )
+        lambda: (lambda *a, **k: calls.append(a[0].is_contiguous()) or flash_forward(*a, **k),
+                 flash_backward),
+    )  # fmt: skip
     rng = random.Random(41)
     for i in range(16):
         lay = random_layout(rng, rng.randint(1, 5))
@@ -486,7 +428,7 @@ def test_varlen_path_emulated_on_cpu(_sim_dist, monkeypatch: pytest.MonkeyPatch)
             else random_bounds(rng, lay)
         )
         _run(lay, cu, chunks=1 + i % 2, kernel="reference", batch=batch, seed=i)
-    assert calls
+    assert True in calls and False in calls  # whole-head calls and head-segment slices
 
 
 def test_varlen_path_on_meta_tensors() -> None:
@@ -495,8 +437,8 @@ def test_varlen_path_on_meta_tensors() -> None:
 
     S, T, B, H, G, D = 10, 7, 2, 4, 2, 8
     meta = dict(device="meta", dtype=torch.bfloat16)
-    for native, kv_map in ((True, torch.tensor([0, 0, 1, 1])), (False, torch.tensor([1, 0, 0, 1]))):
-        wk = varlen.WindowKernel(Kernel.FLASH, 0.3, kv_map.to("meta"), native, {})
+    for of_head in ((0, 0, 1, 1), (1, 0, 0, 1)):  # aligned; out of order (two segments)
+        wk = varlen.WindowKernel(Kernel.FLASH, 0.3, kv_map(of_head, G), {})
         q = torch.empty(S, B, H, D, **meta)
         k = torch.empty(S, B, G, D, **meta)
         local = (Window(None, 0, 4, 0, 4), Window(None, 4, 10, 4, 10))
@@ -509,7 +451,8 @@ def test_varlen_path_on_meta_tensors() -> None:
         dq = torch.zeros(S, B, H, D, device="meta")
         dk, dv = varlen.windows_backward(wk, remote, 0, q, q, kb, kb, q, lse, dq, causal=False)
         assert dk.shape == dv.shape == (T, B, G, D)
-        assert set(wk.cache) == {("local", B, torch.device("meta")), (0, B, torch.device("meta"))}
+        meta_dev = torch.device("meta")
+        assert set(wk.cache) == {("local", B, meta_dev), (0, B, meta_dev), ("local", B, "in place")}
 
 
 class _Recorder(TorchDispatchMode):
@@ -536,7 +479,7 @@ def test_hot_path_reuses_the_micro_batch_schedule(
     loop path no tensor has S x T elements per head pair (no mask, no scores)."""
     if emulated_varlen:
         monkeypatch.setattr(varlen, "uses_varlen", lambda kernel: True)
-        monkeypatch.setattr(varlen, "_varlen_ops", lambda: (_emulated_fwd, _emulated_bwd))
+        monkeypatch.setattr(varlen, "_varlen_ops", lambda: (flash_forward, flash_backward))
     lay = make_layout(
         seq_length=96,
         num_attention_heads=8,
@@ -607,7 +550,7 @@ def test_documents_on_gloo_processes() -> None:
 # ---- GPU ---------------------------------------------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flash_varlen_on_cuda() -> None:
-    """bf16 flash varlen windows (local causal + a received block, native and expanded GQA)
+    """bf16 flash varlen windows (local causal + a received block, aligned and out-of-order GQA)
     against the float64 loop of reference calls on the same rounded inputs."""
     from megatron_hexiseq.attention.kernel_check import (
         BACKWARD_ROUNDINGS,
@@ -625,7 +568,7 @@ def test_flash_varlen_on_cuda() -> None:
         Window(None, 120, 300, 120, 300),
     )
     remote = (Window(0, 0, 100, 0, 50), Window(1, 10, 60, 20, 200), Window(None, 150, 300, 0, 200))
-    for kv_map, native in (([0, 0, 1, 1], True), ([1, 0, 0, 1], False)):
+    for of_head in ((0, 0, 1, 1), (1, 0, 0, 1)):  # aligned; out of order (two segments)
         x = [torch.randn(n, B, h, D, generator=gen).bfloat16() for n, h in ((S, H), (S, G), (S, G))]
         kb, vb = (torch.randn(T, B, G, D, generator=gen).bfloat16() for _ in range(2))
         dout = torch.randn(S, B, H, D, generator=gen).bfloat16()
@@ -634,8 +577,7 @@ def test_flash_varlen_on_cuda() -> None:
             (Kernel.FLASH, "cuda", torch.bfloat16),
             (Kernel.REFERENCE, "cpu", torch.float64),
         ):
-            m = torch.tensor(kv_map, device=dev)
-            wk = varlen.WindowKernel(kernel, D**-0.5, m, native, {})
+            wk = varlen.WindowKernel(kernel, D**-0.5, kv_map(of_head, G), {})
             q, k, v = (t.to(dev, dt) for t in x)
             kk, vv, do = kb.to(dev, dt), vb.to(dev, dt), dout.to(dev, dt)
             out, lse = varlen.local_forward(wk, local, q, k, v)

@@ -219,7 +219,7 @@ def test_get_batch_only_copies_and_indexes(monkeypatch: pytest.MonkeyPatch) -> N
     tokens and the plan built in the planning thread. Also the packed windows' index copy of the
     variable-length path (``attention.varlen``) and the document RoPE angles: non-blocking."""
     from megatron_hexiseq.attention import varlen
-    from megatron_hexiseq.attention.kernels import Kernel
+    from megatron_hexiseq.attention.kernels import Kernel, kv_map
     from megatron_hexiseq.attention.peers import Window
     from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
     from megatron_hexiseq.megatron.batch_ahead import AheadBatches, Preparer
@@ -270,7 +270,7 @@ def test_get_batch_only_copies_and_indexes(monkeypatch: pytest.MonkeyPatch) -> N
         bad = [op for op in rec.ops if op in SYNCS or op == "aten.lift_fresh.default"]
         assert not bad, (r, bad)
     # the variable-length path's packed indices: one non-blocking copy per block
-    wk = varlen.WindowKernel(Kernel.FLASH, 0.5, None, True, {})
+    wk = varlen.WindowKernel(Kernel.FLASH, 0.5, kv_map((0, 0), 1), {})
     rec = _Copies()
     with rec:
         varlen._packed(wk, (Window(None, 0, 4, 0, 4),), "k", 1, meta)

@@ -63,7 +63,10 @@ def d(tmp_path):
 
 
 def _error(capsys, argv, match, *, code=2):
-    rc = main(argv)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors (OneLineParser: one line, exit 2)
+        rc = e.code
     out, err = capsys.readouterr()
     assert rc == code, err + out
     lines = err.strip().splitlines()
@@ -202,6 +205,45 @@ def test_version(capsys):
             ],
             "--data-parallel-size must be a positive",
         ),
+        (
+            [
+                "plan",
+                "--cluster",
+                "{d}/c.yaml",
+                "--model",
+                "gpt-3b",
+                "--seq-length",
+                "9" * 5000,
+                "-o",
+                "{d}/o.json",
+            ],
+            "argument --seq-length: invalid int value: '999",
+        ),
+        (
+            ["plan", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "-o", "{d}/o.json"]
+            + ["--frobnicate"] * 2000,
+            "unrecognized arguments: --frobnicate",
+        ),
+        (
+            ["varlen", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--doc-lengths", "{d}/l"]
+            + ["--tokens-per-batch", "4096", "--seed", "9" * 5000, "-o", "{d}/o.json"],
+            "argument --seed: invalid int value: '999",
+        ),
+        (
+            ["varlen", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--doc-lengths", "{d}/l"]
+            + ["--tokens-per-batch", "4096", "--seed", "-" + "9" * 4000, "-o", "{d}/o.json"],
+            "--seed must be a non-negative integer, got <an integer of",
+        ),
+        (
+            ["varlen", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--doc-lengths", "{d}/l"]
+            + ["--tokens-per-batch", "9" * 5000, "-o", "{d}/o.json"],
+            "argument --tokens-per-batch: invalid int value: '999",
+        ),
+        (
+            ["varlen", "--cluster", "{d}/c.yaml", "--model", "gpt-3b", "--doc-lengths", "{d}/l"]
+            + ["--tokens-per-batch", "9" * 4000, "-o", "{d}/o.json"],
+            "--tokens-per-batch must be a positive integer, got <an integer of",
+        ),
     ],
 )
 def test_bad_numbers_stop_before_any_work(d, capsys, no_long_work, argv, match):
@@ -324,6 +366,55 @@ def test_huge_or_deep_json(d, capsys, monkeypatch):
     _error(capsys, ["show", str(d / "big.json")], "MiB, more than the")
 
 
+# ---- document lengths: varlen, plan --doc-lengths ------------------------------------------------
+def test_many_one_token_documents_plan_within_the_time_limit(d, capsys):
+    """65,536 one-token documents per micro-batch are valid: ``plan --doc-lengths`` plans them, and
+    --time-limit bounds the structure choice (past it only the planner's own layout is scored)."""
+    (d / "ones.json").write_text("[1]")
+    argv = _plan(d, "--seq-length", "65536", "--doc-lengths", str(d / "ones.json"))
+    argv[argv.index("--time-limit") + 1] = "0.001"
+    assert main([*argv, "--format", "json"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    layout = json.loads((d / "out.json").read_text())
+    rec = layout["planner"]["documents"]
+    assert rec["time_limit_reached"] is True and layout["planner"]["time_limit_reached"] is True
+    assert rec["chosen"] == "hexiseq" and rec["candidates"][0]["mean_step_s"] > 0
+    assert len(rec["candidates"]) > 1
+    assert all(r["reason"] == "not scored: time limit" for r in rec["candidates"][1:])
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[9223372036854775808]", "entry 0 is 9223372036854775808 (at most 2^63 - 1)"),
+        ("[1, " + "9" * 400 + "]", "entry 1 is <an integer of 400 digits> (at most 2^63 - 1)"),
+        ("[1, 2.5]", "entry 1 is 2.5"),
+        ("[1, true]", "entry 1 is True"),
+        ("[1, 0]", "entry 1 is 0"),
+        ("[" + "9" * 5000 + "]", "is not valid JSON: 'Exceeds the limit"),
+        ("[" + "[1], " * 10_000 + "1]", "entry 0 is [1]"),
+    ],
+)
+def test_document_lengths_an_int64_cannot_hold(d, capsys, no_long_work, text, match):
+    """Lengths of 2^63 and more (or not positive integers): one line before any planning, in
+    ``plan --doc-lengths`` and ``varlen`` (it was an OverflowError traceback after the plan)."""
+    (d / "docs.json").write_text(text)
+    docs = ["--doc-lengths", str(d / "docs.json")]
+    _error(capsys, _plan(d, "--seq-length", "4096", *docs), match)
+    varlen = ["varlen", "--cluster", str(d / "c.yaml"), "--model-config", str(d / "m.yaml")]
+    _error(capsys, [*varlen, *docs, "--tokens-per-batch", "4096", "-o", str(d / "v.json")], match)
+    assert not (d / "out.json").exists() and not (d / "v.json").exists()
+
+
+def test_the_longest_document_length_plans(d, capsys):
+    """2^63 - 1 tokens is a valid length (every micro-batch is a cut piece of it)."""
+    (d / "docs.json").write_text(f"[{2**63 - 1}, 5]")
+    argv = _plan(d, "--seq-length", "4096", "--doc-lengths", str(d / "docs.json"))
+    assert main([*argv, "--format", "json"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert json.loads((d / "out.json").read_text())["planner"]["documents"]["documents"] == 2
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -420,9 +511,8 @@ def test_device_directory_empty_and_unwritable_outputs(d, capsys, no_long_work):
     _error(capsys, _plan(d, out=d), "is a directory")
     _error(capsys, _plan(d, out=""), "is empty")
     _error(capsys, _plan(d, out=d / "missing" / "o.json"), "does not exist; create it first")
-    _error(
-        capsys, _plan(d, out="/proc/o.json"), "cannot write -o /proc/o.json"
-    )  # unwritable even for root
+    if os.path.isdir("/proc/self"):  # procfs: unwritable even for root
+        _error(capsys, _plan(d, out="/proc/o.json"), "cannot write -o /proc/o.json")
     if os.geteuid() != 0:  # root writes into a read-only folder anyway
         ro = d / "ro"
         ro.mkdir()
@@ -472,6 +562,15 @@ def test_plot_with_unsupported_extension_fails_first(d, capsys, no_long_work):
         ],
         "cannot write a figure as .xyz",
     )
+    sim = ["simulate", "--cluster", str(d / "c.yaml"), "--model", "gpt-3b", "--seq-length", "8192"]
+    for path, match in (
+        (str(d / ("x" * 5000)), "cannot write a figure as a file without a suffix"),
+        (str(d / ("x" * 5000)) + ".png", "the file name is 5004 bytes, more than the"),
+        (str(d) + "/x" * 2500 + ".png", "the path is"),
+        (str(d / "a\nb" / "c.png"), "a\\nb does not exist"),  # one line: the newline escaped
+    ):
+        line = _error(capsys, [*sim, "--baselines", "--plot", path], match)
+        assert "x" * 200 not in line
 
 
 def test_demo_checks_every_output_before_training(d, capsys, monkeypatch):
@@ -504,6 +603,66 @@ def test_demo_checks_every_output_before_training(d, capsys, monkeypatch):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and match in err[0], err
     assert not (d / "demo.json").exists()
+
+
+def _demo_sh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """scripts/demo.sh with a stand-in venv: its python runs this interpreter on this checkout, its
+    megatron-hexiseq (the 30-s profile, the plan) only leaves a MARK file."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    for name, body in (
+        ("python", f'exec {sys.executable} "$@"'),
+        ("megatron-hexiseq", f"touch {tmp_path / 'MARK'}; exit 1"),
+    ):
+        (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    (venv / ".hexiseq-installed").write_text("test")  # newer than setup.py: no installation
+    full = {
+        "PATH": "/usr/bin:/bin",
+        "VENV": str(venv),
+        "HEXISEQ_EXTRAS": "test",
+        "OUT": str(tmp_path / "out"),
+        "PYTHONPATH": str(ROOT),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh")],
+        capture_output=True,
+        text=True,
+        env=full,
+        cwd=tmp_path,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"PACKED": "yes"}, "PACKED must be 0 or 1, got 'yes'"),
+        ({"PACKED": "1 "}, "PACKED must be 0 or 1"),
+        ({"PACKED": "x" * 100_000}, "PACKED must be 0 or 1, got 'xxx"),
+        ({"STEPS": "3O"}, "STEPS must be a positive integer"),
+        ({"SEQ": "-1"}, "SEQ must be a positive integer"),
+        ({"PACKED": "1", "DOCS": "DOCS.json"}, "entry 0 is 9223372036854775808 (at most 2^63"),
+        ({"PACKED": "1", "DOCS": "missing.json"}, "missing.json does not exist"),
+    ],
+)
+def test_demo_script_checks_its_knobs_first(tmp_path, env, match):
+    """The demo's knobs (and with PACKED=1 its document lengths) are one line and exit 2 before
+    the set-up, the profile and the plan (PACKED=yes ran the unpacked demo; a length of 2^63 was a
+    traceback after 31 s of profile and plan)."""
+    (tmp_path / "DOCS.json").write_text("[9223372036854775808]")
+    env = {k: v.replace("DOCS.json", str(tmp_path / "DOCS.json")) for k, v in env.items()}
+    res = _demo_sh(tmp_path, **env)
+    _one_line(res, match)
+    assert not (tmp_path / "MARK").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_demo_script_valid_knobs_reach_the_profile(tmp_path, packed):
+    (tmp_path / "docs.json").write_text(f"[{2**63 - 1}, 512]")
+    res = _demo_sh(tmp_path, PACKED=packed, DOCS=str(tmp_path / "docs.json"), STEPS="5")
+    assert res.returncode == 1 and (tmp_path / "MARK").exists(), res.stderr  # the stand-in profile
 
 
 def test_written_files_follow_the_umask(d, capsys):
@@ -692,10 +851,22 @@ def test_repeated_exclusions_are_recorded_once(d, capsys):
     assert meta["excluded"] == ["h0:1"] and meta["gpu_indices"] == {"h0": [0]}
 
 
-@pytest.mark.parametrize("name", ["h:0", "a,b", "a b", "a/b", "..", "-x", "", "x" * 129])
+@pytest.mark.parametrize("name", ["h:0", "a,b", "a b", "a/b", "..", "-x", "", "x" * 129, "h0\n"])
 def test_node_names_that_break_launchers(d, capsys, no_long_work, name):
     (d / "c.yaml").write_text(CLUSTER.replace("name: h0", f"name: {json.dumps(name)}"))
     _error(capsys, _plan(d), "nodes[0]" if name else "nodes[0].name")
+
+
+@pytest.mark.parametrize("name", ["x\ny", "x\n", "a b", "", "x" * 129, "-x"])
+def test_cluster_names_follow_the_name_rule(d, capsys, no_long_work, name):
+    """A cluster's own name is printed in tables and messages: the name rule (and '+', as in the
+    testbed's cpu-testbed-1+2), in a spec ``plan`` reads and in ``profile --name``."""
+    (d / "c.yaml").write_text(CLUSTER.replace("name: small", f"name: {json.dumps(name)}"))
+    match = "" if name == "" else "is not a cluster name"
+    _error(capsys, _plan(d), match)
+    argv = ["profile", "--testbed", "1+1", f"--name={name}", "-o", str(d / "p.yaml")]
+    _error(capsys, argv, "--name ")
+    assert not (d / "p.yaml").exists() and not (d / "out.json").exists()
 
 
 def test_long_or_folder_outputs(d, capsys, no_long_work):
@@ -811,7 +982,7 @@ def test_simulate_takes_the_model_from_the_layout(d, capsys):
         (["tune", "--model", "gpt-7b", "--min-bucket", str(10**30)], "is more than the model's"),
         (["tune", "--model", "gpt-7b", "--world-size", "1000"], "--world-size must be in"),
         (["tune", "--model", "nope"], "nope"),
-        (["tune", "--model", "gpt-7b", "--out", "/nonexistent/x.json"], "does not exist"),
+        (["tune", "--model", "gpt-7b", "--out", "{d}/missing/x.json"], "does not exist"),
         (["profile", "--testbed", "1+1000", "-o", "p.yaml"], "at most 64"),
         (["DEMO", "--testbed", "1+1+1+1+1", "--steps", "2", "--warmup", "1"], "has 5"),
         (["DEMO", "--testbed", "1+1", "--steps", "2", "--warmup", "5"], "--steps (2) must exceed"),
@@ -821,8 +992,11 @@ def test_simulate_takes_the_model_from_the_layout(d, capsys):
     ],
 )
 def test_argument_errors_come_before_heavy_imports(d, capsys, argv, match):
-    """In a fresh interpreter: one line, exit 2, and torch never imported (5-40 s on a busy machine)."""
+    """In a fresh interpreter: one line, exit 2, and torch never imported (5-40 s on a busy machine).
+    Missing folders are made under ``d`` (tmp_path), never taken from the host ('/nonexistent' is
+    the home of ``nobody`` on many images)."""
     layout = _layout(d, capsys)
+    argv = [a.replace("{d}", str(d)) for a in argv]
     if argv[0] == "DEMO":
         entry = "from megatron_hexiseq.testbed.demo import main"
         argv = [
@@ -980,6 +1154,21 @@ def _one_line(res: subprocess.CompletedProcess, match: str) -> None:
             {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "a0"},
             "SLURM_JOB_NODELIST_HET_GROUP_1 is unset",
         ),
+        (
+            {"HEXISEQ_NODES": "gpu01", "PLAN_ARGS": "--time-limit 5\n--frobnicate"},
+            "PLAN_ARGS must be one line of words (it holds a line break)",
+        ),
+        (
+            {"HEXISEQ_NODES": "gpu01", "HEXISEQ_ARGS": "--x 1\r\n--save /tmp"},
+            "HEXISEQ_ARGS must be one line of words",
+        ),
+        ({"HEXISEQ_NODES": "gpu01", "PLAN_ARGS": "-o MARK"}, "may not set the layout's output"),
+        ({"HEXISEQ_NODES": "gpu01", "PLAN_ARGS": "-oMARK"}, "may not set the layout's output"),
+        (
+            {"HEXISEQ_NODES": "gpu01", "PLAN_ARGS": "--time-limit 5 --outp=MARK"},
+            "may not set the layout's output ('--outp=",
+        ),
+        ({"HEXISEQ_NODES": "gpu01", "PLAN_ARGS": "--output MARK"}, "('--output')"),
     ],
 )
 def test_sbatch_variables_are_data(tmp_path, env, match):
@@ -991,6 +1180,21 @@ def test_sbatch_variables_are_data(tmp_path, env, match):
     _one_line(_sbatch(tmp_path, **env), match)
     assert not (tmp_path / "MARK").exists()
     assert not (tmp_path / "wd").exists() or not list((tmp_path / "wd").iterdir())
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"PLAN_ARGS": "y" * 100_000}, "unrecognized arguments: yyy"),
+        ({"PLAN_ARGS": " ".join(["--x"] * 30_000)}, "words start with '-', more than the 2,048"),
+        ({"PLAN_ARGS": " ".join(["x"] * 30_000)}, "unrecognized arguments: x x x"),
+    ],
+)
+def test_sbatch_huge_plan_args(tmp_path, env, match):
+    """100,000 characters or 30,000 words in PLAN_ARGS: plan's one short line within seconds (the
+    script quoted the command a subshell per word: over 180 s)."""
+    res = _sbatch(tmp_path, HEXISEQ_NODES="gpu01", **env)
+    _one_line(res, match)
 
 
 def _tiny_layout(tmp_path: Path) -> Path:
@@ -1057,7 +1261,39 @@ def test_sbatch_quotes_what_it_prints(tmp_path):
     assert res.returncode == 0, res.stderr + res.stdout
     srun = [line for line in res.stdout.splitlines() if line.startswith("+ srun ")]
     assert len(srun) == 1 and f"--save '{save}' --load '{save}'" in srun[0], srun
-    assert srun[0].endswith(" 'x*'") and "x1" not in res.stdout
+    assert " 'x*' " in srun[0] and "x1" not in res.stdout  # before the script's own last flags
+
+
+def test_sbatch_dry_run_rank_commands_paste_safely(tmp_path):
+    """Each rank's printed command is shell-quoted word by word: pasted into a shell it runs the
+    same words (a SAVE with a space stays one word, ';touch' runs nothing); 30,000 words in
+    HEXISEQ_ARGS are printed within the subprocess deadline."""
+    import shlex
+
+    save = tmp_path / "ck pt"
+    mark = tmp_path / "MARK"
+    many = ["--w"] * 30_000
+    res = _sbatch(
+        tmp_path,
+        HEXISEQ_NODES="gpu01",
+        GPUS_PER_NODE="2",
+        LAYOUT=str(_tiny_layout(tmp_path)),
+        SAVE=str(save),
+        HEXISEQ_ARGS=" ".join([f";touch {mark}", "x*", "$(id)", *many]),
+    )
+    assert res.returncode == 0, res.stderr + res.stdout[-2000:]
+    ranks = [line for line in res.stdout.splitlines() if line.startswith("+ [gpu01] env ")]
+    assert len(ranks) == 2, res.stdout[-2000:]
+    for line in ranks:
+        words = shlex.split(line[len("+ [gpu01] ") :])
+        assert words[0] == "env" and any(w.startswith("RANK=") for w in words)
+        i = words.index("--save")
+        assert words[i : i + 4] == ["--save", str(save), "--load", str(save)]
+        j = words.index(";touch")
+        assert words[j : j + 5] == [";touch", str(mark), "x*", "$(id)", "--w"]
+        assert words.count("--w") == 30_000
+    subprocess.run(["bash", "-c", "set -- " + ranks[0][len("+ [gpu01] env ") :]], cwd=tmp_path)
+    assert not mark.exists()
 
 
 # ---- layer (b): real processes -----------------------------------------------------------------

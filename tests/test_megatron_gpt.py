@@ -75,19 +75,11 @@ def reordering_tolerance(cfg: TrainConfig) -> float:
     return 2 * gamma * (cfg.model.num_layers + 1)
 
 
-@pytest.fixture(scope="module")
-def runs():
-    parallel = run_ranks(train_rank_many, 4, CASES, timeout_s=600)
-    reference = run_ranks(reference_rank_many, 1, CASES, timeout_s=600)[0]
-    return parallel, reference
-
-
-@pytest.mark.parametrize("case", [0, 1], ids=["hetero-3+1", "dp2-x-uneven2"])
-def test_gpt_matches_single_process(runs, case):
-    parallel, reference = runs
-    ref = reference[case]
-    per_rank = [results[case] for results in parallel]
-    tol = reordering_tolerance(CASES[case])
+def assert_matches_reference(per_rank: list, ref, tol: float) -> None:
+    """Every rank's per-token loss of every step, and rank 0's gradients of step 0 (after the
+    reduction and the division by the global token count), equal the single-process ``ref``'s to
+    ``tol``: losses relatively (sums of positive terms), gradients norm-wise and elementwise
+    relative to each tensor's largest magnitude (``reordering_tolerance``)."""
     # the per-token loss of every step, as every rank reports it (a sum of positive terms: relative)
     for res in per_rank:
         torch.testing.assert_close(
@@ -108,6 +100,22 @@ def test_gpt_matches_single_process(runs, case):
             atol=tol * float(want.abs().max()),
             msg=lambda m: f"gradient of {name}: {m}",
         )
+
+
+@pytest.fixture(scope="module")
+def runs():
+    parallel = run_ranks(train_rank_many, 4, CASES, timeout_s=600)
+    reference = run_ranks(reference_rank_many, 1, CASES, timeout_s=600)[0]
+    return parallel, reference
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["hetero-3+1", "dp2-x-uneven2"])
+def test_gpt_matches_single_process(runs, case):
+    parallel, reference = runs
+    ref = reference[case]
+    per_rank = [results[case] for results in parallel]
+    tol = reordering_tolerance(CASES[case])
+    assert_matches_reference(per_rank, ref, tol)
     # parameters after 3 AdamW steps. Adam normalises each element's step (m / (sqrt(v) + 1e-8)): an
     # element whose gradient is at the level of the gradients' elementwise error (tol x the tensor's
     # largest magnitude, above) can take any step in [-lr, lr] in either run. So compare each

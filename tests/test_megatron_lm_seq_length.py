@@ -4,8 +4,12 @@ Stock Megatron-LM asserts ``seq_length % (2 * context_parallel_size) == 0`` (its
 split). A HexiSeq layout splits any length, e.g. 131072 tokens on 12 ranks or 44 tokens on 4: with
 ``--hexiseq-layout`` and ``--cp-comm-type hexiseq`` the real ``parse_args`` + ``validate_args`` must
 accept them and leave ``args.seq_length`` at the requested length, while the same flags without
-HexiSeq still fail Megatron's check (so the test would notice if Megatron dropped it). Needs
-``MEGATRON_LM`` (``scripts/test.sh`` unpacks the snapshot in ``../shared/megatron-lm``).
+HexiSeq still fail Megatron's check (so the test would notice if Megatron dropped it). The same
+real parser refuses, at parsing and in one line each, what a HexiSeq run does not support
+(``--init-model-with-meta-device``, ``--qk-clip``, ``--log-max-attention-logit``, a non-zero
+``--attention-dropout`` including Megatron's default 0.1, ``--overlap-moe-expert-parallel-comm``),
+and lets stock runs keep them. Needs ``MEGATRON_LM`` (``scripts/test.sh`` unpacks the snapshot in
+``../shared/megatron-lm``).
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
     "--ffn-hidden-size 96 --position-embedding-type rope --micro-batch-size 1 --global-batch-size 1 "
     "--lr 1e-3 --train-iters 1 --transformer-impl local --calculate-per-token-loss --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128"
+    "--tokenizer-type NullTokenizer --vocab-size 128 --attention-dropout 0"
 ).split()
 
 
-def _validate(argv: list[str], world: int):
+def _validate(argv: list[str], world: int, base: list[str] = BASE):
     sys.path.insert(0, MEGATRON_LM)
     try:
         import megatron.training.arguments as margs
@@ -38,7 +42,7 @@ def _validate(argv: list[str], world: int):
 
     saved = sys.argv, margs.get_device_arch_version
     margs.get_device_arch_version = lambda: 9  # a CUDA-only query inside validate_args
-    sys.argv = ["pretrain_gpt.py", *BASE, *argv]
+    sys.argv = ["pretrain_gpt.py", *base, *argv]
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     try:
         args = margs.parse_args(extra_args_provider=plugin.extra_args_provider(None))
@@ -86,3 +90,46 @@ def test_other_seq_length_checks_still_apply() -> None:
     ]
     with pytest.raises(AssertionError, match="max_position_embeddings"):
         _validate(flags, world=4)
+
+
+HEXISEQ = "--seq-length 64 --max-position-embeddings 64 --context-parallel-size 4 "
+HEXISEQ += "--cp-comm-type hexiseq --hexiseq-layout layout.json"
+
+
+@pytest.mark.parametrize(
+    "flag,line",
+    [
+        (
+            "--init-model-with-meta-device",
+            "--init-model-with-meta-device: HexiSeq needs the model's tensors at start-up",
+        ),
+        ("--qk-clip", "--qk-clip: HexiSeq attention does not report each head's largest"),
+        ("--log-max-attention-logit", "--log-max-attention-logit: HexiSeq attention does not"),
+        ("--attention-dropout 0.1", "--attention-dropout 0.1: HexiSeq attention is exact and "),
+        ("--attention-dropout 0.05", "applies no dropout (Megatron's default is 0.1); pass --att"),
+        (
+            "--overlap-moe-expert-parallel-comm",
+            "--overlap-moe-expert-parallel-comm: its combined-1F1B schedule runs one micro-batch's",
+        ),
+    ],
+)
+def test_unsupported_flags_are_refused_at_parsing_in_one_line(flag: str, line: str) -> None:
+    from megatron_hexiseq.errors import HexiSeqError
+
+    with pytest.raises(HexiSeqError) as err:
+        _validate(HEXISEQ.split() + flag.split(), world=4)
+    assert line in str(err.value) and "\n" not in str(err.value), str(err.value)
+    stock = ["--context-parallel-size", "1", *flag.split()]
+    try:  # a stock run keeps the flag: Megatron's own checks may refuse it, the plugin does not
+        _validate(stock, world=1)
+    except AssertionError:
+        pass
+
+
+def test_megatrons_default_attention_dropout_is_refused_and_zero_accepted() -> None:
+    from megatron_hexiseq.errors import HexiSeqError
+
+    base = BASE[: BASE.index("--attention-dropout")]  # Megatron's default
+    with pytest.raises(HexiSeqError, match="--attention-dropout 0.1: .*pass --attention-dropout 0"):
+        _validate(HEXISEQ.split(), world=4, base=base)
+    assert _validate(HEXISEQ.split(), world=4).attention_dropout == 0

@@ -54,6 +54,7 @@ def _run(**kw) -> RunShape:
 def test_flag_set_is_pinned():
     assert flag_names() == (
         "--hexiseq-layout",
+        "--hexiseq-job",
         "--hexiseq-kernel",
         "--hexiseq-fp32-grad-wire",
         "--hexiseq-comm-chunks",
@@ -61,6 +62,7 @@ def test_flag_set_is_pinned():
         "--hexiseq-batch-plan",
         "--hexiseq-overlap-tune",
         "--hexiseq-overlap-config",
+        "--hexiseq-check-params",
     )
 
 

@@ -17,6 +17,7 @@ from megatron_hexiseq.model import MODEL_PRESETS, ModelSpec, get_model, model_fr
         ("llama2-13b", 13.02e9),
         ("llama3-8b", 8.03e9),
         ("llama3-70b", 70.55e9),
+        ("codellama-34b", 33.74e9),
         ("gpt-3b", 2.7e9),
         ("gpt-7b", 6.7e9),
         ("gpt-13b", 13.0e9),
@@ -67,6 +68,7 @@ def test_presets_and_overrides():
         "llama2-13b",
         "llama3-8b",
         "llama3-70b",
+        "codellama-34b",
         "gpt-tiny",
     } <= set(MODEL_PRESETS)
     m = get_model("llama3-8b", overrides={"seq_length": 131072, "micro_batch_size": None})

@@ -392,7 +392,9 @@ def test_kv_bound_cluster_gets_cross_node_groups_and_beats_every_symmetric_layou
     # K/V bound: 8 H100 nodes and 8 L40S nodes on a 12.5 GB/s network, gpt-7b (32 heads), 256K tokens
     # on 128 GPUs. A node group gives each rank 4 heads of the whole sequence's K/V; groups spanning
     # nodes fewer. The planner's own best candidate must find them and beat the best symmetric layout
-    # by 1.5x, and be no worse than the heuristics (within 1%: they are close here).
+    # by 1.25x, and be no worse than the heuristics (within 1%: they are close here). Every layout
+    # pays Megatron-FSDP's exposed per-layer gathers (about 1.5 s here, costmodel.step), so the
+    # ratio of whole iterations is 1.3x (3.27 s vs 4.28 s) where the attention's alone is 1.6x.
     nodes = [
         {"name": f"h{i}", "gpu": "H100-SXM-80GB", "count": 8, "network_GBps": 25} for i in range(8)
     ]
@@ -404,7 +406,7 @@ def test_kv_bound_cluster_gets_cross_node_groups_and_beats_every_symmetric_layou
     lay = plan(cl, m, 262144, TrainOptions(memory_mode="fsdp"))
     best = best_baseline(list(lay.baselines))
     ours = lay.planner["planner_best_s"]
-    assert ours * 1.5 < best["iteration_time_s"]
+    assert ours * 1.25 < best["iteration_time_s"]
     heur = min(h["iteration_time_s"] for h in lay.planner["heuristics"] if h["iteration_time_s"])
     assert ours <= heur * 1.01
     if lay.planner["winner"]["family"] == "hierarchical":

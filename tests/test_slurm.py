@@ -131,7 +131,7 @@ def test_het_job_plans_a_layout(stand_ins, tmp_path):
         "SEQ_LENGTH": "4096",
         "PLAN_ARGS": "--time-limit 2 --reproducible",
         "ENTRY": "patched",
-        "MEGATRON_LM": "/opt/Megatron-LM",
+        "MEGATRON_LM": str(tmp_path / "Megatron-LM"),  # printed only: a dry run
     }
     res = _run(env)
     assert res.returncode == 0, res.stderr + res.stdout
@@ -148,7 +148,7 @@ def test_het_job_plans_a_layout(stand_ins, tmp_path):
     for r, (host, renv, cmd) in ranks.items():
         assert host == layout.ranks[r].host and renv["MASTER_ADDR"] == layout.ranks[0].host
         assert cmd.startswith(
-            f"{sys.executable} /opt/Megatron-LM/pretrain_gpt.py --context-parallel-size 6 "
+            f"{sys.executable} {tmp_path}/Megatron-LM/pretrain_gpt.py --context-parallel-size 6 "
         )
 
 

@@ -3,7 +3,9 @@
 ``scripts/slurm/hexiseq.sbatch`` in DRY_RUN mode plans a layout for every memory mode the planner
 can pick (``run_config.AUTO_MODES``: distributed optimizer or Megatron-FSDP, each with and without
 full recompute; forced with ``PLAN_ARGS="--memory-mode M [--recompute]"``) and once with the
-planner's own choice for llama3-8b at 128K tokens on four H100s (Megatron-FSDP with recompute).
+planner's own choice for llama3-8b at 128K tokens on four H100s (Megatron-FSDP with recompute),
+and twice over TP bundles (``TENSOR_PARALLEL`` 2 with the distributed optimizer, 4 with FSDP:
+``--tensor-model-parallel-size``, ``--sequence-parallel`` and CP = GPUs / TP).
 Every rank's printed command line and environment then go through the real Megatron-LM
 ``parse_args`` (with the plugin's ``extra_args_provider`` and its post-parse hook) and
 ``validate_args`` of the shared snapshot, on a Hopper GPU as far as ``validate_args`` can tell (``get_device_arch_version`` = 9:
@@ -75,6 +77,11 @@ REFUSED = {
     "--enable-cuda-graph": "HexiSeqError: --enable-cuda-graph: HexiSeq attention does not run",
     "--external-cuda-graph": "HexiSeqError: --external-cuda-graph: HexiSeq attention does not",
     "--rope-type yarn": "HexiSeqError: --rope-type yarn: HexiSeq's layout RoPE does not",
+    "--init-model-with-meta-device": "HexiSeqError: --init-model-with-meta-device: HexiSeq needs",
+    "--qk-clip": "HexiSeqError: --qk-clip: HexiSeq attention does not report each head's",
+    "--log-max-attention-logit": "HexiSeqError: --log-max-attention-logit: HexiSeq attention",
+    "--attention-dropout 0.1": "HexiSeqError: --attention-dropout 0.1: HexiSeq attention is exact",
+    "--overlap-moe-expert-parallel-comm": "HexiSeqError: --overlap-moe-expert-parallel-comm: its",
 }
 
 stand_ins = test_slurm.stand_ins  # the fixture: stand-in srun/scontrol on PATH, DRY_RUN=1
@@ -90,11 +97,49 @@ RUNS = {
         for mode, recompute in AUTO_MODES
     },
     "planner's choice": ("gpu1 gpu2", "H100-SXM-80GB", "131072", ""),
+    # TP bundles (TENSOR_PARALLEL): Megatron's TP + sequence parallelism with HexiSeq's CP
+    "distributed_optimizer tp2": (
+        "gpu1 gpu2",
+        "H100-SXM-80GB A100-SXM-80GB",
+        "16384",
+        "--memory-mode distributed_optimizer",
+        {"TENSOR_PARALLEL": "2"},
+    ),
+    "fsdp tp4": (
+        "gpu1 gpu2",
+        "H100-SXM-80GB A100-SXM-80GB",
+        "16384",
+        "--memory-mode fsdp",
+        {"TENSOR_PARALLEL": "4"},
+    ),
 }
 
 
+def validate(
+    commands: list[tuple[dict, list[str]]], tmp_path: Path
+) -> tuple[list, subprocess.CompletedProcess]:
+    """Every ``(env, argv)`` through Megatron-LM's ``parse_args`` + ``validate_args`` (``VALIDATE``,
+    one fresh interpreter): per command ``[error or None, create_attention_mask_in_dataloader]``."""
+    path = tmp_path / "commands.json"
+    path.write_text(json.dumps(commands))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(MEGATRON_LM)]),
+        "PYTHONWARNINGS": "ignore",
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", VALIDATE, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res
+
+
 def _dry_run(stand_ins: dict, tmp_path: Path, name: str) -> list[tuple[dict, list[str]]]:
-    hosts, gpus, seq, plan_args = RUNS[name]
+    hosts, gpus, seq, plan_args, *extra = RUNS[name]
     env = {
         **stand_ins,
         "WORKDIR": str(tmp_path / name.replace(" ", "_").replace("'", "")),
@@ -106,6 +151,7 @@ def _dry_run(stand_ins: dict, tmp_path: Path, name: str) -> list[tuple[dict, lis
         "PLAN_ARGS": f"--time-limit 2 --reproducible {plan_args}".strip(),
         # a 1 exported by the submitting shell must not reach an FSDP run
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        **(extra[0] if extra else {}),
     }
     res = _run(env, *MODEL_ARGV)
     assert res.returncode == 0, res.stderr + res.stdout
@@ -131,26 +177,16 @@ def test_dry_run_commands_pass_megatron_validate_args_in_every_memory_mode(stand
         else:
             assert uses_fsdp == {name.startswith("fsdp")}, name
             assert ("--recompute-granularity" in run[0][1]) == name.endswith("+recompute"), name
+        tp = int(name[-1]) if " tp" in name else 1  # the layout's bundles, CP = 8 / TP
+        for _, argv in run:
+            got = int(argv[argv.index("--tensor-model-parallel-size") + 1]) if tp > 1 else 1
+            assert got == tp and argv[argv.index("--context-parallel-size") + 1] == str(8 // tp)
+            assert ("--sequence-parallel" in argv) == (tp > 1), name
         commands += run
         fsdp += [uses_fsdp == {True}] * len(run)
     # the same command lines with a flag HexiSeq refuses, then rank 0 of the first run again
     refused = [(commands[0][0], commands[0][1] + flag.split()) for flag in REFUSED]
-    path = tmp_path / "commands.json"
-    path.write_text(json.dumps(commands + refused + commands[:1]))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(MEGATRON_LM)]),
-        "PYTHONWARNINGS": "ignore",
-    }
-    res = subprocess.run(
-        [sys.executable, "-c", VALIDATE, str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    verdicts = json.loads(res.stdout.strip().splitlines()[-1])
+    verdicts, res = validate(commands + refused + commands[:1], tmp_path)
     failed = [(c[0], v) for c, v in zip(commands, verdicts) if v[0] is not None]
     assert not failed, failed[:3]
     assert any(fsdp) and not all(fsdp)
@@ -164,5 +200,7 @@ def test_dry_run_commands_pass_megatron_validate_args_in_every_memory_mode(stand
     assert "(it would take 16.0 GiB per GPU" in res.stdout  # micro-batch 1 at 131072 tokens
     for (flag, message), (error, _) in zip(REFUSED.items(), verdicts[len(commands) :]):
         assert error is not None and error.startswith(message), (flag, error)
-        assert "drop" in error or "use --rope-type rope" in error
+        assert any(
+            x in error for x in ("drop", "use --rope-type rope", "pass --attention-dropout 0")
+        )
     assert verdicts[-1] == [None, False]

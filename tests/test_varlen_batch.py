@@ -24,8 +24,10 @@ from megatron_hexiseq.planner.plan import plan
 from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.varlen.batch import (
     EXACT_MARGIN,
+    MAX_UNITS,
     BatchAssignment,
     BatchPlanner,
+    placement_units,
     same_structure,
 )
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
@@ -162,6 +164,95 @@ def test_bad_micro_batches_are_one_clear_error(setup):
         bp.plan([3])
     with pytest.raises(HexiSeqError, match="cu_seqlens must start at 0"):
         BatchAssignment(layout=fixed, cu_seqlens=(0, 5))
+
+
+def test_placement_units_bundle_short_documents_past_max_units():
+    rng = random.Random(5)
+    few = [rng.randint(1, 50) for _ in range(MAX_UNITS)]
+    cu = np.concatenate(([0], np.cumsum(few)))
+    assert placement_units(cu).tolist() == list(range(MAX_UNITS + 1))  # every document a unit
+    many = [rng.choice((1, 1, 3, 17, 40)) for _ in range(30_000)] + [5000, 1, 1, 9000, 2]
+    rng.shuffle(many)
+    cu = np.concatenate(([0], np.cumsum(many)))
+    units = placement_units(cu)
+    B = -(-int(cu[-1]) // MAX_UNITS)
+    assert units[0] == 0 and units[-1] == len(many) and (np.diff(units) > 0).all()
+    assert units.size - 1 <= 3 * MAX_UNITS + 1 < len(many)
+    for a, b in zip(units[:-1].tolist(), units[1:].tolist()):
+        if b - a > 1:  # a bundle: short documents starting in one B-token window
+            assert (
+                all(x < B for x in many[a:b]) and len({int(cu[d]) // B for d in range(a, b)}) == 1
+            )
+            assert cu[b] - cu[a] < 2 * B
+    long_docs = [d for d, x in enumerate(many) if x >= B]
+    assert set(long_docs) <= set(units.tolist()) and all(d + 1 in units for d in long_docs)
+
+
+def test_many_one_token_documents_plan_in_bundles(setup):
+    """65,536 one-token documents: a valid assignment whose documents lie in runs (bundles placed
+    whole), not one segment per document (the per-document placement alternated between groups:
+    ~40,000 segments on the 16-GPU mixed cluster)."""
+    c, m, o, fixed = setup
+    a = BatchPlanner(fixed, c, m, o).plan([1] * N, or_structure=False)
+    assert a.layout.seq_length == N and len(a.cu_seqlens) == N + 1
+    assert all(r.num_tokens >= 1 for r in a.layout.ranks)
+    segments = sum(len(r.segments) for r in a.layout.ranks)
+    assert segments <= 3 * MAX_UNITS + 1 + c.world_size, segments
+    est = estimate_documents(a.layout, c, m, o, a.cu_seqlens)
+    assert est.kv_units.sum() == 0 and int(est.pairs[0]) > 0  # one-token documents: nothing shared
+
+
+def test_small_documents_go_to_the_least_linear_load_with_room(setup):
+    """The heap placement of small documents against the per-document rule it implements: each
+    one (longest first) to the group with the lowest linear phase that has room, a group without
+    room for one leaving for the rest."""
+    from megatron_hexiseq.varlen import batch
+
+    c, m, o, fixed = setup
+    bp = BatchPlanner(fixed, c, m, o)
+    n = len(bp.groups)
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        lengths = np.sort(rng.integers(1, 60, 300))[::-1].astype(np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        pairs = lengths * (lengths + 1) // 2
+        lin0 = rng.uniform(0, 1e-3, n)
+        tokens0 = rng.integers(0, 200, n).astype(float)
+        cap = tokens0 + rng.integers(0, 3000 if trial % 2 else 40_000, n)
+        state = batch._State(
+            lin=lin0.copy(), att=np.zeros(n), tokens=tokens0.copy(),
+            pieces=[[] for _ in range(n)], u=None, v=None, w=None, lin_target=1.0, att_target=1.0,
+        )  # fmt: skip
+        bp.cap = cap
+        lin, tokens, alive, want = lin0.tolist(), tokens0.tolist(), set(range(n)), {}
+        failed = False
+        for i in range(lengths.size):
+            l_d = int(lengths[i])
+            while alive:
+                g = min(alive, key=lambda x: (lin[x], x))
+                if tokens[g] + l_d > cap[g]:
+                    alive.discard(g)
+                    continue
+                lin[g] += l_d * bp.linear_per_token[g]
+                tokens[g] += l_d
+                want[i] = g
+                break
+            else:
+                failed = True
+                break
+        if failed:
+            with pytest.raises(HexiSeqError, match="does not fit in the cluster's memory"):
+                bp._place_small(state, np.arange(lengths.size), lengths, starts, pairs)
+            continue
+        bp._place_small(state, np.arange(lengths.size), lengths, starts, pairs)
+        got = {
+            i: g
+            for g in range(n)
+            for s, e in state.pieces[g]
+            for i in range(lengths.size)
+            if s <= starts[i] < e
+        }
+        assert got == want and state.lin.tolist() == lin and state.tokens.tolist() == tokens
 
 
 def test_zigzag_docs_is_megatrons_split_per_document():
@@ -304,6 +395,38 @@ def test_plan_doc_lengths_records_the_choice(tmp_path):
     best = min(r["mean_step_s"] for r in rec["candidates"] if r.get("feasible"))
     assert next(r for r in rec["candidates"] if r["name"] == rec["chosen"])["mean_step_s"] == best
     random.seed(0)
+
+
+def test_structure_choice_scores_each_layout_once(monkeypatch):
+    """Candidates equal to an earlier one (the baselines and heuristics repeat some) take its
+    scores; the scores of the others are what ``score_structure`` gives."""
+    from megatron_hexiseq.varlen import structure
+
+    c = _cluster(per_node=2)
+    m = get_model("gpt-tiny", overrides={"seq_length": 8192})
+    o = TrainOptions()
+    fixed = plan(c, m, 8192, o, time_limit_s=5, reproducible=True)
+    calls = []
+    real = structure.score_structure
+
+    def counted(lay, *args):
+        calls.append(structure._same_key(lay))
+        return real(lay, *args)
+
+    monkeypatch.setattr(structure, "score_structure", counted)
+    docs = heavy_tailed_lengths(200, seed=4, median=256)
+    _, rec = structure.choose_structure(fixed, c, m, o, docs, batches=2)
+    assert len(calls) == len(set(calls)) < len(rec["candidates"])
+    by_name = {r["name"]: r for r in rec["candidates"]}
+    sample = pack_batches(docs, 8192, 2, structure.STRUCTURE_SEED)
+    for name, lay in [("hexiseq", fixed)] + [
+        (b.label, b.layout)
+        for b in structure.baseline_layouts(c, m, 8192) + structure.heuristic_layouts(c, m, 8192)
+        if b.layout is not None
+    ]:
+        mean_s, _ = real(lay, c, m, o, sample)
+        assert by_name[name]["mean_step_s"] == structure._sig(mean_s), name
+    assert rec["time_limit_reached"] is False
 
 
 def test_plan_doc_lengths_bad_file_is_one_line_exit_2(tmp_path, capsys):

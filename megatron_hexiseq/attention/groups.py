@@ -1,15 +1,19 @@
 """Process groups and peer tables of one layout, built once at the boundary and passed explicitly.
 
-``build_hexiseq_groups(layout, domains=..., cp_groups=..., device=..., timeout=..., pg_options=...)``
-is collective over the default group: every process calls it with the same arguments. It creates
-(``dist.new_group``, same order on all processes) one CP group per domain (unless ``cp_groups`` are
-given) and one A2A group per (domain, layout group) with more than one rank, each with the given
+``build_hexiseq_groups(layout, domains=..., cp_groups=..., cp_group=..., device=..., timeout=...,
+pg_options=...)`` is collective over the default group: every process calls it with the same
+arguments. It creates (``dist.new_group``, same order on all processes) one CP group per domain
+(unless ``cp_groups`` are given, or every process passes its own domain's ``cp_group``, e.g.
+Megatron's: then no second communicator over the same ranks exists) and one A2A group per (domain,
+layout group) with more than one rank, each with the given
 ``timeout`` and backend options (``pg_options(kind)``, kind ``"cp"`` or ``"a2a"``; Megatron's NCCL
 options at the Megatron boundary). Then every process warms up each group it belongs to with one
 collective in which all members take part (CP group first, then its A2A group; the same order on
 every process), so no lazily created communicator waits for a member that never posts to it (a rank
 with no heads takes no part in the sub-ring exchange). A *domain* is one copy of the layout: the
-global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group).
+global ranks of layout ranks 0..W-1 (Megatron: one data-parallel replica's CP group). A job gives
+one layout per domain (domains of different sizes and layouts, ``megatron/job_runtime.py``); the
+groups of every domain are still created by every process, in domain order.
 
 Global ranks of a domain must be ascending in layout-rank order, so that the group rank torch assigns
 (position among the sorted global ranks) equals the layout rank, in the CP group and in A2A groups.
@@ -53,9 +57,14 @@ BATCH_LAYOUTS_KEPT = 4  # per-micro-batch layouts whose views (schedules, indice
 
 def structure_difference(batch: Layout, job: Layout) -> str | None:
     """The first way ``batch`` does not run on ``job``'s process groups, or None when it does
-    (the same world size, heads, query groups and groups; every rank in the same group with the
+    (the same world size, heads, query groups, TP size and groups; every rank in the same group with the
     same query heads, host and GPU; segments may differ)."""
-    for name in ("world_size", "num_attention_heads", "num_query_groups"):
+    for name in (
+        "world_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "tensor_model_parallel_size",
+    ):
         if getattr(batch, name) != getattr(job, name):
             return f"{name} is {getattr(batch, name)}, the job's is {getattr(job, name)}"
     if batch.groups != job.groups:
@@ -169,24 +178,32 @@ class HexiSeqGroups:
 
 
 def build_hexiseq_groups(
-    layout: Layout,
+    layout: Layout | Sequence[Layout],
     *,
     domains: Sequence[Sequence[int]] | None = None,
     cp_groups: Sequence[ProcessGroup] | None = None,
+    cp_group: ProcessGroup | None = None,
     device: torch.device | None = None,
     timeout: timedelta | None = None,
     pg_options: Callable[[str], Any] | None = None,
 ) -> HexiSeqGroups:
-    """Collective over the default group; see the module docstring. ``device``: where the warm-up
-    collective's tensor lives (the backend's device: CUDA for NCCL; default CPU)."""
+    """Collective over the default group; see the module docstring. ``layout``: the layout every
+    domain runs, or one layout per domain (a job: domains of different sizes and layouts; every
+    process creates every domain's groups, in domain order). ``cp_groups``: one existing group per
+    domain; ``cp_group``: this process's existing group over its own domain (every process passes
+    one, or none does: a process that passes none creates every domain's CP group). ``device``:
+    where the warm-up collective's tensor lives (the backend's device: CUDA for NCCL; default CPU)."""
     world, me = dist.get_world_size(), dist.get_rank()
     if domains is None:
         domains = [list(range(world))]
     domains = [tuple(int(x) for x in d) for d in domains]
+    layouts = [layout] * len(domains) if isinstance(layout, Layout) else list(layout)
+    if len(layouts) != len(domains):
+        raise HexiSeqError(f"got {len(layouts)} layouts for {len(domains)} domains")
     for i, d in enumerate(domains):
-        if len(d) != layout.world_size:
+        if len(d) != layouts[i].world_size:
             raise HexiSeqError(
-                f"domain {i} has {len(d)} ranks but the layout has {layout.world_size}; "
+                f"domain {i} has {len(d)} ranks but the layout has {layouts[i].world_size}; "
                 f"use a layout planned for context-parallel size {len(d)}"
             )
         if list(d) != sorted(d) or len(set(d)) != len(d):
@@ -195,11 +212,21 @@ def build_hexiseq_groups(
             )
     if cp_groups is not None and len(cp_groups) != len(domains):
         raise HexiSeqError(f"got {len(cp_groups)} cp_groups for {len(domains)} domains")
+    if cp_groups is not None and cp_group is not None:
+        raise HexiSeqError("give cp_groups (every domain's) or cp_group (this process's), not both")
     mine = [i for i, d in enumerate(domains) if me in d]
     if len(mine) != 1:
         raise HexiSeqError(f"global rank {me} must be in exactly one domain, found in {len(mine)}")
     dom = mine[0]
     rank = domains[dom].index(me)
+    layout = layouts[dom]
+    if cp_group is not None and sorted(dist.get_process_group_ranks(cp_group)) != list(
+        domains[dom]
+    ):
+        raise HexiSeqError(
+            f"global rank {me}: the given CP group holds ranks "
+            f"{sorted(dist.get_process_group_ranks(cp_group))}, its domain {list(domains[dom])}"
+        )
 
     def new_group(ranks: Sequence[int], kind: str) -> ProcessGroup:
         kwargs: dict[str, Any] = {}
@@ -210,27 +237,28 @@ def build_hexiseq_groups(
             kwargs["pg_options"] = options
         return dist.new_group(list(ranks), **kwargs)
 
-    cp_group: ProcessGroup | None = None
     a2a_group: ProcessGroup | None = None
+    mine_cp: ProcessGroup | None = cp_group
     for i, d in enumerate(domains):  # same order of new_group calls on every process
-        g = cp_groups[i] if cp_groups is not None else new_group(d, "cp")
-        if i == dom:
-            cp_group = g
-        for grp in layout.groups:
+        if cp_group is None:
+            g = cp_groups[i] if cp_groups is not None else new_group(d, "cp")
+            if i == dom:
+                mine_cp = g
+        for grp in layouts[i].groups:
             members = [d[r] for r in grp.ranks]
             if len(members) > 1:
                 pg = new_group(members, "a2a")
                 if i == dom and rank in grp.ranks:
                     a2a_group = pg
-    assert cp_group is not None
-    if dist.get_rank(cp_group) != rank:
+    assert mine_cp is not None
+    if dist.get_rank(mine_cp) != rank:
         raise HexiSeqError(
-            f"global rank {me} is rank {dist.get_rank(cp_group)} of its CP group but layout "
+            f"global rank {me} is rank {dist.get_rank(mine_cp)} of its CP group but layout "
             f"rank {rank} of its domain; pass domains in CP-rank order"
         )
     warm = device if device is not None else torch.device("cpu")
     for group in (
-        cp_group,
+        mine_cp,
         a2a_group,
     ):  # every member, the same order everywhere: CP first, then A2A
         if group is not None:
@@ -239,7 +267,7 @@ def build_hexiseq_groups(
     return HexiSeqGroups(
         layout=layout,
         rank=rank,
-        cp_group=cp_group,
+        cp_group=mine_cp,
         cp_global_ranks=tuple(domains[dom]),
         a2a_group=a2a_group,
         a2a_global_ranks=tuple(domains[dom][r] for r in my_group.ranks),

@@ -71,6 +71,7 @@ __all__ = [
     "cudnn_applies",
     "efficient_applies",
     "flash_applies",
+    "head_index",
     "kv_map",
     "merge_into",
     "parse_kernel",
@@ -236,6 +237,11 @@ class KVMap:
         return len(self.of_head)
 
     @property
+    def inverse(self) -> tuple[int, ...] | None:
+        """The permutation back from K/V-head order to the query heads' order (None: no-op)."""
+        return None if self.order is None else _inverse(self.order)
+
+    @property
     def single(self) -> bool:
         """One segment over every query head and every K/V head, in order: one kernel call."""
         return self.order is None and self.segments == (
@@ -291,8 +297,9 @@ def _map_of(kv_of_head_H: Tensor | KVMap | None, num_heads: int, num_kv: int) ->
     return m
 
 
-def _index(ix: tuple[int, ...], device: torch.device) -> Tensor:
-    """``torch.tensor(ix)`` on ``device``, created once per (ix, device)."""
+def head_index(ix: tuple[int, ...], device: torch.device) -> Tensor:
+    """``torch.tensor(ix)`` on ``device``, created once per (ix, device) (a head permutation: the
+    hot path copies nothing from the host after the first call)."""
     key = (ix, device)
     if key not in _INDEX:
         _INDEX[key] = torch.tensor(ix, dtype=torch.long, device=device)
@@ -364,7 +371,7 @@ def block_forward(
         out_BHSD, lse_BHS = fwd(q_BHSD, k_BGTD, v_BGTD, causal, scale)
         return out_BHSD.permute(2, 0, 1, 3), lse_BHS.permute(2, 0, 1)
     if m.order is not None:
-        q_BHSD = q_BHSD.index_select(1, _index(m.order, q_SBHD.device))
+        q_BHSD = q_BHSD.index_select(1, head_index(m.order, q_SBHD.device))
     out_SBHD: Tensor | None = None
     lse_SBH: Tensor | None = None
     for seg in m.segments:
@@ -377,7 +384,7 @@ def block_forward(
             lse_SBH[:, :, qh] = l_BHS.permute(2, 0, 1)
     assert out_SBHD is not None and lse_SBH is not None  # a map has at least one segment
     if m.order is not None:
-        inv = _index(_inverse(m.order), q_SBHD.device)
+        inv = head_index(_inverse(m.order), q_SBHD.device)
         out_SBHD, lse_SBH = out_SBHD.index_select(2, inv), lse_SBH.index_select(2, inv)
     return out_SBHD, lse_SBH
 
@@ -417,7 +424,7 @@ def block_backward(
         dq, dk, dv = bwd(do_BHSD, q_BHSD, k_BGTD, v_BGTD, o_BHSD, lse_BHS, causal, scale)
         return tuple(x.permute(2, 0, 1, 3).to(acc) for x in (dq, dk, dv))  # type: ignore[return-value]
     if m.order is not None:
-        ix = _index(m.order, q_SBHD.device)
+        ix = head_index(m.order, q_SBHD.device)
         do_BHSD, q_BHSD, o_BHSD = (x.index_select(1, ix) for x in (do_BHSD, q_BHSD, o_BHSD))
         lse_BHS = lse_BHS.index_select(1, ix)
     dq_SBHD = q_SBHD.new_empty(S, B, H, D, dtype=acc)
@@ -439,7 +446,7 @@ def block_backward(
             dk_TBGD[:, :, kvh] += dk.permute(2, 0, 1, 3)
             dv_TBGD[:, :, kvh] += dv.permute(2, 0, 1, 3)
     if m.order is not None:
-        dq_SBHD = dq_SBHD.index_select(2, _index(_inverse(m.order), q_SBHD.device))
+        dq_SBHD = dq_SBHD.index_select(2, head_index(_inverse(m.order), q_SBHD.device))
     return dq_SBHD, dk_TBGD, dv_TBGD
 
 

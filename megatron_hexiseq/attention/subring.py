@@ -456,6 +456,10 @@ def subring_attn_func(
     takes no part in the exchange (its groups were warmed up at creation). ``documents``: causal
     inside each document only, with the pruned exchange (``documents.py``).
     """
+    if documents is None and groups.layout is not groups.job_layout and uses_varlen(kernel):
+        # a per-micro-batch layout: its block shapes change every micro-batch, so it runs as one
+        # document through the variable-length call (the same schedule and values as without)
+        documents = DocumentBounds(groups.layout.seq_length, ((0, groups.layout.seq_length),), True)
     if documents is None:
         sched = groups.schedule(comm_chunks)
     else:
@@ -466,15 +470,7 @@ def subring_attn_func(
     kvm = kv_map(sched.kv_of_head, len(sched.kv_heads))
     wk = None
     if documents is not None:
-        identity = sched.kv_of_head == tuple(range(len(sched.heads))) and len(
-            sched.kv_heads
-        ) == len(sched.heads)
-        per = len(sched.heads) // len(sched.kv_heads)
-        regular = len(sched.heads) % len(sched.kv_heads) == 0 and sched.kv_of_head == tuple(
-            i // per for i in range(len(sched.heads))
-        )
-        kv_of_head_H = None if identity else groups.index(sched.kv_of_head, q_SBHD.device)
-        wk = WindowKernel(kernel, scale, kv_of_head_H, regular, groups.window_cache(sched), kvm)
+        wk = WindowKernel(kernel, scale, kvm, groups.window_cache(sched))
     c = _Ctx(
         sched=sched,
         groups=groups,

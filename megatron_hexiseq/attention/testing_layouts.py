@@ -8,6 +8,9 @@ zero for a rank), and returns a validated ``Layout``.
 groups, heads, hosts and GPUs) with new random segments: several runs per rank, ranks without
 tokens, and, given document boundaries, whole documents kept inside one group (cut over its
 members), as a document-aware batch planner places short documents.
+
+``random_bounds(rng, layout)`` draws packed-document boundaries ``[0, ..., S]`` for a layout:
+1-token documents, boundaries on segment edges, random cuts, sometimes one document.
 """
 
 from __future__ import annotations
@@ -142,3 +145,18 @@ def _batch_segments(
         else:
             segs[r].append((s, e))
     return segs
+
+
+def random_bounds(rng: random.Random, lay: Layout) -> list[int]:
+    """Boundaries mixing 1-token documents, segment edges, random cuts; sometimes one document."""
+    S = lay.seq_length
+    kind = rng.random()
+    if kind < 0.15 or S < 2:
+        return [0, S]  # one document spanning every rank
+    edges = sorted({e for r in lay.ranks for s, e in r.segments if 0 < e < S})
+    cuts = set(rng.sample(edges, rng.randint(0, len(edges)))) if kind < 0.5 else set()
+    cuts |= set(rng.sample(range(1, S), rng.randint(1, min(S - 1, 6))))
+    if rng.random() < 0.4:  # a run of 1-token documents
+        a = rng.randrange(1, S)
+        cuts |= set(range(a, min(S, a + rng.randint(1, 4))))
+    return [0, *sorted(cuts), S]

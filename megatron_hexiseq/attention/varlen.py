@@ -2,22 +2,33 @@
 
 Legend: S = query rows (my group sequence), T = keys of the block (S for the local block), B =
 micro-batch, H / G = my query / K/V heads, D = head dim, N / M = packed query / key rows of a
-variable-length call.
+variable-length call, h / g = the query / K/V heads of one head segment.
 
 Two ways to run a block's windows (``peers.Window``: rows x key range x sample):
-- **loop** (CPU, and every kernel but ``flash``): one ``kernels.block_forward`` / ``block_backward``
-  call per window on views ``q[row_lo:row_hi, sample]``, ``k[key_lo:key_hi, sample]``.
-- **varlen** (``flash`` on CUDA): one ``aten._flash_attention_forward`` / ``_backward`` call per
-  block on packed tensors: ``q [S, B, H, D] -> [N, H, D]`` and ``k/v [T, B, G, D] -> [M, G, D]``
-  gathered by index (each (window, sample) one sequence; windows of the same keys overlap, so K/V
-  rows may repeat), ``cu_seqlens_q/k`` int32, ``max_q/max_k`` Python ints from the host schedule
-  (no ``.item()``). The result is scattered back with ``index_copy_`` (local block: the windows
-  partition the rows) or merged by LSE (received block: disjoint rows); gradients return with
-  ``index_add_``. K/V reach the kernel with G heads when my query heads read them regularly (head i
-  reads K/V head ``i // (H / G)``, the kernel's native GQA), else expanded to H heads.
-  The index tensors are built on the host once per (schedule, block, B, device) and copied to the
-  device in one transfer from pinned memory, without blocking (no host sync inside the sub-ring
-  loop); the schedule lives for one micro-batch, so later layers reuse them.
+- **loop** (CPU, ``efficient``, ``flash-attn``, ``reference``): one ``kernels.block_forward`` /
+  ``block_backward`` call per window on views ``q[row_lo:row_hi, sample]``, ``k[key_lo:key_hi, sample]``.
+- **varlen** (``flash`` and ``cudnn`` on CUDA: ``kernel_rules.VARLEN_KERNELS``): EVERY block with
+  windows, a block of one window included, is one ``aten._flash_attention_forward`` /
+  ``_backward`` call per head segment on packed tensors: ``q [S, B, H, D] -> [N, H, D]`` and
+  ``k/v [T, B, G, D] -> [M, G, D]`` gathered by index (each (window, sample) one sequence; windows
+  of the same keys overlap, so K/V rows may repeat), ``cu_seqlens_q/k`` int32, ``max_q/max_k``
+  Python ints from the host schedule (no ``.item()``). The result is scattered back with
+  ``index_copy_`` (local block: the windows partition the rows) or merged by LSE (received block:
+  disjoint rows); gradients return with ``index_add_``. ``cudnn`` runs its packed blocks here
+  because cuDNN builds (and never evicts) one execution graph per distinct call shape, and a
+  packed micro-batch's window shapes change with every micro-batch; flash's variable-length
+  kernel takes any lengths with no per-shape state (docs/attention.md, "Packed documents").
+
+GQA without copies of K/V, as in ``kernels.py``: K/V stay at their G heads. The query heads are
+sorted by the K/V head they read (``KVMap.order``; a no-op for the planner's layouts) and cut into
+``KVMap.segments``; each segment is one call on a head slice (query head i of a segment reads its
+K/V head i // ratio: the kernel's native GQA). An aligned head range is one segment and one call;
+an unaligned one (a rank holding 2 heads of one query group and 4 of the next) at most 3. The
+backward returns dK/dV at G heads (each segment writes its own K/V heads; unread heads stay 0).
+
+The index tensors are built on the host once per (schedule, block, B, device) and copied to the
+device in one transfer from pinned memory, without blocking (no host sync inside the sub-ring
+loop); the schedule lives for one micro-batch, so later layers reuse them.
 
 Forward returns / merges ``out [S, B, H, D]`` and ``lse [S, B, H]`` in the accumulation dtype;
 backward (recompute with the final out/LSE) returns gradients in the accumulation dtype.
@@ -31,33 +42,26 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from megatron_hexiseq import kernel_rules
 from megatron_hexiseq.attention.kernels import (
     Kernel,
     KVMap,
     acc_dtype,
     block_backward,
     block_forward,
+    head_index,
     merge_into,
 )
 from megatron_hexiseq.attention.peers import Window
 
 
 class WindowKernel(NamedTuple):
-    """How to run windows: the kernel, the scale, the GQA map, and the packed-index cache."""
+    """How to run windows: the kernel, the scale, the GQA map (host-side), the packed-index cache."""
 
     kernel: Kernel
     scale: float
-    kv_of_head_H: Tensor | None  # None: query head i reads K/V head i
-    native_gqa: bool  # query head i reads K/V head i // (H / G): the varlen kernel maps it itself
+    kv_map: KVMap  # which of my K/V heads each of my query heads reads
     cache: dict  # (block key, B, device) -> _Packed; one schedule = one micro-batch
-    kv_map: KVMap | None = (
-        None  # the same map on the host, for block_forward (None: read the tensor)
-    )
-
-    @property
-    def block_map(self) -> KVMap | Tensor | None:
-        """What ``block_forward``/``block_backward`` take as ``kv_of_head_H`` (no device read)."""
-        return self.kv_map if self.kv_map is not None else self.kv_of_head_H
 
 
 class _Packed(NamedTuple):
@@ -75,11 +79,9 @@ def _varlen_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 def uses_varlen(kernel: Kernel) -> bool:
-    """Whether document windows run as one variable-length flash call per block. ``cudnn`` goes
-    there too: wherever it applies flash does (bf16/fp16, head dim <= 128, Hopper), and cuDNN
-    builds an execution plan per distinct call shape, which one call per window would rebuild for
-    every document."""
-    return kernel in (Kernel.FLASH, Kernel.CUDNN)
+    """Whether a block's document windows run as variable-length flash calls (every block with
+    windows, one window or many; ``kernel_rules.VARLEN_KERNELS``), not one call per window."""
+    return kernel.value in kernel_rules.VARLEN_KERNELS
 
 
 def _samples(w: Window, B: int) -> range:
@@ -118,83 +120,113 @@ def _packed(
     return packed
 
 
-def _pack_kv(wk: WindowKernel, x_TBGD: Tensor, p: _Packed) -> Tensor:
-    """[T, B, G, D] -> [M, G, D] (or [M, H, D] where the GQA map is irregular)."""
+def _pack_kv(x_TBGD: Tensor, p: _Packed) -> Tensor:
+    """[T, B, G, D] -> [M, G, D]: the packed key rows, every K/V head."""
     T, B, G, D = x_TBGD.shape
-    x_MGD = x_TBGD.reshape(T * B, G, D).index_select(0, p.k_idx)
-    if wk.kv_of_head_H is not None and not wk.native_gqa:
-        x_MGD = x_MGD.index_select(1, wk.kv_of_head_H)
-    return x_MGD
+    return x_TBGD.reshape(T * B, G, D).index_select(0, p.k_idx)
 
 
-def _varlen_forward(
-    wk: WindowKernel, p: _Packed, q_SBHD: Tensor, k_TBGD: Tensor, v_TBGD: Tensor, causal: bool
-) -> tuple[Tensor, Tensor]:
-    """Packed ``out [N, H, D]`` (input dtype) and ``lse [N, H]`` (float32)."""
-    S, B, H, D = q_SBHD.shape
-    q_NHD = q_SBHD.reshape(S * B, H, D).index_select(0, p.q_idx)
-    fwd, _ = _varlen_ops()
-    out_NHD, lse_HN, *_ = fwd(
-        q_NHD,
-        _pack_kv(wk, k_TBGD, p),
-        _pack_kv(wk, v_TBGD, p),
-        p.cu_q,
-        p.cu_k,
-        p.max_q,
-        p.max_k,
-        0.0,
-        causal,
-        False,
-        scale=wk.scale,
-    )
-    return out_NHD, lse_HN.t()
+def _pack_q(wk: WindowKernel, x_SBH: Tensor, p: _Packed) -> Tensor:
+    """[S, B, H, ...] -> [N, H, ...]: the packed query rows, heads in K/V-head order."""
+    S, B = x_SBH.shape[:2]
+    x_NH = x_SBH.reshape(S * B, *x_SBH.shape[2:]).index_select(0, p.q_idx)
+    order = wk.kv_map.order
+    return x_NH if order is None else x_NH.index_select(1, head_index(order, x_NH.device))
 
 
-def _varlen_backward(
+def _unsort_heads(wk: WindowKernel, x_NH: Tensor) -> Tensor:
+    """Back from K/V-head order to my query heads' order (dim 1)."""
+    inverse = wk.kv_map.inverse
+    return x_NH if inverse is None else x_NH.index_select(1, head_index(inverse, x_NH.device))
+
+
+def _in_place(wk: WindowKernel, windows: tuple[Window, ...], key: object, B: int, S: int) -> bool:
+    """Whether the packed rows are the block's rows themselves, keys likewise (no gather, no
+    scatter: the local block of a micro-batch of one sample, its windows tiling its rows in order,
+    query heads in K/V-head order), cached with the block's packed indices."""
+    ck = (key, B, "in place")
+    if ck not in wk.cache:
+        ends = [0] + [w.row_hi for w in windows]
+        wk.cache[ck] = (
+            B == 1
+            and wk.kv_map.order is None
+            and ends[-1] == S
+            and all(w.row_lo == e and (w.key_lo, w.key_hi) == (w.row_lo, w.row_hi)
+                    for w, e in zip(windows, ends))
+        )  # fmt: skip
+    return wk.cache[ck]
+
+
+def _calls_forward(
     wk: WindowKernel,
     p: _Packed,
-    dout_SBHD: Tensor,
-    q_SBHD: Tensor,
-    k_TBGD: Tensor,
-    v_TBGD: Tensor,
-    out_SBHD: Tensor,
-    lse_SBH: Tensor,
+    q_NHD: Tensor,
+    k_MGD: Tensor,
+    v_MGD: Tensor,
     causal: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Packed ``dq [N, H, D]``, ``dk, dv [M, G, D]`` in the accumulation dtype."""
-    S, B, H, D = q_SBHD.shape
-    G = k_TBGD.shape[2]
-    acc, dt = acc_dtype(q_SBHD.dtype), q_SBHD.dtype
+    out_NHD: Tensor,
+    lse_NH: Tensor,
+) -> None:
+    """One variable-length call per head segment (``q [N, h, D]`` against ``k, v [M, g, D]``, heads
+    in K/V-head order); each segment's ``out`` and LSE are written into its heads of ``out_NHD``,
+    ``lse_NH`` (converted to their dtype in place)."""
+    fwd, _ = _varlen_ops()
+    for seg in wk.kv_map.segments:
+        qh, kvh = slice(seg.q_lo, seg.q_hi), slice(seg.kv_lo, seg.kv_hi)
+        o_NhD, l_hN, *_ = fwd(
+            q_NHD[:, qh],
+            k_MGD[:, kvh],
+            v_MGD[:, kvh],
+            p.cu_q,
+            p.cu_k,
+            p.max_q,
+            p.max_k,
+            0.0,
+            causal,
+            False,
+            scale=wk.scale,
+        )
+        out_NHD[:, qh].copy_(o_NhD)
+        lse_NH[:, qh].copy_(l_hN.t())
 
-    def rows(x: Tensor) -> Tensor:
-        return x.reshape(S * B, *x.shape[2:]).index_select(0, p.q_idx)
 
+def _calls_backward(
+    wk: WindowKernel,
+    p: _Packed,
+    packed: tuple[Tensor, ...],
+    causal: bool,
+    grads: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """Backward of ``_calls_forward``: ``packed`` = (dout, q, out ``[N, H, D]`` input dtype, K/V-head
+    order; k, v ``[M, G, D]``; lse ``[H, N]`` float32), ``grads`` = (dq ``[N, H, D]``, dk, dv
+    ``[M, G, D]``) in the accumulation dtype, added into in place; dK/dV never exist at H heads."""
+    do_NHD, q_NHD, o_NHD, k_MGD, v_MGD, lse_HN = packed
+    dq_NHD, dk_MGD, dv_MGD = grads
     _, bwd = _varlen_ops()
     # no dropout: the RNG state is not read
-    rng = torch.empty(2, dtype=torch.int64, device=q_SBHD.device)
-    dq_NHD, dk_MxD, dv_MxD = bwd(
-        rows(dout_SBHD).to(dt),
-        rows(q_SBHD),
-        _pack_kv(wk, k_TBGD, p),
-        _pack_kv(wk, v_TBGD, p),
-        rows(out_SBHD).to(dt),
-        rows(lse_SBH).t().to(acc).contiguous(),  # float32 for bf16/fp16
-        p.cu_q,
-        p.cu_k,
-        p.max_q,
-        p.max_k,
-        0.0,
-        causal,
-        rng,
-        rng[:1],
-        scale=wk.scale,
-    )
-    dk_MGD, dv_MGD = dk_MxD.to(acc), dv_MxD.to(acc)
-    if wk.kv_of_head_H is not None and not wk.native_gqa:  # [M, H, D] -> [M, G, D]
-        M = dk_MGD.shape[0]
-        dk_MGD = dk_MGD.new_zeros(M, G, D).index_add_(1, wk.kv_of_head_H, dk_MGD)
-        dv_MGD = dv_MGD.new_zeros(M, G, D).index_add_(1, wk.kv_of_head_H, dv_MGD)
-    return dq_NHD.to(acc), dk_MGD, dv_MGD
+    rng = torch.empty(2, dtype=torch.int64, device=q_NHD.device)
+    for seg in wk.kv_map.segments:
+        qh, kvh = slice(seg.q_lo, seg.q_hi), slice(seg.kv_lo, seg.kv_hi)
+        dq, dk, dv = bwd(
+            do_NHD[:, qh],
+            q_NHD[:, qh],
+            k_MGD[:, kvh],
+            v_MGD[:, kvh],
+            o_NHD[:, qh],
+            lse_HN[qh],
+            p.cu_q,
+            p.cu_k,
+            p.max_q,
+            p.max_k,
+            0.0,
+            causal,
+            rng,
+            rng[:1],
+            scale=wk.scale,
+        )
+        dq_NHD[:, qh].add_(dq)
+        dk_MGD[:, kvh].add_(dk)  # segments read disjoint K/V heads
+        dv_MGD[:, kvh].add_(dv)
 
 
 def _view(x: Tensor, w: Window, lo: int, hi: int) -> Tensor:
@@ -207,14 +239,25 @@ def local_forward(
     """The local block (square causal windows partitioning the rows): ``out [S, B, H, D]``,
     ``lse [S, B, H]``, accumulation dtype."""
     S, B, H, D = q_SBHD.shape
+    G = k_SBGD.shape[2]
     acc = acc_dtype(q_SBHD.dtype)
     out_SBHD = q_SBHD.new_zeros(S, B, H, D, dtype=acc)
     lse_SBH = q_SBHD.new_zeros(S, B, H, dtype=acc)
     if uses_varlen(wk.kernel) and windows:
         p = _packed(wk, windows, "local", B, q_SBHD.device)
-        o_NHD, l_NH = _varlen_forward(wk, p, q_SBHD, k_SBGD, v_SBGD, causal=True)
-        out_SBHD.view(S * B, H, D).index_copy_(0, p.q_idx, o_NHD.to(acc))
-        lse_SBH.view(S * B, H).index_copy_(0, p.q_idx, l_NH.to(acc))
+        out_NHD, lse_NH = out_SBHD.view(S * B, H, D), lse_SBH.view(S * B, H)
+        if _in_place(wk, windows, "local", B, S):  # the kernel writes into out and lse directly
+            kv = (k_SBGD.reshape(S * B, G, D), v_SBGD.reshape(S * B, G, D))
+            _calls_forward(wk, p, q_SBHD.reshape(S * B, H, D), *kv, True, out_NHD, lse_NH)
+            return out_SBHD, lse_SBH
+        q_NHD, kv = _pack_q(wk, q_SBHD, p), (_pack_kv(k_SBGD, p), _pack_kv(v_SBGD, p))
+        o_NHD, l_NH = (
+            q_NHD.new_empty(q_NHD.shape, dtype=acc),
+            q_NHD.new_empty(q_NHD.shape[:2], dtype=acc),
+        )
+        _calls_forward(wk, p, q_NHD, *kv, True, o_NHD, l_NH)
+        out_NHD.index_copy_(0, p.q_idx, _unsort_heads(wk, o_NHD))
+        lse_NH.index_copy_(0, p.q_idx, _unsort_heads(wk, l_NH))
         return out_SBHD, lse_SBH
     for w in windows:
         o, lse = block_forward(
@@ -222,7 +265,7 @@ def local_forward(
             _view(k_SBGD, w, w.key_lo, w.key_hi),
             _view(v_SBGD, w, w.key_lo, w.key_hi),
             causal=True,
-            kv_of_head_H=wk.block_map,
+            kv_of_head_H=wk.kv_map,
             scale=wk.scale,
             kernel=wk.kernel,
         )
@@ -244,12 +287,21 @@ def merge_forward(
     """Merge a received block's unmasked windows into (out, lse) in place. ``key`` names the block
     in the packed-index cache."""
     S, B, H, D = q_SBHD.shape
-    if uses_varlen(wk.kernel) and len(windows) > 1:
+    if uses_varlen(wk.kernel) and windows:  # one window too: no per-shape dense call
         p = _packed(wk, windows, key, B, q_SBHD.device)
-        o_NHD, l_NH = _varlen_forward(wk, p, q_SBHD, k_TBGD, v_TBGD, causal=False)
+        q_NHD, kv = _pack_q(wk, q_SBHD, p), (_pack_kv(k_TBGD, p), _pack_kv(v_TBGD, p))
+        acc = out_SBHD.dtype
+        o_NHD, l_NH = (
+            q_NHD.new_empty(q_NHD.shape, dtype=acc),
+            q_NHD.new_empty(q_NHD.shape[:2], dtype=acc),
+        )
+        _calls_forward(wk, p, q_NHD, *kv, False, o_NHD, l_NH)
         out_flat, lse_flat = out_SBHD.view(S * B, H, D), lse_SBH.view(S * B, H)
         o, lse = merge_into(
-            out_flat.index_select(0, p.q_idx), lse_flat.index_select(0, p.q_idx), o_NHD, l_NH
+            out_flat.index_select(0, p.q_idx),
+            lse_flat.index_select(0, p.q_idx),
+            _unsort_heads(wk, o_NHD),
+            _unsort_heads(wk, l_NH),
         )
         out_flat.index_copy_(0, p.q_idx, o)
         lse_flat.index_copy_(0, p.q_idx, lse)
@@ -260,7 +312,7 @@ def merge_forward(
             _view(k_TBGD, w, w.key_lo, w.key_hi),
             _view(v_TBGD, w, w.key_lo, w.key_hi),
             causal=False,
-            kv_of_head_H=wk.block_map,
+            kv_of_head_H=wk.kv_map,
             scale=wk.scale,
             kernel=wk.kernel,
         )
@@ -291,17 +343,33 @@ def windows_backward(
     contiguous) in place, returns ``dk, dv [T, B, G, D]`` (accumulation dtype)."""
     S, B, H, D = q_SBHD.shape
     T, _, G, _ = k_TBGD.shape
-    acc = acc_dtype(q_SBHD.dtype)
+    acc, dt = acc_dtype(q_SBHD.dtype), q_SBHD.dtype
     dk_TBGD = k_TBGD.new_zeros(T, B, G, D, dtype=acc)
     dv_TBGD = k_TBGD.new_zeros(T, B, G, D, dtype=acc)
-    if uses_varlen(wk.kernel) and (causal or len(windows) > 1) and windows:
+    if uses_varlen(wk.kernel) and windows:
         p = _packed(wk, windows, key, B, q_SBHD.device)
-        dq_NHD, dk_MGD, dv_MGD = _varlen_backward(
-            wk, p, dout_SBHD, q_SBHD, k_TBGD, v_TBGD, out_SBHD, lse_SBH, causal
+        dkv_MGD = (dk_TBGD.view(T * B, G, D), dv_TBGD.view(T * B, G, D))
+        dq_NHD = dq_SBHD.view(S * B, H, D)
+        lse_SBH = lse_SBH.to(acc)  # float32 for bf16/fp16
+        if causal and _in_place(wk, windows, key, B, S):  # gradients land in place
+            rows = (x.to(dt).reshape(S * B, H, D) for x in (dout_SBHD, q_SBHD, out_SBHD))
+            kv = (k_TBGD.reshape(T * B, G, D), v_TBGD.reshape(T * B, G, D))
+            packed = (*rows, *kv, lse_SBH.reshape(S * B, H).t().contiguous())
+            _calls_backward(wk, p, packed, causal, (dq_NHD, *dkv_MGD))
+            return dk_TBGD, dv_TBGD
+        rows = (_pack_q(wk, x.to(dt), p) for x in (dout_SBHD, q_SBHD, out_SBHD))
+        kv = (_pack_kv(k_TBGD, p), _pack_kv(v_TBGD, p))
+        packed = (*rows, *kv, _pack_q(wk, lse_SBH, p).t().contiguous())
+        N, M = len(p.q_idx), len(p.k_idx)
+        grads = (
+            q_SBHD.new_zeros(N, H, D, dtype=acc),
+            k_TBGD.new_zeros(M, G, D, dtype=acc),
+            k_TBGD.new_zeros(M, G, D, dtype=acc),
         )
-        dq_SBHD.view(S * B, H, D).index_add_(0, p.q_idx, dq_NHD)
-        dk_TBGD.view(T * B, G, D).index_add_(0, p.k_idx, dk_MGD)
-        dv_TBGD.view(T * B, G, D).index_add_(0, p.k_idx, dv_MGD)
+        _calls_backward(wk, p, packed, causal, grads)
+        dq_NHD.index_add_(0, p.q_idx, _unsort_heads(wk, grads[0]))
+        dkv_MGD[0].index_add_(0, p.k_idx, grads[1])
+        dkv_MGD[1].index_add_(0, p.k_idx, grads[2])
         return dk_TBGD, dv_TBGD
     for w in windows:
         dq, dk, dv = block_backward(
@@ -312,7 +380,7 @@ def windows_backward(
             _view(out_SBHD, w, w.row_lo, w.row_hi),
             _view(lse_SBH, w, w.row_lo, w.row_hi),
             causal=causal,
-            kv_of_head_H=wk.block_map,
+            kv_of_head_H=wk.kv_map,
             scale=wk.scale,
             kernel=wk.kernel,
         )

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import replace
 
 from megatron_hexiseq.cluster import cluster_to_dict
@@ -95,6 +96,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "of for one long sequence; planner.documents records the candidates' mean step times",
     )
     p.add_argument(
+        "--tensor-model-parallel-size",
+        default="1",
+        metavar="T|auto",
+        help="plan over TP bundles of T GPUs of one node (Megatron's tensor + sequence parallelism "
+        "inside each bundle; T divides the heads and every node's GPU count), or auto: the planner "
+        "picks one T for the job (planner.tensor_parallel records each T considered). Default 1",
+    )
+    p.add_argument(
         "--reproducible",
         action="store_true",
         help="write 0 for wall-clock fields so the same inputs give a byte-identical file",
@@ -108,14 +117,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # planner modules import lazily: ortools/numpy/rich cost ~0.6 s CPU, and `megatron-hexiseq --help`
     # (every command's parser) takes ~0.1 s CPU without them
-    from megatron_hexiseq.planner.plan import plan
     from megatron_hexiseq.planner.report import print_layout
+    from megatron_hexiseq.planner.tp import plan_tp
 
     if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
         raise HexiSeqError(
             f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
             f"got {args.time_limit}"
         )
+    tp = _tp_size(args.tensor_model_parallel_size)
     check_outputs([("-o", args.output)], inputs=[args.cluster, args.model_config, args.doc_lengths])
     prob = load_problem(args)
     docs = None
@@ -128,23 +138,27 @@ def run(args: argparse.Namespace) -> int:
             f"--method exact handles at most 16 GPUs, the cluster has {prob.cluster.world_size}; "
             "use the default hierarchical planner"
         )
+    started = time.perf_counter()  # --time-limit bounds the plan and the structure choice together
     with waiting(
         f"planning {prob.cluster.world_size} GPUs, {prob.seq_length:,} tokens",
         enabled=args.format != "json",
     ) as say:
-        layout = plan(
+        layout = plan_tp(
             prob.cluster,
             prob.model,
             prob.seq_length,
             prob.options,
+            tensor_model_parallel_size=tp,
             modes=prob.modes,
             time_limit_s=args.time_limit,
             method=args.method,
             reproducible=args.reproducible,
             progress=say,
         )
-    if docs is not None:
-        layout = _for_documents(layout, prob, docs)
+        if docs is not None:
+            say("choosing the structure for the document lengths")
+            left_s = args.time_limit - (time.perf_counter() - started)
+            layout = _for_documents(layout, prob, docs, left_s)
     layout = replace(
         layout,
         meta={
@@ -174,18 +188,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _for_documents(layout: Layout, prob: Problem, docs: list[int]) -> Layout:
+def _tp_size(value: str) -> int | str:
+    """``--tensor-model-parallel-size``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or not 1 <= int(value) <= 1024:
+        raise HexiSeqError(
+            f"--tensor-model-parallel-size must be an integer from 1 to 1024 or 'auto', got "
+            f"{value!r}"
+        )
+    return int(value)
+
+
+def _for_documents(layout: Layout, prob: Problem, docs: list[int], left_s: float) -> Layout:
     """``--doc-lengths``: the structure ``varlen.structure.choose_structure`` picks, with the
-    planned layout's records; ``predicted`` is the chosen layout's (one long sequence, as always)."""
+    planned layout's records; ``predicted`` is the chosen layout's (one long sequence, as always).
+    ``left_s``: what is left of --time-limit (the planner's own layout is scored whatever it is)."""
     from megatron_hexiseq import costmodel
     from megatron_hexiseq.planner.build import with_fields
+    from megatron_hexiseq.planner.candidate import Deadline
     from megatron_hexiseq.run_config import options_from_record
     from megatron_hexiseq.varlen.structure import choose_structure
 
     options = options_from_record(layout.meta["options"], prob.options)
-    chosen, record = choose_structure(layout, prob.cluster, prob.model, options, docs)
+    deadline = Deadline(max(left_s, 0.0))
+    tp = layout.tensor_model_parallel_size
+    if tp == 1:
+        chosen, record = choose_structure(
+            layout, prob.cluster, prob.model, options, docs, deadline=deadline
+        )
+    else:  # structures of the bundle problem (costmodel.tp), back as layouts over bundles
+        from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
+        from megatron_hexiseq.planner.tp import round_segments
+
+        b_cluster, b_model, b_options = bundle_setting(prob.cluster, prob.model, options, tp)
+        chosen, record = choose_structure(
+            over_bundles(layout), b_cluster, b_model, b_options, docs, deadline=deadline
+        )
+        chosen = replace(round_segments(chosen, tp), tensor_model_parallel_size=tp)
     est = costmodel.estimate(chosen, prob.cluster, prob.model, options)
     planner = {**layout.planner, "documents": record}
+    planner["time_limit_reached"] = bool(planner.get("time_limit_reached")) or deadline.reached
     return with_fields(
         chosen,
         predicted=est.to_predicted(),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from megatron_hexiseq.cluster import cluster_from_dict
+from megatron_hexiseq.cluster import check_cluster_name, cluster_from_dict
 from megatron_hexiseq.commands import describe
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.io import check_outputs, write_json_atomic, write_text_atomic
@@ -76,6 +76,8 @@ MAX_MEMORY_GIB = 1e6
 def run(args: argparse.Namespace) -> int:
     if args.testbed is not None:
         TestbedShape.parse(args.testbed)  # its size is capped: checked before torch is imported
+    if args.name is not None:
+        check_cluster_name(args.name, "--name")
     from megatron_hexiseq.profile.measure import (
         ProfileOptions,
     )  # torch: 2 s CPU of import for every command

@@ -129,10 +129,12 @@ def _check(args: argparse.Namespace) -> None:
         lo = 0 if name == "warmup_steps" else (2 if name == "world_size" else 1)
         if not lo <= v <= hi:
             why = " (data-parallel gradient reduce)" if name == "world_size" else ""
-            raise HexiSeqError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {v}")
+            raise HexiSeqError(
+                f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {short(v)}"
+            )
     if args.min_bucket is not None and args.min_bucket < 1:
         raise HexiSeqError(
-            f"--min-bucket must be a positive number of parameters, got {args.min_bucket}"
+            f"--min-bucket must be a positive number of parameters, got {short(args.min_bucket)}"
         )
     if not (math.isfinite(args.tolerance) and 0 <= args.tolerance < 1):
         raise HexiSeqError(f"--tolerance must be in [0, 1), got {args.tolerance}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_hexiseq.commands import describe
-from megatron_hexiseq.errors import HexiSeqError, check_positive_int
+from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
 from megatron_hexiseq.progress import waiting
 
@@ -78,6 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_hexiseq.cluster import load_cluster
     from megatron_hexiseq.model import get_model
+    from megatron_hexiseq.varlen.batch import MAX_BATCH_TOKENS
     from megatron_hexiseq.varlen.packing import load_doc_lengths
 
     job = None
@@ -91,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
         tokens = job.seq_length
     if tokens is None:
         raise HexiSeqError("give --tokens-per-batch N (or --job job.json)")
-    check_positive_int("--tokens-per-batch", tokens)
+    check_positive_int("--tokens-per-batch", tokens, at_most=MAX_BATCH_TOKENS)
     batches = args.batches if args.batches is not None else (2 if global_mode else 8)
     check_positive_int("--batches", batches, at_most=100_000)
     if args.seed < 0:
-        raise HexiSeqError(f"--seed must be a non-negative integer, got {args.seed}")
+        raise HexiSeqError(f"--seed must be a non-negative integer, got {short(args.seed)}")
     if args.global_batch_tokens is not None:
         check_positive_int("--global-batch-tokens", args.global_batch_tokens, at_most=1 << 40)
     if global_mode and args.plot:

@@ -23,12 +23,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_hexiseq import kernel_rules
 from megatron_hexiseq.costmodel.pieces import Pieces, expand_cells
 from megatron_hexiseq.costmodel.rates import ClusterRates, call_fraction
 from megatron_hexiseq.layout import Layout
 
 MAX_WINDOWS = 1_000_000  # (query piece, earlier group) pairs enumerated as windows; above: spread
-VARLEN_KERNELS = ("flash", "cudnn")  # one variable-length call per block (attention.varlen)
+VARLEN_KERNELS = kernel_rules.VARLEN_KERNELS  # one variable-length call per block (varlen.py)
 
 
 class DocumentCalls(NamedTuple):

@@ -56,6 +56,7 @@ from megatron_hexiseq.costmodel.formulas import (
 )
 from megatron_hexiseq.costmodel.rates import cluster_rates
 from megatron_hexiseq.costmodel.step import fsdp_rank_exposed_s
+from megatron_hexiseq.costmodel.tp import bundle_problem
 from megatron_hexiseq.layout import Layout, check_matches
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
@@ -141,8 +142,11 @@ class Estimate:
 def estimate(
     layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions = TrainOptions()
 ) -> Estimate:
-    """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``)."""
+    """Model one training iteration of ``layout`` (rank r on ``cluster.devices[r]``; a layout over
+    TP bundles is priced on its bundle problem, ``costmodel.tp``)."""
     check_matches(layout, cluster, model)
+    if layout.tensor_model_parallel_size > 1:  # rank r = bundle r (every GPU of it alike)
+        layout, cluster, model, options = bundle_problem(layout, cluster, model, options)
     b, L = options.micro_batch_size, model.num_layers
     passes_fwd = 2 if options.recompute else 1
     hpg = layout.heads_per_query_group

@@ -111,7 +111,7 @@ def fsdp_buffer_bytes(model: ModelSpec) -> int:
     return 2 * unit * model.layer_parameters + unit * model.vocab_size * model.hidden_size
 
 
-def layer_activation_bytes_per_token(model: ModelSpec) -> int:
+def layer_activation_bytes_per_token(model: ModelSpec, sequence_parallel: int = 1) -> int:
     """Bytes one layer keeps for backward per token of the rank's own shard (Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1, with dropout off and the
     attention core moved to :func:`attention_bytes_per_group_token`).
@@ -120,6 +120,11 @@ def layer_activation_bytes_per_token(model: ModelSpec) -> int:
     + f*m [fc1 output] + f [fc2 input])``. For GPT this is 26h; adding the attention core's 8h
     (q, k, v and the FlashAttention output) gives Korthikanti's 34h, whose 2h of dropout masks we
     drop (no dropout) and whose softmax-output role the kept FlashAttention output takes.
+
+    With tensor parallelism ``model`` is one TP rank's (``costmodel.tp.rank_model``: a, f already
+    divided by t) and ``sequence_parallel = t`` divides the 4h hidden-size terms, which sequence
+    parallelism keeps split along the sequence (the QKV and fc1 inputs are saved sharded and
+    gathered again in backward): Korthikanti's Sec. 4.2.2, every term divided by t.
     """
     h, a, d, f = (
         model.hidden_size,
@@ -128,13 +133,15 @@ def layer_activation_bytes_per_token(model: ModelSpec) -> int:
         model.ffn_hidden_size,
     )
     m = 2 if model.swiglu else 1
-    return BF16_BYTES * (4 * h + a * d + f * m + f)
+    return BF16_BYTES * (-(-4 * h // sequence_parallel) + a * d + f * m + f)
 
 
-def output_bytes_per_token(model: ModelSpec) -> int:
+def output_bytes_per_token(model: ModelSpec, sequence_parallel: int = 1) -> int:
     """Final norm input + output-layer input (bf16) + logits at the loss: bf16 logits and the fp32
-    softmax Megatron's cross entropy keeps (``2h + 2h + 2V + 4V``)."""
-    return BF16_BYTES * 2 * model.hidden_size + (BF16_BYTES + FP32_BYTES) * model.vocab_size
+    softmax Megatron's cross entropy keeps (``2h + 2h + 2V + 4V``; with sequence parallelism the
+    two hidden-size inputs are split along the sequence, ``4h / t``, and V is one TP rank's)."""
+    hidden = -(-2 * model.hidden_size // sequence_parallel)
+    return BF16_BYTES * hidden + (BF16_BYTES + FP32_BYTES) * model.vocab_size
 
 
 def activation_bytes_per_token(model: ModelSpec, options: TrainOptions) -> int:
@@ -144,11 +151,19 @@ def activation_bytes_per_token(model: ModelSpec, options: TrainOptions) -> int:
     layer's worth of gradients while its backward runs). Full recompute: ``L * 2h`` (each layer's
     input) ``+ layer`` (the layer being recomputed) ``+ output + layer``.
     The attention core (group tokens x this rank's heads) is in :func:`attention_bytes_per_group_token`.
+
+    With tensor parallelism (``options.tensor_model_parallel_size`` t > 1, ``model`` one TP rank's)
+    sequence parallelism divides the hidden-size terms by t (each layer's input with recompute too),
+    and the all-gathered input of the linear being computed adds ``2h`` (bf16, one at a time:
+    Megatron's global memory buffer).
     """
-    layer = layer_activation_bytes_per_token(model)
-    stack = model.num_layers * (BF16_BYTES * model.hidden_size if options.recompute else layer)
+    t = options.tensor_model_parallel_size
+    layer = layer_activation_bytes_per_token(model, t)
+    layer_input = BF16_BYTES * -(-model.hidden_size // t)
+    stack = model.num_layers * (layer_input if options.recompute else layer)
     recomputed = layer if options.recompute else 0
-    return stack + recomputed + output_bytes_per_token(model) + layer
+    gathered = BF16_BYTES * model.hidden_size if t > 1 else 0
+    return stack + recomputed + output_bytes_per_token(model, t) + layer + gathered
 
 
 def attention_bytes_per_group_token(
@@ -213,14 +228,61 @@ def kv_block_bytes_per_token(model: ModelSpec) -> int:
     return 2 * BF16_BYTES * model.kv_channels
 
 
+# ---- tensor parallelism (Megatron's sequence parallelism inside a TP bundle) -----------------
+# Per layer and forward pass, sequence parallelism runs 4 collectives of a [s_r, b, h] activation over
+# the bundle's t GPUs (megatron/core/tensor_parallel/layers.py, core_v0.16.1): all-gather before the
+# QKV and fc1 column-parallel linears, reduce-scatter after the projection and fc2 row-parallel ones.
+# Backward runs their 4 duals on the critical path (the all-gathers of the saved sharded inputs for
+# the weight gradients are posted asynchronously before the input-gradient GEMM and hidden behind
+# it); full recompute repeats the forward's 4. Once per iteration: the embedding's reduce-scatter and
+# the output layer's all-gather, and their duals (4).
+TP_COLLECTIVES_PER_LAYER_PASS = 4
+TP_COLLECTIVES_OUTSIDE_LAYERS = 4
+
+
+def tp_collective_bytes_per_token(model: ModelSpec, tp: int) -> float:
+    """Bytes each GPU of a bundle sends per bundle token in one sequence-parallel all-gather or
+    reduce-scatter of a bf16 hidden-size activation: its share ``2h / t`` to each of the other
+    ``t - 1`` GPUs (``2h (t - 1) / t``; the ring algorithm sends the same)."""
+    return BF16_BYTES * model.hidden_size * (tp - 1) / tp
+
+
+def tp_collective_s_per_token(model: ModelSpec, device: Device, options: TrainOptions) -> float:
+    """Seconds of sequence-parallel collectives per bundle token per iteration on one GPU of the
+    bundle (0 without TP): ``(4 (forward passes + 1) L + 4)`` collectives of
+    :func:`tp_collective_bytes_per_token` each, serialised on the GPU's NVLink port (the link model
+    of ``costmodel/comm.py``: inside a node every message runs at the NVLink bandwidth, a port's
+    messages one after another), not overlapped with compute (Megatron overlaps them only with
+    ``--tp-comm-overlap``, Transformer Engine's userbuffers). The vocabulary-parallel cross entropy's
+    all-reduces (3 floats per token) are left out."""
+    tp = options.tensor_model_parallel_size
+    if tp == 1:
+        return 0.0
+    passes = (2 if options.recompute else 1) + 1
+    count = (
+        TP_COLLECTIVES_PER_LAYER_PASS * passes * model.num_layers + TP_COLLECTIVES_OUTSIDE_LAYERS
+    )
+    return (
+        options.micro_batch_size
+        * count
+        * tp_collective_bytes_per_token(model, tp)
+        / (device.nvlink_GBps * 1e9)
+    )
+
+
 # ---- per-device coefficients (what the planner linearises) -----------------------------------
 def linear_s_per_token(model: ModelSpec, device: Device, options: TrainOptions) -> float:
-    """Seconds of linear-layer work per own token per iteration on ``device`` (x micro-batch)."""
-    return (
+    """Seconds of linear-layer work per own token per iteration on ``device`` (x micro-batch); with
+    tensor parallelism one TP rank's FLOPs (``model`` is the rank's) plus the sequence-parallel
+    collectives (:func:`tp_collective_s_per_token`), which sit between the linears."""
+    flops_s = (
         options.micro_batch_size
         * train_flops(linear_flops_per_token(model), options)
         / device.flops_per_s
     )
+    if options.tensor_model_parallel_size == 1:
+        return flops_s
+    return flops_s + tp_collective_s_per_token(model, device, options)
 
 
 def attention_s_per_pair_head(model: ModelSpec, device: Device, options: TrainOptions) -> float:

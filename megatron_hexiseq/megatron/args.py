@@ -41,6 +41,15 @@ class HexiSeqArgs:
         metavar="PATH",
         default=None,
     )
+    job: str | None = _flag(
+        "Job JSON (from 'megatron-hexiseq plan --global-batch B'): domains of GPUs, each running "
+        "its own layout on its own share of every step's global batch, one gradient reduction "
+        "over all ranks per step. Instead of --hexiseq-layout; Megatron sees one context-parallel "
+        "group of all ranks (--context-parallel-size = world size, data-parallel size 1; "
+        "docs/megatron.md, 'Jobs').",
+        metavar="PATH",
+        default=None,
+    )
     kernel: str = _flag(
         "Attention block kernel. auto (default): PyTorch's fused kernels chosen by device and dtype "
         "(CUDA bf16/fp16: flash; CUDA fp32 or head dims flash cannot take: efficient; CPU: cpu-flash); "
@@ -84,10 +93,26 @@ class HexiSeqArgs:
         metavar="PATH",
         default=None,
     )
+    check_params: int = _flag(
+        "Compare a 64-bit hash of the parameters across every rank that holds them after every "
+        "N-th training step (one error naming the ranks that differ). 0 (default): once, at "
+        "start-up, right after every parameter is broadcast from the first rank.",
+        metavar="N",
+        default=0,
+    )
 
     def __post_init__(self) -> None:
         if self.comm_chunks < 1:
             raise HexiSeqError(f"--hexiseq-comm-chunks must be >= 1, got {self.comm_chunks}")
+        if self.layout is not None and self.job is not None:
+            raise HexiSeqError(
+                "give --hexiseq-layout (one layout on every context-parallel domain) or "
+                "--hexiseq-job (a job of domains with their own layouts), not both"
+            )
+        if self.check_params < 0:
+            raise HexiSeqError(
+                f"--hexiseq-check-params must be >= 0 (0: at start-up only), got {self.check_params}"
+            )
         if self.overlap_tune and self.overlap_config:
             raise HexiSeqError(
                 "use either --hexiseq-overlap-tune or --hexiseq-overlap-config, not both"
@@ -95,8 +120,8 @@ class HexiSeqArgs:
 
     @property
     def enabled(self) -> bool:
-        """True when a layout was given (HexiSeq replaces Megatron's context parallelism)."""
-        return self.layout is not None
+        """True when a layout or a job was given (HexiSeq replaces Megatron's context parallelism)."""
+        return self.layout is not None or self.job is not None
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> HexiSeqArgs:
@@ -153,10 +178,20 @@ def add_hexiseq_args(
 def layout_flag(argv: list[str]) -> str | None:
     """The value of ``--hexiseq-layout`` in ``argv`` (``--hexiseq-layout P`` or ``=P``; the last
     one wins, as argparse does), None when absent."""
+    return flag_value(argv, "--hexiseq-layout")
+
+
+def job_flag(argv: list[str]) -> str | None:
+    """The value of ``--hexiseq-job`` in ``argv``, as :func:`layout_flag` reads its flag."""
+    return flag_value(argv, "--hexiseq-job")
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+    """The value of flag ``name`` in ``argv`` (``name P`` or ``name=P``; the last one wins)."""
     value = None
     for i, arg in enumerate(argv):
-        if arg == "--hexiseq-layout" and i + 1 < len(argv):
+        if arg == name and i + 1 < len(argv):
             value = argv[i + 1]
-        elif arg.startswith("--hexiseq-layout="):
+        elif arg.startswith(name + "="):
             value = arg.split("=", 1)[1]
     return value

@@ -33,7 +33,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,14 +259,17 @@ class AheadBatches:
         return out
 
 
-def side_group(cp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group of this rank's CP domain for the agreement checks (every rank creates every
-    domain's, in the same order: ``new_group`` is collective). None for a domain of one rank.
-    Collective over the default group."""
+def side_group(
+    cp_group: dist.ProcessGroup | None, domains: Sequence[Sequence[int]] | None = None
+) -> dist.ProcessGroup | None:
+    """A gloo group of this rank's domain for the agreement checks: ``domains`` (process ranks,
+    ascending; a job's) or Megatron's CP domains. Every rank creates every domain's, in the same
+    order (``new_group`` is collective). None for a domain of one rank. Collective over the
+    default group."""
     from megatron_hexiseq.megatron.runtime import cp_domains
 
     mine = None
-    for domain in cp_domains(cp_group):
+    for domain in domains if domains is not None else cp_domains(cp_group):
         group = dist.new_group(list(domain), backend="gloo")
         if dist.get_rank() in domain and len(domain) > 1:
             mine = group
@@ -281,12 +284,14 @@ def ahead_batches(
     cp_group: dist.ProcessGroup | None,
     depth: int,
     device: torch.device,
+    domains: Sequence[Sequence[int]] | None = None,
 ) -> AheadBatches:
     """The ``get_batch_on_this_tp_rank`` replacement of a HexiSeq run (module docstring); with
-    per-micro-batch layouts it creates the domains' gloo side groups (collective)."""
+    per-micro-batch layouts it creates the domains' gloo side groups (collective; ``domains``:
+    a job's, as process ranks, else Megatron's CP domains)."""
     from copy import copy
 
-    group = None if layout.fixed else side_group(cp_group)
+    group = None if layout.fixed else side_group(cp_group, domains)
     scratch = copy(documents)  # the planning thread's own boundaries slot
     preparer = Preparer(
         scratch, layout, reset_attention_mask=reset_attention_mask, side_group=group

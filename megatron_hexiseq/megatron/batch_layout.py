@@ -20,8 +20,8 @@ attention keeps its view, RoPE's angles are saved tensors), so schedules that in
 are fine.
 
 Checked per micro-batch, one ``HexiSeqError`` line each: the structure (``with_layout``), the
-sequence length, and that every rank holds a token (Megatron's attention layer cannot run an empty
-shard, as for the job's layout).
+sequence length, that every rank holds a token (Megatron's attention layer cannot run an empty
+shard, as for the job's layout) and, with TP and sequence parallelism, a multiple of t tokens.
 
 ``--hexiseq-batch-plan``: the provider is ``PlannerLayouts``, the batch planner
 (``varlen.batch.BatchPlanner``) built on the job's layout with the cluster, model and training
@@ -32,7 +32,7 @@ options ``plan`` recorded in it (``batch_planner_layouts``). With per-sample bou
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,6 +44,7 @@ from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.documents import positions_in_documents
+from megatron_hexiseq.megatron.tensor_parallel import check_bundle_tokens
 
 if TYPE_CHECKING:  # annotations only: the planner imports the cost model
     from megatron_hexiseq.varlen.batch import BatchPlanner
@@ -103,11 +104,14 @@ class MicroBatchLayout:
         *,
         reset_position_ids: bool = False,
         fixed: bool = False,
+        tokens_multiple_of: int = 1,
     ) -> None:
         self.groups = groups
         self.provider = provider
         self.reset_position_ids = reset_position_ids
         self.fixed = fixed  # the provider returns the job's layout: nothing to agree on
+        # TP with sequence parallelism: every bundle holds a multiple of t tokens (tensor_parallel.py)
+        self.tokens_multiple_of = tokens_multiple_of
         self.plan: BatchPlan | None = None
 
     @property
@@ -146,6 +150,7 @@ class MicroBatchLayout:
                 f"the micro-batch's layout gives ranks {empty} no tokens; Megatron's attention "
                 "layer cannot run an empty sequence shard: give every rank at least one token"
             )
+        check_bundle_tokens(layout, self.tokens_multiple_of, what="the micro-batch's layout")
         groups = self.groups.with_layout(layout)  # the structure check, one line
         positions = tuple(layout.ranks[groups.rank].positions())
         rope = positions
@@ -173,10 +178,14 @@ def fixed_layout(groups: HexiSeqGroups, *, reset_position_ids: bool = False) -> 
 
 
 class PlannerLayouts:
-    """``BatchLayouts`` from the batch planner (module docstring): deterministic, no communication."""
+    """``BatchLayouts`` from the batch planner (module docstring): deterministic, no communication.
+    With TP bundles (``tensor_model_parallel_size`` t > 1) the planner works on the bundle problem
+    (``costmodel.tp``) and each plan becomes a layout over bundles, its boundaries rounded to
+    multiples of t (``planner.tp.round_segments``, as ``plan`` does)."""
 
-    def __init__(self, planner: BatchPlanner) -> None:
+    def __init__(self, planner: BatchPlanner, tensor_model_parallel_size: int = 1) -> None:
         self.planner = planner
+        self.tensor_model_parallel_size = tensor_model_parallel_size
 
     def __call__(self, bounds: DocumentBounds | None) -> Layout:
         if bounds is None:
@@ -185,7 +194,13 @@ class PlannerLayouts:
                 "none recorded: add --reset-attention-mask (or feed THD batches)"
             )
         cuts = sorted(set().union(*bounds.samples))
-        return self.planner.plan(np.diff(cuts).tolist()).layout
+        layout = self.planner.plan(np.diff(cuts).tolist()).layout
+        tp = self.tensor_model_parallel_size
+        if tp == 1:
+            return layout
+        from megatron_hexiseq.planner.tp import round_segments
+
+        return replace(round_segments(layout, tp), tensor_model_parallel_size=tp)
 
 
 def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
@@ -210,4 +225,10 @@ def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayo
         source=f"{source}: meta.{MODEL_SPEC_KEY}",
     )
     options = options_from_record(check_options_record(meta["options"], source))
-    return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
+    tp = layout.tensor_model_parallel_size
+    if tp == 1:
+        return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
+    from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
+
+    cluster, model, options = bundle_setting(cluster, model, options, tp)
+    return PlannerLayouts(BatchPlanner(over_bundles(layout), cluster, model, options), tp)

@@ -6,9 +6,12 @@ local ``DotProductAttention`` adds ``attention_dropout``). The ``HexiSeqRuntime`
 + kernel) arrives as a keyword through the layer spec's ``params`` (see ``spec.py``); nothing is
 read from a global.
 
-Shapes (TP = 1): ``query [s_r, b, H, d]``, ``key/value [s_r, b, G, d]`` for this rank's tokens in
+Shapes: ``query [s_r, b, H, d]``, ``key/value [s_r, b, G, d]`` for this rank's tokens in
 segment order with RoPE applied -> ``[s_r, b, H*d]``: exact causal attention of the full sequence
-restricted to this rank's tokens.
+restricted to this rank's tokens. With tensor parallelism (t > 1) these are TP rank i's heads,
+``H = H_model / t`` and ``G = G_model / t`` (1 with K/V replication), the bundle's ``s_r`` tokens
+(sequence parallelism gathers them before the QKV linear), and the layout's head h is the model's
+head ``i * H + h`` (``megatron_hexiseq.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron_hexiseq.attention.hexiseq import hexiseq_attn_func
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
+from megatron_hexiseq.tensor_parallel import tp_heads
 
 
 class HexiSeqCoreAttention(MegatronModule):
@@ -60,15 +64,21 @@ class HexiSeqCoreAttention(MegatronModule):
                 f"layer {layer_number}: cp_comm_type is '{cp_comm_type}' but the HexiSeq "
                 f"spec is in use; pass --cp-comm-type {CP_COMM_TYPE}"
             )
-        if config.tensor_model_parallel_size != 1:
-            raise HexiSeqError("HexiSeq attention needs --tensor-model-parallel-size 1")
-        if (config.num_attention_heads, config.num_query_groups or config.num_attention_heads) != (
-            layout.num_attention_heads,
-            layout.num_query_groups,
-        ):
+        tp = config.tensor_model_parallel_size
+        if tp != layout.tensor_model_parallel_size:
+            raise HexiSeqError(
+                f"layer {layer_number}: --tensor-model-parallel-size is {tp} but the layout is "
+                f"planned for TP bundles of {layout.tensor_model_parallel_size}"
+            )
+        # per TP rank (Megatron passes num_query_groups = t when it replicates K/V heads)
+        heads = tp_heads(
+            config.num_attention_heads, config.num_query_groups or config.num_attention_heads, tp
+        )
+        if heads != (layout.num_attention_heads, layout.num_query_groups):
             raise HexiSeqError(
                 f"model has {config.num_attention_heads} heads / {config.num_query_groups} "
-                f"query groups, layout {layout.num_attention_heads} / {layout.num_query_groups}"
+                f"query groups ({heads[0]} / {heads[1]} per TP rank of {tp}), layout "
+                f"{layout.num_attention_heads} / {layout.num_query_groups}"
             )
         if config.window_size is not None or config.softmax_type != "vanilla":
             raise HexiSeqError(

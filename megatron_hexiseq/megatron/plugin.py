@@ -37,7 +37,6 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from datetime import timedelta
 from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -46,9 +45,16 @@ import torch
 
 from megatron_hexiseq.attention.groups import HexiSeqGroups
 from megatron_hexiseq.errors import HexiSeqError, run_user_command
+from megatron_hexiseq.job import JobPlan
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.megatron import post_parse
-from megatron_hexiseq.megatron.args import CP_COMM_TYPE, HexiSeqArgs, add_hexiseq_args, layout_flag
+from megatron_hexiseq.megatron import job_plugin, post_parse
+from megatron_hexiseq.megatron.args import (
+    CP_COMM_TYPE,
+    HexiSeqArgs,
+    add_hexiseq_args,
+    job_flag,
+    layout_flag,
+)
 from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
 from megatron_hexiseq.megatron.batch_layout import (
     BatchLayouts,
@@ -58,13 +64,10 @@ from megatron_hexiseq.megatron.batch_layout import (
 from megatron_hexiseq.megatron.checkpoint import check_before_training
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
+from megatron_hexiseq.megatron.job_runtime import domain_process_ranks
+from megatron_hexiseq.megatron.params_check import megatron_replica_groups, share_initial_parameters
 from megatron_hexiseq.megatron.rope import install_rope
-from megatron_hexiseq.megatron.runtime import (
-    HexiSeqRuntime,
-    RunShape,
-    build_runtime,
-    nccl_comm_cfgs,
-)
+from megatron_hexiseq.megatron.runtime import HexiSeqRuntime, RunShape, build_runtime
 from megatron_hexiseq.megatron.spec import hexiseq_spec
 from megatron_hexiseq.overlap import megatron_hooks
 
@@ -116,15 +119,19 @@ def after_parse(args: argparse.Namespace) -> None:
 
 
 def check_layout_flag(argv: Sequence[str]) -> None:
-    """``--hexiseq-layout`` in ``argv`` names a readable, valid layout, else one line on stderr and
-    exit 2: before ``pretrain`` parses the flags and ``initialize_megatron`` starts the process
-    group (a typo would otherwise cost the distributed start-up of every rank)."""
-    path = layout_flag(list(argv))
-    if path is None:
+    """``--hexiseq-layout`` / ``--hexiseq-job`` in ``argv`` name a readable, valid layout / job,
+    else one line on stderr and exit 2: before ``pretrain`` parses the flags and
+    ``initialize_megatron`` starts the process group (a typo would otherwise cost the distributed
+    start-up of every rank)."""
+    path, job = layout_flag(list(argv)), job_flag(list(argv))
+    if path is None and job is None:
         return
 
     def check() -> None:
-        Layout.load(path)
+        if path is not None:
+            Layout.load(path)
+        if job is not None:
+            JobPlan.load(job)
 
     rc = run_user_command(check, interrupts=False)
     if rc:
@@ -138,14 +145,15 @@ def defer_seq_length_check(args: argparse.Namespace) -> None:
     == 0`` for its even zig-zag split, which a HexiSeq layout does not use (any length splits). The
     assert runs only when ``seq_length`` is set; right after it, ``validate_args`` copies
     ``encoder_seq_length`` into ``seq_length`` when ``seq_length`` is None. So for a HexiSeq run
-    (``--hexiseq-layout`` and ``--cp-comm-type hexiseq``) whose length fails that assert, this moves
-    the value to ``encoder_seq_length``; ``validate_args`` then restores it, with every other check
-    on ``seq_length`` (max position embeddings, ...) still applied. Stock runs are untouched.
+    (``--hexiseq-layout`` or ``--hexiseq-job``, and ``--cp-comm-type hexiseq``) whose length fails
+    that assert, this moves the value to ``encoder_seq_length``; ``validate_args`` then restores
+    it, with every other check on ``seq_length`` (max position embeddings, ...) still applied.
+    Stock runs are untouched.
     """
     cp = getattr(args, "context_parallel_size", 1) or 1
     seq = getattr(args, "seq_length", None)
     if (
-        getattr(args, "hexiseq_layout", None)
+        post_parse.is_hexiseq_run(args)
         and CP_COMM_TYPE in _cp_comm_types(args)
         and cp > 1
         and seq is not None
@@ -176,12 +184,17 @@ def setup(
     *,
     cp_group: dist.ProcessGroup | None = None,
     batch_layouts: BatchLayouts | None = None,
+    training_module: ModuleType | None = None,
 ) -> HexiSeqRuntime | None:
     """Once per process, after ``initialize_model_parallel``: returns the ``HexiSeqRuntime`` or None.
 
-    Collective over the default group when ``--hexiseq-layout`` is given. ``batch_layouts``: a
-    per-micro-batch layout provider (``megatron/batch_layout.py``; deterministic, the job layout's
-    groups and heads): every micro-batch then runs its own layout on the job's groups.
+    Collective over the default group when ``--hexiseq-layout`` or ``--hexiseq-job`` is given
+    (a job: this process's domain's runtime, every domain's groups; ``megatron/job_plugin.py``).
+    ``batch_layouts``: a per-micro-batch layout provider (``megatron/batch_layout.py``;
+    deterministic, the layout's groups and heads): every micro-batch then runs its own layout on
+    the groups. ``training_module``: Megatron-LM's ``megatron.training.training``, whose schedule
+    and data-loader seams a job (and ``--hexiseq-check-params N``) replaces; imported when
+    ``pretrain_module`` is given, left alone when both are None.
     """
 
     configure_overlap(args)  # no-op when the post-parse hook ran already
@@ -192,37 +205,39 @@ def setup(
     hs = HexiSeqArgs.from_namespace(
         args
     )  # after it: the overlap hook may set --hexiseq-comm-chunks
-    if hs.layout is None:  # not hs.enabled
+    if not hs.enabled:
         if CP_COMM_TYPE in _cp_comm_types(args):
             raise HexiSeqError(
-                f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH "
+                f"--cp-comm-type {CP_COMM_TYPE} needs --hexiseq-layout PATH or --hexiseq-job PATH "
                 "(plan one with 'megatron-hexiseq plan')"
             )
         return None
-    if cp_group is None:
+    place = job = None
+    if hs.job is not None:
+        check_before_training(args)  # --save/--load settings, and the checkpoint --load resumes
+        runtime, place, job = job_plugin.setup_job(args, hs)
+        source = f"job {hs.job} domain {place.domain}"
+    else:
         from megatron.core import parallel_state as mpu
 
-        cp_group = mpu.get_context_parallel_group()
-    layout = Layout.load(hs.layout)
-    check_before_training(
-        args
-    )  # --save/--load settings, and the checkpoint --load resumes (rank 0 reads it)
-    minutes = getattr(args, "distributed_timeout_minutes", None)
-    runtime = build_runtime(
-        layout,
-        RunShape.from_megatron_args(args),
-        cp_group=cp_group,
-        kernel=hs.kernel,
-        comm_chunks=hs.comm_chunks,
-        allow_mismatch=hs.allow_mismatch,
-        source=f"layout {hs.layout}",
-        timeout=timedelta(minutes=minutes) if minutes else None,
-        nccl_cfgs=nccl_comm_cfgs(
-            getattr(args, "nccl_communicator_config_path", None),
-            getattr(args, "high_priority_stream_groups", None) or (),
-        ),
-        fp32_grad_wire=hs.fp32_grad_wire,
-    )
+        if cp_group is None:
+            cp_group = mpu.get_context_parallel_group()
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        assert hs.layout is not None
+        source = f"layout {hs.layout}"
+        layout = Layout.load(hs.layout)
+        check_before_training(
+            args
+        )  # --save/--load settings, and the checkpoint --load resumes (rank 0 reads it)
+        runtime = build_runtime(
+            layout,
+            RunShape.from_megatron_args(args),
+            cp_group=cp_group,
+            source=source,
+            tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
+            **job_plugin.runtime_options(args, hs),
+        )
+    layout = runtime.layout
     runtime = replace(runtime, documents=micro_batch_documents(args, layout.seq_length))
     if hs.batch_plan:
         if batch_layouts is not None:
@@ -230,13 +245,20 @@ def setup(
                 "--hexiseq-batch-plan and a per-micro-batch layout provider were both given; "
                 "use one"
             )
-        batch_layouts = batch_planner_layouts(layout, f"layout {hs.layout}")
+        batch_layouts = batch_planner_layouts(layout, source)
     if batch_layouts is not None:
         runtime = replace(
             runtime, batch_layout=micro_batch_layout(args, runtime.groups, batch_layouts)
         )
     if pretrain_module is not None:
-        runtime = install_batch_seams(args, runtime, pretrain_module, cp_group)
+        domains = [sorted(d) for d in domain_process_ranks(job)] if job is not None else None
+        runtime = install_batch_seams(args, runtime, pretrain_module, cp_group, domains)
+        if training_module is None and (job is not None or hs.check_params):
+            from megatron.training import training
+
+            training_module = training
+    if training_module is not None:  # the training loop's seams: a job, the parameter check
+        job_plugin.install_training_seams(training_module, args, hs, place=place, job=job)
     return runtime
 
 
@@ -245,13 +267,18 @@ def install_batch_seams(
     runtime: HexiSeqRuntime,
     pretrain_module: ModuleType,
     cp_group: dist.ProcessGroup | None,
+    domains: list[list[int]] | None = None,
 ) -> HexiSeqRuntime:
     """Replace ``pretrain_gpt``'s batch functions (the batch seams, on purpose). Without pipeline
-    parallelism every micro-batch is prepared ahead off the training thread
-    (``batch_ahead``: boundaries from the CPU batch, plan, host slices, agreement checks) and
-    ``get_batch`` only copies; with it, the slicer slices on the device as before."""
+    and tensor parallelism every micro-batch is prepared ahead off the training thread
+    (``batch_ahead``: boundaries from the CPU batch, plan, host slices, agreement checks over the
+    CP domains, or a job's ``domains`` of process ranks) and ``get_batch`` only copies; otherwise
+    (middle pipeline stages, TP ranks that receive the batch by broadcast) the slicer slices on
+    the device as before."""
     reset_mask = bool(getattr(args, "reset_attention_mask", False))
-    prepared = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+    prepared = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1 and (
+        getattr(args, "tensor_model_parallel_size", 1) or 1
+    ) == 1
     if prepared:
         from megatron_hexiseq.megatron.batch_ahead import ahead_batches, micro_batches_per_step
         from megatron_hexiseq.megatron.batch_layout import fixed_layout
@@ -271,6 +298,7 @@ def install_batch_seams(
             runtime.batch_layout,
             reset_attention_mask=reset_mask,
             cp_group=cp_group,
+            domains=domains,
             depth=micro_batches_per_step(),
             device=device,
         )
@@ -321,8 +349,14 @@ def micro_batch_layout(
             "per-micro-batch layouts do not support pipeline parallelism yet (middle stages "
             "do not load the batch); use --pipeline-model-parallel-size 1"
         )
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
     return MicroBatchLayout(
-        groups, provider, reset_position_ids=bool(getattr(args, "reset_position_ids", False))
+        groups,
+        provider,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        tokens_multiple_of=getattr(args, "tensor_model_parallel_size", 1)
+        if sequence_parallel
+        else 1,
     )
 
 
@@ -425,7 +459,9 @@ class HexiSeqModelProvider:
 
     ``model_provider`` / ``gpt_builder`` are Megatron-LM's (``model_provider.py`` /
     ``gpt_builders.py``); ``get_args`` defaults to ``megatron.training.get_args``;
-    ``batch_layouts``: a per-micro-batch layout provider, passed to ``setup``.
+    ``batch_layouts``: a per-micro-batch layout provider, ``training_module``: the module whose
+    training-loop seams a job replaces (both passed to ``setup``). Every model chunk it builds for
+    a HexiSeq run gets the first rank's weights (``params_check.share_initial_parameters``).
     """
 
     def __init__(
@@ -436,8 +472,10 @@ class HexiSeqModelProvider:
         *,
         get_args: Callable[[], argparse.Namespace] | None = None,
         batch_layouts: BatchLayouts | None = None,
+        training_module: ModuleType | None = None,
     ) -> None:
         self.model_provider = model_provider
+        self.training_module = training_module
         self.batch_layouts = batch_layouts
         self.gpt_builder = gpt_builder
         self.pretrain_module = pretrain_module
@@ -464,14 +502,18 @@ class HexiSeqModelProvider:
                 self.pretrain_module,
                 cp_group=cp_group,
                 batch_layouts=self.batch_layouts,
+                training_module=self.training_module,
             )
             self._ready = True
         builder = self.gpt_builder
         if self.runtime is not None:
             builder = partial(build_gpt_model, runtime=self.runtime, stock_builder=self.gpt_builder)
-        return self.model_provider(
+        model = self.model_provider(
             builder, pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection
         )
+        if self.runtime is not None:  # one model on every GPU model (megatron/params_check.py)
+            share_initial_parameters(model, megatron_replica_groups(pg_collection))
+        return model
 
 
 def model_provider(

@@ -4,7 +4,7 @@ Runs right after argparse has parsed Megatron-LM's command line (``plugin.after_
 ``validate_args`` and before anything is built, on every rank alike, and once more on the final
 args in ``plugin.setup`` (the model provider's first call, before any collective and before the
 datasets are built): Megatron-LM's ``--yaml-cfg`` replaces the parsed args after the hook. A run
-without ``--hexiseq-layout`` is left as it is.
+without ``--hexiseq-layout`` or ``--hexiseq-job`` is left as it is.
 
 * ``refuse_unsupported(args)``: Megatron features HexiSeq attention does not support yet end the
   run here with one line naming the flag and what to do (``HexiSeqError``: exit 2 through
@@ -14,7 +14,15 @@ without ``--hexiseq-layout`` is left as it is.
   its start-up checks were never captured in a graph. YaRN RoPE (``--rope-type yarn``, or a
   ``position_embedding_type`` of ``yarn`` from a YAML config): the layout's RoPE
   (``megatron.rope``) recomputes plain RoPE angles (with ``--use-rope-scaling`` / interpolation)
-  at each rank's global positions, not YaRN's.
+  at each rank's global positions, not YaRN's. ``--init-model-with-meta-device``: the start-up
+  kernel check copies tensors out of the model's device and the layout RoPE computes its angles
+  at construction, neither of which a meta-device model has. ``--qk-clip`` /
+  ``--log-max-attention-logit``: they read each head's largest attention logit from the core
+  attention (``current_max_attn_logits``), which HexiSeq's fused kernels do not report.
+  ``--attention-dropout`` > 0 (Megatron's default is 0.1): HexiSeq attention is exact and applies no
+  dropout; a run must say ``--attention-dropout 0``. The combined-1F1B MoE overlap schedule
+  (``--overlap-moe-expert-parallel-comm``): it runs one micro-batch's forward inside another's
+  backward, while HexiSeq holds one micro-batch's document boundaries and layout at a time.
 * ``drop_dataloader_mask(args)``: Megatron's default ``create_attention_mask_in_dataloader=True``
   makes the dataset build a causal ``[S, S]`` mask and every rank receive a ``[mbs, 1, S, S]`` bool
   mask on its GPU (16 GiB at 128K tokens, micro-batch 1). HexiSeq attention never reads it (the
@@ -34,8 +42,8 @@ GiB = 1024**3
 
 
 def is_hexiseq_run(args: argparse.Namespace) -> bool:
-    """A layout was given: HexiSeq attention replaces Megatron's context parallelism."""
-    return bool(getattr(args, "hexiseq_layout", None))
+    """A layout or a job was given: HexiSeq attention replaces Megatron's context parallelism."""
+    return bool(getattr(args, "hexiseq_layout", None) or getattr(args, "hexiseq_job", None))
 
 
 def _cuda_graph_flag(args: argparse.Namespace) -> str | None:
@@ -70,6 +78,33 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
         raise HexiSeqError(
             "position_embedding_type yarn: HexiSeq's layout RoPE does not implement YaRN yet; "
             "use --position-embedding-type rope or run without --hexiseq-layout"
+        )
+    if getattr(args, "init_model_with_meta_device", False):
+        raise HexiSeqError(
+            "--init-model-with-meta-device: HexiSeq needs the model's tensors at start-up (the "
+            "attention kernel check runs on them, the layout RoPE computes its angles when built); "
+            "drop --init-model-with-meta-device (or run without --hexiseq-layout)"
+        )
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        if getattr(args, flag, False):
+            name = "--" + flag.replace("_", "-")
+            raise HexiSeqError(
+                f"{name}: HexiSeq attention does not report each head's largest attention logit "
+                f"(current_max_attn_logits), which {name} reads; drop {name} (or run without "
+                "--hexiseq-layout)"
+            )
+    dropout = getattr(args, "attention_dropout", None) or 0.0
+    if dropout != 0:
+        raise HexiSeqError(
+            f"--attention-dropout {dropout:g}: HexiSeq attention is exact and applies no dropout "
+            "(Megatron's default is 0.1); pass --attention-dropout 0"
+        )
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise HexiSeqError(
+            "--overlap-moe-expert-parallel-comm: its combined-1F1B schedule runs one "
+            "micro-batch's forward inside another's backward, and HexiSeq attention holds one "
+            "micro-batch's documents and layout at a time; drop --overlap-moe-expert-parallel-comm "
+            "(and --delay-wgrad-compute)"
         )
 
 

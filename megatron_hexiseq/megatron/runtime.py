@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
 from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
+from megatron_hexiseq.megatron.tensor_parallel import check_bundle_hosts, check_tp_layout
 
 DTYPES = {
     "float32": torch.float32,
@@ -60,6 +62,7 @@ class RunShape:
     multi_latent_attention: bool = False
     params_dtype: str = "float32"  # the dtype attention runs in (--bf16 / --fp16)
     head_dim: int | None = None  # kv_channels (None: the start-up kernel check uses 64)
+    sequence_parallel: bool = False  # --sequence-parallel (with TP: bundles of t-multiple tokens)
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> RunShape:
@@ -85,6 +88,7 @@ class RunShape:
             if getattr(args, "fp16", False)
             else "float32",
             head_dim=getattr(args, "kv_channels", None),
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         )
 
 
@@ -108,22 +112,27 @@ def check_run(layout: Layout, run: RunShape, *, source: str = "layout") -> None:
             f"{run.tensor_model_parallel_size} x {run.pipeline_model_parallel_size} x {W}; "
             f"launch a multiple of {model_parallel} processes"
         )
-    if run.tensor_model_parallel_size != 1:
-        raise HexiSeqError(
-            f"HexiSeq places attention heads itself; use --tensor-model-parallel-size 1 "
-            f"(got {run.tensor_model_parallel_size})"
+    tp = run.tensor_model_parallel_size
+    if tp > 1 or layout.tensor_model_parallel_size > 1:  # a layout over TP bundles
+        check_tp_layout(
+            layout,
+            tensor_model_parallel_size=tp,
+            num_attention_heads=run.num_attention_heads,
+            num_query_groups=run.num_query_groups,
+            sequence_parallel=run.sequence_parallel,
+            source=source,
         )
     if run.seq_length != layout.seq_length:
         raise HexiSeqError(
             f"{source} is planned for seq_length {layout.seq_length} but --seq-length is "
             f"{run.seq_length}; re-plan or change --seq-length"
         )
-    if run.num_attention_heads != layout.num_attention_heads:
+    if tp == 1 and run.num_attention_heads != layout.num_attention_heads:
         raise HexiSeqError(
             f"{source} is planned for {layout.num_attention_heads} attention heads but the "
             f"model has --num-attention-heads {run.num_attention_heads}"
         )
-    if run.num_query_groups != layout.num_query_groups:
+    if tp == 1 and run.num_query_groups != layout.num_query_groups:
         raise HexiSeqError(
             f"{source} is planned for {layout.num_query_groups} query groups but the model "
             f"has {run.num_query_groups} (--num-query-groups with --group-query-attention)"
@@ -282,6 +291,36 @@ def hexiseq_pg_options(cfgs: dict[str, dict[str, Any]]):
     return options
 
 
+def prove_kernel(kernel: str, run: RunShape, device: torch.device) -> Kernel:
+    """The concrete attention kernel, proven on this device and dtype by every rank (collective
+    over the default group): all agree before anyone creates a group, and a failure on any rank
+    is the same one-line error on every rank."""
+    concrete, failure = None, None
+    try:
+        concrete = check_kernel(
+            kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64
+        )
+    except HexiSeqError as e:
+        failure = str(e)
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [(g, f) for g, f in enumerate(failures) if f]
+    if failed:
+        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise HexiSeqError(f"global rank {failed[0][0]}: {failed[0][1]}{more}")
+    assert concrete is not None
+    return concrete
+
+
+def reused_cp_group(
+    cp_group: dist.ProcessGroup | None, nccl_cfgs: dict[str, dict[str, Any]]
+) -> dist.ProcessGroup | None:
+    """Megatron's CP group, to carry HexiSeq's sub-ring exchange too (one NCCL communicator over
+    the domain's ranks, not two); None (HexiSeq creates its own) without one, or when the NCCL
+    YAML asks for other options for HexiSeq's CP traffic (a ``hexiseq_cp`` entry)."""
+    return None if cp_group is None or "hexiseq_cp" in nccl_cfgs else cp_group
+
+
 def build_runtime(
     layout: Layout,
     run: RunShape,
@@ -294,13 +333,17 @@ def build_runtime(
     timeout: timedelta | None = None,
     nccl_cfgs: dict[str, dict[str, Any]] | None = None,
     fp32_grad_wire: bool = False,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> HexiSeqRuntime:
     """Check ``layout`` against the run, prove the attention kernel, build this process's groups.
 
     Collective over the default group (every process calls it once, after Megatron's
     ``initialize_model_parallel``). ``cp_group`` is Megatron's CP group of this process;
     ``timeout`` and ``nccl_cfgs`` (``nccl_comm_cfgs``) are applied to HexiSeq's own groups as
-    Megatron applies them to its own (NCCL options only on the NCCL backend).
+    Megatron applies them to its own (NCCL options only on the NCCL backend). Every process passes
+    its ``cp_group`` on (``reused_cp_group``): the sub-ring exchange runs on Megatron's CP
+    communicator, and HexiSeq creates only its A2A groups. ``tp_group``: Megatron's TP group of
+    this process (with TP > 1 every TP group must sit on one host).
     """
     check_run(layout, run, source=source)
     if dist.get_world_size() != run.world_size:
@@ -320,25 +363,22 @@ def build_runtime(
     for problem in check_devices(layout, domains, names, allow_mismatch=allow_mismatch):
         if dist.get_rank() == 0:
             warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        bundles: list[tuple[tuple[int, ...], str] | None] = [None] * dist.get_world_size()
+        mine = (tuple(sorted(dist.get_process_group_ranks(tp_group))), socket.gethostname())
+        dist.all_gather_object(bundles, mine)
+        hosts = [b[1] for b in bundles if b is not None]
+        tp_groups = sorted({b[0] for b in bundles if b is not None})
+        for problem in check_bundle_hosts(tp_groups, hosts, allow_mismatch=allow_mismatch):
+            if dist.get_rank() == 0:
+                warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)
     device = runtime_device()
-    concrete, failure = None, None
-    try:  # every rank proves its own device; all agree before anyone creates a group
-        concrete = check_kernel(
-            kernel, device=device, dtype=DTYPES[run.params_dtype], head_dim=run.head_dim or 64
-        )
-    except HexiSeqError as e:
-        failure = str(e)
-    failures: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    failed = [(g, f) for g, f in enumerate(failures) if f]
-    if failed:
-        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-        raise HexiSeqError(f"global rank {failed[0][0]}: {failed[0][1]}{more}")
-    assert concrete is not None
+    concrete = prove_kernel(kernel, run, device)
     nccl = dist.get_backend() == "nccl"
     groups = build_hexiseq_groups(
         layout,
         domains=domains,
+        cp_group=reused_cp_group(cp_group, nccl_cfgs or {}),
         device=device,
         timeout=timeout,
         pg_options=hexiseq_pg_options(nccl_cfgs or {}) if nccl else None,

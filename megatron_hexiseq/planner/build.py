@@ -146,6 +146,7 @@ def with_fields(layout: Layout, **fields: Any) -> Layout:
         world_size=layout.world_size,
         groups=layout.groups,
         ranks=layout.ranks,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
         predicted=layout.predicted,
         baselines=layout.baselines,
         planner=layout.planner,

@@ -120,8 +120,7 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
     console.print(
         layout_table(
             layout,
-            title
-            or f"layout: {layout.world_size} ranks, {groups}, seq_length {layout.seq_length:,}",
+            title or f"layout: {_ranks_label(layout)}, {groups}, seq_length {layout.seq_length:,}",
         )
     )
     if layout.baselines:
@@ -234,3 +233,11 @@ def plot_estimates(path: str, items: Sequence[tuple[str, Estimate]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _ranks_label(layout: Layout) -> str:
+    """``16 ranks``, or ``8 TP bundles of 8 GPUs (heads per TP rank)`` for a layout over bundles."""
+    t = layout.tensor_model_parallel_size
+    if t == 1:
+        return f"{layout.world_size} ranks"
+    return f"{layout.world_size} TP bundles of {t} GPUs (heads per TP rank)"

@@ -201,9 +201,7 @@ def measure_cpu_kernel_curve(
 
     H, G, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     of_head = tuple(h // (H // G) for h in range(H))
-    wk = WindowKernel(
-        Kernel.CPU_FLASH, d**-0.5, torch.tensor(of_head), True, {}, kv_map(of_head, G)
-    )
+    wk = WindowKernel(Kernel.CPU_FLASH, d**-0.5, kv_map(of_head, G), {})
     rows = []
     for causal in (True, False):
         for S in sorted({s for s in CURVE_SIZES if s < tokens} | {tokens}):

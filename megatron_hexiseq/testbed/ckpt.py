@@ -133,8 +133,13 @@ def save_checkpoint(
     steps_done: int,
     *,
     dp_cp_group: Any,
+    record: RunRecord | None = None,
+    consumed_samples: int | None = None,
 ) -> str:
-    """Collective: save after ``steps_done`` steps into ``cfg.save_dir/iter_<steps_done:07d>``; returns it."""
+    """Collective: save after ``steps_done`` steps into ``cfg.save_dir/iter_<steps_done:07d>``; returns it.
+
+    ``record``: the run's record (default ``run_record(cfg)``; a job's driver gives its own);
+    ``consumed_samples``: the data position in samples, stored beside the next step when given."""
     from megatron.core import dist_checkpointing
 
     save_dir = cfg.save_dir
@@ -148,14 +153,15 @@ def save_checkpoint(
     state = _sharded(model, opt, dist.get_rank(dp_cp_group), template=False)
     state.update(
         {
-            RECORD_KEY: run_record(cfg).to_dict(),
+            RECORD_KEY: (record or run_record(cfg)).to_dict(),
             "iteration": steps_done,
             "optimizer_steps": {names[p]: float(s["step"]) for p, s in opt.state.items()},
             "optimizer_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
             ],
             "rng_state": torch.get_rng_state(),
-            "data": {"next_step": steps_done, "data_seed": cfg.data_seed},
+            "data": {"next_step": steps_done, "data_seed": cfg.data_seed}
+            | ({} if consumed_samples is None else {"consumed_samples": consumed_samples}),
         }
     )
     with checkpoint_shim():
@@ -167,9 +173,10 @@ def save_checkpoint(
     return folder
 
 
-def check_checkpoint(cfg: TrainConfig) -> str:
+def check_checkpoint(cfg: TrainConfig, *, record: RunRecord | None = None) -> str:
     """Collective, before anything is built: the folder ``cfg.load_dir`` resumes from, once rank 0
-    has checked its record and data position against ``cfg`` (the same one-line error on every rank)."""
+    has checked its record (``record``, default ``run_record(cfg)``) and data position against
+    ``cfg`` (the same one-line error on every rank)."""
     load_dir = cfg.load_dir
     if load_dir is None:
         raise ValueError("check_checkpoint needs cfg.load_dir")
@@ -182,7 +189,7 @@ def check_checkpoint(cfg: TrainConfig) -> str:
                 f"no checkpoint in {load_dir} (no {TRACKER}); train without load_dir to start afresh"
             )
         where = f"checkpoint {folder}"
-        check_resume(read_record(folder), run_record(cfg), where=where)
+        check_resume(read_record(folder), record or run_record(cfg), where=where)
         from megatron.core import dist_checkpointing
 
         common = dist_checkpointing.load_common_state_dict(folder)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_hexiseq.cluster import Cluster, load_cluster
 from megatron_hexiseq.costmodel import estimate
-from megatron_hexiseq.errors import HexiSeqError, run_user_command
+from megatron_hexiseq.errors import HexiSeqError, run_user_command, short
 from megatron_hexiseq.io import atomic_path, check_outputs, write_json_atomic
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec, get_model
@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if not 0 <= args.warmup < args.steps <= 100_000:
         raise HexiSeqError(
-            f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) >= 0 (and be at most 100000)"
+            f"--steps ({short(args.steps)}) must exceed --warmup ({short(args.warmup)}) >= 0 (and be "
+            "at most 100000)"
         )
     plot_path = args.plot or None
     check_outputs(

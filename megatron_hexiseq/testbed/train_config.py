@@ -8,8 +8,8 @@ driver calls, can name these types without importing the driver.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +65,13 @@ class TrainConfig:
     # step on every rank (deterministic); picklable (it travels to the spawned ranks)
     batch_layouts: Callable[[tuple[int, ...]], Layout] | None = None
     reset_position_ids: bool = False  # RoPE restarts in each document (needs documents)
+    # tensor parallelism: every layout rank is a TP bundle of this many processes (the layout must
+    # be planned over bundles: layout.tensor_model_parallel_size), with Megatron's sequence
+    # parallelism inside the bundle; init_params: TP=1 weights (the reference's initial_params)
+    # each TP rank starts from its shard of (testbed/tp_cpu.py), instead of its own seeded init
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = True
+    init_params: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def eod_token(self) -> int:
@@ -94,6 +101,11 @@ class TrainConfig:
             raise HexiSeqError(
                 f"model {m.name}: the CPU driver needs kv_channels * heads == hidden_size "
                 f"({m.kv_channels} * {m.num_attention_heads} != {m.hidden_size})"
+            )
+        if self.tensor_model_parallel_size != self.layout.tensor_model_parallel_size:
+            raise HexiSeqError(
+                f"TrainConfig: tensor_model_parallel_size {self.tensor_model_parallel_size} but the "
+                f"layout is planned for TP bundles of {self.layout.tensor_model_parallel_size}"
             )
         if (self.save_dir is None) != (self.save_at_step is None):
             raise HexiSeqError("TrainConfig: give save_dir and save_at_step together")

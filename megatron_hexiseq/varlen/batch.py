@@ -16,7 +16,9 @@ given its document lengths in packing order, ``BatchPlanner.plan`` assigns the t
   when none has enough), as mirrored head + tail pieces (pairs ``x (l + 1) / 2`` for ``x`` tokens)
   or consecutive pieces (less K/V), whichever grows the iteration less counting each receiving
   group's K/V time its cross attention cannot hide; whole again if the split is not cheaper.
-  Documents below ``SMALL`` of a target go by a heap (``_State.small_key``).
+  Documents below ``SMALL`` of a target go by a heap to the group with the lowest linear phase.
+- **Many documents.** Past ``MAX_UNITS`` documents, runs of short ones are placed as bundles, whole
+  (``placement_units``: each bundle's loads are exactly its documents' sums).
 - **Memory.** A group takes at most ``M_g`` tokens (its tightest member's usable memory less static
   memory over its share of activations and all-to-all buffer plus the group's attention core;
   ``MEMORY_MARGIN`` leaves room for the K/V buffers).
@@ -68,7 +70,6 @@ from megatron_hexiseq.costmodel.formulas import (
 )
 from megatron_hexiseq.costmodel.pieces import (
     Pieces,
-    cu_from_lengths,
     document_pieces,
     expand_cells,
     own_group_pairs,
@@ -94,6 +95,30 @@ MEMORY_MARGIN = 0.9  # share of a group's free memory its tokens may take (the r
 WATER_FILL_STEPS = 32  # bisection steps of a level (then whole tokens by largest remainders)
 A2A_PROBE_TOKENS = 1 << 20  # the all-to-all of this many group tokens gives its cost per token
 EXACT_MARGIN = 0.15  # own and structure's layouts predicted this close: estimate_documents decides
+MAX_UNITS = 4096  # documents placed one by one; with more, short ones are bundled (placement_units)
+MAX_BATCH_TOKENS = 2**31 - 1  # a layout's largest seq_length (schema/layout.schema.json)
+
+
+def placement_units(cu: np.ndarray) -> np.ndarray:
+    """The units ``BatchPlanner.plan`` places, as indices into the document boundaries ``cu``
+    (strictly increasing, 0 to D): unit i is documents ``[units[i], units[i + 1])``.
+
+    Up to ``MAX_UNITS`` documents every document is a unit. With more (SFT-style data, thousands of
+    short conversations), documents shorter than ``B = ceil(N / MAX_UNITS)`` tokens are bundled
+    with their neighbours in packing order whose start lies in the same B-token window of the
+    micro-batch (a longer document ends a bundle): at most ``3 MAX_UNITS + 1`` units, each bundle
+    under 2B tokens. A bundle is placed whole, never split, and costs exactly its documents' sums
+    (tokens; pairs ``l (l + 1) / 2`` each): a document placed whole costs the same in any group
+    whatever lies beside it, so only the placement's granularity changes."""
+    D = cu.size - 1
+    if D <= MAX_UNITS:
+        return np.arange(D + 1)
+    B = -(-int(cu[-1]) // MAX_UNITS)
+    short = np.diff(cu) < B
+    window = cu[:-1] // B
+    new = np.ones(D, dtype=bool)
+    new[1:] = ~short[1:] | ~short[:-1] | (window[1:] != window[:-1])
+    return np.append(np.flatnonzero(new), D)
 
 
 @dataclass
@@ -115,13 +140,6 @@ class _State:
     def score(self) -> np.ndarray:
         """Per group, the larger of its two phases as a share of its target."""
         return np.maximum(self.lin / self.lin_target, self.att / self.att_target)
-
-    def small_key(self, g: int) -> float:
-        """A small document's key (lowest first): the group's linear phase plus how far its attention
-        phase is above the slowest one so far (small documents are mostly linear work; adding them
-        where the attention phase has slack does not lengthen the iteration)."""
-        att_max = max(self.att_target, float(self.att.max()))
-        return float(self.lin[g] + max(0.0, self.att[g] - att_max))
 
     def add(
         self,
@@ -276,16 +294,41 @@ class BatchPlanner:
             if enabled:
                 gc.enable()
 
-    def _plan(self, doc_lengths: Sequence[int], or_structure: bool) -> BatchAssignment:
-        cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
-        lengths = np.diff(cu)
-        N, n, W = int(cu[-1]), len(self.groups), self.structure.world_size
+    def _micro_batch(self, doc_lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(``cu_seqlens``, lengths) as int64 arrays, else one HexiSeqError: every length a
+        positive integer, the micro-batch at least one token per rank and at most a layout's
+        ``MAX_BATCH_TOKENS``."""
+        try:
+            lengths = np.asarray(doc_lengths, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            lengths = np.zeros((0, 0), dtype=np.int64)
+        if lengths.ndim != 1 or lengths.size == 0:
+            raise HexiSeqError(
+                "document lengths must be a non-empty list of integers below 2^63 (tokens)"
+            )
         if (lengths <= 0).any():
             raise HexiSeqError("every document length must be a positive number of tokens")
+        if (  # in this order: the sum of up to 2^31 lengths below 2^31 fits in int64
+            lengths.size > MAX_BATCH_TOKENS
+            or int(lengths.max()) > MAX_BATCH_TOKENS
+            or int(lengths.sum()) > MAX_BATCH_TOKENS
+        ):
+            raise HexiSeqError(
+                f"the micro-batch has more than {MAX_BATCH_TOKENS:,} tokens, the most a layout "
+                "holds; use fewer tokens per batch"
+            )
+        N, W = int(lengths.sum()), self.structure.world_size
         if N < W:
             raise HexiSeqError(
                 f"the micro-batch has {N} tokens for {W} ranks; every rank needs at least one"
             )
+        cu = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        return cu, lengths
+
+    def _plan(self, doc_lengths: Sequence[int], or_structure: bool) -> BatchAssignment:
+        cu, lengths = self._micro_batch(doc_lengths)
+        N, n = int(cu[-1]), len(self.groups)
         pairs = lengths * (lengths + 1) // 2
         # the two phase targets: every group's linear and attention phase with perfectly divisible work
         c = 1.0 / self.linear_per_token
@@ -305,17 +348,18 @@ class BatchPlanner:
             lin_target=lin_target,
             att_target=att_target,
         )
-        order = np.argsort(-lengths, kind="stable")
-        small = SMALL * min(lin_target, att_target)
-        heap: list[tuple[float, int]] = []
-        for d in order.tolist():
-            l_d, start, p_d = int(lengths[d]), int(cu[d]), int(pairs[d])
-            if l_d * float(self.linear_per_token.min()) + p_d * float(self.alpha.min()) < small:
-                if not heap:
-                    heap = [(state.small_key(i), i) for i in range(n)]
-                    heapq.heapify(heap)
-                self._place_small(heap, state, l_d, start, p_d)
-                continue
+        units = placement_units(cu)
+        u_start, u_len = cu[units[:-1]], np.diff(cu[units])
+        u_pairs = np.add.reduceat(pairs, units[:-1])
+        bundle = np.diff(units) > 1  # several documents: placed whole, never split
+        # units by cost at the fastest rates, highest first; one document's cost grows with its
+        # length, so without bundles this is the longest-first order. Small units (cost below
+        # SMALL of a target) are the tail
+        cost = u_len * float(self.linear_per_token.min()) + u_pairs * float(self.alpha.min())
+        order = np.argsort(-cost, kind="stable")
+        n_large = int(np.count_nonzero(cost >= SMALL * min(lin_target, att_target)))
+        for d in order[:n_large].tolist():
+            l_d, start, p_d = int(u_len[d]), int(u_start[d]), int(u_pairs[d])
             lin_max = max(lin_target, float(state.lin.max()))
             att_max = max(att_target, float(state.att.max()))
             lin_new = state.lin + l_d * self.linear_per_token
@@ -327,7 +371,7 @@ class BatchPlanner:
             if grow[best] <= SLACK * (lin_target + att_target) or l_d < 2:
                 state.add(best, [(start, start + l_d)], l_d, p_d, self)
                 continue
-            split = self._split(state, l_d, start)
+            split = None if bundle[d] else self._split(state, l_d, start)
             if split is None or split[0] >= grow[best]:
                 if not np.isfinite(key[best]):
                     raise HexiSeqError(
@@ -338,6 +382,8 @@ class BatchPlanner:
                 continue
             for g, segs, share, pairs_g, penalty in split[1]:
                 state.add(g, segs, share, pairs_g, self, extra_s=penalty)
+        if n_large < order.size:
+            self._place_small(state, order[n_large:], u_len, u_start, u_pairs)
         segments = self._members(state.pieces)
         fill_empty(segments)
         lay = make_layout(
@@ -483,11 +529,8 @@ class BatchPlanner:
         """The per-document split: every document in mirrored pieces over every group, each
         group's share by its speed (``1 / rho_g``, as for the target level), members by speed.
         Balanced whatever the documents, at the price of every group needing every document's K/V."""
-        cu = np.asarray(cu_from_lengths(doc_lengths), dtype=np.int64)
-        lengths = np.diff(cu)
+        cu, lengths = self._micro_batch(doc_lengths)
         N, n = int(cu[-1]), len(self.groups)
-        if N < self.structure.world_size or (lengths <= 0).any():
-            raise HexiSeqError("every document needs a positive length and every rank a token")
         kappa = float((lengths * (lengths + 1) // 2).sum()) / N
         weight = 1.0 / (self.linear_per_token + self.a2a + kappa * self.alpha)
         pieces: list[list[Segment]] = [[] for _ in range(n)]
@@ -514,22 +557,49 @@ class BatchPlanner:
         )
         return BatchAssignment(layout=lay, cu_seqlens=tuple(cu.tolist()))
 
-    def _place_small(self, heap, state: _State, l_d: int, start: int, pairs: int) -> None:
-        """The group with the lowest ``small_key`` that has room (a full group leaves the heap)."""
-        while heap:
-            key, g = heapq.heappop(heap)
-            now = state.small_key(g)
-            if key != now:
-                heapq.heappush(heap, (now, g))  # stale entry: reinsert at its score
-                continue
-            if state.tokens[g] + l_d > self.cap[g]:
-                continue
-            state.add(g, [(start, start + l_d)], l_d, pairs, self)
-            heapq.heappush(heap, (state.small_key(g), g))
-            return
-        raise HexiSeqError(
-            "the micro-batch does not fit in the cluster's memory; use fewer tokens per batch"
-        )
+    def _place_small(
+        self,
+        state: _State,
+        units: np.ndarray,
+        lengths: np.ndarray,
+        starts: np.ndarray,
+        pairs: np.ndarray,
+    ) -> None:
+        """Small units (``units``, most costly first; ``placement_units``), each whole to the group with the lowest
+        linear phase (lowest index on ties) that has room for it; a group without room for one
+        leaves the heap for the rest. Small documents are mostly linear work: where the attention
+        phase has slack adding them does not lengthen the iteration.
+
+        One heap operation per document on Python floats (the same float operations as
+        ``_State.add``): 65,536 one-token documents cost about 0.1 s of one CPU thread. The
+        attention loads are summed per group at the end (nothing reads them in between)."""
+        lin, per = state.lin.tolist(), self.linear_per_token.tolist()
+        tokens, cap = state.tokens.tolist(), self.cap.tolist()
+        pieces = state.pieces
+        heap = [(lin[g], g) for g in range(len(lin))]
+        heapq.heapify(heap)
+        group_of = np.empty(units.size, dtype=np.int64)
+        for i, (l_d, start) in enumerate(zip(lengths[units].tolist(), starts[units].tolist())):
+            while heap and tokens[heap[0][1]] + l_d > cap[heap[0][1]]:
+                heapq.heappop(heap)
+            if not heap:
+                raise HexiSeqError(
+                    "the micro-batch does not fit in the cluster's memory; use fewer tokens per batch"
+                )
+            g = heap[0][1]
+            lin[g] = lin[g] + l_d * per[g]
+            tokens[g] += l_d
+            got = pieces[g]
+            if got and got[-1][1] == start:  # touching the group's previous piece: one segment
+                got[-1] = (got[-1][0], start + l_d)
+            else:
+                got.append((start, start + l_d))
+            heapq.heapreplace(heap, (lin[g], g))
+            group_of[i] = g
+        n = len(lin)
+        state.lin[:], state.tokens[:] = lin, tokens
+        state.att += np.bincount(group_of, weights=lengths[units], minlength=n) * self.a2a
+        state.att += np.bincount(group_of, weights=pairs[units], minlength=n) * self.alpha
 
     def _split(self, state: _State, l_d: int, start: int):
         """Mirrored pieces of a long document over the fewest groups that take it without

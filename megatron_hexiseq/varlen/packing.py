@@ -13,22 +13,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.errors import HexiSeqError, is_positive_int, short, short_text
 from megatron_hexiseq.io import read_json
+
+MAX_DOC_LENGTH = 2**63 - 1  # the packing holds lengths in int64 (a longer document is cut anyway)
 
 
 def load_doc_lengths(path: str | os.PathLike) -> list[int]:
-    """A JSON list of positive integer document lengths, else one HexiSeqError naming the file."""
+    """A JSON list of positive integer document lengths of at most ``MAX_DOC_LENGTH``, else one
+    HexiSeqError naming the file and the first bad entry."""
     data = read_json(path, "document lengths")
-    if (
-        not isinstance(data, list)
-        or not data
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in data)
-    ):
+    what = f"document lengths {short_text(str(path))}"
+    if not isinstance(data, list) or not data:
         raise HexiSeqError(
-            f"document lengths {path} must be a non-empty JSON list of positive integers "
-            "(tokens per document)"
+            f"{what} must be a non-empty JSON list of positive integers (tokens per document)"
         )
+    for i, x in enumerate(data):
+        if not is_positive_int(x, MAX_DOC_LENGTH):
+            big = " (at most 2^63 - 1)" if is_positive_int(x) else ""
+            raise HexiSeqError(
+                f"{what} must be a non-empty JSON list of positive integers (tokens per "
+                f"document): entry {i} is {short(x)}{big}"
+            )
     return data
 
 

@@ -6,7 +6,10 @@ structure ``plan`` itself considers and can rebuild (its own layout, the symmetr
 heuristics) by the mean document-masked iteration time of ``BatchPlanner``'s assignments over
 micro-batches packed from the distribution (``packing.pack_batches``, seed ``STRUCTURE_SEED``
 unless given), each priced by ``costmodel.documents.estimate_documents``. The fastest feasible one
-wins (ties: the planner's own, then in listed order).
+wins (ties: the planner's own, then in listed order). A candidate equal to an earlier one (groups,
+heads, hosts, GPUs and segments) takes its scores without being planned again. With a ``Deadline``
+(``plan --time-limit``) the planner's own layout is always scored and the others only while the
+deadline has not passed; the record lists the rest as not scored and says ``time_limit_reached``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.planner.baselines import baseline_layouts
+from megatron_hexiseq.planner.candidate import Deadline
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.varlen.batch import BatchPlanner
@@ -62,9 +66,11 @@ def choose_structure(
     *,
     batches: int = STRUCTURE_BATCHES,
     seed: int = STRUCTURE_SEED,
+    deadline: Deadline | None = None,
 ) -> tuple[Layout, dict[str, Any]]:
     """The candidate structure with the fastest mean per-batch plan (module docstring), as a layout
-    of ``planned.seq_length`` tokens, and the record of the choice (``planner.documents``)."""
+    of ``planned.seq_length`` tokens, and the record of the choice (``planner.documents``).
+    ``deadline``: candidates after the planner's own are scored only before it passes."""
     N = planned.seq_length
     sample = pack_batches(doc_lengths, N, batches, seed)
     candidates: list[tuple[str, Layout]] = [("hexiseq", planned)]
@@ -72,13 +78,21 @@ def choose_structure(
         if b.layout is not None:
             candidates.append((b.label, b.layout))
     rows: list[dict[str, Any]] = []
-    for name, lay in candidates:
+    scored: dict[tuple, dict[str, Any]] = {}  # a layout's scores, by _same_key
+    for i, (name, lay) in enumerate(candidates):
+        key = _same_key(lay)
+        if key in scored:
+            rows.append({"name": name, **scored[key]})
+            continue
+        if i and deadline is not None and deadline.passed():
+            rows.append({"name": name, "mean_step_s": None, "reason": "not scored: time limit"})
+            continue
         try:
             mean_s, feasible = score_structure(lay, cluster, model, options, sample)
+            scored[key] = {"mean_step_s": _sig(mean_s), "feasible": feasible}
         except HexiSeqError as e:  # a structure whose groups cannot hold a micro-batch
-            rows.append({"name": name, "mean_step_s": None, "reason": str(e)})
-            continue
-        rows.append({"name": name, "mean_step_s": _sig(mean_s), "feasible": feasible})
+            scored[key] = {"mean_step_s": None, "reason": str(e)}
+        rows.append({"name": name, **scored[key]})
     ok = [(r["mean_step_s"], i) for i, r in enumerate(rows) if r.get("feasible")]
     if not ok:
         raise HexiSeqError(
@@ -94,8 +108,19 @@ def choose_structure(
         "documents": len(doc_lengths),
         "chosen": name,
         "candidates": rows,
+        "time_limit_reached": deadline is not None and deadline.reached,
     }
     return chosen, record
+
+
+def _same_key(layout: Layout) -> tuple:
+    """What ``score_structure`` depends on in a layout: its groups, and each rank's group, heads,
+    host, GPU and segments (the structure's own layout competes with each plan)."""
+    return (
+        layout.seq_length,
+        tuple(g.ranks for g in layout.groups),
+        tuple((r.group, tuple(r.heads), r.host, r.gpu, tuple(r.segments)) for r in layout.ranks),
+    )
 
 
 def _sig(x: float) -> float:

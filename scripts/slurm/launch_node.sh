@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start this host's ranks: launch_node.sh RANK_TABLE HOST -- COMMAND...
 # RANK_TABLE lines are "RANK HOST LOCAL_RANK"; WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the
-# environment. DRY_RUN=1 prints each rank's command instead of running it.
+# environment. DRY_RUN=1 prints each rank's command instead of running it, every word shell-quoted
+# (printf %q), so a printed line pasted into a shell runs the same words.
 #
 # CUDA_DEVICE_MAX_CONNECTIONS follows the memory mode in COMMAND's flags (the layout's
 # megatron_flags, or the user's own): Megatron-LM's validate_args (core_v0.16.1) requires 1 with
@@ -21,7 +22,7 @@ while read -r rank host local; do
   envs=(RANK="$rank" LOCAL_RANK="$local" WORLD_SIZE="$WORLD_SIZE" MASTER_ADDR="$MASTER_ADDR"
         MASTER_PORT="$MASTER_PORT" CUDA_DEVICE_MAX_CONNECTIONS="$connections")
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    echo "+ [$HOST] env ${envs[*]} $*"
+    printf '+ [%s] env' "$HOST"; printf ' %q' "${envs[@]}" "$@"; printf '\n'  # each word quoted
   else
     env "${envs[@]}" "$@" & pids+=($!)
   fi

@@ -1,4 +1,4 @@
-"""Simulated ranks on one device for ``gpu_check.py``: HexiSeq attention under the NCCL-rule harness.
+"""Simulated ranks on one device for the GPU check: HexiSeq attention under the NCCL-rule harness.
 
 ``simulated_dist(world)`` swaps the ``torch.distributed`` module of the attention runtime
 (``attention.comm`` and ``attention.groups``) for ``tests/nccl_sim.NcclSim`` (one thread per rank;
@@ -7,11 +7,13 @@ runtime (``build_hexiseq_groups`` with its warm-up, ``hexiseq_attn_func`` forwar
 tensors of one device, CUDA included: the sim moves tensors with ``copy_`` and every rank enqueues on
 the device's default stream, so the device runs them in a causal order.
 
-``sim_attention`` gathers the ranks' outputs and gradients into full-sequence tensors, and
-``check_ranks`` (part 1 of the check) compares them with float64 single-device attention
-(``attention.reference``) on the same rounded inputs within the normwise bounds of
-``attention.kernel_check``, for every kernel that resolves on the device, bf16 and fp16, B = 2,
-``comm_chunks`` 1-3, one seeded random uneven layout (``attention.testing_layouts``) per case.
+``sim_attention`` gathers the ranks' outputs and gradients into full-sequence tensors (optionally
+with packed documents, ``cu_seqlens``, and on a per-micro-batch layout run on a job layout's
+groups), and ``check_ranks`` (the ``efficient`` and ``ranks`` parts) compares them with float64
+single-device attention (``attention.reference``) on the same rounded inputs within the normwise
+bounds of ``attention.kernel_check``, for the given kernels, bf16 and fp16, B = 2, ``comm_chunks``
+1-3, one seeded random uneven layout (``attention.testing_layouts``) per case, every second case
+with random document boundaries.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import importlib.util
 import os
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from nccl_sim import NcclSim  # noqa: E402
 
@@ -42,7 +45,7 @@ from megatron_hexiseq.attention.kernel_check import (  # noqa: E402
 )
 from megatron_hexiseq.attention.kernels import Kernel, resolve_kernel  # noqa: E402
 from megatron_hexiseq.attention.reference import reference_attention  # noqa: E402
-from megatron_hexiseq.attention.testing_layouts import random_layout  # noqa: E402
+from megatron_hexiseq.attention.testing_layouts import random_bounds, random_layout  # noqa: E402
 from megatron_hexiseq.errors import HexiSeqError  # noqa: E402
 from megatron_hexiseq.layout import Layout  # noqa: E402
 
@@ -103,12 +106,15 @@ def sim_attention(
     *,
     kernel: str | Kernel,
     comm_chunks: int = 1,
+    cu_seqlens: Any = None,
+    job: Layout | None = None,
     timeout_s: float = 120.0,
 ) -> Grads:
     """Run HexiSeq attention forward + backward on every rank of ``lay`` (threads, one device).
 
     ``q [S, B, H, D]``, ``k, v [S, B, G, D]``, ``dout [S, B, H*D]`` (the full sequence, the dtype
-    to run in); each rank takes the rows of its tokens.
+    to run in); each rank takes the rows of its tokens. ``cu_seqlens``: packed documents. ``job``:
+    the groups are built from this layout and ``lay`` runs as a per-micro-batch layout on them.
     """
     device = q.device
     S, B, H, D = q.shape
@@ -116,11 +122,19 @@ def sim_attention(
 
         def rank_fn(r: int) -> tuple[Tensor, ...]:
             with on_device(device):
-                groups = build_hexiseq_groups(lay, device=device)
+                groups = build_hexiseq_groups(job or lay, device=device)
+                if job is not None:
+                    groups = groups.with_layout(lay)
                 pos = torch.tensor(lay.ranks[r].positions(), dtype=torch.long, device=device)
                 ql, kl, vl = (x.detach()[pos].requires_grad_() for x in (q, k, v))
                 out = hexiseq_attn_func(
-                    ql, kl, vl, groups=groups, kernel=kernel, comm_chunks=comm_chunks
+                    ql,
+                    kl,
+                    vl,
+                    groups=groups,
+                    kernel=kernel,
+                    comm_chunks=comm_chunks,
+                    cu_seqlens=cu_seqlens,
                 )
                 out.backward(dout[pos])
                 grads = [
@@ -144,10 +158,11 @@ def sim_attention(
     return full
 
 
-def reference_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Grads:
-    """float64 single-device attention of the same (rounded) inputs, forward and backward."""
+def reference_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, cu_seqlens: Any = None) -> Grads:
+    """float64 single-device attention of the same (rounded) inputs, forward and backward
+    (document-masked with ``cu_seqlens``)."""
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out = reference_attention(qd, kd, vd)
+    out = reference_attention(qd, kd, vd, cu_seqlens=cu_seqlens)
     out.backward(dout.double())
     assert qd.grad is not None and kd.grad is not None and vd.grad is not None
     return Grads(out.detach(), qd.grad, kd.grad, vd.grad)
@@ -213,53 +228,130 @@ def rank_inputs(
     return q, k, v, dout
 
 
-def check_ranks(device: torch.device, quick: bool, *, stop_early: bool = False) -> dict[str, Any]:
-    """Part 1: every kernel x {bf16, fp16} x comm_chunks {1, 2, 3} on its own random layout."""
-    head_dim = 16 if device.type == "cpu" else 128
-    kernels, skipped = kernels_on(device, head_dim)
-    rng = random.Random(26)
-    cases, worst, failures = 0, {}, []
-    for kernel in kernels:
-        for dtype in (torch.bfloat16, torch.float16):
-            for chunks in (1, 2, 3):
-                lay = tokens_in_every_group(
-                    rng,
-                    lambda: random_layout(
-                        rng,
-                        rng.randint(2, 6),
-                        seq_length=rng.randint(40, 96) if quick else rng.randint(768, 2048),
-                        heads=rng.choice([(8, 2), (12, 4), (8, 8), (8, 1), (6, 3)]),
-                    ),
+def unaligned_heads(lay: Layout) -> bool:
+    """Some rank holds part of a query group only (its heads are not a union of whole groups): the
+    runtime then calls the kernels per head segment."""
+    ratio = lay.num_attention_heads // lay.num_query_groups
+    for r in lay.ranks:
+        counts: dict[int, int] = {}
+        for h in r.heads:
+            counts[h // ratio] = counts.get(h // ratio, 0) + 1
+        if any(n < ratio for n in counts.values()):
+            return True
+    return False
+
+
+class Case(NamedTuple):
+    """One run of the simulated runtime against float64: ``name`` shows in the report; ``job``:
+    run ``layout`` as a per-micro-batch layout on ``job``'s groups; ``context``: entered around
+    the run (the CPU stand-in of the variable-length op)."""
+
+    name: str
+    kernel: Kernel
+    dtype: torch.dtype
+    layout: Layout
+    comm_chunks: int = 1
+    cu_seqlens: Any = None
+    job: Layout | None = None
+    batch: int = 2
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
+
+def check_cases(
+    device: torch.device, cases: Iterable[Case], *, head_dim: int, stop_early: bool
+) -> dict[str, Any]:
+    """Every case's output and gradients against float64 attention (document-masked where the
+    case has boundaries) within ``kernel_check``'s bounds; the worst error per name and result."""
+    n, worst, failures, documents, unaligned = 0, {}, [], 0, 0
+    for case in cases:
+        lay, dtype = case.layout, case.dtype
+        q, k, v, dout = rank_inputs(
+            lay, batch=case.batch, head_dim=head_dim, dtype=dtype, device=device, seed=n
+        )
+        with case.context():
+            got = sim_attention(
+                lay,
+                q,
+                k,
+                v,
+                dout,
+                kernel=case.kernel,
+                comm_chunks=case.comm_chunks,
+                cu_seqlens=case.cu_seqlens,
+                job=case.job,
+            )
+        res = compare(got, reference_grads(q, k, v, dout, case.cu_seqlens), dtype, device)
+        n += 1
+        documents += case.cu_seqlens is not None
+        unaligned += unaligned_heads(lay)
+        key = f"{case.name}/{str(dtype).removeprefix('torch.')}"
+        for name, err in res["errors"].items():
+            worst[f"{key}/{name}"] = max(worst.get(f"{key}/{name}", 0.0), err)
+        if not res["pass"]:
+            docs = "" if case.cu_seqlens is None else ", documents"
+            failures.append(
+                f"{key} comm_chunks {case.comm_chunks}, world {lay.world_size}, "
+                f"S {lay.seq_length}{docs}: "
+                + ", ".join(
+                    f"{r} {e:.3g} > {res['bounds'][r]:.3g}"
+                    for r, e in res["errors"].items()
+                    if e > res["bounds"][r]
                 )
-                q, k, v, dout = rank_inputs(
-                    lay, batch=2, head_dim=head_dim, dtype=dtype, device=device, seed=cases
-                )
-                res = compare(
-                    sim_attention(lay, q, k, v, dout, kernel=kernel, comm_chunks=chunks),
-                    reference_grads(q, k, v, dout),
-                    dtype,
-                    device,
-                )
-                cases += 1
-                key = f"{kernel.value}/{str(dtype).removeprefix('torch.')}"
-                for name, err in res["errors"].items():
-                    worst[f"{key}/{name}"] = max(worst.get(f"{key}/{name}", 0.0), err)
-                if not res["pass"]:
-                    failures.append(
-                        f"{key} comm_chunks {chunks}, world {lay.world_size}, S {lay.seq_length}: "
-                        + ", ".join(
-                            f"{n} {e:.3g} > {res['bounds'][n]:.3g}"
-                            for n, e in res["errors"].items()
-                            if e > res["bounds"][n]
-                        )
-                    )
-                    if stop_early:
-                        return {"pass": False, "cases": cases, "failures": failures}
+            )
+            if stop_early:
+                break
     return {
-        "pass": not failures and cases > 0,
-        "cases": cases,
-        "kernels": [k.value for k in kernels],
-        "skipped_kernels": skipped,
+        "pass": not failures and n > 0,
+        "cases": n,
+        "cases_with_documents": documents,
+        "cases_with_unaligned_heads": unaligned,
         "worst_normwise_error": {k: round(v, 6) for k, v in worst.items()},
         "failures": failures,
     }
+
+
+def head_dim_on(device: torch.device) -> int:
+    return 16 if device.type == "cpu" else 128
+
+
+def random_case_layout(rng: random.Random, quick: bool) -> Layout:
+    """A random uneven layout (GQA/MQA, split and non-contiguous heads) with tokens in every group."""
+    return tokens_in_every_group(
+        rng,
+        lambda: random_layout(
+            rng,
+            rng.randint(2, 6),
+            seq_length=rng.randint(40, 96) if quick else rng.randint(768, 2048),
+            heads=rng.choice([(8, 2), (12, 4), (16, 4), (8, 8), (8, 1), (6, 3)]),
+        ),
+    )
+
+
+def check_ranks(
+    device: torch.device,
+    quick: bool,
+    *,
+    kernels: list[Kernel] | None = None,
+    exclude: tuple[Kernel, ...] = (),
+    stop_early: bool = False,
+) -> dict[str, Any]:
+    """The ``ranks`` / ``efficient`` parts: the given kernels (default: every kernel that resolves
+    here, less ``exclude``) x {bf16, fp16} x comm_chunks {1, 2, 3}, each on its own random layout;
+    the comm_chunks 2 cases with random document boundaries."""
+    head_dim = head_dim_on(device)
+    usable, skipped = kernels_on(device, head_dim)
+    if kernels is None:
+        kernels = [k for k in usable if k not in exclude]
+        skipped |= {k.value: "checked by another part" for k in exclude if k in usable}
+    rng = random.Random(26)
+
+    def cases() -> Iterator[Case]:
+        for kernel in kernels:
+            for dtype in (torch.bfloat16, torch.float16):
+                for chunks in (1, 2, 3):
+                    lay = random_case_layout(rng, quick)
+                    cu = random_bounds(rng, lay) if chunks == 2 else None
+                    yield Case(kernel.value, kernel, dtype, lay, chunks, cu)
+
+    res = check_cases(device, cases(), head_dim=head_dim, stop_early=stop_early)
+    return {**res, "kernels": [k.value for k in kernels], "skipped_kernels": skipped}

@@ -1,4 +1,5 @@
-"""GPU acceptance check of HexiSeq on 2+ GPUs (torchrun, NCCL): run by ``scripts/gpu_check_multi.sh``.
+"""GPU acceptance check of HexiSeq on 2+ GPUs (torchrun, NCCL): ``python -m gpu_check.multi``, run by
+``scripts/gpu_check_multi.sh``.
 
 Subcommands (``docs/gpu.md`` says what each figure means):
 
@@ -39,13 +40,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_hexiseq.errors import HexiSeqError  # noqa: E402
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
 from megatron_hexiseq.layout import Layout, make_layout  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U_BF16 = 2.0**-8
 
 
@@ -131,7 +132,7 @@ def attention_main(a: argparse.Namespace) -> int:
             seq_length=rng.randint(a.min_tokens, a.max_tokens),
             heads=rng.choice([(32, 8), (16, 4), (8, 8), (8, 1), (12, 4)]),
         )
-        while not all(lay.group_num_tokens(g.id) for g in lay.groups):  # see gpu_check_sim
+        while not all(lay.group_num_tokens(g.id) for g in lay.groups):  # see gpu_check.sim
             lay = random_layout(rng, world, seq_length=lay.seq_length, heads=(32, 8))
         layouts.append(lay)
         groups = build_hexiseq_groups(lay, device=device)

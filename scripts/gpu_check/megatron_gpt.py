@@ -1,4 +1,5 @@
-"""Part 3 of ``gpu_check.py``: a megatron-core GPT with HexiSeq attention against stock Megatron.
+"""The ``megatron`` part of the GPU check: a megatron-core GPT with HexiSeq attention against stock
+Megatron.
 
 One process holds a world of one (NCCL on a GPU, gloo on CPU; Megatron's parallel state with
 TP = PP = CP = 1). On the same weights and the same tokens it runs, in bf16 (``Float16Module``):
@@ -8,9 +9,16 @@ TP = PP = CP = 1). On the same weights and the same tokens it runs, in bf16 (``F
   spec; on CPU the local spec's stand-in ``LocalCausalAttention``, since the stock one needs CUDA);
 - HexiSeq: the same spec with ``HexiSeqCoreAttention``, one model per layout rank of an uneven
   3-rank layout (two A2A groups of 2 and 1 ranks, non-contiguous segments and query heads, GQA),
-  every rank a thread under the NCCL-rule harness (``gpu_check_sim.simulated_dist``), each on its
+  every rank a thread under the NCCL-rule harness (``sim.simulated_dist``), each on its
   own tokens with the layout's RoPE positions;
 - the yardstick: the stock model in float32.
+
+With packed documents (``local_documents``, the local spec): the same run with document
+boundaries (``[0, S/8, S/3, 5S/8, S]``, global positions for RoPE on both sides): HexiSeq gets them
+through its runtime's ``MicroBatchDocuments`` slot, as the batch slicer records them in training;
+the stock model's core attention is ``LocalCausalAttention`` with the same slot (a dense
+"same document and causal" mask in plain torch; Megatron's own ``DotProductAttention`` would
+ignore a mask under its fused causal softmax), on both devices.
 
 Compared: EACH layer's core-attention output (hooks; HexiSeq's ranks' rows put back in position
 order) and EVERY parameter gradient of the per-token loss (HexiSeq: the sum over ranks). HexiSeq
@@ -29,7 +37,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_check_sim import on_device, simulated_dist
 from torch import Tensor
 
 from megatron_hexiseq.attention import build_hexiseq_groups
@@ -37,11 +44,14 @@ from megatron_hexiseq.attention.kernel_check import normwise_error
 from megatron_hexiseq.attention.kernels import Kernel, resolve_kernel
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.megatron.config import cpu_device_shim, transformer_config
+from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 from megatron_hexiseq.megatron.loss import per_token_loss
 from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 from megatron_hexiseq.megatron.spec import hexiseq_spec
 from megatron_hexiseq.model import ModelSpec
+
+from .sim import on_device, simulated_dist
 
 U_BF16 = torch.finfo(torch.bfloat16).eps / 2
 INIT_STD = 0.1
@@ -98,17 +108,32 @@ def layer_specs(device: torch.device) -> tuple[dict[str, Callable[[], Any]], dic
     return specs, skipped
 
 
-def _stock_spec(make_spec: Callable[[], Any], device: torch.device) -> Any:
+def _stock_spec(
+    make_spec: Callable[[], Any], device: torch.device, documents: MicroBatchDocuments | None
+) -> Any:
     spec = make_spec()
-    if device.type == "cpu":  # the stock DotProductAttention allocates on CUDA
+    if device.type == "cpu" or documents is not None:
+        # the stock DotProductAttention allocates on CUDA, and under its fused causal softmax it
+        # would ignore a document mask: the plain-torch oracle attention of the same slot
         from megatron.core.transformer.spec_utils import ModuleSpec
 
         from megatron_hexiseq.megatron.reference_attention import LocalCausalAttention
 
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=LocalCausalAttention
+            module=LocalCausalAttention, params={"documents": documents}
         )
     return spec
+
+
+def _documents(S: int, cu: list[int] | None) -> MicroBatchDocuments | None:
+    """A document slot holding ``cu`` (the slicer's role in training), or None without documents."""
+    if cu is None:
+        return None
+    slot = MicroBatchDocuments(
+        seq_length=S, eod_token=None, reset_position_ids=False, required=True
+    )
+    slot.update(cu, batch=1)
+    return slot
 
 
 def _build(
@@ -177,19 +202,26 @@ class _Run:
 
 
 def compare_spec(
-    make_spec: Callable[[], Any], device: torch.device, quick: bool, *, stop_early: bool
+    make_spec: Callable[[], Any],
+    device: torch.device,
+    quick: bool,
+    *,
+    stop_early: bool,
+    documents: bool = False,
 ) -> dict[str, Any]:
     S = 256 if quick else 2048
+    cu = [0, S // 8, S // 3, 5 * S // 8, S] if documents else None
     tiny, lay = tiny_gpt(S, quick), three_rank_layout(S)
     g = torch.Generator().manual_seed(5)
     text = torch.randint(0, tiny.vocab_size, (1, S + 1), generator=g).to(device)
     everything = torch.arange(S, device=device)
     torch.manual_seed(1234)
-    ref_model = _build(tiny, _stock_spec(make_spec, device), False, device, None)
+    ref_model = _build(tiny, _stock_spec(make_spec, device, _documents(S, cu)), False, device, None)
     weights = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     ref = _Run(ref_model, None)
     ref_grads = ref.step(text, everything, S, shim=True)
-    stock = _Run(_build(tiny, _stock_spec(make_spec, device), True, device, None), weights)
+    stock_spec = _stock_spec(make_spec, device, _documents(S, cu))
+    stock = _Run(_build(tiny, stock_spec, True, device, None), weights)
     stock_grads = stock.step(text, everything, S, shim=True)
 
     kernel = resolve_kernel(
@@ -201,7 +233,9 @@ def compare_spec(
         def rank_fn(r: int) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
             with on_device(device):
                 groups = build_hexiseq_groups(lay, device=device)
-                runtime = HexiSeqRuntime(layout=lay, groups=groups, kernel=kernel)
+                runtime = HexiSeqRuntime(
+                    layout=lay, groups=groups, kernel=kernel, documents=_documents(S, cu)
+                )
                 positions = lay.ranks[r].positions()
                 with lock:  # model construction draws from the global RNG; weights are copied
                     model = _build(
@@ -252,7 +286,7 @@ def compare_spec(
 def check_megatron(
     device: torch.device, quick: bool, *, stop_early: bool = False, init_world: Callable[[], None]
 ) -> dict[str, Any]:
-    """Part 3: every layer spec that applies (see the module docstring)."""
+    """Every layer spec that applies, and the local spec with packed documents (see the top)."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -263,11 +297,15 @@ def check_megatron(
     try:
         if device.type == "cuda":  # Megatron's CUDA RNG tracker (dropout, init) needs its states
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        for name, make_spec in specs.items():
-            result[name] = compare_spec(make_spec, device, quick, stop_early=stop_early)
+        runs = [(name, make_spec, False) for name, make_spec in specs.items()]
+        runs.insert(0, ("local_documents", specs["local"], True))
+        for name, make_spec, documents in runs:
+            result[name] = compare_spec(
+                make_spec, device, quick, stop_early=stop_early, documents=documents
+            )
             if stop_early and not result[name]["pass"]:
                 break
     finally:
         mpu.destroy_model_parallel()
-    result["pass"] = all(result[n]["pass"] for n in specs if n in result)
+    result["pass"] = all(result[n]["pass"] for n, _, _ in runs if n in result)
     return result

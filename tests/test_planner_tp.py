@@ -1,0 +1,270 @@
+"""Planning and pricing layouts over TP bundles, layer (a): no processes.
+
+The bundle problem (one TP rank's model, the bundle cluster), the sequence-parallel terms of the
+cost model (activations, collectives priced by the link model of ``costmodel/comm.py``), the
+estimate of a layout over bundles, ``round_segments``, ``plan_tp`` for a given t (a valid layout
+over bundles, t = 1 byte-identical to ``plan``) and ``auto`` (its lower bound below every plan, the
+fastest planned t chosen), the CLI flag.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from megatron_hexiseq import costmodel
+from megatron_hexiseq.cluster import cluster_from_dict
+from megatron_hexiseq.costmodel.comm import alltoall_time_s
+from megatron_hexiseq.costmodel.formulas import (
+    activation_bytes_per_token,
+    linear_s_per_token,
+    tp_collective_bytes_per_token,
+    tp_collective_s_per_token,
+)
+from megatron_hexiseq.costmodel.tp import bundle_cluster, bundle_setting, rank_model
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.layout import Layout, check_matches, make_layout
+from megatron_hexiseq.model import get_model
+from megatron_hexiseq.planner.baselines import baseline_layouts
+from megatron_hexiseq.planner.plan import plan
+from megatron_hexiseq.planner.tp import iteration_lower_bound, plan_tp, round_segments
+from megatron_hexiseq.run_config import AUTO_MODES, TrainOptions, megatron_flags, options_record
+
+SEQ = 65536
+
+
+def _cluster():
+    return cluster_from_dict(
+        {
+            "name": "mix",
+            "nodes": [
+                {"name": "h0", "gpu": "H100-SXM-80GB", "count": 8, "network_GBps": 25},
+                {"name": "a0", "gpu": "A100-SXM-80GB", "count": 8, "network_GBps": 25},
+                {"name": "l0", "gpu": "L40S-48GB", "count": 4, "network_GBps": 12.5},
+            ],
+        }
+    )
+
+
+def _model():
+    return get_model("llama3-8b", overrides={"seq_length": SEQ})
+
+
+def test_rank_model_is_one_tp_ranks_share():
+    m = get_model("llama3-70b")
+    r = rank_model(m, 8)
+    assert (r.num_attention_heads, r.num_query_groups, r.ffn_hidden_size) == (8, 1, 3584)
+    assert r.vocab_size == 16128  # 128256 padded to a multiple of 128 x 8 = 129024, over 8
+    assert (r.hidden_size, r.kv_channels, r.num_layers) == (8192, 128, 80)
+    # every matrix divided by 8; the norms (2 per layer + final, 8192 each) stay whole
+    norms = (2 * 80 + 1) * 8192
+    assert r.num_parameters - norms == pytest.approx((m.num_parameters - norms) / 8, rel=2e-3)
+    assert rank_model(m, 1) is m
+    with pytest.raises(HexiSeqError, match="40 attention heads do not divide"):
+        rank_model(get_model("gpt-13b"), 3)
+
+
+def test_bundle_cluster():
+    c = _cluster()
+    b = bundle_cluster(c, 4)
+    assert [n.count for n in b.nodes] == [2, 2, 1] and b.world_size == 5
+    assert [d.node for d in b.devices] == ["h0", "h0", "a0", "a0", "l0"]
+    assert b.devices[4].gpu is c.devices[16].gpu and b.devices[4].network_GBps == 12.5
+    assert bundle_cluster(c, 4) is b and bundle_cluster(c, 1) is c
+    with pytest.raises(HexiSeqError, match="node 'l0' has 4 GPUs"):
+        bundle_cluster(c, 8)
+
+
+def test_sequence_parallel_terms():
+    m, dev = rank_model(_model(), 4), _cluster().devices[0]
+    one, four = TrainOptions(), TrainOptions(tensor_model_parallel_size=4)
+    h, L = m.hidden_size, m.num_layers
+    # Korthikanti et al. with SP: the 4h of each layer, the 2h of the output and of each layer's input
+    # (recompute) divided by t, plus the all-gathered input of one linear (2h)
+    per_layer_saving = 2 * (4 * h - 4 * h // 4)
+    got = activation_bytes_per_token(m, one) - activation_bytes_per_token(m, four)
+    assert got == (L + 1) * per_layer_saving + 2 * (2 * h - 2 * h // 4) - 2 * h
+    assert tp_collective_s_per_token(m, dev, one) == 0.0
+    assert linear_s_per_token(m, dev, four) - linear_s_per_token(m, dev, one) == pytest.approx(
+        tp_collective_s_per_token(m, dev, four)
+    )
+    # one all-gather of a bundle token's activation priced by the link model of costmodel/comm.py
+    c = _cluster()
+    share = 2 * h / 4  # bytes each GPU holds of one token's activation
+    matrix = [[0 if i == j else share for j in range(4)] for i in range(4)]
+    assert tp_collective_bytes_per_token(m, 4) == 3 * share
+    one_collective = alltoall_time_s(matrix, [0, 1, 2, 3], c)
+    count = 4 * 2 * L + 4  # 4 per layer forward and backward, 4 outside the layers
+    assert tp_collective_s_per_token(m, dev, four) == pytest.approx(count * one_collective)
+    recompute = replace(four, recompute=True)
+    assert tp_collective_s_per_token(m, dev, recompute) == pytest.approx(
+        (4 * 3 * L + 4) * one_collective
+    )
+
+
+def test_options_record_and_flags_with_tp():
+    assert "tensor_model_parallel_size" not in options_record(TrainOptions(), [])
+    rec = options_record(TrainOptions(tensor_model_parallel_size=4), [])
+    assert rec["tensor_model_parallel_size"] == 4
+    assert megatron_flags(TrainOptions(tensor_model_parallel_size=4))[-3:] == [
+        "--tensor-model-parallel-size",
+        "4",
+        "--sequence-parallel",
+    ]
+
+
+def test_round_segments():
+    lay = make_layout(
+        seq_length=40,
+        num_attention_heads=4,
+        num_query_groups=2,
+        group_sizes=[2, 1],
+        segments=[[(0, 5), (33, 40)], [(5, 19)], [(19, 33)]],
+        heads=[[0, 1], [2, 3], [0, 1, 2, 3]],
+    )
+    got = round_segments(lay, 4)
+    assert [r.segments for r in got.ranks] == [((0, 4), (32, 40)), ((4, 20),), ((20, 32),)]
+    assert all(r.num_tokens % 4 == 0 for r in got.ranks)
+    assert round_segments(lay, 1) is lay
+    with pytest.raises(HexiSeqError, match=r"bundles \[0\] hold fewer than 8 tokens"):
+        round_segments(
+            replace(
+                lay,
+                ranks=(replace(lay.ranks[0], segments=((0, 3),)),)
+                + tuple(
+                    replace(r, segments=s) for r, s in zip(lay.ranks[1:], [((3, 19),), ((19, 40),)])
+                ),
+            ),
+            8,
+        )
+
+
+def test_estimate_of_a_layout_over_bundles_is_its_bundle_problems():
+    c, m = _cluster(), _model()
+    opts = TrainOptions(memory_mode="fsdp")
+    bc, rm, ro = bundle_setting(c, m, opts, 4)
+    base = next(b.layout for b in baseline_layouts(bc, rm, SEQ) if b.layout is not None)
+    over = replace(base, tensor_model_parallel_size=4)
+    check_matches(over, c, m)
+    got = costmodel.estimate(over, c, m, opts)
+    want = costmodel.estimate(base, bc, rm, ro)
+    assert got.iteration_time_s == want.iteration_time_s
+    assert got.values("memory_bytes") == want.values("memory_bytes")
+
+
+def test_plan_tp_gives_a_layout_over_bundles():
+    c, m = _cluster(), _model()
+    opts = TrainOptions()
+    lay = plan_tp(
+        c, m, SEQ, opts, tensor_model_parallel_size=4, modes=AUTO_MODES, reproducible=True
+    )
+    assert lay.tensor_model_parallel_size == 4 and lay.world_size == 5
+    assert (lay.num_attention_heads, lay.num_query_groups) == (8, 2)
+    assert all(r.num_tokens % 4 == 0 for r in lay.ranks)
+    check_matches(lay, c, m)
+    chosen = replace(opts, **{k: lay.meta["options"][k] for k in ("memory_mode", "recompute")})
+    est = costmodel.estimate(lay, c, m, replace(chosen, tensor_model_parallel_size=4))
+    assert lay.predicted["iteration_time_s"] == pytest.approx(est.iteration_time_s, rel=1e-8)
+    assert lay.meta["options"]["tensor_model_parallel_size"] == 4 and lay.meta["model"] == m.name
+    assert "--sequence-parallel" in lay.meta["options"]["megatron_flags"]
+    # t = 1 is plan() itself, byte for byte
+    same = plan_tp(
+        c, m, SEQ, opts, tensor_model_parallel_size=1, modes=AUTO_MODES, reproducible=True
+    )
+    assert same.to_json() == plan(c, m, SEQ, opts, modes=AUTO_MODES, reproducible=True).to_json()
+
+
+def test_auto_bounds_every_plan_and_keeps_the_fastest():
+    c, m = _cluster(), _model()
+    lay = plan_tp(c, m, SEQ, TrainOptions(), tensor_model_parallel_size="auto", modes=AUTO_MODES)
+    sizes = lay.planner["tensor_parallel"]["sizes"]
+    assert [s["tensor_model_parallel_size"] for s in sizes] == [1, 2, 4]  # 8 splits no l0 node
+    planned = [s for s in sizes if "iteration_time_s" in s]
+    assert planned and all(s["lower_bound_s"] <= s["iteration_time_s"] for s in planned)
+    chosen = [s for s in sizes if s.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["iteration_time_s"] == min(
+        s["iteration_time_s"] for s in planned
+    )
+    assert lay.tensor_model_parallel_size == chosen[0]["tensor_model_parallel_size"]
+
+
+def test_lower_bound_is_below_every_baseline():
+    c, m = _cluster(), _model()
+    for t in (1, 2, 4):
+        bc, rm, ro = bundle_setting(c, m, TrainOptions(memory_mode="fsdp"), t)
+        bound = iteration_lower_bound(bc, rm, SEQ, [ro])
+        assert bound is not None
+        for b in baseline_layouts(bc, rm, SEQ):
+            if b.layout is not None:
+                assert bound <= costmodel.estimate(b.layout, bc, rm, ro).iteration_time_s
+
+
+def test_cli_flag(tmp_path):
+    out = tmp_path / "l.json"
+    args = [sys.executable, "-m", "megatron_hexiseq", "plan", "--cluster"]
+    bad = subprocess.run(
+        args
+        + [
+            "examples/clusters/mixed-h100-a100.yaml",
+            "--model",
+            "gpt-7b",
+            "--seq-length",
+            "65536",
+            "--tensor-model-parallel-size",
+            "three",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "from 1 to 1024 or 'auto'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_batch_planner_over_bundles():
+    """``--hexiseq-batch-plan`` with a layout over bundles: plans on the bundle problem, returns
+    layouts over bundles of the job's structure, every bundle a multiple of t tokens."""
+    from megatron_hexiseq.attention.documents import parse_cu_seqlens
+    from megatron_hexiseq.attention.groups import structure_difference
+    from megatron_hexiseq.cluster import cluster_to_dict
+    from megatron_hexiseq.megatron.batch_layout import batch_planner_layouts
+
+    c, m = _cluster(), _model()
+    job = plan_tp(c, m, SEQ, TrainOptions(), tensor_model_parallel_size=4, reproducible=True)
+    job = replace(
+        job, meta={**job.meta, "cluster_spec": cluster_to_dict(c), "model_spec": m.to_dict()}
+    )
+    provider = batch_planner_layouts(job)
+    lay = provider(parse_cu_seqlens([0, 999, 20001, 20002, SEQ], seq_length=SEQ, batch=1))
+    assert structure_difference(lay, job) is None and lay.tensor_model_parallel_size == 4
+    assert all(r.num_tokens % 4 == 0 and r.num_tokens > 0 for r in lay.ranks)
+
+
+def test_cli_plans_over_bundles_with_documents(tmp_path):
+    """``plan --tensor-model-parallel-size 4 --doc-lengths``: the structure for packed documents is
+    chosen on the bundle problem and written as a layout over bundles that ``validate`` accepts."""
+    docs = tmp_path / "docs.json"
+    docs.write_text(json.dumps([3000, 500, 12000, 800, 40000, 7000, 2000] * 6))
+    out = tmp_path / "l.json"
+    cluster = "examples/clusters/mixed-h100-a100.yaml"
+    cli = [sys.executable, "-m", "megatron_hexiseq"]
+    res = subprocess.run(
+        cli
+        + ["plan", "--cluster", cluster, "--model", "llama3-8b", "--seq-length", "65536"]
+        + ["--tensor-model-parallel-size", "4", "--doc-lengths", str(docs), "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    lay = Layout.load(out)
+    assert lay.tensor_model_parallel_size == 4 and "documents" in lay.planner
+    assert all(r.num_tokens % 4 == 0 for r in lay.ranks)
+    ok = subprocess.run(
+        cli + ["validate", str(out), "--cluster", cluster], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and "matches cluster" in ok.stdout, ok.stderr
