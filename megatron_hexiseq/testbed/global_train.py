@@ -28,7 +28,6 @@ oracle (the same weights and units, each unit alone with causal attention).
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -41,7 +40,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from megatron_hexiseq.attention.documents import parse_cu_seqlens
 from megatron_hexiseq.errors import HexiSeqError
@@ -54,7 +52,7 @@ from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 from megatron_hexiseq.megatron.loss import per_token_loss
 from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.testbed.train import build_gpt
+from megatron_hexiseq.testbed.train import build_gpt, train_step
 from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig
 from megatron_hexiseq.varlen.digest import digest_ints, layout_digest
 
@@ -264,40 +262,47 @@ def train_global_rank(rank: int, world_size: int, cfg: GlobalTrainConfig) -> Glo
         planner = _Planner(cfg, slot, rank // W, world_side, domain_side)
         device = torch.device("cpu")
         losses, times, exposed, cpu, all_bins, all_layouts = [], [], [], [], [], []
-        grads = None
+        kept: dict[str, dict[str, torch.Tensor]] = {}
         for step in range(cfg.steps):
             t_start = time.perf_counter()
             items, mine, plan_s = planner.next()
             waited = time.perf_counter() - t_start
-            ddp.zero_grad_buffer()
-            opt.zero_grad(set_to_none=True)
-            report = torch.zeros(2)
-            for k, item in enumerate(items):
+            batches = [
+                {key: v.to(device, non_blocking=True) for key, v in item.tensors.items()}
+                for item in items
+            ]
+
+            def activate(k: int, items=items, waited=waited) -> None:
+                """Micro-batch k's boundaries and plan become current (the core attention and
+                RoPE read them); its index goes to the device: the exposed host time."""
                 t0 = time.perf_counter()
-                documents.bounds = item.bounds
-                slot.plan = item.plan
-                batch = {key: v.to(device, non_blocking=True) for key, v in item.tensors.items()}
-                item.plan.indices(device)
+                documents.bounds = items[k].bounds
+                slot.plan = items[k].plan
+                items[k].plan.indices(device)
                 exposed.append((waited if k == 0 else 0.0) + time.perf_counter() - t0)
-                last = k == len(items) - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():
-                    out = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-                    loss_sum, n = per_token_loss(out, batch["loss_mask"])
-                    loss_sum.backward()
-                report += torch.stack([loss_sum.detach(), n.float()])
-            finalize_model_grads([ddp], num_tokens=report[1].to(torch.int).clone())
-            dist.all_reduce(report)
-            for p in params:
-                p.grad = p.main_grad
-            if step == 0 and cfg.return_grads and rank == 0:
-                grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
-            opt.step()
+
+            def keep_grads() -> None:
+                kept["grads"] = {
+                    n: p.main_grad.detach().clone() for n, p in model.named_parameters()
+                }
+
+            want = step == 0 and cfg.return_grads and rank == 0
+            report, _ = train_step(
+                ddp,
+                opt,
+                params,
+                batches,
+                before_micro_batch=activate,
+                before_update=keep_grads if want else None,
+            )
             times.append(time.perf_counter() - t_start)
             losses.append(float(report[0] / report[1]))
             cpu.append(plan_s)
             all_bins.append(mine)
             all_layouts.append([item.plan.layout for item in items])
-        return GlobalTrainResult(losses, times, exposed, cpu, all_bins, all_layouts, grads)
+        return GlobalTrainResult(
+            losses, times, exposed, cpu, all_bins, all_layouts, kept.get("grads")
+        )
     finally:
         mpu.destroy_model_parallel()
 
