@@ -27,7 +27,7 @@ def step_fixed_s(
     """Seconds per step outside the micro-batches of the run on ``run_ranks`` (module docstring).
     A measured step overhead is already in every priced micro-batch (``estimate_documents`` adds
     it to each iteration), so it is not added again here."""
-    fixed = step_fixed(cluster, run_ranks, model, options)
+    fixed = step_fixed(cluster, [run_ranks], model, options)
     if fixed.measured:
         return 0.0
     return grad_sync_exposed_s(fixed.sync, options, 0.0, 0.0) + fixed.optimizer_s
