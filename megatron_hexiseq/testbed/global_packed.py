@@ -7,7 +7,7 @@ weights, on the same testbed shape; attention is exact, so the losses must agree
 
 - ``hexiseq-global``: two domains (Megatron's data-parallel replicas of half the ranks each), the
   structure ``plan --doc-lengths`` chooses for replica 0, each domain's planning efficiency
-  measured (``global_compare.efficiency``), micro-batch counts by speed (``domains.speed_shares``), ``varlen.global_planner.GlobalPlanner``: units to (domain,
+  measured (``domain_choice.efficiency``), micro-batch counts by speed (``domains.speed_shares``), ``varlen.global_planner.GlobalPlanner``: units to (domain,
   micro-batch) bins by integer cost, each bin ``BatchPlanner``-planned in its domain.
 - ``megatron-cp-dp`` (``cp`` = c): CP rings of c consecutive ranks, DP = W / c, sample i to replica
   i mod DP, every document in 2c zig-zag chunks (on this project's runtime, so the K/V exchange is
@@ -45,8 +45,9 @@ from megatron_hexiseq.testbed.global_train import GlobalTrainConfig, train_globa
 from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
 from megatron_hexiseq.testbed.spawn import run_ranks
 from megatron_hexiseq.varlen.compare import plan_fixed
+from megatron_hexiseq.varlen.domain_choice import efficiency
 from megatron_hexiseq.varlen.domains import Domain, domain_options, speed_shares, sub_cluster
-from megatron_hexiseq.varlen.global_compare import efficiency, global_batches, units_of
+from megatron_hexiseq.varlen.global_compare import global_batches, units_of
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner, retarget
 from megatron_hexiseq.varlen.schemes import ring_layout
 from megatron_hexiseq.varlen.structure import choose_structure
