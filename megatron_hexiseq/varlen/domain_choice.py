@@ -22,10 +22,12 @@ from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job.spec import JobPlan
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.run_config import TrainOptions
+from megatron_hexiseq.planner.canonical import canonical_order
+from megatron_hexiseq.run_config import TrainOptions, modes_to_try
 from megatron_hexiseq.varlen.compare import plan_fixed
 from megatron_hexiseq.varlen.domains import (
     Domain,
+    cp_groups,
     domain_options,
     replica_blocks,
     speed_shares,
@@ -37,6 +39,9 @@ from megatron_hexiseq.varlen.packing import pack_batches
 from megatron_hexiseq.varlen.structure import choose_structure
 
 TOKENS_PER_GPU = (4096, 32768)  # tokens per GPU per micro-batch of every configuration tried
+Modes = tuple[tuple[str, bool], ...]  # (memory mode, recompute) pairs, tried in order
+AUTO: Modes = modes_to_try("auto", False)  # every mode, in order of overhead (``plan``'s auto)
+RECOMPUTE: Modes = modes_to_try("auto", True)  # the recompute modes only
 STRUCTURE_BATCHES = 4
 
 
@@ -91,12 +96,13 @@ def _plan_block(
     run: Sequence[int],
     time_limit_s: float,
     cache: dict,
-    recompute: bool = False,
+    modes: Modes = AUTO,
 ) -> tuple[Layout, TrainOptions]:
     """``plan``'s layout (and options) for ``seq_length`` tokens on the block ``ranks`` of a run
     on ``run`` (the optimizer sharded over the whole run), once per kind of block (``cache``);
-    a ``HexiSeqError`` when it does not fit (cached too). ``recompute``: recompute modes only."""
-    key = (_kind(cluster, model, ranks), len(run), seq_length, recompute)
+    a ``HexiSeqError`` when it does not fit (cached too). ``modes``: the (memory mode, recompute)
+    pairs ``plan`` tries, in order."""
+    key = (_kind(cluster, model, ranks), len(run), seq_length, tuple(modes))
     if key not in cache:
         base = domain_options(TrainOptions.for_model(model), cluster, run, len(ranks))
         try:
@@ -106,7 +112,7 @@ def _plan_block(
                 seq_length,
                 time_limit_s,
                 options=base,
-                recompute=recompute,
+                modes=modes,
             )
         except HexiSeqError as e:
             cache[key] = e
@@ -126,27 +132,40 @@ def plan_domains(
     *,
     time_limit_s: float = 60.0,
     cache: dict | None = None,
-    recompute: bool = False,
+    modes: Modes = AUTO,
+    one_structure: bool = False,
 ) -> list[Domain]:
     """Domains on ``blocks`` (cluster ranks each): every kind of block planned once (``plan``'s
     layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
     counts by speed (``speed_shares`` of ``samples``). ``cache``: plans kept between calls;
-    ``recompute``: plan in the recompute modes only (more tokens fit a domain's micro-batch)."""
+    ``modes``: the memory modes ``plan`` tries (``RECOMPUTE``: the recompute modes only, more
+    tokens fit a domain's micro-batch); ``one_structure``: every block runs the first block's
+    structure and options (blocks of one size: Megatron's data-parallel replicas of one layout,
+    the CPU testbed's driver), each kind still with its own efficiency."""
+    if one_structure and len({len(b) for b in blocks}) > 1:
+        raise HexiSeqError(
+            f"one structure for every domain needs blocks of one size, got sizes "
+            f"{sorted({len(b) for b in blocks})}"
+        )
     run = sorted(r for b in blocks for r in b)
     cache = {} if cache is None else cache
     chosen: dict[tuple, tuple[Layout, TrainOptions, int]] = {}
-    domains = []
+    domains: list[Domain] = []
+    first: tuple[Layout, TrainOptions] | None = None
     for i, b in enumerate(blocks):
         sub = sub_cluster(cluster, b, name=f"{cluster.name}:domain{i}")
         key = _kind(cluster, model, b)
         if key not in chosen:
-            lay, opt = _plan_block(
-                cluster, model, b, seq_length, run, time_limit_s, cache, recompute
-            )
-            m = replace(model, seq_length=seq_length)
-            structure, _ = choose_structure(
-                lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
-            )
+            if one_structure and first is not None:  # the first block's, on these GPUs
+                structure, opt = _rehost(first[0], sub), first[1]
+            else:
+                lay, opt = _plan_block(
+                    cluster, model, b, seq_length, run, time_limit_s, cache, modes
+                )
+                m = replace(model, seq_length=seq_length)
+                structure, _ = choose_structure(
+                    lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
+                )
             dom = Domain(
                 index=i,
                 ranks=tuple(b),
@@ -156,6 +175,7 @@ def plan_domains(
                 options=domain_options(opt, cluster, run, len(b)),
             )
             chosen[key] = (structure, opt, efficiency(dom, model, doc_lengths, seq_length))
+            first = first or (structure, opt)
         structure, opt, eff = chosen[key]
         domains.append(
             Domain(
@@ -199,7 +219,7 @@ def efficiency(
         est = estimate_documents(a.layout, domain.cluster, m, domain.options, a.cu_seqlens)
         planned += est.iteration_time_s
         pairs = sum(x * (x + 1) // 2 for x in docs)
-        divided += table.cost_as(sum(docs), pairs) + table.batch_as
+        divided += table.cost_as(sum(docs), pairs) + table.batch_as + table.step_as
     ratio = planned * ATTO / max(divided, 1)
     return int(round(1024 * min(4.0, max(0.5, ratio))))
 
@@ -212,13 +232,12 @@ def fit_blocks(
     time_limit_s: float,
     cache: dict,
     scale: int = 1,
+    modes: Modes = AUTO,
 ) -> tuple[str, list[list[int]]] | None:
     """Domains of one GPU type each, every type at its own size: the smallest power of two whose
     GPUs hold a ``seq_length``-token sample in memory (``plan`` finds a layout) with at most
     ``tokens_per_gpu[1]`` tokens per GPU, times ``scale``. None when some type has no such size
     (or ``scale`` leaves fewer than ``tokens_per_gpu[0]`` tokens per GPU)."""
-    from megatron_hexiseq.planner.canonical import canonical_order
-
     lo, hi = tokens_per_gpu
     by_type: dict[str, list[int]] = {}
     for r in canonical_order(cluster):
@@ -230,7 +249,9 @@ def fit_blocks(
         while n <= len(ranks):
             if len(ranks) % n == 0 and seq_length // n <= hi:
                 try:
-                    _plan_block(cluster, model, ranks[:n], seq_length, run, time_limit_s, cache)
+                    _plan_block(
+                        cluster, model, ranks[:n], seq_length, run, time_limit_s, cache, modes
+                    )
                 except HexiSeqError:
                     n *= 2
                     continue
@@ -267,10 +288,17 @@ def hexiseq_candidates(
     seq_length: int,
     samples: int,
     tokens_per_gpu: tuple[int, int] = TOKENS_PER_GPU,
+    *,
+    grids: bool = False,
 ) -> list[tuple[str, list[list[int]]]]:
-    """Candidate domain sets (module docstring): (name, blocks of cluster ranks)."""
+    """Candidate domain sets (module docstring): (name, blocks of cluster ranks). ``grids``: the
+    stock schemes' domain sets too: Megatron's CP groups of every size ``c`` (``cp_groups``, with
+    ``S / c`` tokens per GPU in range) and one domain per GPU type. A set found twice is kept once,
+    its names joined by `` = ``."""
     W = cluster.world_size
-    types = {d.gpu.name for d in cluster.devices}
+    by_type: dict[str, list[int]] = {}
+    for r in canonical_order(cluster):
+        by_type.setdefault(cluster.devices[r].gpu.name, []).append(r)
     out: list[tuple[str, list[list[int]]]] = []
     n = 1
     while n <= W:
@@ -279,9 +307,51 @@ def hexiseq_candidates(
             rep = replica_blocks(cluster, W // n)
             if rep is not None:
                 out.append((f"replicas(n={n})", rep))
-            if len(types) > 1:
+            if len(by_type) > 1:
                 typed = typed_blocks(cluster, n)
                 if typed is not None and len(typed) <= samples:
                     out.append((f"typed(n={n})", typed))
+            if grids:
+                out.append((f"cp-groups(c={n})", cp_groups(cluster, n)))
         n *= 2
+    if grids and 1 < len(by_type) <= samples:
+        out.append(("per-type", list(by_type.values())))
+    return _once(out)
+
+
+def domain_candidates(
+    cluster: Cluster,
+    model: ModelSpec,
+    seq_length: int,
+    samples: int,
+    tokens_per_gpu: tuple[int, int],
+    time_limit_s: float,
+    cache: dict,
+    *,
+    modes: Modes = AUTO,
+    grids: bool = False,
+) -> list[tuple[str, list[list[int]]]]:
+    """``hexiseq_candidates`` and, on a mixed cluster, ``fit_blocks`` at scales 1 and 2 (planned
+    in ``modes``; ``cache`` as ``plan_domains``')."""
+    out = hexiseq_candidates(cluster, seq_length, samples, tokens_per_gpu, grids=grids)
+    if len({d.gpu.name for d in cluster.devices}) > 1:
+        for scale in (1, 2):
+            fit = fit_blocks(
+                cluster, model, seq_length, tokens_per_gpu, time_limit_s, cache, scale, modes
+            )
+            if fit is not None and len(fit[1]) <= samples:
+                if all(fit[1] != blocks for _, blocks in out):  # not a typed(n) already
+                    out.append(fit)
+    return out
+
+
+def _once(sets: list[tuple[str, list[list[int]]]]) -> list[tuple[str, list[list[int]]]]:
+    """Each domain set once (first place), its names joined."""
+    out: list[tuple[str, list[list[int]]]] = []
+    for name, blocks in sets:
+        j = next((j for j, (_, b) in enumerate(out) if b == blocks), None)
+        if j is None:
+            out.append((name, blocks))
+        else:
+            out[j] = (f"{out[j][0]} = {name}", blocks)
     return out

@@ -37,10 +37,12 @@ from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions, modes_to_try
 from megatron_hexiseq.varlen.compare import FORMAT, VERSION, rank_records
 from megatron_hexiseq.varlen.domain_choice import (
+    AUTO,
+    RECOMPUTE,
     TOKENS_PER_GPU,
+    Modes,
+    domain_candidates,
     domains_from_job,
-    fit_blocks,
-    hexiseq_candidates,
     plan_domains,
 )
 from megatron_hexiseq.varlen.domains import fastest_type_ranks
@@ -184,7 +186,7 @@ def compare_global(
         )
     if "hexiseq-global" in schemes:
         say("hexiseq-global: choosing the domains")
-        chosen, cands = _choose_domains(
+        chosen, cands = _job_or_choice(
             cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say,
             tokens_per_gpu,
         )  # fmt: skip
@@ -238,9 +240,10 @@ def compare_global(
     }
 
 
-def _choose_domains(
+def _job_or_choice(
     cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say, tokens_per_gpu
 ):
+    """The job's domains, or the fastest candidate domain set (``choose_domains``)."""
     if job is not None:
         if job.seq_length != S:
             raise HexiSeqError(
@@ -249,34 +252,66 @@ def _choose_domains(
             )
         doms = domains_from_job(job)
         return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
+    cache: dict = {}
+    candidates = domain_candidates(cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache)
+    return choose_domains(
+        cluster, model, doc_lengths, S, samples, pricer, candidates, time_limit_s=time_limit_s,
+        say=say, cache=cache,
+    )  # fmt: skip
+
+
+def choose_domains(
+    cluster: Cluster,
+    model: ModelSpec,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+    samples: int,
+    pricer: Pricer,
+    candidates: Sequence[tuple[str, Sequence[Sequence[int]]]],
+    *,
+    variants: Sequence[tuple[str, Modes]] = (("", AUTO), ("+recompute", RECOMPUTE)),
+    one_structure: bool = False,
+    time_limit_s: float = 60.0,
+    say: Callable[[str], None] | None = None,
+    cache: dict | None = None,
+    price: Callable[[GlobalPlanner, list[int]], tuple[float, bool]] | None = None,
+) -> tuple[tuple[str, GlobalPlanner] | None, list[dict[str, Any]]]:
+    """HexiSeq's domain set: every candidate (name, blocks of cluster ranks) in every memory-mode
+    variant (label suffix, modes ``plan`` tries) planned (``plan_domains``) and priced on
+    ``CHOICE_STEPS`` global batches packed with ``CHOICE_SEED`` (not the compared steps') by the
+    comparison's model: ``price(planner, units) -> (step seconds, every micro-batch fits)``
+    (default: ``hexiseq_step``, whole-cluster step); the feasible one with the lowest mean step,
+    else the fastest. Returns (label, its planner) or None when no candidate plans, and one row
+    per try (its mean step and feasibility, or why it failed)."""
+    say = say or (lambda message: None)
+    if price is None:
+
+        def price(gp: GlobalPlanner, units: list[int]) -> tuple[float, bool]:
+            got = hexiseq_step(gp, pricer, units, {})
+            return got.step_s, got.feasible
+
+    cache = {} if cache is None else cache
     probes = [
-        units_of(b) for b in global_batches(doc_lengths, S, samples, CHOICE_STEPS, CHOICE_SEED)
+        units_of(b)
+        for b in global_batches(doc_lengths, seq_length, samples, CHOICE_STEPS, CHOICE_SEED)
     ]
     best = None
     rows: list[dict[str, Any]] = []
-    cache: dict = {}
-    candidates = hexiseq_candidates(cluster, S, samples, tokens_per_gpu)
-    if len({d.gpu.name for d in cluster.devices}) > 1:
-        for scale in (1, 2):
-            fit = fit_blocks(cluster, model, S, tokens_per_gpu, time_limit_s, cache, scale)
-            if fit is not None and len(fit[1]) <= samples:
-                if all(fit[1] != blocks for _, blocks in candidates):  # not a typed(n) already
-                    candidates.append(fit)
-    for (name, blocks), recompute in [(c, r) for c in candidates for r in (False, True)]:
-        label = name + ("+recompute" if recompute else "")
+    for (name, blocks), (suffix, modes) in [(c, v) for c in candidates for v in variants]:
+        label = name + suffix
         say(f"hexiseq-global: {label}")
         try:
             doms = plan_domains(
-                cluster, model, blocks, S, samples, doc_lengths, time_limit_s=time_limit_s,
-                cache=cache, recompute=recompute,
+                cluster, model, blocks, seq_length, samples, doc_lengths,
+                time_limit_s=time_limit_s, cache=cache, modes=modes, one_structure=one_structure,
             )  # fmt: skip
             gp = GlobalPlanner(doms, model)
-            got = [hexiseq_step(gp, pricer, probe, {}) for probe in probes]
+            got = [price(gp, probe) for probe in probes]
         except HexiSeqError as e:
             rows.append({"name": label, "reason": str(e)})
             continue
-        step = float(np.mean([g.step_s for g in got]))
-        feasible = all(g.feasible for g in got)
+        step = float(np.mean([g[0] for g in got]))
+        feasible = all(g[1] for g in got)
         rows.append(
             {"name": label, "step_s": _sig(step), "feasible": feasible, "domains": len(doms)}
         )
