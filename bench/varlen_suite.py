@@ -133,12 +133,9 @@ def run_case(case: dict, steps: int) -> dict:
 def imbalance_case(steps: int) -> dict:
     """DP 8 with 4 micro-batches: eight equal mixed replicas (one H100 node + one A100 node each:
     128 GPUs), gpt-7b, 64K-token samples, 32 per step; slowest over mean domain per step."""
+    from megatron_hexiseq.varlen.domain_choice import plan_domains
     from megatron_hexiseq.varlen.domains import replica_blocks
-    from megatron_hexiseq.varlen.global_compare import (
-        global_batches,
-        plan_domains,
-        units_of,
-    )
+    from megatron_hexiseq.varlen.global_compare import global_batches, units_of
     from megatron_hexiseq.varlen.global_planner import GlobalPlanner
     from megatron_hexiseq.varlen.global_schemes import Pricer, hexiseq_step
 
@@ -173,8 +170,9 @@ def imbalance_case(steps: int) -> dict:
 def schedule_time() -> dict:
     """One thread's CPU time (process_time) to schedule a 16M-token ProLong global batch over
     1024 GPUs (the 1024-GPU mixed case's cluster, typed domains of 8, their real cost tables)."""
+    from megatron_hexiseq.varlen.domain_choice import plan_domains
     from megatron_hexiseq.varlen.domains import typed_blocks
-    from megatron_hexiseq.varlen.global_compare import global_batches, plan_domains, units_of
+    from megatron_hexiseq.varlen.global_compare import global_batches, units_of
     from megatron_hexiseq.varlen.global_planner import GlobalPlanner
 
     case = next(c for c in cases() if c["gpus"] == 1024)

@@ -20,7 +20,7 @@ from test_megatron_gpt import FP32_UNIT_ROUNDOFF
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.run_config import TrainOptions
-from megatron_hexiseq.testbed.global_packed import (
+from megatron_hexiseq.testbed.global_schemes import (
     PlannedScheme,
     SampleOrder,
     _domains,

@@ -23,6 +23,7 @@ from megatron_hexiseq.job import Domain as JobDomain
 from megatron_hexiseq.job import JobPlan
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.run_config import TrainOptions, options_record
+from megatron_hexiseq.varlen.domain_choice import domains_from_job, plan_domains
 from megatron_hexiseq.varlen.domains import (
     Domain,
     cp_groups,
@@ -33,13 +34,7 @@ from megatron_hexiseq.varlen.domains import (
     typed_blocks,
 )
 from megatron_hexiseq.varlen.global_batch import DomainCosts, schedule_global
-from megatron_hexiseq.varlen.global_compare import (
-    APPENDIX,
-    SCHEMES,
-    compare_global,
-    domains_from_job,
-    plan_domains,
-)
+from megatron_hexiseq.varlen.global_compare import APPENDIX, SCHEMES, compare_global
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
 
@@ -243,7 +238,7 @@ def test_job_domains_and_the_cli(typed, tmp_path, capsys) -> None:
 
 def test_domain_needs_a_micro_batch() -> None:
     sub = sub_cluster(MIX, [0])
-    from megatron_hexiseq.varlen.global_compare import _trivial
+    from megatron_hexiseq.varlen.domain_choice import _trivial
 
     with pytest.raises(HexiSeqError, match="micro_batches must be at least 1"):
         Domain(

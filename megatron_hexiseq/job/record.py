@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -39,7 +40,11 @@ def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[st
         "overhead_s": sig(fixed.overhead_s),
         "grad_reduce_s": sig(fixed.sync.reduce_scatter_s),
         "param_gather_s": sig(fixed.sync.all_gather_s),
-        "shard_group": {"ranks": fixed.ranks, "bus_GBps": sig(fixed.bus_GBps)},
+        # one rank has no ring: no bus bandwidth (null; a job file holds finite numbers only)
+        "shard_group": {
+            "ranks": fixed.ranks,
+            "bus_GBps": sig(fixed.bus_GBps) if math.isfinite(fixed.bus_GBps) else None,
+        },
         "memory_mode": mode_label(priced.options),
         "domains": [
             {

@@ -1,17 +1,20 @@
-"""Global batches on the CPU testbed: HexiSeq's global-batch scheduling over two domains against
-the stock schemes that run here, trained on the same steps (``global_train``).
+"""Global batches on the CPU testbed: HexiSeq's global-batch scheduling against the stock schemes
+that run here, trained on the same steps (``global_train``), within a declared memory.
 
 Every scheme trains the same global batches (``samples`` loader samples of ``S`` tokens per step,
 packed from the scaled lengths; a document cut at a sample boundary is two units) from the same
-weights, on the same testbed shape; attention is exact, so the losses must agree (``LOSS_RTOL``):
+weights, on the same testbed shape; attention is exact, so the losses must agree (``LOSS_RTOL``).
+The schemes (``global_schemes``):
 
-- ``hexiseq-global``: two domains (Megatron's data-parallel replicas of half the ranks each), the
-  structure ``plan --doc-lengths`` chooses for replica 0, each domain's planning efficiency
-  measured (``global_compare.efficiency``), micro-batch counts by speed (``domains.speed_shares``), ``varlen.global_planner.GlobalPlanner``: units to (domain,
+- ``hexiseq-global``: the domain set ``varlen`` would choose
+  (``global_schemes.choose_testbed_domains``: among candidates that include every stock scheme's domain set, by the comparison's own model on
+  batches of the choice's seed), each kind of domain planned by ``plan`` and ``plan --doc-lengths``,
+  micro-batch counts by speed, ``varlen.global_planner.GlobalPlanner``: units to (domain,
   micro-batch) bins by integer cost, each bin ``BatchPlanner``-planned in its domain.
-- ``megatron-cp-dp`` (``cp`` = c): CP rings of c consecutive ranks, DP = W / c, sample i to replica
-  i mod DP, every document in 2c zig-zag chunks (on this project's runtime, so the K/V exchange is
-  pruned: stronger than Transformer Engine's ring).
+- ``megatron-cp-dp`` (``cp`` = c, every c dividing the ranks that Megatron accepts): CP rings of c
+  consecutive ranks, DP = W / c, sample i to replica i mod DP, every document in 2c zig-zag chunks
+  (on this project's runtime, so the K/V exchange is pruned: stronger than Transformer Engine's
+  ring).
 - ``speed-aware-packing`` (c): whole units onto the same rings by predicted speed (the global
   scheduler with zig-zag cost tables).
 - ``fast-only``: the fastest rank alone (its own pinned core), every sample in turn.
@@ -19,12 +22,18 @@ weights, on the same testbed shape; attention is exact, so the losses must agree
 Megatron's hybrid CP does not run here: its per-sub-sample CP groups and barriers are not in the
 CPU driver (it is compared in the cost model, ``varlen.global_compare``).
 
+**Memory.** The profile's ``memory_gib`` is the declared memory of every rank. Before anything is
+trained, every scheme's micro-batches on the compared steps are priced (``price_scheme``: the bins
+and layouts its ranks will compute); one over ``capacity_fraction`` of that memory (or a unit its
+scheduler finds no room for) makes the scheme infeasible: reported with the reason, not trained,
+never the best baseline. A small declared memory emulates long-context training, where one rank
+cannot hold a sample (``sample_memory``: what a sample needs on 1, 2, 4, ... ranks).
+
 Measured throughput: the measured steps' tokens / their summed wall time (the slowest rank's
-step); predicted: every micro-batch priced by ``estimate_documents`` on its domain's GPUs (the
-profiled cluster), a domain's micro-batches summed, the testbed's measured step overhead paid once
-per step, the step the slowest domain; error = summed predicted / summed measured - 1. Exposed
-planning: the training thread's wait for the planning thread plus its copies, per micro-batch
-(``GlobalTrainResult.exposed_s``); planning CPU: the planning thread's CPU time per micro-batch.
+step); predicted: ``global_schemes.predict_steps`` on the bins and layouts the ranks ran; error =
+summed predicted / summed measured - 1. Exposed planning: the training thread's wait for the
+planning thread plus its copies, per micro-batch (``GlobalTrainResult.exposed_s``); planning CPU:
+the planning thread's CPU time per micro-batch.
 """
 
 from __future__ import annotations
@@ -36,196 +45,30 @@ from typing import Any
 import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
-from megatron_hexiseq.costmodel.documents import estimate_documents
 from megatron_hexiseq.errors import HexiSeqError
-from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
+from megatron_hexiseq.testbed.global_schemes import (
+    TestbedScheme,
+    fast_only,
+    predict_steps,
+    price_scheme,
+    sample_memory,
+    schemes_for,
+)
 from megatron_hexiseq.testbed.global_train import GlobalTrainConfig, train_global_rank
 from megatron_hexiseq.testbed.pinning import TestbedShape, cpu_sets
 from megatron_hexiseq.testbed.spawn import run_ranks
-from megatron_hexiseq.varlen.compare import plan_fixed
-from megatron_hexiseq.varlen.domains import Domain, domain_options, speed_shares, sub_cluster
-from megatron_hexiseq.varlen.global_compare import efficiency, global_batches, units_of
-from megatron_hexiseq.varlen.global_planner import GlobalPlanner, retarget
-from megatron_hexiseq.varlen.schemes import ring_layout
-from megatron_hexiseq.varlen.structure import choose_structure
+from megatron_hexiseq.varlen.global_compare import global_batches, units_of
 
 LOSS_RTOL = 1e-4
 DOC_SCALE = 1 / 16
-
-
-class PlannedScheme:
-    """``GlobalTrainConfig.scheme`` from a ``GlobalPlanner``; layouts in ``structure``'s hosts."""
-
-    def __init__(self, planner: GlobalPlanner, structure: Layout) -> None:
-        self.planner, self.structure = planner, structure
-
-    def schedule(self, step: int, units: Sequence[int]) -> tuple:
-        return self.planner.schedule(units).bins
-
-    def layout(self, domain: int, lengths: Sequence[int]) -> Layout:
-        return retarget(self.planner.plan_lengths(domain, lengths).layout, self.structure)
-
-
-class SampleOrder:
-    """``megatron-cp-dp``'s scheme: ``units_per_sample[step]`` gives each sample's unit count."""
-
-    def __init__(
-        self, planner: GlobalPlanner, structure: Layout, units_per_sample: Sequence[Sequence[int]]
-    ) -> None:
-        self.planner, self.structure = planner, structure
-        self.units_per_sample = [tuple(x) for x in units_per_sample]
-
-    def schedule(self, step: int, units: Sequence[int]) -> tuple:
-        D = len(self.planner.domains)
-        bins: list[list[tuple[int, ...]]] = [[] for _ in range(D)]
-        start = 0
-        for i, n in enumerate(self.units_per_sample[step]):
-            bins[i % D].append(tuple(range(start, start + n)))
-            start += n
-        return tuple(tuple(b) for b in bins)
-
-    def layout(self, domain: int, lengths: Sequence[int]) -> Layout:
-        return retarget(self.planner.plan_lengths(domain, lengths).layout, self.structure)
-
-
-def _blocks(world: int, size: int) -> list[list[int]]:
-    """Megatron's replicas: consecutive process ranks."""
-    return [list(range(d * size, (d + 1) * size)) for d in range(world // size)]
-
-
-def _ring_structure(cluster: Cluster, model: ModelSpec, ranks: Sequence[int]) -> Layout:
-    sub = sub_cluster(cluster, ranks)
-    n = len(ranks)
-    return ring_layout(sub, replace(model, seq_length=n), n, [[(j, j + 1)] for j in range(n)])
-
-
-def _domains(
-    cluster: Cluster,
-    blocks: Sequence[Sequence[int]],
-    structure: Layout,
-    options: TrainOptions,
-    counts: Sequence[int],
-) -> list[Domain]:
-    run = sorted(r for b in blocks for r in b)
-    out = []
-    for i, (b, m) in enumerate(zip(blocks, counts)):
-        sub = sub_cluster(cluster, b)
-        like = replace(
-            structure,
-            ranks=tuple(
-                replace(r, host=d.node, gpu=d.gpu.name)
-                for r, d in zip(structure.ranks, sub.devices)
-            ),
-            meta={},
-        )
-        out.append(
-            Domain(
-                index=i,
-                ranks=tuple(b),
-                micro_batches=m,
-                structure=retarget(structure, like),
-                cluster=sub,
-                options=domain_options(options, cluster, run, len(b)),
-            )
-        )
-    return out
-
-
-def schemes_for(
-    cluster: Cluster,
-    model: ModelSpec,
-    options: TrainOptions,
-    samples: Sequence[Sequence[Sequence[int]]],
-    doc_lengths: Sequence[int],
-    *,
-    cp: Sequence[int] = (1, 2),
-) -> dict[str, tuple[Layout, int, Any, list[Domain]]]:
-    """name -> (structure, replicas, scheme, domains) of every scheme on the whole testbed
-    (``fast-only`` is separate: another shape)."""
-    W, S = cluster.world_size, sum(samples[0][0])
-    per_step = len(samples[0])
-    m = replace(model, seq_length=S)
-    out: dict[str, tuple[Layout, int, Any, list[Domain]]] = {}
-    # hexiseq-global: two replicas, the structure chosen for replica 0, counts by speed
-    half = _blocks(W, W // 2)
-    sub0 = sub_cluster(cluster, half[0])
-    lay, opt = plan_fixed(sub0, m, S, time_limit_s=30.0)
-    structure, _ = choose_structure(lay, sub0, m, opt, doc_lengths)
-    doms = _domains(cluster, half, structure, opt, [1, 1])
-    doms = [replace(d, efficiency_1024=efficiency(d, m, doc_lengths, S)) for d in doms]
-    costs = GlobalPlanner(doms, m).costs
-    ppt = sum(x * (x + 1) / 2 for s in samples[0] for x in s) / sum(sum(s) for s in samples[0])
-    speeds = [1.0 / c.cost_as(S, int(S * ppt)) for c in costs]
-    doms = [replace(d, micro_batches=k) for d, k in zip(doms, speed_shares(per_step, speeds))]
-    out["hexiseq-global"] = (structure, 2, PlannedScheme(GlobalPlanner(doms, m), structure), doms)
-    units_per_sample = [[len(s) for s in step] for step in samples]
-    for c in cp:
-        if W % c:
-            continue
-        blocks = _blocks(W, c)
-        ring = _ring_structure(cluster, m, blocks[0])
-        D = len(blocks)
-        if per_step % D == 0:
-            doms = _domains(cluster, blocks, ring, options, [per_step // D] * D)
-            out[f"megatron-cp-dp(cp={c})"] = (
-                ring,
-                D,
-                SampleOrder(GlobalPlanner(doms, m, mode="zigzag"), ring, units_per_sample),
-                doms,
-            )
-        doms = _domains(cluster, blocks, ring, options, [-(-per_step // D)] * D)
-        out[f"speed-aware-packing(cp={c})"] = (
-            ring,
-            D,
-            PlannedScheme(GlobalPlanner(doms, m, mode="zigzag"), ring),
-            doms,
-        )
-    return out
-
-
-def predict_steps(
-    result_bins: Sequence[Sequence[Sequence[Sequence[int]]]],
-    layouts: Sequence[Sequence[Sequence[Layout]]],
-    batches: Sequence[Sequence[int]],
-    domains: Sequence[Domain],
-    model: ModelSpec,
-    exchange: str,
-) -> list[float]:
-    """Per step: the slowest domain's priced micro-batches (``estimate_documents`` on its GPUs),
-    the measured step overhead once per step (every priced micro-batch carries it)."""
-    out = []
-    for step, units in enumerate(batches):
-        busy = []
-        for d, dom in enumerate(domains):
-            total, n = 0.0, 0
-            for ids, lay in zip(result_bins[d][step], layouts[d][step]):
-                lengths = [int(units[u]) for u in ids]
-                cu = [0, *np.cumsum(lengths).tolist()]
-                local = retarget(lay, dom.structure)
-                est = estimate_documents(
-                    local,
-                    dom.cluster,
-                    replace(model, seq_length=cu[-1]),
-                    dom.options,
-                    cu,
-                    exchange=exchange,
-                )
-                total += est.iteration_time_s
-                n += 1
-            overhead = max(x.step_overhead_s for x in dom.cluster.devices)
-            busy.append(total - max(0, n - 1) * overhead)
-        out.append(max(busy))
-    return out
+MIB = 2**20
 
 
 def run_scheme(
     name: str,
-    structure: Layout,
-    replicas: int,
-    scheme: Any,
-    domains: Sequence[Domain],
+    sch: TestbedScheme,
     batches: Sequence[Sequence[int]],
     model: ModelSpec,
     shape: str,
@@ -233,23 +76,23 @@ def run_scheme(
     kernel: str,
 ) -> dict[str, Any]:
     """Train one scheme on the pinned testbed; its measured and predicted record."""
+    structure, replicas, domains = sch.structure, sch.replicas, sch.domains
     cfg = GlobalTrainConfig(
         model=model,
         structure=structure,
         replicas=replicas,
         batches=tuple(tuple(int(x) for x in b) for b in batches),
-        scheme=scheme,
+        scheme=sch.scheme,
         kernel=kernel,
     )
-    tb = TestbedShape.parse(shape)
+    tb = TestbedShape.parse(sch.shape or shape)
     W = structure.world_size
     results = run_ranks(train_global_rank, W * replicas, cfg, cpu_sets=cpu_sets(tb))
     steps = len(batches)
     measured = [max(r.step_times_s[s] for r in results) for s in range(steps)]
     bins = [[results[d * W].bins[s] for s in range(steps)] for d in range(replicas)]
     lays = [[results[d * W].layouts[s] for s in range(steps)] for d in range(replicas)]
-    exchange = "pruned"
-    predicted = predict_steps(bins, lays, batches, domains, model, exchange)
+    predicted, _ = predict_steps(bins, lays, batches, domains, model, "pruned")
     keep = range(warmup, steps)
     tokens = sum(sum(batches[s]) for s in keep)
     meas, pred = sum(measured[s] for s in keep), sum(predicted[s] for s in keep)
@@ -294,33 +137,58 @@ def compare_global_testbed(
     doc_scale: float = DOC_SCALE,
     kernel: str = "auto",
     only: Sequence[str] | None = None,
+    train: bool = True,
 ) -> dict[str, Any]:
-    """Every scheme on the same global batches (module docstring); the comparison record."""
+    """Every scheme on the same global batches (module docstring); the comparison record. A
+    scheme that does not fit the declared memory (``price_scheme``) is reported with its reason
+    and not trained; ``train=False``: none is (the choice, the predictions and the memory check
+    only)."""
     if not 0 < doc_scale <= 1:
         raise HexiSeqError(f"--doc-scale must be in (0, 1], got {doc_scale}")
     scaled = [max(1, round(x * doc_scale)) for x in doc_lengths]
     packed = global_batches(scaled, seq_length, samples, steps, seed)
     batches = [units_of(b) for b in packed]
     options = TrainOptions.for_model(model)
-    schemes = schemes_for(cluster, model, options, packed, scaled)
+    m = replace(model, seq_length=seq_length)
+    schemes, choice = schemes_for(cluster, model, options, packed, scaled)
+    schemes["fast-only"] = fast_only(cluster, model, options, packed, shape)
     out: dict[str, Any] = {}
-    for name, (structure, replicas, scheme, doms) in schemes.items():
+    if "hexiseq-global" not in schemes:
+        why = "; ".join(f"{r['name']}: {r['reason']}" for r in choice["candidates"])
+        out["hexiseq-global"] = {
+            "name": "hexiseq-global",
+            "domains": None,
+            "predicted_tokens_per_s": None,
+            "infeasible": f"no candidate domain set plans ({why})",
+        }
+    tokens = sum(sum(batches[s]) for s in range(warmup, steps))
+    for name, sch in schemes.items():
         if only and not any(name.startswith(o) for o in only):
             continue
-        out[name] = run_scheme(
-            name, structure, replicas, scheme, doms, batches, model, shape, warmup, kernel
-        )
-    if not only or "fast-only" in only:
-        out["fast-only"] = _fast_only(
-            cluster, model, options, packed, batches, shape, warmup, kernel
-        )
-    ref = next(iter(out.values()))["losses"]
+        predicted, problem = price_scheme(sch, batches, m)
+        if problem is not None or not train:
+            out[name] = {
+                "name": name,
+                "domains": [list(d.ranks) for d in sch.domains],
+                "predicted_tokens_per_s": tokens / sum(predicted[warmup:]) if predicted else None,
+            }
+            if problem is not None:
+                out[name]["infeasible"] = problem
+        else:
+            out[name] = run_scheme(name, sch, batches, model, shape, warmup, kernel)
+    trained = {k: v for k, v in out.items() if "tokens_per_s" in v}
+    ref = next(iter(trained.values()))["losses"] if trained else []
     worst = max(
-        abs(a - b) / max(abs(a), 1e-12) for r in out.values() for a, b in zip(ref, r["losses"])
+        (
+            abs(a - b) / max(abs(a), 1e-12)
+            for r in trained.values()
+            for a, b in zip(ref, r["losses"])
+        ),
+        default=0.0,
     )
     best_base = max(
-        (k for k in out if k != "hexiseq-global"),
-        key=lambda k: out[k]["tokens_per_s"],
+        (k for k in trained if k != "hexiseq-global"),
+        key=lambda k: trained[k]["tokens_per_s"],
         default=None,
     )
     return {
@@ -335,31 +203,15 @@ def compare_global_testbed(
         "doc_scale": doc_scale,
         "kernel": kernel,
         "units_per_step": [len(b) for b in batches],
+        "memory": sample_memory(cluster, m, options),
+        "hexiseq_choice": choice,
         "schemes": out,
         "best_baseline": best_base,
         "speedup_over_best": (
-            out["hexiseq-global"]["tokens_per_s"] / out[best_base]["tokens_per_s"]
-            if best_base and "hexiseq-global" in out
+            trained["hexiseq-global"]["tokens_per_s"] / trained[best_base]["tokens_per_s"]
+            if best_base and "hexiseq-global" in trained
             else None
         ),
         "loss_max_rel_diff": worst,
         "losses_agree": worst <= LOSS_RTOL,
     }
-
-
-def _fast_only(cluster, model, options, packed, batches, shape, warmup, kernel) -> dict[str, Any]:
-    """The fastest rank alone (its core alone: testbed shape ``1``), every sample in turn."""
-    tb = TestbedShape.parse(shape)
-    alone = [i for i, n in enumerate(tb.ranks_per_core) if n == 1]
-    if not alone:
-        raise HexiSeqError(f"testbed {shape} has no rank alone on its core for fast-only")
-    first = sum(tb.ranks_per_core[: alone[0]])
-    m = replace(model, seq_length=sum(packed[0][0]))
-    ring = _ring_structure(cluster, m, [first])
-    doms = _domains(cluster, [[first]], ring, options, [len(packed[0])])
-    units_per_sample = [[len(s) for s in step] for step in packed]
-    scheme = SampleOrder(GlobalPlanner(doms, m, mode="zigzag"), ring, units_per_sample)
-    cfg_shape = "1"
-    rec = run_scheme("fast-only", ring, 1, scheme, doms, batches, model, cfg_shape, warmup, kernel)
-    rec["rank"] = first
-    return rec

@@ -38,11 +38,13 @@ def plan_fixed(
     time_limit_s: float = 120.0,
     options: TrainOptions | None = None,
     recompute: bool = False,
+    modes: Sequence[tuple[str, bool]] | None = None,
 ) -> tuple[Layout, TrainOptions]:
     """``plan``'s layout for one sequence of ``tokens`` (memory mode auto) and its options.
     ``options``: the base options (default: the model's); a domain of a larger run passes its
     run-wide sharding (``varlen.domains.domain_options``). ``recompute``: only the modes with full
-    recompute (more tokens per micro-batch fit)."""
+    recompute (more tokens per micro-batch fit). ``modes``: the (memory mode, recompute) pairs to
+    try instead, in order."""
     from megatron_hexiseq.planner.plan import plan
 
     if tokens < cluster.world_size:
@@ -57,7 +59,7 @@ def plan_fixed(
         m,
         tokens,
         options,
-        modes=modes_to_try("auto", recompute),
+        modes=modes_to_try("auto", recompute) if modes is None else modes,
         time_limit_s=time_limit_s,
         reproducible=True,
     )

@@ -35,7 +35,7 @@ class Domain:
     ``efficiency_1024``: how much longer the domain's planned micro-batches take than its
     perfectly divided work, in 1/1024 (1024: as divided; ``global_batch.domain_costs`` scales the
     integer table by it): measured once, when the domain is planned, on sample micro-batches of
-    the length distribution (``global_compare.plan_domains``)."""
+    the length distribution (``domain_choice.plan_domains``)."""
 
     index: int
     ranks: tuple[int, ...]

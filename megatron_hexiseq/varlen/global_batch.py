@@ -8,7 +8,8 @@ domain by its own ``BatchPlanner`` (or, for the stock baselines, split THD zig-z
 
 - **Costs are integers** (``DomainCosts``, attoseconds): per domain the seconds per token (linear
   work and head all-to-all of the whole domain, perfectly divided), per document-masked pair
-  (attention; a unit of ``l`` tokens has ``l (l + 1) / 2``), and per micro-batch (fixed costs),
+  (attention; a unit of ``l`` tokens has ``l (l + 1) / 2``), per micro-batch (fixed costs) and
+  per step (a measured step overhead: the optimizer step, paid once however many micro-batches),
   rounded once from the cost model's rates (``domain_costs``) with IEEE basic operations only
   (``math.fsum``, division, multiplication: correctly rounded, the same on every CPU), then scaled
   by the domain's measured planning efficiency (an integer in 1/1024, fixed when the domain is
@@ -45,12 +46,15 @@ ATTO = 10**18  # cost units per second
 
 class DomainCosts(NamedTuple):
     """One domain's integer cost table: attoseconds per token, per document-masked pair and per
-    micro-batch, and the most tokens one micro-batch may hold."""
+    micro-batch, the most tokens one micro-batch may hold, and attoseconds once per step (the
+    devices' measured step overhead: optimizer step and framework, paid once whatever the
+    micro-batch count)."""
 
     token_as: int
     pair_as: int
     batch_as: int
     capacity: int
+    step_as: int = 0
 
     def cost_as(self, tokens: int, pairs: int) -> int:
         return self.token_as * tokens + self.pair_as * pairs
@@ -102,7 +106,7 @@ def domain_costs(
     inv_alpha = [1.0 / float(a) for a in planner.alpha]
     n = len(c)
     caps = [float(x) for x in planner.cap]
-    fixed_s = float(max(planner.overhead)) + max(float(f) for f in planner.fixed)
+    fixed_s = max(float(f) for f in planner.fixed)
     if even:
         token_s = max(1.0 / x for x in c) / n + max(float(a) for a in planner.a2a) / n
         pair_s = max(float(a) for a in planner.alpha) / n
@@ -115,7 +119,11 @@ def domain_costs(
         capacity = min(int(caps[g] * C / c[g]) for g in range(n))
     scale = int(efficiency_1024)
     return DomainCosts(
-        _as(token_s) * scale // 1024, _as(pair_s) * scale // 1024, _as(fixed_s), capacity
+        _as(token_s) * scale // 1024,
+        _as(pair_s) * scale // 1024,
+        _as(fixed_s),
+        capacity,
+        _as(float(max(planner.overhead))),
     )
 
 
@@ -138,7 +146,7 @@ def schedule_global(
         raise HexiSeqError("the global batch needs documents of at least one token each")
     floor = [1] * D if min_tokens is None else [max(1, int(x)) for x in min_tokens]
     # domain state: step load (fixed costs + units), bins [cost, tokens, units]
-    load = [int(m) * c.batch_as for m, c in zip(micro_batches, costs)]
+    load = [int(m) * c.batch_as + c.step_as for m, c in zip(micro_batches, costs)]
     bins: list[list[list]] = [[[0, 0, []] for _ in range(int(m))] for m in micro_batches]
     kinds: dict[tuple, list[tuple[int, int]]] = {}
     for d, c in enumerate(costs):

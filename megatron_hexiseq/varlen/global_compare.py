@@ -11,7 +11,7 @@ regime): ``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``),
 every CP size, ``fast-only`` the best of the three on the fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
 
 ``hexiseq-global`` runs on the job's domains (``--job``) or, without one, on the best of the
-candidate domain sets (``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
+candidate domain sets (``domain_choice``: ``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
 one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``tokens_per_gpu``, and domains
 of one GPU type each at its own size (``fit_blocks``: the fewest GPUs of the type that hold a
 sample, and twice that); each planned in the memory mode ``plan`` picks and, as a second
@@ -33,20 +33,20 @@ import numpy as np
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job.spec import JobPlan
-from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions, modes_to_try
-from megatron_hexiseq.varlen.compare import FORMAT, VERSION, plan_fixed, rank_records
-from megatron_hexiseq.varlen.domains import (
-    Domain,
-    domain_options,
-    fastest_type_ranks,
-    replica_blocks,
-    speed_shares,
-    sub_cluster,
-    typed_blocks,
+from megatron_hexiseq.varlen.compare import FORMAT, VERSION, rank_records
+from megatron_hexiseq.varlen.domain_choice import (
+    AUTO,
+    RECOMPUTE,
+    TOKENS_PER_GPU,
+    Modes,
+    domain_candidates,
+    domains_from_job,
+    plan_domains,
 )
-from megatron_hexiseq.varlen.global_planner import GlobalPlanner, _signature, retarget
+from megatron_hexiseq.varlen.domains import fastest_type_ranks
+from megatron_hexiseq.varlen.global_planner import GlobalPlanner
 from megatron_hexiseq.varlen.global_schemes import (
     Pricer,
     SchemeStep,
@@ -58,7 +58,6 @@ from megatron_hexiseq.varlen.global_schemes import (
     thd_step,
 )
 from megatron_hexiseq.varlen.packing import pack_batches
-from megatron_hexiseq.varlen.structure import choose_structure
 
 SCHEMES = (
     "hexiseq-global",
@@ -69,11 +68,9 @@ SCHEMES = (
 )
 BASELINES = SCHEMES[1:]
 APPENDIX = ("megatron-thd-cp",)
-TOKENS_PER_GPU = (4096, 32768)  # tokens per GPU per micro-batch of every configuration tried
 HYBRID_TOKENS = (4096, 8192, 16384, 32768)
 CHOICE_SEED = 1_000_003
 CHOICE_STEPS = 2  # global batches the domain set is chosen on
-STRUCTURE_BATCHES = 4
 
 
 def global_batches(
@@ -93,254 +90,6 @@ def modes_for(model: ModelSpec) -> list[TrainOptions]:
     """The memory modes the baselines try, in order of overhead."""
     base = TrainOptions.for_model(model)
     return [replace(base, memory_mode=m, recompute=r) for m, r in modes_to_try("auto", False)]
-
-
-# ---- HexiSeq domains ------------------------------------------------------------------------
-def domains_from_job(job: JobPlan) -> list[Domain]:
-    """The job file's domains, each on its sub-cluster, with the job's options."""
-    cluster = job.cluster_spec
-    opts = job.train_options
-    return [
-        Domain(
-            index=i,
-            ranks=d.ranks,
-            micro_batches=d.micro_batches,
-            structure=d.layout,
-            cluster=sub_cluster(cluster, d.ranks, name=f"{cluster.name}:domain{i}"),
-            options=domain_options(opts, cluster, job.run_ranks, d.size),
-        )
-        for i, d in enumerate(job.domains)
-    ]
-
-
-def _rehost(layout: Layout, cluster: Cluster) -> Layout:
-    """``layout`` (a layout of a cluster like ``cluster``) with ``cluster``'s hosts and GPUs."""
-    like = replace(
-        layout,
-        ranks=tuple(
-            replace(r, host=d.node, gpu=d.gpu.name) for r, d in zip(layout.ranks, cluster.devices)
-        ),
-        meta={},
-    )
-    return retarget(layout, like)
-
-
-def _kind(cluster: Cluster, model: ModelSpec, ranks: Sequence[int]) -> tuple:
-    """What a block's plan depends on: its GPUs, links and node pattern (``_signature``)."""
-    sub = sub_cluster(cluster, ranks)
-    probe = Domain(
-        index=0,
-        ranks=tuple(ranks),
-        micro_batches=1,
-        structure=_trivial(sub, model),
-        cluster=sub,
-        options=TrainOptions.for_model(model),
-    )
-    return _signature(probe)[0]
-
-
-def _plan_block(
-    cluster: Cluster,
-    model: ModelSpec,
-    ranks: Sequence[int],
-    seq_length: int,
-    run: Sequence[int],
-    time_limit_s: float,
-    cache: dict,
-    recompute: bool = False,
-) -> tuple[Layout, TrainOptions]:
-    """``plan``'s layout (and options) for ``seq_length`` tokens on the block ``ranks`` of a run
-    on ``run`` (the optimizer sharded over the whole run), once per kind of block (``cache``);
-    a ``HexiSeqError`` when it does not fit (cached too). ``recompute``: recompute modes only."""
-    key = (_kind(cluster, model, ranks), len(run), seq_length, recompute)
-    if key not in cache:
-        base = domain_options(TrainOptions.for_model(model), cluster, run, len(ranks))
-        try:
-            cache[key] = plan_fixed(
-                sub_cluster(cluster, ranks),
-                model,
-                seq_length,
-                time_limit_s,
-                options=base,
-                recompute=recompute,
-            )
-        except HexiSeqError as e:
-            cache[key] = e
-    got = cache[key]
-    if isinstance(got, HexiSeqError):
-        raise got
-    return got
-
-
-def plan_domains(
-    cluster: Cluster,
-    model: ModelSpec,
-    blocks: Sequence[Sequence[int]],
-    seq_length: int,
-    samples: int,
-    doc_lengths: Sequence[int],
-    *,
-    time_limit_s: float = 60.0,
-    cache: dict | None = None,
-    recompute: bool = False,
-) -> list[Domain]:
-    """Domains on ``blocks`` (cluster ranks each): every kind of block planned once (``plan``'s
-    layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
-    counts by speed (``speed_shares`` of ``samples``). ``cache``: plans kept between calls;
-    ``recompute``: plan in the recompute modes only (more tokens fit a domain's micro-batch)."""
-    run = sorted(r for b in blocks for r in b)
-    cache = {} if cache is None else cache
-    chosen: dict[tuple, tuple[Layout, TrainOptions, int]] = {}
-    domains = []
-    for i, b in enumerate(blocks):
-        sub = sub_cluster(cluster, b, name=f"{cluster.name}:domain{i}")
-        key = _kind(cluster, model, b)
-        if key not in chosen:
-            lay, opt = _plan_block(
-                cluster, model, b, seq_length, run, time_limit_s, cache, recompute
-            )
-            m = replace(model, seq_length=seq_length)
-            structure, _ = choose_structure(
-                lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
-            )
-            dom = Domain(
-                index=i,
-                ranks=tuple(b),
-                micro_batches=1,
-                structure=structure,
-                cluster=sub,
-                options=domain_options(opt, cluster, run, len(b)),
-            )
-            chosen[key] = (structure, opt, efficiency(dom, model, doc_lengths, seq_length))
-        structure, opt, eff = chosen[key]
-        domains.append(
-            Domain(
-                index=i,
-                ranks=tuple(b),
-                micro_batches=1,
-                structure=_rehost(structure, sub),
-                cluster=sub,
-                options=domain_options(opt, cluster, run, len(b)),
-                efficiency_1024=eff,
-            )
-        )
-    costs = GlobalPlanner(domains, model).costs
-    pairs_per_token = _pairs_per_token(doc_lengths, seq_length)
-    speeds = [
-        1.0 / c.cost_as(seq_length, int(seq_length * pairs_per_token)) if c.capacity else 0.0
-        for c in costs
-    ]
-    counts = speed_shares(samples, speeds)
-    return [replace(d, micro_batches=m) for d, m in zip(domains, counts)]
-
-
-def efficiency(
-    domain: Domain, model: ModelSpec, doc_lengths: Sequence[int], seq_length: int
-) -> int:
-    """``Domain.efficiency_1024``: the mean iteration of the domain's planned micro-batches
-    (``BatchPlanner`` on its structure, priced by ``estimate_documents``) over their perfectly
-    divided work (``domain_costs``' integer table), in 1/1024, on ``STRUCTURE_BATCHES``
-    micro-batches of ``seq_length`` tokens packed from the lengths with ``STRUCTURE_SEED`` (the
-    structure choice's own sample, not the compared steps'); within [1/2, 4]."""
-    from megatron_hexiseq.costmodel.documents import estimate_documents
-    from megatron_hexiseq.varlen.global_batch import ATTO, domain_costs
-    from megatron_hexiseq.varlen.structure import STRUCTURE_SEED
-
-    planner = GlobalPlanner([domain], model).planner(0)
-    table = domain_costs(planner)
-    planned, divided = 0.0, 0
-    for docs in pack_batches(doc_lengths, seq_length, STRUCTURE_BATCHES, STRUCTURE_SEED):
-        a = planner.plan(docs)
-        m = replace(model, seq_length=a.layout.seq_length)
-        est = estimate_documents(a.layout, domain.cluster, m, domain.options, a.cu_seqlens)
-        planned += est.iteration_time_s
-        pairs = sum(x * (x + 1) // 2 for x in docs)
-        divided += table.cost_as(sum(docs), pairs) + table.batch_as
-    ratio = planned * ATTO / max(divided, 1)
-    return int(round(1024 * min(4.0, max(0.5, ratio))))
-
-
-def fit_blocks(
-    cluster: Cluster,
-    model: ModelSpec,
-    seq_length: int,
-    tokens_per_gpu: tuple[int, int],
-    time_limit_s: float,
-    cache: dict,
-    scale: int = 1,
-) -> tuple[str, list[list[int]]] | None:
-    """Domains of one GPU type each, every type at its own size: the smallest power of two whose
-    GPUs hold a ``seq_length``-token sample in memory (``plan`` finds a layout) with at most
-    ``tokens_per_gpu[1]`` tokens per GPU, times ``scale``. None when some type has no such size
-    (or ``scale`` leaves fewer than ``tokens_per_gpu[0]`` tokens per GPU)."""
-    from megatron_hexiseq.planner.canonical import canonical_order
-
-    lo, hi = tokens_per_gpu
-    by_type: dict[str, list[int]] = {}
-    for r in canonical_order(cluster):
-        by_type.setdefault(cluster.devices[r].gpu.name, []).append(r)
-    run = list(range(cluster.world_size))
-    sizes: dict[str, int] = {}
-    for t, ranks in by_type.items():
-        n = 1
-        while n <= len(ranks):
-            if len(ranks) % n == 0 and seq_length // n <= hi:
-                try:
-                    _plan_block(cluster, model, ranks[:n], seq_length, run, time_limit_s, cache)
-                except HexiSeqError:
-                    n *= 2
-                    continue
-                break
-            n *= 2
-        n *= scale
-        if n > len(ranks) or len(ranks) % n or seq_length // n < lo:
-            return None
-        sizes[t] = n
-    blocks = [
-        ranks[i : i + sizes[t]]
-        for t, ranks in by_type.items()
-        for i in range(0, len(ranks), sizes[t])
-    ]
-    name = "typed-fit(" + ", ".join(f"{t.split('-')[0]}:{n}" for t, n in sizes.items()) + ")"
-    return name, blocks
-
-
-def _pairs_per_token(doc_lengths: Sequence[int], seq_length: int) -> float:
-    """Mean document-masked pairs per token of samples packed from the lengths (cut at S)."""
-    x = np.minimum(np.asarray(doc_lengths, dtype=np.float64), seq_length)
-    return float((x * (x + 1) / 2).sum() / x.sum())
-
-
-def _trivial(sub: Cluster, model: ModelSpec) -> Layout:
-    from megatron_hexiseq.varlen.schemes import ring_layout
-
-    n = sub.world_size
-    return ring_layout(sub, replace(model, seq_length=n), n, [[(j, j + 1)] for j in range(n)])
-
-
-def hexiseq_candidates(
-    cluster: Cluster,
-    seq_length: int,
-    samples: int,
-    tokens_per_gpu: tuple[int, int] = TOKENS_PER_GPU,
-) -> list[tuple[str, list[list[int]]]]:
-    """Candidate domain sets (module docstring): (name, blocks of cluster ranks)."""
-    W = cluster.world_size
-    types = {d.gpu.name for d in cluster.devices}
-    out: list[tuple[str, list[list[int]]]] = []
-    n = 1
-    while n <= W:
-        per_gpu = seq_length // n
-        if W % n == 0 and tokens_per_gpu[0] <= per_gpu <= tokens_per_gpu[1] and W // n <= samples:
-            rep = replica_blocks(cluster, W // n)
-            if rep is not None:
-                out.append((f"replicas(n={n})", rep))
-            if len(types) > 1:
-                typed = typed_blocks(cluster, n)
-                if typed is not None and len(typed) <= samples:
-                    out.append((f"typed(n={n})", typed))
-        n *= 2
-    return out
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -437,7 +186,7 @@ def compare_global(
         )
     if "hexiseq-global" in schemes:
         say("hexiseq-global: choosing the domains")
-        chosen, cands = _choose_domains(
+        chosen, cands = _job_or_choice(
             cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say,
             tokens_per_gpu,
         )  # fmt: skip
@@ -491,9 +240,10 @@ def compare_global(
     }
 
 
-def _choose_domains(
+def _job_or_choice(
     cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say, tokens_per_gpu
 ):
+    """The job's domains, or the fastest candidate domain set (``choose_domains``)."""
     if job is not None:
         if job.seq_length != S:
             raise HexiSeqError(
@@ -502,34 +252,66 @@ def _choose_domains(
             )
         doms = domains_from_job(job)
         return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
+    cache: dict = {}
+    candidates = domain_candidates(cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache)
+    return choose_domains(
+        cluster, model, doc_lengths, S, samples, pricer, candidates, time_limit_s=time_limit_s,
+        say=say, cache=cache,
+    )  # fmt: skip
+
+
+def choose_domains(
+    cluster: Cluster,
+    model: ModelSpec,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+    samples: int,
+    pricer: Pricer,
+    candidates: Sequence[tuple[str, Sequence[Sequence[int]]]],
+    *,
+    variants: Sequence[tuple[str, Modes]] = (("", AUTO), ("+recompute", RECOMPUTE)),
+    one_structure: bool = False,
+    time_limit_s: float = 60.0,
+    say: Callable[[str], None] | None = None,
+    cache: dict | None = None,
+    price: Callable[[GlobalPlanner, list[int]], tuple[float, bool]] | None = None,
+) -> tuple[tuple[str, GlobalPlanner] | None, list[dict[str, Any]]]:
+    """HexiSeq's domain set: every candidate (name, blocks of cluster ranks) in every memory-mode
+    variant (label suffix, modes ``plan`` tries) planned (``plan_domains``) and priced on
+    ``CHOICE_STEPS`` global batches packed with ``CHOICE_SEED`` (not the compared steps') by the
+    comparison's model: ``price(planner, units) -> (step seconds, every micro-batch fits)``
+    (default: ``hexiseq_step``, whole-cluster step); the feasible one with the lowest mean step,
+    else the fastest. Returns (label, its planner) or None when no candidate plans, and one row
+    per try (its mean step and feasibility, or why it failed)."""
+    say = say or (lambda message: None)
+    if price is None:
+
+        def price(gp: GlobalPlanner, units: list[int]) -> tuple[float, bool]:
+            got = hexiseq_step(gp, pricer, units, {})
+            return got.step_s, got.feasible
+
+    cache = {} if cache is None else cache
     probes = [
-        units_of(b) for b in global_batches(doc_lengths, S, samples, CHOICE_STEPS, CHOICE_SEED)
+        units_of(b)
+        for b in global_batches(doc_lengths, seq_length, samples, CHOICE_STEPS, CHOICE_SEED)
     ]
     best = None
     rows: list[dict[str, Any]] = []
-    cache: dict = {}
-    candidates = hexiseq_candidates(cluster, S, samples, tokens_per_gpu)
-    if len({d.gpu.name for d in cluster.devices}) > 1:
-        for scale in (1, 2):
-            fit = fit_blocks(cluster, model, S, tokens_per_gpu, time_limit_s, cache, scale)
-            if fit is not None and len(fit[1]) <= samples:
-                if all(fit[1] != blocks for _, blocks in candidates):  # not a typed(n) already
-                    candidates.append(fit)
-    for (name, blocks), recompute in [(c, r) for c in candidates for r in (False, True)]:
-        label = name + ("+recompute" if recompute else "")
+    for (name, blocks), (suffix, modes) in [(c, v) for c in candidates for v in variants]:
+        label = name + suffix
         say(f"hexiseq-global: {label}")
         try:
             doms = plan_domains(
-                cluster, model, blocks, S, samples, doc_lengths, time_limit_s=time_limit_s,
-                cache=cache, recompute=recompute,
+                cluster, model, blocks, seq_length, samples, doc_lengths,
+                time_limit_s=time_limit_s, cache=cache, modes=modes, one_structure=one_structure,
             )  # fmt: skip
             gp = GlobalPlanner(doms, model)
-            got = [hexiseq_step(gp, pricer, probe, {}) for probe in probes]
+            got = [price(gp, probe) for probe in probes]
         except HexiSeqError as e:
             rows.append({"name": label, "reason": str(e)})
             continue
-        step = float(np.mean([g.step_s for g in got]))
-        feasible = all(g.feasible for g in got)
+        step = float(np.mean([g[0] for g in got]))
+        feasible = all(g[1] for g in got)
         rows.append(
             {"name": label, "step_s": _sig(step), "feasible": feasible, "domains": len(doms)}
         )
