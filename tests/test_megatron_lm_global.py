@@ -38,7 +38,7 @@ import sys
 import pytest
 from test_global_data import EodSamples
 from test_job_runtime import job_1_2
-from test_megatron_documents import _parse  # Megatron-LM's parse_args + validate_args, EOD 127
+from test_megatron_documents import COMMON, _parse, hexiseq_model, stock_model
 from test_megatron_gpt import FP32_UNIT_ROUNDOFF
 
 from megatron_hexiseq.megatron.job_runtime import domain_layout
@@ -50,17 +50,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 S, B, STEPS, LAYERS, SEED = 48, 4, 2, 2, 5
-ARGV = (
-    f"--num-layers {LAYERS} --hidden-size 64 --num-attention-heads 8 --group-query-attention "
-    "--num-query-groups 2 --ffn-hidden-size 96 --swiglu --normalization RMSNorm "
-    f"--position-embedding-type rope --seq-length {S} --max-position-embeddings {S} "
-    f"--global-batch-size {B} --lr 1e-3 --train-iters {STEPS} --transformer-impl local "
-    "--use-cpu-initialization --no-gradient-accumulation-fusion --attention-dropout 0 "
-    "--hidden-dropout 0 --disable-bias-linear --mock-data --tokenizer-type NullTokenizer "
-    "--vocab-size 127 --no-rope-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
-    "--no-persist-layer-norm --calculate-per-token-loss "
-    "--reset-attention-mask --reset-position-ids --eod-mask-loss"
-).split()
+
+
+def _argv() -> list[str]:
+    """tests/test_megatron_documents.py's Megatron flags (2 layers, S = 48, EOD 127, the packed
+    document flags) with this file's global batch and steps; the micro-batch size comes per run."""
+    values = {
+        "--global-batch-size": str(B),
+        "--train-iters": str(STEPS),
+        "--micro-batch-size": None,
+    }
+    out, it = [], iter(COMMON)
+    for a in it:
+        if a in values:
+            next(it)
+            out += [a, values[a]] if values[a] is not None else []
+        else:
+            out.append(a)
+    assert out[out.index("--num-layers") + 1] == str(LAYERS) and out.count(str(S)) == 2
+    return out
+
+
+ARGV = _argv()
 HEXISEQ = [
     "--cp-comm-type",
     "hexiseq",
@@ -104,24 +115,16 @@ def _hexiseq_worker(
     import pretrain_gpt as stock
     import torch
     from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training import training
 
-    from megatron_hexiseq.megatron import plugin
     from megatron_hexiseq.megatron.job_plugin import ScheduleGetter
 
     args = _parse(ARGV + HEXISEQ + flags, rank, world)
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=1, context_parallel_size=args.context_parallel_size
     )
-    torch.manual_seed(0)
-    model = plugin.model_provider(stock.model_provider, stock.gpt_builder, stock)(
-        pre_process=True,
-        post_process=True,
-        config=None,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-    )
+    model = hexiseq_model(stock)
     getter = training.get_forward_backward_func
     if isinstance(getter, ScheduleGetter):  # a job: the domain's count, through the seam
         count = getter().micro_batches
@@ -163,27 +166,15 @@ def _reference_worker(rank: int, world: int, checkout: str) -> dict:
     import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     from megatron_hexiseq.megatron.config import cpu_device_shim
 
     _parse(ARGV + ["--micro-batch-size", str(B)], rank, world)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    # dropout is 0: DotProductAttention's CUDA RNG fork draws nothing (and needs CUDA to exist)
-    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    torch.manual_seed(0)
     data = _data()
     out: dict = {"losses": [], "grads": []}
     with cpu_device_shim():
-        model = stock.model_provider(
-            stock.gpt_builder,
-            True,
-            True,
-            None,
-            config=None,
-            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-        )
+        model = stock_model(stock)
         out["params"] = sum(float(p.detach().double().sum()) for p in model.parameters())
         for step in range(STEPS):
             samples = [data[i] for i in range(step * B, (step + 1) * B)]

@@ -61,6 +61,7 @@ from megatron_hexiseq.megatron.job_data import JobDataLoaders
 from megatron_hexiseq.megatron.job_runtime import JobPlace
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime
 from megatron_hexiseq.varlen.digest import digest_ints, layout_digest
+from megatron_hexiseq.varlen.global_batch import GlobalSchedule
 
 
 @dataclass(frozen=True)
@@ -76,18 +77,9 @@ class GlobalPrepared(Prepared):
 
 def schedule_digest(step: GlobalStep) -> int:
     """What every rank of the run must agree on for a step: its units' lengths and every
-    domain's bins."""
-
-    def stream() -> Iterator[int]:
-        yield len(step.units.length)
-        yield from step.units.length
-        for d in step.bins:
-            yield -2
-            for b in d:
-                yield -1
-                yield from b
-
-    return digest_ints(stream())
+    domain's bins (``GlobalSchedule.digest``)."""
+    bins = GlobalSchedule(step.bins, ()).digest()
+    return digest_ints([len(step.units.length), *step.units.length, bins])
 
 
 class StepPreparer:
