@@ -268,3 +268,120 @@ def test_cli_plans_over_bundles_with_documents(tmp_path):
         cli + ["validate", str(out), "--cluster", cluster], capture_output=True, text=True
     )
     assert ok.returncode == 0 and "matches cluster" in ok.stdout, ok.stderr
+
+
+def _generated_cases(seed: int, count: int) -> list[tuple]:
+    """Small mixed clusters drawn from ``seed``: 2-3 GPU types on 2-4 nodes of 8, equal or
+    speed-matched network, shuffled node order; an MHA or GQA model at 32K-128K tokens."""
+    import random
+
+    rng = random.Random(seed)
+    types = ("H100-SXM-80GB", "A100-SXM-80GB", "A800-80GB", "L40S-48GB")
+    matched = {"H100-SXM-80GB": 50.0, "A100-SXM-80GB": 25.0, "A800-80GB": 25.0, "L40S-48GB": 12.5}
+    out = []
+    for i in range(count):
+        gpus = rng.sample(types, rng.choice((2, 3)))
+        nodes = [gpus[j % len(gpus)] for j in range(rng.choice((len(gpus), 4)))]
+        rng.shuffle(nodes)
+        equal = rng.random() < 0.5
+        spec = {
+            "name": f"gen{i}",
+            "nodes": [
+                {
+                    "name": f"n{j}",
+                    "gpu": g,
+                    "count": 8,
+                    "network_GBps": 25.0 if equal else matched[g],
+                }
+                for j, g in enumerate(nodes)
+            ],
+        }
+        seq = rng.choice((32768, 65536, 131072))
+        model = rng.choice(("gpt-7b", "llama3-8b", "llama3-70b"))
+        out.append((cluster_from_dict(spec), get_model(model, overrides={"seq_length": seq}), seq))
+    return out
+
+
+def _auto_by_definition(cluster, model, seq, opts) -> tuple[int, Layout, dict[int, float]]:
+    """``auto``'s choice computed from its definition, every t planned on its own
+    (``plan_tp`` with that t): order the sizes by lower bound (ties: smaller t), t = 1 moved to
+    second; skip a t whose bound is not below the fastest plan so far; plan at most three t's
+    (infeasible ones do not count); keep the first fastest. Returns the chosen t, its layout and
+    each planned t's time."""
+    from megatron_hexiseq.planner.tp import tp_sizes
+
+    bounds = {}
+    for t in tp_sizes(cluster, model, seq):
+        bc, rm, ro = bundle_setting(cluster, model, opts, t)
+        modes = [replace(ro, memory_mode=mm, recompute=r) for mm, r in AUTO_MODES]
+        bounds[t] = iteration_lower_bound(bc, rm, seq, modes)
+    order = sorted((t for t, b in bounds.items() if b is not None), key=lambda t: (bounds[t], t))
+    if 1 in order[1:]:
+        order.remove(1)
+        order.insert(1, 1)
+    best, planned, times = None, 0, {}
+    for t in order:
+        if (best is not None and bounds[t] >= best[0]) or planned == 3:
+            continue
+        try:
+            lay = plan_tp(
+                cluster,
+                model,
+                seq,
+                opts,
+                tensor_model_parallel_size=t,
+                modes=AUTO_MODES,
+                reproducible=True,
+            )
+        except HexiSeqError:
+            continue
+        planned += 1
+        time_s = costmodel.estimate(
+            lay,
+            cluster,
+            model,
+            replace(
+                opts,
+                **{k: lay.meta["options"][k] for k in ("memory_mode", "recompute")},
+                tensor_model_parallel_size=t,
+            ),
+        ).iteration_time_s
+        times[t] = float(f"{time_s:.9g}")
+        if best is None or time_s < best[0]:
+            best = (time_s, t, lay)
+    if best is None:
+        raise HexiSeqError("no t fits")
+    return best[1], best[2], times
+
+
+@pytest.mark.parametrize("seed", [2, 3, 7])
+def test_auto_is_its_definition_on_generated_clusters(seed):
+    """``auto`` plans the same t's to the same times and gives the same t and the same layout (all
+    but its ``planner.tensor_parallel`` record and time limit) as planning each t on its own and
+    applying the selection rule: what a faster ``auto`` must keep."""
+    opts = TrainOptions()
+    for c, m, seq in _generated_cases(seed, 3):
+        try:
+            t, want, times = _auto_by_definition(c, m, seq, opts)
+        except HexiSeqError:  # no t fits: auto says so too
+            with pytest.raises(HexiSeqError, match="no tensor-parallel size"):
+                plan_tp(c, m, seq, opts, tensor_model_parallel_size="auto", modes=AUTO_MODES)
+            continue
+        got = plan_tp(
+            c, m, seq, opts, tensor_model_parallel_size="auto", modes=AUTO_MODES, reproducible=True
+        )
+        assert got.tensor_model_parallel_size == t
+        sizes = got.planner["tensor_parallel"]["sizes"]
+        assert {
+            s["tensor_model_parallel_size"]: s["iteration_time_s"]
+            for s in sizes
+            if "iteration_time_s" in s
+        } == times
+
+        def plain(lay: Layout) -> str:  # auto's record and its time limit left per t aside
+            skip = ("tensor_parallel", "time_limit_s")
+            return replace(
+                lay, planner={k: v for k, v in lay.planner.items() if k not in skip}
+            ).to_json()
+
+        assert plain(got) == plain(want)
