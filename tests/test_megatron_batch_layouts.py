@@ -16,12 +16,11 @@ layout chooses each micro-batch's layout). Needs ``MEGATRON_LM`` as tests/test_m
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
 import pytest
-from test_megatron_documents import COMMON, EOD, LAYOUT, S, _parse, _step
+from test_megatron_documents import COMMON, EOD, LAYOUT, S, _parse, _step, stock_model
 
 from megatron_hexiseq.layout import Layout, make_layout
 from megatron_hexiseq.testbed.spawn import run_ranks
@@ -143,27 +142,14 @@ def _hexiseq_worker(
 def _reference_worker(rank: int, world: int, checkout: str) -> list[dict]:
     sys.path.insert(0, checkout)
     import pretrain_gpt as stock
-    import torch
     from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_hexiseq.megatron.config import cpu_device_shim
 
     _parse(COMMON, rank, world)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    torch.manual_seed(0)
     with cpu_device_shim():
-        model = stock.model_provider(
-            stock.gpt_builder,
-            True,
-            True,
-            None,
-            config=None,
-            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-        )
+        model = stock_model(stock)
         outs = [
             _step(model, _batch(eod_at, seed, dense_mask=True)) for eod_at, seed, _ in MICRO_BATCHES
         ]

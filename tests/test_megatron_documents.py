@@ -111,12 +111,28 @@ def _step(model, batch) -> dict:
     }
 
 
+def hexiseq_model(stock):
+    """``pretrain_gpt``'s GPT through ``plugin.model_provider`` (which installs the seams) after
+    ``torch.manual_seed(0)``: call after ``_parse`` and ``initialize_model_parallel``."""
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hexiseq.megatron import plugin
+
+    torch.manual_seed(0)
+    return plugin.model_provider(stock.model_provider, stock.gpt_builder, stock)(
+        pre_process=True,
+        post_process=True,
+        config=None,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
 def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str, docs: bool) -> dict:
     sys.path.insert(0, checkout)
     import pretrain_gpt as stock
     import torch
     from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_hexiseq.megatron import plugin
 
@@ -127,13 +143,7 @@ def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str, docs
         argv = [a for a in argv if a not in ("--reset-attention-mask", "--reset-position-ids")]
     args = _parse(argv, rank, world)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=3)
-    torch.manual_seed(0)
-    model = plugin.model_provider(stock.model_provider, stock.gpt_builder, stock)(
-        pre_process=True,
-        post_process=True,
-        config=None,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-    )
+    model = hexiseq_model(stock)
     assert args.create_attention_mask_in_dataloader is False
     # Megatron's own get_batch: the plugin's prepared batches (boundaries read on the host by
     # the planning thread, this rank's slice copied) and the slicer passing it through
@@ -158,32 +168,38 @@ def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str, docs
     return out
 
 
+def stock_model(stock):
+    """Stock Megatron's GPT from ``pretrain_gpt.model_provider`` after ``torch.manual_seed(0)``,
+    for a single-process reference on CPU: call after ``_parse`` and CP 1's
+    ``initialize_model_parallel``, inside ``cpu_device_shim``. Dropout is 0, so
+    DotProductAttention's CUDA RNG fork draws nothing (and needs CUDA to exist): it is a no-op."""
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    torch.manual_seed(0)
+    return stock.model_provider(
+        stock.gpt_builder,
+        True,
+        True,
+        None,
+        config=None,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
 def _reference_worker(rank: int, world: int, checkout: str) -> dict:
     sys.path.insert(0, checkout)
     import pretrain_gpt as stock
-    import torch
     from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_hexiseq.megatron.config import cpu_device_shim
 
     _parse(COMMON, rank, world)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    # dropout is 0: DotProductAttention's CUDA RNG fork draws nothing (and needs CUDA to exist)
-    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    torch.manual_seed(0)
     with cpu_device_shim():
-        model = stock.model_provider(
-            stock.gpt_builder,
-            True,
-            True,
-            None,
-            config=None,
-            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-        )
-        out = _step(model, _batch(dense_mask=True))
+        out = _step(stock_model(stock), _batch(dense_mask=True))
     mpu.destroy_model_parallel()
     return out
 

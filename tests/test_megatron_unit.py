@@ -60,6 +60,7 @@ def test_flag_set_is_pinned():
         "--hexiseq-comm-chunks",
         "--hexiseq-allow-mismatch",
         "--hexiseq-batch-plan",
+        "--hexiseq-global-batch",
         "--hexiseq-overlap-tune",
         "--hexiseq-overlap-config",
         "--hexiseq-check-params",

@@ -8,7 +8,8 @@ Layer (a) (subprocesses, no ranks):
 - ``packed_checks``: each refused combination is one line naming the flag.
 - With ``MEGATRON_LM``: the recipe's sbatch dry run (``PLAN_ARGS="--doc-lengths L.json"``,
   ``HEXISEQ_ARGS="--hexiseq-batch-plan"``, ``--reset-attention-mask --reset-position-ids
-  --eod-mask-loss``) plans a layout for the lengths (``planner.documents`` recorded) and every
+  --eod-mask-loss``), and its global-batch variant (``HEXISEQ_ARGS="--hexiseq-global-batch"``,
+  ``DATA_PARALLEL=2`` on 4 nodes of 2 GPUs: each replica one H100 and one A100 node), plans a layout for the lengths (``planner.documents`` recorded) and every
   rank's command passes Megatron-LM's real ``parse_args`` + ``validate_args``; the same commands
   with ``--hybrid-context-parallel``, or without ``--reset-attention-mask``, are refused in one line
   by the post-parse hook.
@@ -109,22 +110,50 @@ RECIPE_ARGV = (
 ).split()
 
 
+# the recipe's two variants: per-micro-batch plans on each replica's samples (2 nodes of 4 GPUs),
+# and global-batch scheduling over two data-parallel replicas (4 nodes of 2 GPUs: each replica one
+# H100 and one A100 node); each with its flag, data-parallel size, nodes, GPU types, GPUs per node
+# and the start of the one-line refusal of the same command without --reset-attention-mask
+VARIANTS = {
+    "batch-plan": (
+        "--hexiseq-batch-plan",
+        "1",
+        "gpu1 gpu2",
+        "H100-SXM-80GB A100-SXM-80GB",
+        "4",
+        "HexiSeqError: --hexiseq-batch-plan plans each",
+    ),
+    "global-batch": (
+        "--hexiseq-global-batch",
+        "2",
+        "gpu1 gpu2 gpu3 gpu4",
+        "H100-SXM-80GB H100-SXM-80GB A100-SXM-80GB A100-SXM-80GB",
+        "2",
+        "HexiSeqError: --hexiseq-global-batch cuts",
+    ),
+}
+
+
 @pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
-def test_recipe_dry_run_passes_megatron_validate_args(stand_ins, tmp_path) -> None:
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_recipe_dry_run_passes_megatron_validate_args(stand_ins, tmp_path, variant) -> None:
     from test_slurm_megatron_args import VALIDATE
+
+    flag, data_parallel, nodes, gpu_types, per_node, no_docs_error = VARIANTS[variant]
 
     lengths = tmp_path / "L.json"
     lengths.write_text(json.dumps(heavy_tailed_lengths(2000, seed=4, median=1500)))
     env = {
         **stand_ins,
         "WORKDIR": str(tmp_path / "work"),
-        "HEXISEQ_NODES": "gpu1 gpu2",
-        "GPU_TYPES": "H100-SXM-80GB A100-SXM-80GB",
-        "GPUS_PER_NODE": "4",
+        "HEXISEQ_NODES": nodes,
+        "GPU_TYPES": gpu_types,
+        "GPUS_PER_NODE": per_node,
         "MODEL": "llama3-8b",
         "SEQ_LENGTH": "16384",
         "PLAN_ARGS": f"--time-limit 2 --reproducible --doc-lengths {lengths}",
-        "HEXISEQ_ARGS": "--hexiseq-batch-plan",
+        "HEXISEQ_ARGS": flag,
+        "DATA_PARALLEL": data_parallel,
     }
     res = _run(env, *RECIPE_ARGV)
     assert res.returncode == 0, res.stderr + res.stdout
@@ -136,7 +165,8 @@ def test_recipe_dry_run_passes_megatron_validate_args(stand_ins, tmp_path) -> No
     commands = []
     for _, renv, cmd in ranks.values():
         argv = cmd[len(prefix) :].split()
-        assert "--hexiseq-batch-plan" in argv and "--reset-attention-mask" in argv
+        assert flag in argv and "--reset-attention-mask" in argv
+        assert argv[argv.index("--context-parallel-size") + 1] == str(8 // int(data_parallel))
         commands.append((renv, argv))
     first_env, first = commands[0]
     refused = [
@@ -162,4 +192,4 @@ def test_recipe_dry_run_passes_megatron_validate_args(stand_ins, tmp_path) -> No
     assert all(v[0] is None for v in verdicts[: len(commands)]), verdicts[:2]
     hybrid, no_docs = verdicts[len(commands) :]
     assert hybrid[0].startswith("HexiSeqError: --hybrid-context-parallel"), hybrid
-    assert no_docs[0].startswith("HexiSeqError: --hexiseq-batch-plan plans each"), no_docs
+    assert no_docs[0].startswith(no_docs_error), no_docs

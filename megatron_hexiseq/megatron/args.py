@@ -83,6 +83,15 @@ class HexiSeqArgs:
         "layout written by 'megatron-hexiseq plan' (it records the cluster and the model).",
         default=False,
     )
+    global_batch: bool = _flag(
+        "Schedule each step's whole global batch: every rank reads the step's samples, the "
+        "documents (cut at EOD tokens) go to the domains (a job's, or the data-parallel replicas "
+        "of --hexiseq-layout) and their micro-batches by predicted cost, and each micro-batch is "
+        "planned by the batch planner in its domain (implies --hexiseq-batch-plan). Needs "
+        "--reset-attention-mask, TP = PP = 1 and a layout or job written by 'megatron-hexiseq "
+        "plan' (docs/megatron.md, 'Packed long-context training').",
+        default=False,
+    )
     overlap_tune: bool = _flag(
         "Tune communication/computation overlap knobs online in the first iterations "
         "(megatron_hexiseq.overlap) and save the result.",
@@ -108,6 +117,11 @@ class HexiSeqArgs:
             raise HexiSeqError(
                 "give --hexiseq-layout (one layout on every context-parallel domain) or "
                 "--hexiseq-job (a job of domains with their own layouts), not both"
+            )
+        if self.global_batch and not self.enabled:
+            raise HexiSeqError(
+                "--hexiseq-global-batch schedules the global batch over HexiSeq domains: give "
+                "--hexiseq-layout PATH (its data-parallel replicas) or --hexiseq-job PATH"
             )
         if self.check_params < 0:
             raise HexiSeqError(

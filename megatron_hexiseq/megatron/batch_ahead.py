@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -163,15 +164,11 @@ class Preparer:
 
 
 class _Ahead:
-    """A background thread turning an iterator's CPU batches into ``Prepared`` ones, at most
-    ``depth`` ahead (a bounded queue)."""
+    """A background thread draining an iterator of ``Prepared`` micro-batches (it reads and
+    prepares them), at most ``depth`` ahead (a bounded queue)."""
 
-    _END = object()
-
-    def __init__(
-        self, source: Iterator[Any], prepare: Callable[[Any], Prepared], depth: int
-    ) -> None:
-        self.source, self.prepare = source, prepare
+    def __init__(self, items: Iterator[Prepared], depth: int) -> None:
+        self.items = items
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.done = False
         self.thread = threading.Thread(target=self._run, name="hexiseq-plan-ahead", daemon=True)
@@ -179,8 +176,8 @@ class _Ahead:
 
     def _run(self) -> None:
         try:
-            for batch in self.source:
-                self.queue.put(("ok", self.prepare(batch)))
+            for item in self.items:
+                self.queue.put(("ok", item))
             self.queue.put(("end", None))
         except BaseException as e:  # handed to the training thread, raised there
             self.queue.put(("error", e))
@@ -201,18 +198,25 @@ class _Ahead:
 
 
 class AheadBatches:
-    """``get_batch_on_this_tp_rank`` for HexiSeq runs with packed documents (module docstring)."""
+    """``get_batch_on_this_tp_rank`` for HexiSeq runs with packed documents (module docstring).
+
+    ``preparer`` prepares each CPU batch of the stream as one micro-batch; ``streams`` (instead)
+    turns a whole stream of CPU batches into its prepared micro-batches, called in the training
+    thread when a stream is first used (the global-batch path: ``megatron.global_ahead``)."""
 
     def __init__(
         self,
-        preparer: Callable[[Any], Prepared],
+        preparer: Callable[[Any], Prepared] | None,
         documents: MicroBatchDocuments,
         layout: MicroBatchLayout,
         *,
         depth: int,
         device: torch.device,
+        streams: Callable[[Iterator[Any]], Iterator[Prepared]] | None = None,
     ) -> None:
-        self.preparer, self.documents, self.layout = preparer, documents, layout
+        assert (preparer is None) != (streams is None), "a preparer or a stream factory"
+        self.streams = streams if streams is not None else partial(map, preparer)
+        self.documents, self.layout = documents, layout
         self.depth, self.device = depth, device
         self._streams: dict[int, tuple[Any, Any]] = {}
         self.exposed_s: list[float] = []  # per micro-batch: wait + copies, training thread
@@ -226,10 +230,10 @@ class AheadBatches:
             return got[1]
         inner = getattr(data_iterator, "iterable", None)
         if inner is not None and hasattr(data_iterator, "rewind"):  # RerunDataIterator
-            data_iterator.iterable = _Ahead(iter(inner), self.preparer, self.depth)
+            data_iterator.iterable = _Ahead(self.streams(iter(inner)), self.depth)
             target = data_iterator
         else:
-            target = _Ahead(iter(data_iterator), self.preparer, self.depth)
+            target = _Ahead(self.streams(iter(data_iterator)), self.depth)
         self._streams[id(data_iterator)] = (data_iterator, target)
         return target
 

@@ -47,6 +47,9 @@ from megatron_hexiseq.megatron.documents import positions_in_documents
 from megatron_hexiseq.megatron.tensor_parallel import check_bundle_tokens
 
 if TYPE_CHECKING:  # annotations only: the planner imports the cost model
+    from megatron_hexiseq.cluster import Cluster
+    from megatron_hexiseq.model import ModelSpec
+    from megatron_hexiseq.run_config import TrainOptions
     from megatron_hexiseq.varlen.batch import BatchPlanner
 
 # where 'megatron-hexiseq plan' records the cluster and the model in a layout's meta
@@ -203,19 +206,21 @@ class PlannerLayouts:
         return replace(round_segments(layout, tp), tensor_model_parallel_size=tp)
 
 
-def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
-    """``--hexiseq-batch-plan``'s provider: a ``BatchPlanner`` on ``layout``'s structure with the
-    cluster, model and options recorded in ``layout.meta`` (one line if they are missing)."""
+def planner_inputs(
+    layout: Layout, source: str = "layout", flag: str = "--hexiseq-batch-plan"
+) -> tuple[Cluster, ModelSpec, TrainOptions]:
+    """The cluster, model (at the layout's length) and training options 'megatron-hexiseq plan'
+    records in ``layout.meta``, which the batch planner needs (one line, naming ``flag``, if they
+    are missing)."""
     from megatron_hexiseq.cluster import cluster_from_dict
     from megatron_hexiseq.model import model_from_dict
     from megatron_hexiseq.run_config import check_options_record, options_from_record
-    from megatron_hexiseq.varlen.batch import BatchPlanner
 
     meta = layout.meta if isinstance(layout.meta, Mapping) else {}
     missing = [k for k in (CLUSTER_SPEC_KEY, MODEL_SPEC_KEY, "options") if k not in meta]
     if missing:
         raise HexiSeqError(
-            f"--hexiseq-batch-plan needs the cluster, model and options 'megatron-hexiseq plan' "
+            f"{flag} needs the cluster, model and options 'megatron-hexiseq plan' "
             f"records in the layout, but {source} has no meta.{', meta.'.join(missing)}; "
             "re-plan it with 'megatron-hexiseq plan'"
         )
@@ -225,6 +230,15 @@ def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayo
         source=f"{source}: meta.{MODEL_SPEC_KEY}",
     )
     options = options_from_record(check_options_record(meta["options"], source))
+    return cluster, model, options
+
+
+def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
+    """``--hexiseq-batch-plan``'s provider: a ``BatchPlanner`` on ``layout``'s structure with the
+    cluster, model and options recorded in ``layout.meta`` (one line if they are missing)."""
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+    cluster, model, options = planner_inputs(layout, source)
     tp = layout.tensor_model_parallel_size
     if tp == 1:
         return PlannerLayouts(BatchPlanner(layout, cluster, model, options))

@@ -96,7 +96,8 @@ class JobDataLoaders:
 
     A ``torch.utils.data.DataLoader`` over a :class:`JobBatchSampler` with Megatron's loader
     settings (``--num-workers``, persistent workers, its exit-signal handler in the workers,
-    pinned memory on CUDA). ``get_args`` returns Megatron's args at call time."""
+    pinned memory on CUDA unless ``pin_memory`` says otherwise). ``get_args`` returns Megatron's
+    args at call time."""
 
     def __init__(
         self,
@@ -105,11 +106,13 @@ class JobDataLoaders:
         global_batch: int,
         micro_batch_size: int,
         get_args: Callable[[], argparse.Namespace],
+        pin_memory: bool | None = None,
     ) -> None:
         self.samples = samples
         self.global_batch = global_batch
         self.micro_batch_size = micro_batch_size
         self._get_args = get_args
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
 
     def sampler(self, total_samples: int, consumed_samples: int) -> JobBatchSampler:
         return JobBatchSampler(
@@ -132,7 +135,7 @@ class JobDataLoaders:
             dataset,
             batch_sampler=self.sampler(len(dataset), consumed_samples),
             num_workers=workers,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
             worker_init_fn=worker_init,
         )

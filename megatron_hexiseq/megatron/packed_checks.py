@@ -14,6 +14,12 @@ before anything is built), on every rank alike, for runs with ``--hexiseq-layout
   do not load the batch, so they would know neither the documents nor the micro-batch's layout.
 - ``--dataloader-type external``: the prepared-ahead batches (``batch_ahead``) read Megatron's
   batch dict; an external loader yields anything.
+- ``--hexiseq-global-batch`` where it cannot work (``refuse_global_batch``): without
+  ``--reset-attention-mask`` (it cuts the step's samples into documents at their EOD tokens), with
+  a packed SFT dataset (``--sft``: THD batches carry their boundaries in ``cu_seqlens``, which the
+  step reader does not take), with tensor or pipeline parallelism (only TP rank 0 and the first
+  stage read data), with another data order than Megatron's ``single`` one, a batch-size ramp-up
+  (the step's samples are the global batch) or ``--full-validation`` (its own loader order).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from megatron_hexiseq.errors import HexiSeqError
 
 def refuse_packed_combinations(args: argparse.Namespace) -> None:
     """Raise ``HexiSeqError`` for a packed-document flag combination (module docstring)."""
+    refuse_global_batch(args)
     batch_plan = bool(getattr(args, "hexiseq_batch_plan", False))
     reset_mask = bool(getattr(args, "reset_attention_mask", False))
     if batch_plan and not (reset_mask or getattr(args, "sft", False)):
@@ -53,3 +60,43 @@ def refuse_packed_combinations(args: argparse.Namespace) -> None:
             "batch dict (tokens, labels, loss_mask, position_ids); use --dataloader-type single "
             "or cyclic"
         )
+
+
+def refuse_global_batch(args: argparse.Namespace) -> None:
+    """Raise ``HexiSeqError`` where ``--hexiseq-global-batch`` cannot work (module docstring)."""
+    if not getattr(args, "hexiseq_global_batch", False):
+        return
+    flag = "--hexiseq-global-batch"
+    if not getattr(args, "reset_attention_mask", False):
+        raise HexiSeqError(
+            f"{flag} cuts every step's samples into documents at their EOD tokens and schedules "
+            "the documents, but this run has no document boundaries: add --reset-attention-mask "
+            "(with --reset-position-ids and --eod-mask-loss as usual)"
+        )
+    if getattr(args, "sft", False):
+        raise HexiSeqError(
+            f"{flag} reads document boundaries from the EOD tokens of Megatron's GPT dataset; "
+            "packed SFT (THD) batches are not supported: drop --sft or --hexiseq-global-batch"
+        )
+    for attr, name in (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ):
+        size = getattr(args, attr, 1) or 1
+        if size > 1:
+            raise HexiSeqError(
+                f"{flag} needs every rank to read the step's samples, but with {name} {size} "
+                f"only some ranks read data; use {name} 1 or drop {flag}"
+            )
+    kind = getattr(args, "dataloader_type", None) or "single"
+    if kind != "single":
+        raise HexiSeqError(
+            f"--dataloader-type {kind}: {flag} reads each step's global batch in Megatron's "
+            "'single' order (megatron/global_data.py); use --dataloader-type single"
+        )
+    for attr, name, why in (
+        ("rampup_batch_size", "--rampup-batch-size", "changes the global batch every step reads"),
+        ("full_validation", "--full-validation", "reads the validation set in its own order"),
+    ):
+        if getattr(args, attr, None):
+            raise HexiSeqError(f"{name} {why}; drop it with {flag}")

@@ -239,7 +239,19 @@ def setup(
         )
     layout = runtime.layout
     runtime = replace(runtime, documents=micro_batch_documents(args, layout.seq_length))
-    if hs.batch_plan:
+    if hs.global_batch:  # every micro-batch is planned by the global-batch path (global_ahead.py)
+        from megatron_hexiseq.megatron.global_ahead import global_slot
+
+        if batch_layouts is not None:
+            raise HexiSeqError(
+                "--hexiseq-global-batch plans every micro-batch itself; drop the "
+                "per-micro-batch layout provider"
+            )
+        slot = global_slot(
+            runtime.groups, reset_position_ids=bool(getattr(args, "reset_position_ids", False))
+        )
+        runtime = replace(runtime, batch_layout=slot)
+    elif hs.batch_plan:
         if batch_layouts is not None:
             raise HexiSeqError(
                 "--hexiseq-batch-plan and a per-micro-batch layout provider were both given; "
@@ -252,13 +264,25 @@ def setup(
         )
     if pretrain_module is not None:
         domains = [sorted(d) for d in domain_process_ranks(job)] if job is not None else None
-        runtime = install_batch_seams(args, runtime, pretrain_module, cp_group, domains)
-        if training_module is None and (job is not None or hs.check_params):
+        ahead = None
+        if hs.global_batch:
+            from megatron_hexiseq.megatron.global_ahead import run_global_batches
+
+            ahead = run_global_batches(
+                args, runtime, cp_group=cp_group, job=job, place=place, source=source
+            )
+        runtime = install_batch_seams(args, runtime, pretrain_module, cp_group, domains, ahead)
+        if training_module is None and (job is not None or hs.check_params or hs.global_batch):
             from megatron.training import training
 
             training_module = training
     if training_module is not None:  # the training loop's seams: a job, the parameter check
         job_plugin.install_training_seams(training_module, args, hs, place=place, job=job)
+        if hs.global_batch:  # every rank reads every step's whole global batch
+            from megatron_hexiseq.megatron.global_ahead import global_data_loaders
+
+            loaders = global_data_loaders(args)
+            training_module.build_pretraining_data_loader = loaders  # type: ignore[attr-defined]
     return runtime
 
 
@@ -268,17 +292,20 @@ def install_batch_seams(
     pretrain_module: ModuleType,
     cp_group: dist.ProcessGroup | None,
     domains: list[list[int]] | None = None,
+    ahead: Callable[..., dict[str, Any]] | None = None,
 ) -> HexiSeqRuntime:
     """Replace ``pretrain_gpt``'s batch functions (the batch seams, on purpose). Without pipeline
     and tensor parallelism every micro-batch is prepared ahead off the training thread
     (``batch_ahead``: boundaries from the CPU batch, plan, host slices, agreement checks over the
-    CP domains, or a job's ``domains`` of process ranks) and ``get_batch`` only copies; otherwise
-    (middle pipeline stages, TP ranks that receive the batch by broadcast) the slicer slices on
-    the device as before."""
+    CP domains, or a job's ``domains`` of process ranks; ``ahead``: a ready
+    ``get_batch_on_this_tp_rank``, the global-batch path's) and ``get_batch`` only copies;
+    otherwise (middle pipeline stages, TP ranks that receive the batch by broadcast) the slicer
+    slices on the device as before."""
     reset_mask = bool(getattr(args, "reset_attention_mask", False))
     prepared = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1 and (
         getattr(args, "tensor_model_parallel_size", 1) or 1
     ) == 1
+    assert ahead is None or prepared, "the global-batch path needs TP = PP = 1 (packed_checks)"
     if prepared:
         from megatron_hexiseq.megatron.batch_ahead import ahead_batches, micro_batches_per_step
         from megatron_hexiseq.megatron.batch_layout import fixed_layout
@@ -293,15 +320,17 @@ def install_batch_seams(
             )
         assert runtime.batch_layout is not None and runtime.documents is not None
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        pretrain_module.get_batch_on_this_tp_rank = ahead_batches(  # type: ignore[attr-defined]
-            runtime.documents,
-            runtime.batch_layout,
-            reset_attention_mask=reset_mask,
-            cp_group=cp_group,
-            domains=domains,
-            depth=micro_batches_per_step(),
-            device=device,
-        )
+        if ahead is None:
+            ahead = ahead_batches(
+                runtime.documents,
+                runtime.batch_layout,
+                reset_attention_mask=reset_mask,
+                cp_group=cp_group,
+                domains=domains,
+                depth=micro_batches_per_step(),
+                device=device,
+            )
+        pretrain_module.get_batch_on_this_tp_rank = ahead  # type: ignore[attr-defined]
     slicer = LayoutBatchSlicer(
         runtime.segments,
         runtime.layout.seq_length,

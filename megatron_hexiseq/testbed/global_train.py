@@ -13,10 +13,12 @@ AdamW over gloo) with a global batch per step instead of one micro-batch per rep
   are a deterministic function of (data seed, step, unit) (``unit_tensors``; the last token is EOD),
   so a rank builds its micro-batches from its domain's bins alone.
 - **Planned ahead, off the training thread**: a planning thread, up to ``cfg.depth`` steps ahead,
-  schedules the step, checks that every rank holds the same schedule (its digest, one all-reduce on a
-  gloo side group of all ranks), plans its domain's micro-batches, builds their ``BatchPlan``s and
-  this rank's token slices, and checks once per micro-batch that the domain's ranks hold the same
-  layout (one all-reduce of the step's digests on the domain's gloo side group; ``agreement``). The
+  schedules the step, reads its domain's units, and runs the library's per-step preparation
+  (``megatron.global_ahead.StepPreparer``, what a Megatron run with ``--hexiseq-global-batch``
+  executes): checks that every rank holds the same schedule (its digest, one all-reduce on a
+  gloo side group of all ranks), plans its domain's micro-batches, builds their ``BatchPlan``s
+  and this rank's token slices, and checks once per micro-batch that the domain's ranks hold the
+  same layout (one all-reduce of the step's digests on the domain's gloo side group). The
   training thread only takes each micro-batch, makes its boundaries and plan current and runs it;
   its time to do so (the wait and the copies) is each micro-batch's exposed host time.
 - **Gradient accumulation**: a domain's micro-batches run one after another (DDP ``no_sync`` for all
@@ -37,24 +39,22 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_hexiseq.attention.documents import parse_cu_seqlens
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.megatron.agreement import check_agreement
-from megatron_hexiseq.megatron.batch_ahead import TOKEN_KEYS, Prepared
+from megatron_hexiseq.megatron.batch_ahead import Prepared
 from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
+from megatron_hexiseq.megatron.global_ahead import StepPreparer, global_slot, side_groups
+from megatron_hexiseq.megatron.global_data import GlobalStep, StepUnits
 from megatron_hexiseq.megatron.loss import per_token_loss
 from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.testbed.train import build_gpt, train_step
 from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig
-from megatron_hexiseq.varlen.digest import digest_ints, layout_digest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,26 +120,17 @@ def unit_tensors(
     return {"tokens": text[:-1], "labels": text[1:], "loss_mask": mask}
 
 
-def micro_batch(
-    cfg: GlobalTrainConfig, step: int, units: Sequence[int], ids: Sequence[int]
-) -> dict[str, torch.Tensor]:
-    """The micro-batch of units ``ids`` (loader order), ``[1, N]`` tensors."""
-    parts = [unit_tensors(cfg, step, u, units[u]) for u in ids]
-    out = {
-        k: torch.cat([p[k] for p in parts]).unsqueeze(0) for k in ("tokens", "labels", "loss_mask")
-    }
-    out["position_ids"] = torch.arange(out["tokens"].shape[1]).unsqueeze(0)
-    return out
-
-
 class _Planner:
-    """The planning thread of one rank (module docstring)."""
+    """The planning thread of one rank (module docstring): the library's per-step preparation
+    (``megatron.global_ahead.StepPreparer``, what a Megatron run executes) on a step whose batch
+    holds only this domain's units (each rank reads exactly its documents)."""
 
     def __init__(
         self, cfg: GlobalTrainConfig, slot: MicroBatchLayout, domain: int, world_side, domain_side
     ) -> None:
-        self.cfg, self.slot, self.domain = cfg, slot, domain
+        self.cfg, self.domain = cfg, domain
         self.world_side, self.domain_side = world_side, domain_side
+        self.prepare = StepPreparer(cfg.scheme, domain, slot, pin=False)
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, cfg.depth))
         self.thread = threading.Thread(target=self._run, name="hexiseq-global-plan", daemon=True)
         self.thread.start()
@@ -155,34 +146,14 @@ class _Planner:
         self, step: int, units: Sequence[int]
     ) -> tuple[list[Prepared], list[tuple[int, ...]], float]:
         t0 = time.thread_time()
-        data_s = 0.0  # reading the units' tokens: the data loader's work, not planning
-        bins = self.cfg.scheme.schedule(step, units)
-        check_agreement(
-            [digest_ints(_flat(bins))], self.world_side, names=[f"step {step}: the schedule"]
-        )
-        mine = [tuple(b) for b in bins[self.domain]]
-        items, digests = [], []
-        for k, ids in enumerate(mine):
-            lengths = [int(units[u]) for u in ids]
-            layout = self.cfg.scheme.layout(self.domain, lengths)
-            cu = [0, *np.cumsum(lengths).tolist()]
-            bounds = parse_cu_seqlens(cu, seq_length=cu[-1], batch=1)
-            plan = self.slot.plan_of(layout, bounds, any_length=True)
-            t1 = time.thread_time()
-            batch = micro_batch(self.cfg, step, units, ids)
-            data_s += time.thread_time() - t1
-            gather = torch.as_tensor(np.asarray(plan.positions, dtype=np.int64))
-            tensors = {key: batch[key].index_select(1, gather) for key in TOKEN_KEYS}
-            plan.host_index()
-            items.append(Prepared(tensors, bounds, plan, k))
-            digests.append(layout_digest(layout, cu))
-        if self.domain_side is not None:
-            check_agreement(
-                digests,
-                self.domain_side,
-                names=[f"step {step} micro-batch {k}" for k in range(len(mine))],
-            )
-        return items, mine, time.thread_time() - t0 - data_s
+        bins = tuple(tuple(tuple(b) for b in d) for d in self.cfg.scheme.schedule(step, units))
+        mine = list(bins[self.domain])
+        t1 = time.thread_time()  # reading the units' tokens: the data loader's work, not planning
+        batch, where = _domain_batch(self.cfg, step, units, [u for b in mine for u in b])
+        data_s = time.thread_time() - t1
+        got = GlobalStep(step, batch, where, bins)
+        items = self.prepare(got, self.world_side, self.domain_side)
+        return list(items), mine, time.thread_time() - t0 - data_s
 
     def next(self) -> tuple[list[Prepared], list[tuple[int, ...]], float]:
         kind, item = self.queue.get()
@@ -191,30 +162,28 @@ class _Planner:
         return item
 
 
-def _no_provider(bounds: Any) -> Layout:
-    raise HexiSeqError("the global-batch driver plans every micro-batch in its planning thread")
-
-
-def _flat(bins: Sequence[Sequence[Sequence[int]]]) -> list[int]:
-    out: list[int] = []
-    for d in bins:
-        out.append(-2)
-        for b in d:
-            out.append(-1)
-            out.extend(int(u) for u in b)
-    return out
-
-
-def _side_groups(world: int, size: int) -> tuple[Any, Any]:
-    """Gloo side groups of the planning thread: all ranks, and this rank's domain (every rank
-    creates every group in the same order)."""
-    world_side = dist.new_group(list(range(world)), backend="gloo")
-    mine = None
-    for d in range(world // size):
-        g = dist.new_group(list(range(d * size, (d + 1) * size)), backend="gloo")
-        if d == dist.get_rank() // size:
-            mine = g if size > 1 else None
-    return world_side, mine
+def _domain_batch(
+    cfg: GlobalTrainConfig, step: int, units: Sequence[int], ids: Sequence[int]
+) -> tuple[dict[str, torch.Tensor], StepUnits]:
+    """The step's units as one ``[1, sum(units)]`` sample in loader order, with only units
+    ``ids`` read (``unit_tensors``; the others stay zero: no rank reads another domain's
+    documents), and where every unit sits in it."""
+    starts = [0, *np.cumsum(units).tolist()]
+    total = starts[-1]
+    batch = {
+        "tokens": torch.zeros(1, total, dtype=torch.long),
+        "labels": torch.zeros(1, total, dtype=torch.long),
+        "loss_mask": torch.zeros(1, total),
+        "position_ids": torch.zeros(1, total, dtype=torch.long),
+    }
+    for u in ids:
+        a, b = starts[u], starts[u + 1]
+        for key, value in unit_tensors(cfg, step, u, b - a).items():
+            batch[key][0, a:b] = value
+        batch["position_ids"][0, a:b] = torch.arange(b - a)
+    n = len(units)
+    where = StepUnits((0,) * n, tuple(starts[:-1]), tuple(int(x) for x in units), total)
+    return batch, where
 
 
 def train_global_rank(rank: int, world_size: int, cfg: GlobalTrainConfig) -> GlobalTrainResult:
@@ -244,9 +213,7 @@ def train_global_rank(rank: int, world_size: int, cfg: GlobalTrainConfig) -> Glo
             reset_position_ids=cfg.reset_position_ids,
             required=True,
         )
-        slot = MicroBatchLayout(
-            runtime.groups, _no_provider, reset_position_ids=cfg.reset_position_ids
-        )
+        slot = global_slot(runtime.groups, reset_position_ids=cfg.reset_position_ids)
         runtime = replace(runtime, documents=documents, batch_layout=slot)
         model = build_gpt(cfg.train_config(), runtime=runtime)
         ddp_config = DistributedDataParallelConfig(
@@ -258,7 +225,8 @@ def train_global_rank(rank: int, world_size: int, cfg: GlobalTrainConfig) -> Glo
             ddp = DistributedDataParallel(model.config, ddp_config, model)
         params = [p for p in ddp.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr)
-        world_side, domain_side = _side_groups(world_size, W)
+        replicas = [list(range(d * W, (d + 1) * W)) for d in range(cfg.replicas)]
+        world_side, domain_side = side_groups(replicas)
         planner = _Planner(cfg, slot, rank // W, world_side, domain_side)
         device = torch.device("cpu")
         losses, times, exposed, cpu, all_bins, all_layouts = [], [], [], [], [], []
