@@ -266,3 +266,56 @@ def test_one_document_reproduces_estimate_on_catalog_curves(kernel: str) -> None
         assert doc.attention_s == pytest.approx(np.array(est.values("attention_s")), rel=1e-12)
         assert doc.time_s == pytest.approx(np.array(est.values("time_s")), rel=1e-12, abs=1e-15)
         assert doc.iteration_time_s == pytest.approx(est.iteration_time_s, rel=1e-12)
+
+
+def test_packed_blocks_of_a_cudnn_run_are_priced_as_flash_varlen() -> None:
+    """On Hopper ``auto`` picks cuDNN, but the runtime runs every packed block as flash's
+    variable-length call (``kernel_rules.packed_kernel``): with several documents ``auto`` and
+    ``cudnn`` price attention exactly as ``flash``; with one document (the dense path) cuDNN's own,
+    faster rate stays; the per-micro-batch planner prices its micro-batches the same way."""
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+    S = 8192
+    c = cluster_from_dict(
+        {
+            "name": "h",
+            "gpus": {},
+            "nodes": [{"name": "n0", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 50}],
+        }
+    )
+    lay = make_layout(
+        seq_length=S,
+        num_attention_heads=8,
+        num_query_groups=8,
+        group_sizes=[1, 1],
+        segments=[[(0, S // 2)], [(S // 2, S)]],
+        heads=[list(range(8))] * 2,
+        hosts=["n0", "n0"],
+        gpus=["H100-SXM-80GB"] * 2,
+    )
+    model = ModelSpec(
+        name="t",
+        num_layers=2,
+        hidden_size=8 * 128,
+        ffn_hidden_size=2048,
+        vocab_size=64,
+        kv_channels=128,
+        num_attention_heads=8,
+        num_query_groups=8,
+        seq_length=S,
+        swiglu=False,
+    )
+    auto, cudnn, flash = (TrainOptions(attention_kernel=k) for k in ("auto", "cudnn", "flash"))
+    assert attention_rate(c.devices[0].gpu, 128).kernel == "cudnn"
+    docs = [0, 1000, 3000, 4500, 8192]
+    want = estimate_documents(lay, c, model, flash, docs)
+    for opts in (auto, cudnn):
+        got = estimate_documents(lay, c, model, opts, docs)
+        assert got.attention_s.tolist() == want.attention_s.tolist()
+        assert got.iteration_time_s == want.iteration_time_s
+    one = [0, S]
+    dense = estimate_documents(lay, c, model, auto, one)
+    assert (dense.attention_s < 0.8 * estimate_documents(lay, c, model, flash, one).attention_s).all()
+    auto_bp, flash_bp = BatchPlanner(lay, c, model, auto), BatchPlanner(lay, c, model, flash)
+    cu = np.array(docs)
+    assert auto_bp.predict(lay, cu) == flash_bp.predict(lay, cu)

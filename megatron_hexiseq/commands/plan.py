@@ -256,9 +256,15 @@ def _for_documents(layout: Layout, prob: Problem, docs: list[int], left_s: float
 
         b_cluster, b_model, b_options = bundle_setting(prob.cluster, prob.model, options, tp)
         chosen, record = choose_structure(
-            over_bundles(layout), b_cluster, b_model, b_options, docs, deadline=deadline
+            over_bundles(layout),
+            b_cluster,
+            b_model,
+            b_options,
+            docs,
+            deadline=deadline,
+            prepare=lambda lay: round_segments(lay, tp),  # a candidate must hold whole bundles
         )
-        chosen = replace(round_segments(chosen, tp), tensor_model_parallel_size=tp)
+        chosen = replace(chosen, tensor_model_parallel_size=tp)
     est = costmodel.estimate(chosen, prob.cluster, prob.model, options)
     planner = {**layout.planner, "documents": record}
     planner["time_limit_reached"] = bool(planner.get("time_limit_reached")) or deadline.reached

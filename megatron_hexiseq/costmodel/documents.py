@@ -215,15 +215,16 @@ def estimate_documents(
     g_tokens = np.bincount(gi, weights=tokens, minlength=n).astype(np.int64)
 
     dev = _device_arrays(cluster)
+    packed = cu.size > 2  # several documents: the packed path's kernel (rates.attention_rate)
     lin_rate, att_rate = np.empty(W), np.empty(W)
     for first, where in dev.types:
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)
-        att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options)
+        att_rate[where] = attention_s_per_pair_head(model, cluster.devices[first], options, packed)
     linear_s = tokens * lin_rate + dev.overhead_s
     if options.memory_mode == "fsdp":  # Megatron-FSDP's per-layer collectives, as estimate's
         linear_s = linear_s + fsdp_rank_exposed_s(cluster, model, options, tokens * lin_rate)
     # every window a kernel call at its own achieved rate (module docstring, "Kernel calls")
-    rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel)
+    rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel, packed)
     own = np.rint(np.bincount(pg, weights=own_group_pairs(pieces, pg, cu), minlength=n)).astype(
         np.int64
     )

@@ -285,11 +285,14 @@ def linear_s_per_token(model: ModelSpec, device: Device, options: TrainOptions) 
     return flops_s + tp_collective_s_per_token(model, device, options)
 
 
-def attention_s_per_pair_head(model: ModelSpec, device: Device, options: TrainOptions) -> float:
+def attention_s_per_pair_head(
+    model: ModelSpec, device: Device, options: TrainOptions, packed: bool = False
+) -> float:
     """Seconds of attention per visible (q, k) pair per query head per iteration on ``device``, at
-    the long-block rate of the kernel the options choose (``rates.attention_rate``); ``estimate``
-    scales it by the achieved fraction of the rank's actual calls."""
-    rate = attention_rate(device.gpu, model.kv_channels, options.attention_kernel)
+    the long-block rate of the kernel the options choose (``rates.attention_rate``; ``packed``: the
+    kernel a packed-document block runs); ``estimate`` scales it by the achieved fraction of the
+    rank's actual calls."""
+    rate = attention_rate(device.gpu, model.kv_channels, options.attention_kernel, packed)
     return (
         options.micro_batch_size
         * train_flops(attention_flops_per_pair_head(model), options)

@@ -115,12 +115,18 @@ def pick_kernel(
 
 
 @lru_cache(maxsize=1024)
-def attention_rate(gpu: GpuType, head_dim: int, forced: str = "auto") -> AttentionRate:
+def attention_rate(
+    gpu: GpuType, head_dim: int, forced: str = "auto", packed: bool = False
+) -> AttentionRate:
     """The long-block rate and curves of the kernel ``forced`` names (or ``auto`` picks) on ``gpu``
     (cached: ``formulas.attention_s_per_pair_head`` asks per GPU type on every ``estimate``, and
     the kernel choice reads the type's figures by name; a forced kernel without a figure raises
-    every time, since exceptions are not cached)."""
+    every time, since exceptions are not cached). ``packed``: the rate of a packed-document block,
+    which runs the kernel's variable-length call where it has one (``kernel_rules.packed_kernel``:
+    cuDNN's packed blocks run as flash's variable-length call, ``attention/varlen.py``)."""
     kernel = None if gpu.attention_tflops is not None else pick_kernel(gpu, head_dim, forced)
+    if kernel is not None and packed:
+        kernel = kernel_rules.packed_kernel(kernel)
     if kernel is None:
         peak = gpu.attention_tflops if gpu.attention_tflops is not None else gpu.bf16_tflops
         causal, full = gpu.curve(f"{CPU_KERNEL}/causal"), gpu.curve(f"{CPU_KERNEL}/full")
@@ -183,24 +189,26 @@ class ClusterRates(NamedTuple):
         return out
 
 
-def cluster_rates(cluster: Cluster, head_dim: int, forced: str = "auto") -> ClusterRates:
+def cluster_rates(
+    cluster: Cluster, head_dim: int, forced: str = "auto", packed: bool = False
+) -> ClusterRates:
     """:func:`attention_rate` of every device (once per GPU type), kept per cluster
-    (``comm.cluster_arrays``' memo) and (head dim, kernel): every ``estimate`` reads them, and
-    building them took ~0.3 ms per call on 128 GPUs, ~4% of a 128-GPU ``plan()``'s CPU time
+    (``comm.cluster_arrays``' memo) and (head dim, kernel, packed): every ``estimate`` reads them,
+    and building them took ~0.3 ms per call on 128 GPUs, ~4% of a 128-GPU ``plan()``'s CPU time
     (65 estimates). The arrays are shared read-only."""
     memo = cluster_arrays(cluster).memo.setdefault("cluster_rates", {})
-    key = (head_dim, forced)
+    key = (head_dim, forced, packed)
     if key not in memo:
-        memo[key] = _cluster_rates(cluster, head_dim, forced)
+        memo[key] = _cluster_rates(cluster, head_dim, forced, packed)
     return memo[key]
 
 
-def _cluster_rates(cluster: Cluster, head_dim: int, forced: str) -> ClusterRates:
+def _cluster_rates(cluster: Cluster, head_dim: int, forced: str, packed: bool) -> ClusterRates:
     """``cluster_rates`` without the memo."""
     by_type: dict[GpuType, AttentionRate] = {}
     for d in cluster.devices:
         if d.gpu not in by_type:
-            by_type[d.gpu] = attention_rate(d.gpu, head_dim, forced)
+            by_type[d.gpu] = attention_rate(d.gpu, head_dim, forced, packed)
     rates = [by_type[d.gpu] for d in cluster.devices]
     types = [d.gpu for d in cluster.devices]
     groups = tuple(

@@ -10,11 +10,14 @@ wins (ties: the planner's own, then in listed order). A candidate equal to an ea
 heads, hosts, GPUs and segments) takes its scores without being planned again. With a ``Deadline``
 (``plan --time-limit``) the planner's own layout is always scored and the others only while the
 deadline has not passed; the record lists the rest as not scored and says ``time_limit_reached``.
+``prepare`` turns each candidate into the layout that would be run (``plan
+--tensor-model-parallel-size``: segments rounded to whole TP bundles); a candidate it refuses is
+recorded with the reason and not scored, so the chosen structure is always one that can run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -67,6 +70,7 @@ def choose_structure(
     batches: int = STRUCTURE_BATCHES,
     seed: int = STRUCTURE_SEED,
     deadline: Deadline | None = None,
+    prepare: Callable[[Layout], Layout] | None = None,
 ) -> tuple[Layout, dict[str, Any]]:
     """The candidate structure with the fastest mean per-batch plan (module docstring), as a layout
     of ``planned.seq_length`` tokens, and the record of the choice (``planner.documents``).
@@ -77,8 +81,19 @@ def choose_structure(
     for b in baseline_layouts(cluster, model, N) + heuristic_layouts(cluster, model, N):
         if b.layout is not None:
             candidates.append((b.label, b.layout))
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []  # one per candidate, in order
+    refused: list[dict[str, Any]] = []  # candidates ``prepare`` refused (listed after the rest)
     scored: dict[tuple, dict[str, Any]] = {}  # a layout's scores, by _same_key
+    if prepare is not None:
+        ready: list[tuple[str, Layout]] = []
+        for name, lay in candidates:
+            try:
+                ready.append((name, prepare(lay)))
+            except HexiSeqError as e:  # e.g. a bundle left without tokens by the rounding
+                refused.append({"name": name, "mean_step_s": None, "reason": str(e)})
+        candidates = ready
+        if not candidates:
+            raise HexiSeqError(f"no candidate structure can run: {refused[0]['reason']}")
     for i, (name, lay) in enumerate(candidates):
         key = _same_key(lay)
         if key in scored:
@@ -107,7 +122,7 @@ def choose_structure(
         "tokens_per_batch": N,
         "documents": len(doc_lengths),
         "chosen": name,
-        "candidates": rows,
+        "candidates": rows + refused,
         "time_limit_reached": deadline is not None and deadline.reached,
     }
     return chosen, record
