@@ -315,7 +315,9 @@ def test_packed_blocks_of_a_cudnn_run_are_priced_as_flash_varlen() -> None:
         assert got.iteration_time_s == want.iteration_time_s
     one = [0, S]
     dense = estimate_documents(lay, c, model, auto, one)
-    assert (dense.attention_s < 0.8 * estimate_documents(lay, c, model, flash, one).attention_s).all()
+    assert (
+        dense.attention_s < 0.8 * estimate_documents(lay, c, model, flash, one).attention_s
+    ).all()
     auto_bp, flash_bp = BatchPlanner(lay, c, model, auto), BatchPlanner(lay, c, model, flash)
     cu = np.array(docs)
     assert auto_bp.predict(lay, cu) == flash_bp.predict(lay, cu)
