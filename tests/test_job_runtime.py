@@ -48,20 +48,36 @@ from megatron_hexiseq.run_config import TrainOptions, options_record
 from megatron_hexiseq.testbed.train_config import TINY_GPT
 
 SEQ = 48
-# node c0: one fast device; node c1: three slow ones (cluster ranks 0 | 1, 2, 3)
-CLUSTER = cluster_from_dict(
-    {
-        "name": "cpu-job",
-        "gpus": {
-            "FAST-CPU": {"bf16_tflops": 0.2, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-            "SLOW-CPU": {"bf16_tflops": 0.1, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-        },
-        "nodes": [
-            {"name": "c0", "gpu": "FAST-CPU", "count": 1, "network_GBps": 1},
-            {"name": "c1", "gpu": "SLOW-CPU", "count": 3, "network_GBps": 1},
-        ],
-    }
-)
+
+
+def cpu_cluster(name: str, fast: int, slow: int):
+    """Node c0: ``fast`` fast devices; node c1: ``slow`` slow ones."""
+    return cluster_from_dict(
+        {
+            "name": name,
+            "gpus": {
+                "FAST-CPU": {
+                    "bf16_tflops": 0.2,
+                    "memory_gib": 8,
+                    "nvlink_GBps": 5,
+                    "efficiency": 1.0,
+                },
+                "SLOW-CPU": {
+                    "bf16_tflops": 0.1,
+                    "memory_gib": 8,
+                    "nvlink_GBps": 5,
+                    "efficiency": 1.0,
+                },
+            },
+            "nodes": [
+                {"name": "c0", "gpu": "FAST-CPU", "count": fast, "network_GBps": 1},
+                {"name": "c1", "gpu": "SLOW-CPU", "count": slow, "network_GBps": 1},
+            ],
+        }
+    )
+
+
+CLUSTER = cpu_cluster("cpu-job", 1, 3)  # cluster ranks 0 | 1, 2, 3
 
 
 def layout_on(ranks: list[int], segments, heads, groups) -> Layout:
@@ -137,20 +153,7 @@ def one_domain_job() -> JobPlan:
     return make_job([([0, 1, 2], 4, three)])
 
 
-# node c0: two fast devices (one TP bundle); node c1: four slow ones (two bundles)
-TP_CLUSTER = cluster_from_dict(
-    {
-        "name": "cpu-job-tp",
-        "gpus": {
-            "FAST-CPU": {"bf16_tflops": 0.2, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-            "SLOW-CPU": {"bf16_tflops": 0.1, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-        },
-        "nodes": [
-            {"name": "c0", "gpu": "FAST-CPU", "count": 2, "network_GBps": 1},
-            {"name": "c1", "gpu": "SLOW-CPU", "count": 4, "network_GBps": 1},
-        ],
-    }
-)
+TP_CLUSTER = cpu_cluster("cpu-job-tp", 2, 4)  # one fast TP bundle of 2 | two slow ones
 TP = 2
 
 

@@ -59,25 +59,14 @@ def _pair(host: str, gpu: str, options: dict):
     )
 
 
-def _job(memory_mode: str = "distributed_optimizer", recompute: bool = False) -> JobPlan:
-    options = options_record(TrainOptions(memory_mode=memory_mode, recompute=recompute), [])
-    return JobPlan(
-        global_batch=8,
-        seq_length=SEQ,
-        model=MODEL.to_dict(),
-        cluster=cluster_to_dict(CLUSTER),
-        options=options,
-        domains=(
-            Domain(ranks=(1, 0), micro_batches=6, layout=_pair("gpu1", "H100-SXM-80GB", options)),
-            Domain(ranks=(2, 3), micro_batches=2, layout=_pair("gpu2", "A100-SXM-80GB", options)),
-        ),
-    )
-
-
-def _tp_job(memory_mode: str = "distributed_optimizer") -> JobPlan:
-    """Two domains of one TP bundle of 2 each (llama3-8b: 16 / 4 heads per TP rank)."""
+def _job(
+    memory_mode: str = "distributed_optimizer", recompute: bool = False, tp: int = 1
+) -> JobPlan:
+    """The H100 pair (GPU 1 first) with 6 micro-batches, the A100 pair with 2: each a two-rank
+    layout, or with ``tp = 2`` one TP bundle (llama3-8b: 16 / 4 heads per TP rank)."""
     options = options_record(
-        TrainOptions(memory_mode=memory_mode, tensor_model_parallel_size=2), []
+        TrainOptions(memory_mode=memory_mode, recompute=recompute, tensor_model_parallel_size=tp),
+        [],
     )
 
     def bundle(host: str, gpu: str):
@@ -94,6 +83,7 @@ def _tp_job(memory_mode: str = "distributed_optimizer") -> JobPlan:
             meta={"options": options},
         )
 
+    layout = _pair if tp == 1 else (lambda host, gpu, _: bundle(host, gpu))
     return JobPlan(
         global_batch=8,
         seq_length=SEQ,
@@ -101,8 +91,8 @@ def _tp_job(memory_mode: str = "distributed_optimizer") -> JobPlan:
         cluster=cluster_to_dict(CLUSTER),
         options=options,
         domains=(
-            Domain(ranks=(1, 0), micro_batches=6, layout=bundle("gpu1", "H100-SXM-80GB")),
-            Domain(ranks=(2, 3), micro_batches=2, layout=bundle("gpu2", "A100-SXM-80GB")),
+            Domain(ranks=(1, 0), micro_batches=6, layout=layout("gpu1", "H100-SXM-80GB", options)),
+            Domain(ranks=(2, 3), micro_batches=2, layout=layout("gpu2", "A100-SXM-80GB", options)),
         ),
     )
 
@@ -145,7 +135,7 @@ def test_dry_run_prints_each_domain_and_its_rank_commands(stand_ins, tmp_path):
 
 
 def test_a_tp_job_runs_bundles_on_their_hosts(stand_ins, tmp_path):
-    job = _tp_job()
+    job = _job(tp=2)
     job.save(tmp_path / "job.json")
     res = _run(_env(stand_ins, tmp_path, tmp_path / "job.json"), *MODEL_ARGV)
     assert res.returncode == 0, res.stderr + res.stdout
@@ -185,7 +175,7 @@ def test_job_refusals_are_one_line(stand_ins, tmp_path, extra, message):
 def test_job_commands_pass_megatron_validate_args_in_every_memory_mode(stand_ins, tmp_path):
     commands: list[tuple[dict, list[str]]] = []
     jobs = [(f"{m}{r}", _job(m, r), m, r) for m, r in AUTO_MODES] + [
-        (f"tp-{m}", _tp_job(m), m, False) for m in ("distributed_optimizer", "fsdp")
+        (f"tp-{m}", _job(m, tp=2), m, False) for m in ("distributed_optimizer", "fsdp")
     ]
     for name, job, mode, recompute in jobs:
         folder = tmp_path / name
