@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_hexiseq.io import write_json_atomic, write_text_atomic  # noqa: E402
 
-# ProLong's document lengths, in the shared folder beside the checkout (the packed-document benches)
-PROLONG_DOCS = os.path.join(
+# ProLong's document lengths, in the shared folder beside the checkout (the packed-document benches);
+# HEXISEQ_PROLONG_DOCS points elsewhere (a worktree whose parent has no shared/ folder)
+PROLONG_DOCS = os.environ.get("HEXISEQ_PROLONG_DOCS") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)),
     "..",
     "..",

@@ -13,7 +13,7 @@ Targets (issue "[Job] Run a job plan in one Megatron run"): on a case where the 
 gain, the job >= 1.15x measured over the faster baseline and |prediction error| <= 15%; on a case
 where the plan is one domain over every rank, the job measures as that domain does.
 
-    python bench/job_testbed.py                                  # 1+3:2048:8 and 1+3:2048:1, 3 runs
+    python bench/job_testbed.py                                  # 1+3:2048:12 and 1+3:2048:1, 3 runs
     python bench/job_testbed.py --cases 1+3:2048:8 --runs 1 --steps 4 --warmup 1   # functional check
 
 Writes results/bench/job_testbed.{json,md,png}. Run it on an otherwise idle machine: the testbed's
@@ -168,7 +168,7 @@ def plot(results: list[dict], path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default="1+3:2048:8,1+3:2048:1", help="SHAPE:SEQ:B,...")
+    p.add_argument("--cases", default="1+3:2048:12,1+3:2048:1", help="SHAPE:SEQ:B,...")
     p.add_argument("--model-config", default="examples/models/cpu-demo.yaml")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)

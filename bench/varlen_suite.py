@@ -1,22 +1,28 @@
-"""Packed documents on generated clusters: per-micro-batch layouts against the baselines, by the cost model.
+"""Packed documents at the scope of the global batch, on generated clusters, by the cost model: HexiSeq's
+global-batch scheduling against what a Megatron user has.
 
-Cases (``cases()``, seed 2029, reproducible): clusters of 32 to 1024 GPUs in 8-GPU nodes of 2-4 types
-(H100, A100, A800, L40S; ``planner_suite.cluster_spec``: shares drawn, network *equal* or
-*speed-matched*, node order shuffled), plus homogeneous H100 clusters; models llama3-8b, gpt-7b and
-(>= 128 GPUs) llama3-70b; 64K-1M tokens per micro-batch. Each cluster runs on two length
-distributions: the ProLong sample (``../shared/data/doc_lengths_prolong.json``) and a generated
-heavy-tailed one (log-normal, median 2K, Pareto tail from 16K, index 1.1; ``packing.heavy_tailed_lengths``,
-its own seed per case), each packed with its own seed.
+Cases (``cases()``, seed 2031, reproducible): clusters of 32 to 1024 GPUs in 8-GPU nodes of 2-4 types
+(H100, A100, A800, L40S; ``planner_suite.cluster_spec``: node counts drawn, network *equal* or
+*speed-matched*, node order shuffled) and homogeneous H100 clusters; models llama3-8b, gpt-7b and
+(>= 128 GPUs) llama3-70b; loader samples of 32K-128K tokens; global batches of 16K tokens per GPU
+per step, within 1M-16M tokens. Each cluster runs on two length distributions: the ProLong sample
+(``../shared/data/doc_lengths_prolong.json``) and a generated heavy-tailed one (log-normal, median
+2K, Pareto tail from 16K, index 1.1; its own seed per case).
 
-Per case ``varlen.compare.compare`` (the same code as ``megatron-hexiseq varlen``): plan's fixed layout,
-the structure chosen for the distribution, ``--batches`` micro-batches priced per scheme. Reported:
-hexiseq-batch's mean step over each scheme's (speed-up, > 1 = hexiseq-batch faster), the best of
-dynamic-cp / per-document, the planner's time per micro-batch (p50 and max over micro-batches, one
-thread, this shared machine), imbalance; medians over the mixed-GPU cases and the homogeneous ones.
+Per case ``varlen.global_compare.compare_global`` (the code of ``megatron-hexiseq varlen
+--global-batch-tokens``): every scheme on the same ``--steps`` global batches, every stock
+configuration tried (CP sizes, hybrid CP's tokens per rank) and the best kept; tokens per GPU per
+micro-batch stay within 1K-32K for the baselines and HexiSeq's domains alike. Reported: whole-cluster
+tokens/s (the step = the slowest domain), hexiseq-global's speed-up over each scheme and over the
+best of megatron-cp-dp / megatron-hybrid-cp / speed-aware-packing / fast-only, the slowest over the
+mean domain, the schedule's and the micro-batch plans' CPU time; medians over the mixed clusters
+and the homogeneous ones. ``--imbalance``: the slowest over the mean domain at DP 8 with 4
+micro-batches per domain (eight equal mixed replicas). ``--schedule-time``: one thread's CPU time to
+schedule a 16M-token global batch over 1024 GPUs.
 
 Writes results/bench/varlen_suite.{json,md,png} and prints the table.
-    python bench/varlen_suite.py                 # every case
-    python bench/varlen_suite.py --smoke         # two small cases
+    python bench/varlen_suite.py                 # every case (tens of minutes)
+    python bench/varlen_suite.py --smoke         # one small case
     python bench/varlen_suite.py --only 0 3      # some cases by index
 """
 
@@ -33,12 +39,13 @@ from planner_suite import TYPES, cluster_spec
 
 from megatron_hexiseq.cluster import cluster_from_dict
 from megatron_hexiseq.model import get_model
-from megatron_hexiseq.varlen.compare import compare
+from megatron_hexiseq.varlen.global_compare import BASELINES, compare_global
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, load_doc_lengths
 
-SIZES = (32, 64, 128, 128, 256, 512, 1024)
-TOKENS = (65536, 131072, 262144, 524288, 1048576)
-BASELINES = ("hexiseq-fixed", "megatron-thd-cp", "dynamic-cp", "per-document")
+SIZES = (32, 64, 128, 256, 512, 1024)
+SEQS = (32768, 65536, 131072)
+TOKENS_PER_GPU_STEP = 16384
+BEST = "best-of-4"
 
 
 def cluster_case(rng: random.Random, world: int, name: str, homogeneous: bool = False) -> dict:
@@ -55,65 +62,139 @@ def cluster_case(rng: random.Random, world: int, name: str, homogeneous: bool = 
             counts[j] += 1 if sum(counts) < nodes else -1
         network = rng.choice(("equal", "matched"))
     model = rng.choice(("llama3-8b", "gpt-7b") + (("llama3-70b",) if world >= 128 else ()))
-    tokens = rng.choice(
-        [t for t in TOKENS if t >= 256 * world and t <= 4096 * world] or [TOKENS[-1]]
-    )
+    seq = rng.choice(SEQS)
+    tokens = min(16 << 20, max(1 << 20, world * TOKENS_PER_GPU_STEP))
     return {
         "label": f"{world} {'/'.join(t.split('-')[0] for t in types)} {network}",
         "spec": cluster_spec(name, types, counts, network, rng),
         "model": model,
-        "tokens": tokens,
+        "seq": seq,
+        "tokens": tokens - tokens % seq,
         "gpus": world,
         "homogeneous": homogeneous,
         "seed": rng.randrange(1 << 30),
     }
 
 
-def cases(seed: int = 2029) -> list[dict]:
+def cases(seed: int = 2031) -> list[dict]:
     rng = random.Random(seed)
-    clusters = [cluster_case(rng, w, f"vl-{i}") for i, w in enumerate(SIZES)]
-    clusters += [cluster_case(rng, w, f"vl-h{w}", homogeneous=True) for w in (64, 256)]
-    out = []
-    for c in clusters:
-        for dist in ("prolong", "heavy-tailed"):
-            out.append({**c, "dist": dist})
+    clusters = [cluster_case(rng, w, f"vg-{i}") for i, w in enumerate(SIZES)]
+    clusters += [cluster_case(rng, w, f"vg-h{w}", homogeneous=True) for w in (64, 256)]
+    return [{**c, "dist": dist} for c in clusters for dist in ("prolong", "heavy-tailed")]
+
+
+def _docs(case: dict) -> list[int]:
+    if case["dist"] == "prolong":
+        return load_doc_lengths(PROLONG_DOCS)
+    return heavy_tailed_lengths(200_000, seed=case["seed"])
+
+
+def run_case(case: dict, steps: int) -> dict:
+    cluster = cluster_from_dict(case["spec"])
+    model = get_model(case["model"])
+    t0 = time.process_time()
+    res = compare_global(
+        cluster, model, _docs(case), case["seq"], case["tokens"], steps, case["seed"] % 1000,
+        keep_assignments=False,
+    )  # fmt: skip
+    s = res["schemes"]
+    if "hexiseq-global" not in s:  # no HexiSeq domain set fits: reported, not compared
+        row = {
+            k: case[k] for k in ("label", "model", "seq", "tokens", "gpus", "homogeneous", "dist")
+        }
+        row["error"] = [c.get("reason", "") for c in res["domains"]["hexiseq-global"]["candidates"]]
+        return row
+    ours = s["hexiseq-global"]["mean_step_s"]
+    row = {
+        k: case[k]
+        for k in ("label", "model", "seq", "tokens", "gpus", "homogeneous", "dist", "seed")
+    }
+    row.update(
+        {
+            "tokens_per_s": {k: v["tokens_per_s"] for k, v in s.items()},
+            "steps": {k: v["mean_step_s"] for k, v in s.items()},
+            "feasible": {k: v["feasible"] for k, v in s.items()},
+            "configs": {k: v["config"] for k, v in s.items()},
+            "speedup": {k: s[k]["mean_step_s"] / ours for k in s if k != "hexiseq-global"},
+            "domain_imbalance": s["hexiseq-global"]["domain_imbalance"],
+            "domains": res["domains"]["hexiseq-global"]["chosen"],
+            "schedule_ms_max": s["hexiseq-global"]["schedule_ms_max"],
+            "plan_ms_p50": s["hexiseq-global"]["plan_ms_p50"],
+            "plan_ms_max": s["hexiseq-global"]["plan_ms_max"],
+            "cpu_s": round(time.process_time() - t0, 1),
+        }
+    )
+    present = [k for k in BASELINES if k in s and s[k]["feasible"]]
+    row["best_baseline"] = min(present, key=lambda k: s[k]["mean_step_s"])
+    row["speedup"][BEST] = s[row["best_baseline"]]["mean_step_s"] / ours
+    return row
+
+
+def imbalance_case(steps: int) -> dict:
+    """DP 8 with 4 micro-batches: eight equal mixed replicas (one H100 node + one A100 node each:
+    128 GPUs), gpt-7b, 64K-token samples, 32 per step; slowest over mean domain per step."""
+    from megatron_hexiseq.varlen.domain_choice import plan_domains
+    from megatron_hexiseq.varlen.domains import replica_blocks
+    from megatron_hexiseq.varlen.global_compare import global_batches, units_of
+    from megatron_hexiseq.varlen.global_planner import GlobalPlanner
+    from megatron_hexiseq.varlen.global_schemes import Pricer, hexiseq_step
+
+    rng = random.Random(7)
+    cluster = cluster_from_dict(
+        cluster_spec("vg-dp8", ["H100-SXM-80GB", "A100-SXM-80GB"], [8, 8], "equal", rng)
+    )
+    S, samples = 65536, 32
+    model = get_model("gpt-7b", overrides={"seq_length": S})
+    out = {}
+    for dist in ("prolong", "heavy-tailed"):
+        docs = (
+            load_doc_lengths(PROLONG_DOCS)
+            if dist == "prolong"
+            else heavy_tailed_lengths(200_000, seed=11)
+        )
+        doms = plan_domains(cluster, model, replica_blocks(cluster, 8), S, samples, docs)
+        assert [d.micro_batches for d in doms] == [4] * 8
+        gp = GlobalPlanner(doms, model)
+        pricer = Pricer(cluster, model)
+        ratios = []
+        for b in global_batches(docs, S, samples, steps, 5):
+            st = hexiseq_step(gp, pricer, units_of(b), {})
+            ratios.append(max(st.domain_s) / statistics.mean(st.domain_s))
+        out[dist] = {
+            "per_step": [round(x, 4) for x in ratios],
+            "mean": round(statistics.mean(ratios), 4),
+        }
     return out
 
 
-def run_case(case: dict, batches: int) -> dict:
+def schedule_time() -> dict:
+    """One thread's CPU time (process_time) to schedule a 16M-token ProLong global batch over
+    1024 GPUs (the 1024-GPU mixed case's cluster, typed domains of 8, their real cost tables)."""
+    from megatron_hexiseq.varlen.domain_choice import plan_domains
+    from megatron_hexiseq.varlen.domains import typed_blocks
+    from megatron_hexiseq.varlen.global_compare import global_batches, units_of
+    from megatron_hexiseq.varlen.global_planner import GlobalPlanner
+
+    case = next(c for c in cases() if c["gpus"] == 1024)
     cluster = cluster_from_dict(case["spec"])
-    model = get_model(case["model"], overrides={"seq_length": case["tokens"]})
-    if case["dist"] == "prolong":
-        docs = load_doc_lengths(PROLONG_DOCS)
-    else:
-        docs = heavy_tailed_lengths(200_000, seed=case["seed"])
-    t0 = time.process_time()
-    res = compare(
-        cluster, model, docs, case["tokens"], batches, case["seed"] % 1000, keep_assignments=False
-    )
-    s = res["schemes"]
-    mine = s["hexiseq-batch"]["mean_step_s"]
-    row = {k: case[k] for k in ("label", "model", "tokens", "gpus", "homogeneous", "dist", "seed")}
-    row.update(
-        {
-            "structure": res["structure"]["chosen"],
-            "groups": len(res["structure"]["groups"]),
-            "batch_s": mine,
-            "steps": {k: v["mean_step_s"] for k, v in s.items()},
-            "feasible": {k: v["feasible"] for k, v in s.items()},
-            "imbalance": {k: v["imbalance"] for k, v in s.items()},
-            "kv_bytes": {k: v["kv_bytes"] for k, v in s.items()},
-            "speedup": {k: s[k]["mean_step_s"] / mine for k in BASELINES},
-            "plan_ms_p50": s["hexiseq-batch"]["plan_ms_p50"],
-            "plan_ms_max": s["hexiseq-batch"]["plan_ms_max"],
-            "dynamic_cp_sizes": s["dynamic-cp"]["cp_sizes"],
-            "cpu_s": round(time.process_time() - t0, 2),
-        }
-    )
-    row["speedup"]["best-dynamic-or-per-document"] = (
-        min(s["dynamic-cp"]["mean_step_s"], s["per-document"]["mean_step_s"]) / mine
-    )
-    return row
+    S = 65536
+    model = get_model(case["model"], overrides={"seq_length": S})
+    docs = load_doc_lengths(PROLONG_DOCS)
+    samples = (16 << 20) // S
+    doms = plan_domains(cluster, model, typed_blocks(cluster, 8), S, samples, docs)
+    gp = GlobalPlanner(doms, model)
+    times = []
+    for b in global_batches(docs, S, samples, 3, 1):
+        u = units_of(b)
+        t0 = time.process_time()
+        gp.schedule(u)
+        times.append(time.process_time() - t0)
+    return {
+        "gpus": 1024,
+        "domains": len(doms),
+        "units": len(u),
+        "ms": [round(1e3 * t, 1) for t in times],
+    }
 
 
 def _med(xs: list[float]) -> float | None:
@@ -121,76 +202,94 @@ def _med(xs: list[float]) -> float | None:
 
 
 def summary(rows: list[dict]) -> dict:
-    out: dict = {}
+    out: dict = {"failed": sum("error" in r for r in rows)}
+    rows = [r for r in rows if "error" not in r]
     for kind, sel in (("mixed", [r for r in rows if not r["homogeneous"]]),
                       ("homogeneous", [r for r in rows if r["homogeneous"]])):  # fmt: skip
-        out[kind] = {
-            k: _med([r["speedup"][k] for r in sel])
-            for k in (*BASELINES, "best-dynamic-or-per-document")
-        }
+        keys = sorted({k for r in sel for k in r["speedup"]})
+        out[kind] = {k: _med([r["speedup"][k] for r in sel if k in r["speedup"]]) for k in keys}
         out[kind]["cases"] = len(sel)
-    for w in sorted({r["gpus"] for r in rows}):
-        sel = [r for r in rows if r["gpus"] == w]
-        out[f"plan_ms_{w}"] = {
-            "p50": _med([r["plan_ms_p50"] for r in sel]),
-            "max": max(r["plan_ms_max"] for r in sel),
-        }
+    out["schedule_ms_max"] = max((r["schedule_ms_max"] for r in rows), default=None)
+    out["plan_ms_max"] = max((r["plan_ms_max"] for r in rows), default=None)
     return out
 
 
-def write(rows: list[dict], out: str, batches: int) -> str:
+def _x(row: dict, k: str) -> str:
+    v = row["speedup"].get(k)
+    if v is None:
+        return "-"
+    return f"{v:.2f}" + ("" if row["feasible"].get(k, True) else "*")
+
+
+def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
     s = summary(rows)
     lines = [
-        "| # | case | model | tokens | dist | structure | batch step s | x fixed | x THD-CP | "
-        "x dynamic-CP (cp) | x per-doc | imbalance batch / fixed | plan ms p50 / max |",
-        "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| # | case | model | S | tokens/step | dist | hexiseq domains | hexiseq tok/s | x cp-dp | "
+        "x hybrid-cp | x speed-aware | x fast-only | x best (which) | x thd (appendix) | "
+        "slowest/mean domain | schedule ms | plan ms p50/max |",
+        "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for i, r in enumerate(rows):
-        sp, imb = r["speedup"], r["imbalance"]
-        cps = sorted(set(r["dynamic_cp_sizes"]))
-        flag = "" if all(r["feasible"].values()) else " (some OOM)"
+        if "error" in r:
+            lines.append(
+                f"| {i} | {r['label']} | {r['model']} | {r['seq'] // 1024}K | "
+                f"{r['tokens'] / 2**20:.0f}M | {r['dist']} | no HexiSeq domain set fits | "
+                + " | ".join(["-"] * 10)
+                + " |"
+            )
+            continue
         lines.append(
-            f"| {i} | {r['label']}{flag} | {r['model']} | {r['tokens'] // 1024}K | {r['dist']} | "
-            f"{r['structure']} | {r['batch_s']:.3g} | {sp['hexiseq-fixed']:.2f} | "
-            f"{sp['megatron-thd-cp']:.2f} | {sp['dynamic-cp']:.2f} ({','.join(map(str, cps))}) | "
-            f"{sp['per-document']:.2f} | {imb['hexiseq-batch']:.2f} / {imb['hexiseq-fixed']:.2f} | "
+            f"| {i} | {r['label']} | {r['model']} | {r['seq'] // 1024}K | {r['tokens'] / 2**20:.0f}M | "
+            f"{r['dist']} | {r['domains']} | {r['tokens_per_s']['hexiseq-global']:,.0f} | "
+            f"{_x(r, 'megatron-cp-dp')} | {_x(r, 'megatron-hybrid-cp')} | "
+            f"{_x(r, 'speed-aware-packing')} | {_x(r, 'fast-only')} | "
+            f"{r['speedup'][BEST]:.2f} ({r['best_baseline']}) | {_x(r, 'megatron-thd-cp')} | "
+            f"{r['domain_imbalance']:.3f} | {r['schedule_ms_max']:.3g} | "
             f"{r['plan_ms_p50']:.3g} / {r['plan_ms_max']:.3g} |"
         )
     m, h = s["mixed"], s["homogeneous"]
     lines += [
         "",
-        f"{batches} micro-batches per case. Medians of hexiseq-batch's speed-up (mean step of the "
-        f"scheme / mean step of hexiseq-batch), mixed-GPU cases ({m['cases']}): over hexiseq-fixed "
-        f"{m['hexiseq-fixed']}x, megatron-thd-cp {m['megatron-thd-cp']}x, dynamic-cp "
-        f"{m['dynamic-cp']}x, per-document {m['per-document']}x, best of dynamic-cp / per-document "
-        f"{m['best-dynamic-or-per-document']}x (targets 1.15 / 1.5 / 1.1 over the best). "
-        f"Homogeneous H100 ({h['cases']}): fixed {h['hexiseq-fixed']}x, dynamic-cp {h['dynamic-cp']}x.",
-        "Planning time per micro-batch (ms, p50 of cases / max): "
-        + ", ".join(
-            f"{k[8:]} GPUs {v['p50']} / {v['max']}"
-            for k, v in s.items()
-            if k.startswith("plan_ms_")
-        )
-        + " (targets 20 ms at 128, 100 ms at 1024).",
+        f"{steps} steps per case; x: the scheme's mean step over hexiseq-global's (> 1: "
+        "hexiseq-global faster); *: that scheme does not fit in memory in every micro-batch. "
+        f"Medians, mixed clusters ({m['cases']}): over the best of the four {m.get(BEST)}x "
+        f"(target 1.15), megatron-cp-dp {m.get('megatron-cp-dp')}x, megatron-hybrid-cp "
+        f"{m.get('megatron-hybrid-cp')}x, speed-aware-packing {m.get('speed-aware-packing')}x, "
+        f"fast-only {m.get('fast-only')}x. Homogeneous ({h['cases']}): over megatron-hybrid-cp "
+        f"{h.get('megatron-hybrid-cp')}x (target 1.0), over the best {h.get(BEST)}x.",
     ]
+    if "imbalance" in extra:
+        lines.append(
+            "Slowest over mean domain at DP 8 x 4 micro-batches (target 1.03): "
+            + ", ".join(f"{k} {v['mean']}" for k, v in extra["imbalance"].items())
+        )
+    if "schedule_time" in extra:
+        st = extra["schedule_time"]
+        lines.append(
+            f"Scheduling a 16M-token global batch ({st['units']} units) over {st['gpus']} GPUs "
+            f"({st['domains']} domains): {st['ms']} ms of one CPU thread (target 200)."
+        )
     table = "\n".join(lines)
 
     def plot(ax) -> None:
-        for k, color in (("hexiseq-fixed", "C0"), ("dynamic-cp", "C1"), ("per-document", "C2")):
-            ax.scatter([r["gpus"] * (1.05 if k == "dynamic-cp" else 1) for r in rows],
-                       [r["speedup"][k] for r in rows], c=color, label=f"over {k}", s=18)  # fmt: skip
+        for k, color in (("megatron-cp-dp", "C0"), ("megatron-hybrid-cp", "C1"),
+                         ("speed-aware-packing", "C2"), ("fast-only", "C3")):  # fmt: skip
+            pts = [(r["gpus"], r["speedup"][k]) for r in rows if k in r.get("speedup", {})]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, label=f"over {k}", s=18)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.axhline(1.0, color="k", lw=1)
+        ax.axhline(1.15, color="k", lw=0.6, ls="--")
         ax.set_xlabel("GPUs")
-        ax.set_ylabel("hexiseq-batch speed-up (cost model)")
+        ax.set_ylabel("hexiseq-global speed-up (cost model)")
         ax.legend(fontsize=8)
 
     write_outputs(
         out,
         "varlen_suite",
-        data={"summary": s, "rows": rows, "batches": batches},
-        title="Packed documents: per-micro-batch layouts vs baselines (generated clusters, cost model)",
+        data={"summary": s, "rows": rows, "steps": steps, **extra},
+        title="Packed documents, global batches: hexiseq-global vs what a Megatron user has "
+        "(generated clusters, cost model)",
         table=table,
         plot=plot,
     )
@@ -199,22 +298,30 @@ def write(rows: list[dict], out: str, batches: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="two small cases")
+    ap.add_argument("--smoke", action="store_true", help="one small case")
     ap.add_argument("--only", type=int, nargs="*", default=None, help="case indices to run")
-    ap.add_argument("--batches", type=int, default=4, help="micro-batches per case (default 4)")
+    ap.add_argument("--steps", type=int, default=2, help="global batches per case (default 2)")
+    ap.add_argument("--imbalance", action="store_true", help="also the DP 8 x 4 imbalance case")
+    ap.add_argument("--schedule-time", action="store_true", help="also the 1024-GPU schedule time")
     ap.add_argument("--out", default="results/bench", help="output folder")
     args = ap.parse_args(argv)
     selected = cases()
     if args.smoke:
-        selected = [selected[0], selected[1]]
+        selected = [selected[0]]
     elif args.only is not None:
         selected = [selected[i] for i in args.only]
+    steps = 1 if args.smoke else args.steps
     rows = []
     for case in selected:
         t0 = time.perf_counter()
-        rows.append(run_case(case, 2 if args.smoke else args.batches))
+        rows.append(run_case(case, steps))
         print(f"{case['label']} {case['dist']}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    print(write(rows, args.out, 2 if args.smoke else args.batches))
+    extra = {}
+    if args.imbalance:
+        extra["imbalance"] = imbalance_case(steps)
+    if args.schedule_time:
+        extra["schedule_time"] = schedule_time()
+    print(write(rows, args.out, steps, extra))
     return 0
 
 

@@ -16,7 +16,7 @@ import sys
 from megatron_hexiseq import __version__
 from megatron_hexiseq.errors import OneLineParser, run_user_command
 
-COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune", "varlen")
+COMMANDS = ("plan", "show", "validate", "simulate", "profile", "tune", "varlen", "doc-lengths")
 
 
 _Parser = OneLineParser  # the name earlier code used
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMANDS:
-        module = importlib.import_module(f"megatron_hexiseq.commands.{name}")
+        module = importlib.import_module(f"megatron_hexiseq.commands.{name.replace('-', '_')}")
         module.add_parser(sub)
     return parser
 

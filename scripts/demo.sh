@@ -8,11 +8,11 @@
 # Every knob is checked before the set-up and the 30-s profile (one line, exit 2): PACKED 0 or 1,
 # STEPS and SEQ positive integers, with PACKED=1 the DOCS file (varlen.packing.load_doc_lengths);
 # TESTBED and MODEL are profile's first checks.
-# JOB=1: plan a whole job (GLOBAL_BATCH sequences per step, default 8; testbed default 1+3) and train
+# JOB=1: plan a whole job (GLOBAL_BATCH sequences per step, default 12; testbed default 1+3) and train
 # it, one HexiSeq domain over every rank and equal-share data parallelism, from the same weights.
 set -euo pipefail
 JOB=${JOB:-0}
-GLOBAL_BATCH=${GLOBAL_BATCH:-8}
+GLOBAL_BATCH=${GLOBAL_BATCH:-12}
 SEQ=${SEQ:-2048}
 MODEL=${MODEL:-examples/models/cpu-demo.yaml}
 OUT=${OUT:-results}

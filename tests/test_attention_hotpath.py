@@ -1,5 +1,10 @@
 """Layer (a), threads instead of processes (``nccl_sim``): what the attention hot path does.
 
+- Packed documents on per-micro-batch layouts: forward + backward read nothing back from the device
+  (no ``.item()``, no ``nonzero``) in a micro-batch after the first; ``get_batch`` (the plugin's
+  prepared-ahead batches) only copies, without blocking, and indexes; the variable-length path's
+  index copy does not block either (a ``meta`` device stands for the GPU so copies are seen).
+
 - After the first call of a layout, forward+backward create no tensor from host data
   (``aten.lift_fresh``, what ``torch.tensor(list)`` dispatches to; on a GPU that is a host-to-device
   copy and a stream sync): index tensors are built once per layout and device.
@@ -10,6 +15,8 @@
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -133,3 +140,138 @@ def test_grad_wire_dtype_and_bf16_accuracy(
                 reduction=LAYOUT.seq_length,
             )
             assert normwise_error(g, want.detach()[pos]) <= bound, name
+
+
+# ---- packed documents and per-micro-batch layouts -------------------------------------------------
+# the structure of LAYOUT with other segments: two micro-batches, each its own layout and documents
+BATCH_LAYOUTS = (
+    replace(
+        LAYOUT,
+        ranks=tuple(
+            replace(r, segments=tuple(s))
+            for r, s in zip(LAYOUT.ranks, ([(0, 30)], [(30, 50)], [(50, 70), (90, 96)], [(70, 90)]))
+        ),
+    ),
+    replace(
+        LAYOUT,
+        ranks=tuple(
+            replace(r, segments=tuple(s))
+            for r, s in zip(LAYOUT.ranks, ([(60, 96)], [(0, 20)], [(20, 40)], [(40, 60)]))
+        ),
+    ),
+)
+DOCUMENTS = ((0, 30, 55, 96), (0, 7, 20, 21, 64, 96))  # boundaries of the two micro-batches
+SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default")
+
+
+def test_documents_and_batch_layouts_read_nothing_from_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forward + backward of a packed micro-batch on its own layout (a view of the job's groups):
+    nothing read back to the host (``.item()``, ``nonzero``), no tensor of S x T elements, in every
+    micro-batch after the first."""
+    sim = NcclSim(LAYOUT.world_size)
+    monkeypatch.setattr(comm, "dist", sim)
+    monkeypatch.setattr(groups_mod, "dist", sim)
+    gen = torch.Generator().manual_seed(1)
+    S, D = LAYOUT.seq_length, 8
+    q, k, v = (torch.randn(S, 1, n, D, generator=gen) for n in (8, 2, 2))
+
+    def rank_fn(r: int):
+        groups = build_hexiseq_groups(LAYOUT)
+        recs = []
+        for lay, cu in zip(BATCH_LAYOUTS, DOCUMENTS):
+            view = groups.with_layout(lay)
+            pos = torch.tensor(lay.ranks[r].positions(), dtype=torch.long)
+            ql, kl, vl = (x[pos].clone().requires_grad_() for x in (q, k, v))
+            rec = _Recorder()
+            with rec:
+                out = hexiseq_attn_func(ql, kl, vl, groups=view, cu_seqlens=tuple(cu))
+                out.sum().backward()
+            recs.append(rec)
+        return recs
+
+    for r, recs in enumerate(sim.run(rank_fn)):
+        rec = recs[-1]
+        assert rec.ops, "nothing recorded"
+        assert not [op for op in rec.ops if op in SYNCS], (r, [op for op in rec.ops if op in SYNCS])
+        assert rec.max_numel <= S * 8 * 8, (r, rec.max_numel)
+
+
+class _Copies(_Recorder):
+    """Records ops and every device copy's ``non_blocking``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) == "aten._to_copy.default" and (kwargs or {}).get("device") is not None:
+            self.copies.append(bool((kwargs or {}).get("non_blocking", False)))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_get_batch_only_copies_and_indexes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prepared-ahead ``get_batch`` (``batch_ahead.AheadBatches`` + the slicer passing its
+    batch through): in the training thread, only non-blocking copies of host slices and of the
+    plan's index (a ``meta`` device stands for the GPU, so the copies are dispatched and seen);
+    no read of device data, no tensor built from host data. The boundaries were read from the CPU
+    tokens and the plan built in the planning thread. Also the packed windows' index copy of the
+    variable-length path (``attention.varlen``) and the document RoPE angles: non-blocking."""
+    from megatron_hexiseq.attention import varlen
+    from megatron_hexiseq.attention.kernels import Kernel, kv_map
+    from megatron_hexiseq.attention.peers import Window
+    from megatron_hexiseq.megatron.batch import LayoutBatchSlicer
+    from megatron_hexiseq.megatron.batch_ahead import AheadBatches, Preparer
+    from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
+    from megatron_hexiseq.megatron.documents import MicroBatchDocuments
+
+    sim = NcclSim(LAYOUT.world_size)
+    monkeypatch.setattr(comm, "dist", sim)
+    monkeypatch.setattr(groups_mod, "dist", sim)
+    eod, S = 99, LAYOUT.seq_length
+    meta = torch.device("meta")
+
+    def batch(cu):
+        tokens = torch.arange(S).remainder(90).view(1, S)
+        tokens[0, [c - 1 for c in cu[1:]]] = eod
+        return {"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(1, S),
+                "position_ids": torch.arange(S).view(1, S)}  # fmt: skip
+
+    def rank_fn(r: int):
+        groups = build_hexiseq_groups(LAYOUT)
+        table = {tuple(cu): lay for lay, cu in zip(BATCH_LAYOUTS, DOCUMENTS)}
+        slot = MicroBatchLayout(groups, lambda b: table[b.samples[0]], reset_position_ids=True)
+        docs = MicroBatchDocuments(
+            seq_length=S, eod_token=eod, reset_position_ids=True, required=True
+        )
+        scratch = MicroBatchDocuments(
+            seq_length=S, eod_token=eod, reset_position_ids=True, required=True
+        )
+        prep = Preparer(scratch, slot, reset_attention_mask=True, pin=False)
+        ahead = AheadBatches(prep, docs, slot, depth=2, device=meta)
+        slicer = LayoutBatchSlicer(
+            LAYOUT.ranks[r].segments, S, docs, batch_layout=slot, prepared=True
+        )
+        stream = iter([batch(cu) for cu in DOCUMENTS])
+        slicer(ahead(stream))  # the first micro-batch
+        rec = _Copies()
+        with rec:
+            got = slicer(ahead(stream))
+        assert docs.current().samples[0] == DOCUMENTS[1]
+        assert slot.current().layout is BATCH_LAYOUTS[1]
+        n = BATCH_LAYOUTS[1].ranks[r].num_tokens
+        assert got["tokens"].device == meta and got["tokens"].shape == (1, n)
+        assert ahead.exposed_s and len(ahead.exposed_s) == 2
+        return rec
+
+    for r, rec in enumerate(sim.run(rank_fn)):
+        assert rec.copies and all(rec.copies), (r, rec.copies)
+        bad = [op for op in rec.ops if op in SYNCS or op == "aten.lift_fresh.default"]
+        assert not bad, (r, bad)
+    # the variable-length path's packed indices: one non-blocking copy per block
+    wk = varlen.WindowKernel(Kernel.FLASH, 0.5, kv_map((0, 0), 1), {})
+    rec = _Copies()
+    with rec:
+        varlen._packed(wk, (Window(None, 0, 4, 0, 4),), "k", 1, meta)
+    assert rec.copies == [True]

@@ -210,3 +210,26 @@ def test_auto_tp_keeps_the_best_size_and_records_every_size():
     for a, b in zip(job.alternatives, tp1.alternatives):
         if b["feasible"]:
             assert a["step_time_s"] <= b["step_time_s"] * (1 + 1e-9), a["name"]
+
+
+def test_job_file_with_a_one_gpu_alternative_loads():
+    # profile --testbed 1+3 writes two types, the fast one a single "GPU": fast-only runs on one
+    # rank, whose reduction has no ring (its bus bandwidth is infinite, written as null)
+    cpu = {"bf16_tflops": 0.02, "efficiency": 1.0, "memory_gib": 4, "nvlink_GBps": 3}
+    spec = {
+        "name": "testbed-1+3",
+        "gpus": {"CPU-fast": cpu, "CPU-shared": cpu | {"bf16_tflops": 0.007}},
+        "nodes": [
+            {"name": "h-c0", "gpu": "CPU-fast", "count": 1, "network_GBps": 2},
+            {"name": "h-c1", "gpu": "CPU-shared", "count": 3, "network_GBps": 2},
+        ],
+    }
+    model = get_model(None, config_path="examples/models/cpu-demo.yaml")
+    job = plan_job(cluster_from_dict(spec), model, 2048, 8, TrainOptions.for_model(model))
+    again = JobPlan.from_json(job.to_json())
+    fast_only = [a for a in again.alternatives if a["name"] == "fast-only"]
+    assert fast_only and fast_only[0]["feasible"]
+    assert fast_only[0]["predicted"]["shard_group"]["bus_GBps"] is None
+    for alt in again.alternatives:
+        if alt["feasible"]:
+            assert again.alternative(alt["name"]).global_batch == 8

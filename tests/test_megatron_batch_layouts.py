@@ -128,7 +128,9 @@ def _hexiseq_worker(
     assert runtime is not None and runtime.batch_layout is not None
     outs = []
     for eod_at, seed, lay in MICRO_BATCHES:
-        out = _step(model, stock.get_batch_on_this_cp_rank(_batch(eod_at, seed, False)))
+        got = stock.get_batch(iter([_batch(eod_at, seed, False)]))  # Megatron's own get_batch
+        keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+        out = _step(model, dict(zip(keys, got)))
         plan = runtime.batch_layout.current()
         assert plan.layout == lay or flag
         assert plan.groups.cp_group is runtime.groups.cp_group

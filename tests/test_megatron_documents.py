@@ -135,18 +135,24 @@ def _hexiseq_worker(rank: int, world: int, checkout: str, layout_path: str, docs
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     assert args.create_attention_mask_in_dataloader is False
-    out = _step(model, stock.get_batch_on_this_cp_rank(_batch(dense_mask=False)))
+    # Megatron's own get_batch: the plugin's prepared batches (boundaries read on the host by
+    # the planning thread, this rank's slice copied) and the slicer passing it through
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    got = stock.get_batch(iter([_batch(dense_mask=False)]))
+    assert got[-1] is None  # no PackedSeqParams
+    out = _step(model, dict(zip(keys, got)))
     out["positions"] = LAYOUT.ranks[rank].positions()
-    thd = stock.get_thd_batch_on_this_cp_rank(
-        {"tokens": torch.zeros(1, S, dtype=torch.long)},
-        torch.tensor([0, 10, 40, S, S], dtype=torch.int32),
-        torch.tensor([0, 12, 40, S], dtype=torch.int32),
-        torch.tensor([30]),
-    )
+    thd_batch = {
+        "tokens": torch.zeros(1, S, dtype=torch.long),
+        "cu_seqlens": torch.tensor([0, 10, 40, S, S], dtype=torch.int32),
+        "cu_seqlens_padded": torch.tensor([0, 12, 40, S], dtype=torch.int32),
+        "max_seqlen": torch.tensor([30]),
+    }
+    thd = stock.get_batch(iter([thd_batch]))
     runtime = plugin.HexiSeqCoreAttention
     for m in model.modules():
         if isinstance(m, runtime):
-            out["thd"] = (thd[1], m.runtime.documents.bounds.samples, thd[0]["tokens"].shape)
+            out["thd"] = (thd[-1], m.runtime.documents.bounds.samples, thd[0].shape)
             break
     mpu.destroy_model_parallel()
     return out

@@ -108,9 +108,7 @@ def _worker(rank: int, world: int, layout_path: str) -> dict:
     )
     out["hexiseq_layers"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
     out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)
-    out["tokens"] = stock.get_batch_on_this_cp_rank({"tokens": torch.arange(48).view(1, 48)})[
-        "tokens"
-    ][0].tolist()
+    out["tokens"] = stock.get_batch(iter([{"tokens": torch.arange(48).view(1, 48)}]))[0][0].tolist()
     mpu.destroy_model_parallel()
     return out
 

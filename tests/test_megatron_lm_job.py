@@ -85,9 +85,8 @@ def _worker(rank: int, world: int, checkout: str, job_path: str) -> dict:
     )
     out["hexiseq_layers"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
     out["hash"] = tensors_hash(model.parameters())
-    out["tokens"] = stock.get_batch_on_this_cp_rank({"tokens": torch.arange(48).view(1, 48)})[
-        "tokens"
-    ][0].tolist()
+    # Megatron's own get_batch: the plugin's prepared batch (this rank's slice), passed through
+    out["tokens"] = stock.get_batch(iter([{"tokens": torch.arange(48).view(1, 48)}]))[0][0].tolist()
     schedule = training.get_forward_backward_func()
     out["schedule"] = (
         schedule.schedule is forward_backward_no_pipelining,

@@ -282,7 +282,10 @@ def _plugin_worker(rank: int, world: int, layout_path: str) -> dict:
     )
     out["cores"] = sum(isinstance(m, HexiSeqCoreAttention) for m in model.modules())
     out["rope"] = isinstance(model.rotary_pos_emb, LayoutRotaryEmbedding)
-    batch = pretrain_module.get_batch_on_this_cp_rank(make_batch(CFG, 0, 0))
+    # what pretrain_gpt.get_batch does: the prepared batch, then the slicer (passing it through)
+    batch = pretrain_module.get_batch_on_this_cp_rank(
+        pretrain_module.get_batch_on_this_tp_rank(iter([make_batch(CFG, 0, 0)]))
+    )
     logits_losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss_sum, n = per_token_loss(logits_losses, batch["loss_mask"])
     both = torch.stack([loss_sum.detach(), n.float()])

@@ -458,10 +458,10 @@ def test_varlen_suite_smoke(tmp_path):
         pytest.skip("the shared ProLong length list is not next to this checkout")
     assert varlen_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "varlen_suite.json").read_text())
-    assert [r["dist"] for r in data["rows"]] == ["prolong", "heavy-tailed"]
+    assert [r["dist"] for r in data["rows"]] == ["prolong"]
     for row in data["rows"]:
-        assert set(row["speedup"]) >= {"hexiseq-fixed", "megatron-thd-cp", "dynamic-cp"}
-        assert row["plan_ms_p50"] > 0
+        assert set(row["speedup"]) >= {"megatron-cp-dp", "speed-aware-packing", "best-of-4"}
+        assert row["tokens_per_s"]["hexiseq-global"] > 0 and row["schedule_ms_max"] > 0
     assert "| 0 |" in (tmp_path / "varlen_suite.md").read_text()
     assert (tmp_path / "varlen_suite.png").exists()
 

@@ -27,7 +27,8 @@ an unaligned one (a rank holding 2 heads of one query group and 4 of the next) a
 backward returns dK/dV at G heads (each segment writes its own K/V heads; unread heads stay 0).
 
 The index tensors are built on the host once per (schedule, block, B, device) and copied to the
-device in one transfer; the schedule lives for one micro-batch, so later layers reuse them.
+device in one transfer from pinned memory, without blocking (no host sync inside the sub-ring
+loop); the schedule lives for one micro-batch, so later layers reuse them.
 
 Forward returns / merges ``out [S, B, H, D]`` and ``lse [S, B, H]`` in the accumulation dtype;
 backward (recompute with the final out/LSE) returns gradients in the accumulation dtype.
@@ -102,7 +103,10 @@ def _packed(
             lk.append(w.key_hi - w.key_lo)
     q_idx, k_idx = torch.cat(q_parts), torch.cat(k_parts)
     cu_q, cu_k = torch.tensor(lq).cumsum(0), torch.tensor(lk).cumsum(0)
-    ints = torch.cat([q_idx, k_idx, cu_q, cu_k]).to(device)  # one host-to-device copy
+    ints = torch.cat([q_idx, k_idx, cu_q, cu_k])
+    if device.type == "cuda":
+        ints = ints.pin_memory()  # the copy below then does not wait for the device
+    ints = ints.to(device, non_blocking=True)  # one host-to-device copy, no host sync
     N, M, n = len(q_idx), len(k_idx), len(lq)
     packed = _Packed(
         q_idx=ints[:N],

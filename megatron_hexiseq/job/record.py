@@ -16,10 +16,6 @@ def sig(x: float) -> float:
     return float(f"{x:.9g}")
 
 
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
-
-
 def busy(priced: Priced) -> list[float]:
     """Each domain's ``m_d t_d + x_d``: its micro-batches and its exposed gradient reduction."""
     return [m * t.micro_batch_s + t.offset_s for t, m in zip(priced.times, priced.shares)]
@@ -48,8 +44,11 @@ def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[st
         "overhead_s": sig(fixed.overhead_s),
         "grad_reduce_s": sig(fixed.sync.reduce_scatter_s),
         "param_gather_s": sig(fixed.sync.all_gather_s),
-        # a shard group of one rank (one bundle) moves nothing: its ring is recorded as 0
-        "shard_group": {"ranks": fixed.ranks, "bus_GBps": sig(_finite(fixed.bus_GBps))},
+        # one rank has no ring: no bus bandwidth (null; a job file holds finite numbers only)
+        "shard_group": {
+            "ranks": fixed.ranks,
+            "bus_GBps": sig(fixed.bus_GBps) if math.isfinite(fixed.bus_GBps) else None,
+        },
         "memory_mode": mode_label(priced.options),
         **({"tensor_model_parallel_size": tp} if tp > 1 else {}),
         "domains": [

@@ -12,6 +12,12 @@ With per-micro-batch layouts (``batch_layout.MicroBatchLayout``) the segments ch
 micro-batch: the slicer records the boundaries, asks the slot for the micro-batch's plan and
 gathers this rank's positions with one ``index_select`` per tensor, from the plan's device index
 (one host-to-device copy per micro-batch, shared with RoPE; no host sync).
+
+In a Megatron run the plugin prepares every micro-batch ahead instead (``batch_ahead``: boundaries
+from the CPU batch, the plan and this rank's slices built in a planning thread, copied without
+blocking by the replaced ``get_batch_on_this_tp_rank``): the slicer is then built with
+``prepared=True`` and passes the sliced batch through (its ``thd`` is not reached: the prepared
+batch carries no ``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -90,12 +96,14 @@ class LayoutBatchSlicer:
         *,
         reset_attention_mask: bool = False,
         batch_layout: MicroBatchLayout | None = None,
+        prepared: bool = False,
     ) -> None:
         self.segments = tuple((int(s), int(e)) for s, e in segments)
         self.seq_length = seq_length
         self.documents = documents
         self.reset_attention_mask = reset_attention_mask
         self.batch_layout = batch_layout
+        self.prepared = prepared  # batches arrive sliced (batch_ahead.AheadBatches): pass through
 
     def _slice(self, batch: Mapping[str, BatchValue]) -> dict[str, BatchValue]:
         plan = None
@@ -107,6 +115,8 @@ class LayoutBatchSlicer:
     def __call__(
         self, batch: Mapping[str, BatchValue], cp_group: dist.ProcessGroup | None = None
     ) -> dict[str, BatchValue]:
+        if self.prepared:
+            return self._passed(batch)
         if self.documents is not None:
             if self.reset_attention_mask:
                 tokens = batch.get("tokens")
@@ -119,6 +129,18 @@ class LayoutBatchSlicer:
             else:
                 self.documents.bounds = None
         return self._slice(batch)
+
+    def _passed(self, batch: Mapping[str, BatchValue]) -> dict[str, BatchValue]:
+        """A batch ``AheadBatches`` already sliced to this rank's plan: checked, returned."""
+        assert self.batch_layout is not None
+        n = self.batch_layout.current().num_tokens
+        for key, val in batch.items():
+            if isinstance(val, torch.Tensor) and (val.dim() < 2 or val.size(1) != n):
+                raise HexiSeqError(
+                    f"batch '{key}' has shape {tuple(val.shape)}; expected this rank's {n} tokens "
+                    "in dimension 1 (the batch did not come from HexiSeq's prepared batches)"
+                )
+        return dict(batch)
 
     def thd(
         self,

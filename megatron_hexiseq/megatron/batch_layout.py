@@ -66,24 +66,31 @@ class BatchPlan:
     positions: tuple[int, ...]  # this rank's global positions, segment order (what is gathered)
     rope_positions: tuple[int, ...]  # the positions RoPE rotates by (in-document or global)
     _device: dict = field(default_factory=dict, compare=False, repr=False)
+    _host: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
 
+    def host_index(self) -> Tensor:
+        """``positions + rope_positions`` int64 on the host, pinned where CUDA is (built once; the
+        planning thread builds it ahead, ``batch_ahead``)."""
+        host = self._host.get("index")
+        if host is None:
+            host = torch.tensor(self.positions + self.rope_positions, dtype=torch.int64)
+            if torch.cuda.is_available():
+                host = host.pin_memory()  # kept alive by the cache until the plan is dropped
+            self._host["index"] = host
+        return host
+
     def indices(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(positions [s_r], rope_positions [s_r])`` int64 on ``device``: one host-to-device copy
-        per (micro-batch, device), from pinned memory without blocking on CUDA."""
+        per (micro-batch, device), from pinned memory without blocking (no host sync)."""
         if device not in self._device:
-            host = torch.tensor(self.positions + self.rope_positions, dtype=torch.int64)
-            if device.type == "cuda":
-                host = host.pin_memory()  # kept alive by the cache until the plan is dropped
-                both = host.to(device, non_blocking=True)
-            else:
-                both = host.to(device)
+            both = self.host_index().to(device, non_blocking=True)
             n = self.num_tokens
-            self._device[device] = (both[:n], both[n:], host)
-        gather, rope, _ = self._device[device]
+            self._device[device] = (both[:n], both[n:])
+        gather, rope = self._device[device]
         return gather, rope
 
 
@@ -96,11 +103,13 @@ class MicroBatchLayout:
         provider: BatchLayouts,
         *,
         reset_position_ids: bool = False,
+        fixed: bool = False,
         tokens_multiple_of: int = 1,
     ) -> None:
         self.groups = groups
         self.provider = provider
         self.reset_position_ids = reset_position_ids
+        self.fixed = fixed  # the provider returns the job's layout: nothing to agree on
         # TP with sequence parallelism: every bundle holds a multiple of t tokens (tensor_parallel.py)
         self.tokens_multiple_of = tokens_multiple_of
         self.plan: BatchPlan | None = None
@@ -111,13 +120,26 @@ class MicroBatchLayout:
 
     def update(self, bounds: DocumentBounds | None) -> BatchPlan:
         """Ask the provider for this micro-batch's layout, check it, and make it current."""
-        layout = self.provider(bounds)
+        self.plan = self.prepare(bounds)
+        return self.plan
+
+    def prepare(self, bounds: DocumentBounds | None) -> BatchPlan:
+        """This micro-batch's checked ``BatchPlan``, without making it current (the planning
+        thread of ``batch_ahead`` prepares plans ahead; the training thread sets ``plan``)."""
+        return self.plan_of(self.provider(bounds), bounds)
+
+    def plan_of(
+        self, layout: Layout, bounds: DocumentBounds | None, *, any_length: bool = False
+    ) -> BatchPlan:
+        """The checked ``BatchPlan`` of ``layout`` for a micro-batch with ``bounds``.
+        ``any_length``: the micro-batch may have another length than the job's (the CPU
+        testbed's global-batch driver, whose micro-batches are bins of documents)."""
         if not isinstance(layout, Layout):
             raise HexiSeqError(
                 f"the per-micro-batch layout provider returned {type(layout).__name__}, not a "
                 "Layout; return a Layout of the job's groups and heads"
             )
-        if layout.seq_length != self.seq_length:
+        if layout.seq_length != self.seq_length and not any_length:
             raise HexiSeqError(
                 f"the micro-batch's layout covers {layout.seq_length} tokens but the micro-batch "
                 f"has {self.seq_length} (--seq-length); plan it for the whole micro-batch"
@@ -134,8 +156,7 @@ class MicroBatchLayout:
         rope = positions
         if self.reset_position_ids and bounds is not None and bounds.shared:
             rope = tuple(positions_in_documents(positions, bounds.samples[0]))
-        self.plan = BatchPlan(layout, groups, positions, rope)
-        return self.plan
+        return BatchPlan(layout, groups, positions, rope)
 
     def current(self) -> BatchPlan:
         if self.plan is None:
@@ -144,6 +165,16 @@ class MicroBatchLayout:
                 "did not go through the HexiSeq slicer)"
             )
         return self.plan
+
+
+def fixed_layout(groups: HexiSeqGroups, *, reset_position_ids: bool = False) -> MicroBatchLayout:
+    """The slot of a run with packed documents on the job's own layout: every micro-batch's plan
+    is the job's layout (its positions, and RoPE positions inside each document), so documents
+    take the same prepared-ahead path as per-micro-batch layouts (``batch_ahead``)."""
+    job = groups.layout
+    return MicroBatchLayout(
+        groups, lambda bounds: job, reset_position_ids=reset_position_ids, fixed=True
+    )
 
 
 class PlannerLayouts:

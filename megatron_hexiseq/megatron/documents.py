@@ -13,7 +13,9 @@ a packed dataset) records ``cu_seqlens_padded`` (else ``cu_seqlens``) the same w
 attention (``cu_seqlens``) and the RoPE module (``--reset-position-ids``: angles from each token's
 position inside its document) read it during the forward of that micro-batch. The backward reuses
 what the forward captured, so pipeline schedules that interleave micro-batches are fine on the
-stages that load data. Reading the EOD positions costs one device-to-host copy per micro-batch.
+stages that load data. The boundaries are read on the host from the data loader's CPU batch, in
+the planning thread of ``batch_ahead`` (no device sync); ``update_from_tokens`` on device tokens
+(a direct caller of the slicer) copies the tokens to the host first.
 """
 
 from __future__ import annotations
@@ -21,20 +23,22 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from megatron_hexiseq.attention.documents import DocumentBounds, parse_cu_seqlens
 from megatron_hexiseq.errors import HexiSeqError
 
 
-def eod_boundaries(tokens_bS: torch.Tensor, eod_token: int) -> list[list[int]]:
-    """Per sample ``[0, i1 + 1, ..., S]``: a document ends after each EOD token (Megatron's rule)."""
-    b, S = tokens_bS.shape
-    rows = [[] for _ in range(b)]  # type: list[list[int]]
-    for sample, i in (tokens_bS == eod_token).nonzero().tolist():  # one device-to-host copy
-        if i + 1 < S:
-            rows[sample].append(i + 1)
-    return [[0, *r, S] for r in rows]
+def eod_boundaries(tokens_bS: torch.Tensor | np.ndarray, eod_token: int) -> list[list[int]]:
+    """Per sample ``[0, i1 + 1, ..., S]``: a document ends after each EOD token (Megatron's rule).
+    Read on the host: CPU tokens (the data loader's batch) cost no device sync; device tokens are
+    copied to the host first (one sync: the path ``batch_ahead`` avoids)."""
+    host = tokens_bS.detach().cpu().numpy() if isinstance(tokens_bS, torch.Tensor) else tokens_bS
+    b, S = host.shape
+    rows, cols = np.nonzero(host[:, : S - 1] == eod_token)  # row-major: sorted by sample, then i
+    cuts = np.split(cols + 1, np.searchsorted(rows, np.arange(1, b)))
+    return [[0, *c.tolist(), S] for c in cuts]
 
 
 class MicroBatchDocuments:

@@ -64,6 +64,7 @@ from megatron_hexiseq.megatron.batch_layout import (
 from megatron_hexiseq.megatron.checkpoint import check_before_training
 from megatron_hexiseq.megatron.core_attention import HexiSeqCoreAttention
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
+from megatron_hexiseq.megatron.job_runtime import domain_process_ranks
 from megatron_hexiseq.megatron.params_check import megatron_replica_groups, share_initial_parameters
 from megatron_hexiseq.megatron.rope import install_rope
 from megatron_hexiseq.megatron.runtime import HexiSeqRuntime, RunShape, build_runtime
@@ -250,22 +251,67 @@ def setup(
             runtime, batch_layout=micro_batch_layout(args, runtime.groups, batch_layouts)
         )
     if pretrain_module is not None:
-        # pretrain_gpt's module-level functions, replaced on purpose (the batch seams)
-        slicer = LayoutBatchSlicer(
-            runtime.segments,
-            layout.seq_length,
-            runtime.documents,
-            reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-            batch_layout=runtime.batch_layout,
-        )
-        pretrain_module.get_batch_on_this_cp_rank = slicer  # type: ignore[attr-defined]
-        pretrain_module.get_thd_batch_on_this_cp_rank = slicer.thd  # type: ignore[attr-defined]
+        domains = [sorted(d) for d in domain_process_ranks(job)] if job is not None else None
+        runtime = install_batch_seams(args, runtime, pretrain_module, cp_group, domains)
         if training_module is None and (job is not None or hs.check_params):
             from megatron.training import training
 
             training_module = training
     if training_module is not None:  # the training loop's seams: a job, the parameter check
         job_plugin.install_training_seams(training_module, args, hs, place=place, job=job)
+    return runtime
+
+
+def install_batch_seams(
+    args: argparse.Namespace,
+    runtime: HexiSeqRuntime,
+    pretrain_module: ModuleType,
+    cp_group: dist.ProcessGroup | None,
+    domains: list[list[int]] | None = None,
+) -> HexiSeqRuntime:
+    """Replace ``pretrain_gpt``'s batch functions (the batch seams, on purpose). Without pipeline
+    and tensor parallelism every micro-batch is prepared ahead off the training thread
+    (``batch_ahead``: boundaries from the CPU batch, plan, host slices, agreement checks over the
+    CP domains, or a job's ``domains`` of process ranks) and ``get_batch`` only copies; otherwise
+    (middle pipeline stages, TP ranks that receive the batch by broadcast) the slicer slices on
+    the device as before."""
+    reset_mask = bool(getattr(args, "reset_attention_mask", False))
+    prepared = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1 and (
+        getattr(args, "tensor_model_parallel_size", 1) or 1
+    ) == 1
+    if prepared:
+        from megatron_hexiseq.megatron.batch_ahead import ahead_batches, micro_batches_per_step
+        from megatron_hexiseq.megatron.batch_layout import fixed_layout
+
+        if runtime.batch_layout is None:
+            runtime = replace(
+                runtime,
+                batch_layout=fixed_layout(
+                    runtime.groups,
+                    reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+                ),
+            )
+        assert runtime.batch_layout is not None and runtime.documents is not None
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        pretrain_module.get_batch_on_this_tp_rank = ahead_batches(  # type: ignore[attr-defined]
+            runtime.documents,
+            runtime.batch_layout,
+            reset_attention_mask=reset_mask,
+            cp_group=cp_group,
+            domains=domains,
+            depth=micro_batches_per_step(),
+            device=device,
+        )
+    slicer = LayoutBatchSlicer(
+        runtime.segments,
+        runtime.layout.seq_length,
+        runtime.documents,
+        reset_attention_mask=reset_mask,
+        batch_layout=runtime.batch_layout,
+        prepared=prepared,
+    )
+    pretrain_module.get_batch_on_this_cp_rank = slicer  # type: ignore[attr-defined]
+    pretrain_module.get_thd_batch_on_this_cp_rank = slicer.thd  # type: ignore[attr-defined]
     return runtime
 
 

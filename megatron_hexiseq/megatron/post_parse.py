@@ -36,6 +36,7 @@ import argparse
 import os
 
 from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.megatron.packed_checks import refuse_packed_combinations
 
 GiB = 1024**3
 
@@ -61,6 +62,7 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
     """Raise ``HexiSeqError`` for a Megatron feature a HexiSeq run does not support yet."""
     if not is_hexiseq_run(args):
         return
+    refuse_packed_combinations(args)  # packed documents: packed_checks.py
     graphs = _cuda_graph_flag(args)
     if graphs:
         raise HexiSeqError(

@@ -135,7 +135,8 @@ class LayoutRotaryEmbedding(nn.Module):
 
     def _document_angles(self) -> torch.Tensor | None:
         """With ``--reset-position-ids``: float32 angles at each token's position inside its
-        document (once per micro-batch; one small host-to-device copy). None when the micro-batch's
+        document (once per micro-batch; one small pinned, non-blocking host-to-device copy; the
+        Megatron plugin's prepared-ahead path takes them from the plan instead). None when the micro-batch's
         samples have different boundaries (the angles are per token, shared by the samples: the
         global positions are used then, which is the same attention since RoPE is relative and no
         score crosses a document)."""
@@ -145,9 +146,14 @@ class LayoutRotaryEmbedding(nn.Module):
         if not docs.bounds.shared:
             return None
         if self._doc_key != docs.bounds:
-            local = positions_in_documents(self._host_positions, docs.bounds.samples[0])
+            local = torch.tensor(
+                positions_in_documents(self._host_positions, docs.bounds.samples[0]),
+                dtype=torch.int64,
+            )
+            if self.positions.device.type == "cuda":
+                local = local.pin_memory()
             self._doc_emb = rope_angles(
-                torch.tensor(local, dtype=torch.int64).to(self.positions.device),
+                local.to(self.positions.device, non_blocking=True),
                 self.inv_freq_bits.view(torch.float32),
                 interleaved=self.rotary_interleaved,
                 interpolation_factor=self.interpolation_factor,

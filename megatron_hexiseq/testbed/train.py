@@ -105,12 +105,15 @@ def train_step(
     *,
     report_group=None,
     before_update=None,
+    before_micro_batch: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, StepTiming]:
     """One step of the driver: zero the grad buffers; forward, per-token loss sum and backward of
     each micro-batch (``batch``: one, or a list: all but the last under DDP's ``no_sync``, as
     Megatron's schedule accumulates them); ``finalize_model_grads`` (sums gradients, divides by the
     global token count) and the all-reduce of ``[loss_sum, num_tokens]`` over ``report_group``;
-    ``before_update()`` if given; AdamW on the gradient buffers. Returns the reduced ``report [2]``
+    ``before_update()`` if given; AdamW on the gradient buffers. ``before_micro_batch(i)`` runs
+    before micro-batch ``i`` (the global-batch driver makes its plan current there). Returns the
+    reduced ``report [2]``
     (global loss sum, token count) and the timing. Used by :func:`train_rank`, the job driver
     (``testbed/job_train.py``), ``profile``'s model-step measurement and the overlap bench."""
     batches = [batch] if isinstance(batch, Mapping) else list(batch)
@@ -119,6 +122,8 @@ def train_step(
     opt.zero_grad(set_to_none=True)
     loss_sum = num_tokens = torch.zeros((), dtype=torch.int)
     for i, micro in enumerate(batches):
+        if before_micro_batch is not None:
+            before_micro_batch(i)
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else ddp.no_sync():
             out = ddp(micro["tokens"], micro["position_ids"], None, labels=micro["labels"])

@@ -28,13 +28,23 @@ from megatron_hexiseq.varlen.packing import pack_batches
 from megatron_hexiseq.varlen.schemes import SCHEMES, SchemeRun, Schemes
 from megatron_hexiseq.varlen.structure import choose_structure
 
-FORMAT, VERSION = "megatron-hexiseq/varlen", 1
+FORMAT, VERSION = "megatron-hexiseq/varlen", 2
 
 
 def plan_fixed(
-    cluster: Cluster, model: ModelSpec, tokens: int, time_limit_s: float = 120.0
+    cluster: Cluster,
+    model: ModelSpec,
+    tokens: int,
+    time_limit_s: float = 120.0,
+    options: TrainOptions | None = None,
+    recompute: bool = False,
+    modes: Sequence[tuple[str, bool]] | None = None,
 ) -> tuple[Layout, TrainOptions]:
-    """``plan``'s layout for one sequence of ``tokens`` (memory mode auto) and its options."""
+    """``plan``'s layout for one sequence of ``tokens`` (memory mode auto) and its options.
+    ``options``: the base options (default: the model's); a domain of a larger run passes its
+    run-wide sharding (``varlen.domains.domain_options``). ``recompute``: only the modes with full
+    recompute (more tokens per micro-batch fit). ``modes``: the (memory mode, recompute) pairs to
+    try instead, in order."""
     from megatron_hexiseq.planner.plan import plan
 
     if tokens < cluster.world_size:
@@ -43,13 +53,13 @@ def plan_fixed(
             "at least one token"
         )
     m = replace(model, seq_length=tokens)
-    options = TrainOptions.for_model(m)
+    options = options or TrainOptions.for_model(m)
     layout = plan(
         cluster,
         m,
         tokens,
         options,
-        modes=modes_to_try("auto", False),
+        modes=modes_to_try("auto", recompute) if modes is None else modes,
         time_limit_s=time_limit_s,
         reproducible=True,
     )
@@ -92,14 +102,7 @@ def compare(
                     "step_s": _sig(run.estimate.iteration_time_s),
                     "config": run.config,
                     "exchange_model": run.estimate.exchange_model,
-                    "ranks": [
-                        {
-                            "rank": r.rank,
-                            "segments": [list(x) for x in r.segments],
-                            "heads": list(r.heads),
-                        }
-                        for r in run.layout.ranks
-                    ],
+                    "ranks": rank_records(run.layout),
                 }
         out_batches.append(entry)
     return {
@@ -126,6 +129,24 @@ def compare(
         "rank_time_s": {s: _mean_rank_times(runs[s]) for s in SCHEMES},
         "batches": out_batches if keep_assignments else [],
     }
+
+
+def rank_records(layout: Layout, ranks: Sequence[int] | None = None, domain: int = 0) -> list[dict]:
+    """Per rank of ``layout``: its cluster rank (``ranks[r]``, default ``r``), domain, group (named
+    by its first member's cluster rank, unique in the cluster), segments and heads: enough to
+    price the assignment again without knowing the structure."""
+    ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
+    lead = {g.id: ranks[min(g.ranks)] for g in layout.groups}
+    return [
+        {
+            "rank": ranks[p.rank],
+            "domain": domain,
+            "group": lead[p.group],
+            "segments": [list(x) for x in p.segments],
+            "heads": list(p.heads),
+        }
+        for p in layout.ranks
+    ]
 
 
 def summarize(scheme: str, runs: Sequence[SchemeRun]) -> dict[str, Any]:

@@ -1,0 +1,371 @@
+"""Every global-batch scheme on the same steps: what ``megatron-hexiseq varlen --global-batch-tokens``
+reports.
+
+``compare_global`` packs ``steps`` global batches of ``samples = G // S`` loader samples of ``S``
+tokens (``packing.pack_batches``, shuffled with ``seed``; a document cut at a sample boundary is
+two units) and runs each scheme of ``global_schemes`` on each step, on the whole cluster. Every
+stock configuration a user could pick is tried and the best (lowest mean step) reported, within
+``tokens_per_gpu`` (``TOKENS_PER_GPU``: 4K-32K tokens per GPU per micro-batch, the long-context
+regime): ``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``),
+``megatron-hybrid-cp`` at ``max_seqlen_per_rank`` in ``HYBRID_TOKENS``, ``speed-aware-packing`` at
+every CP size, ``fast-only`` the best of the three on the fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
+
+``hexiseq-global`` runs on the job's domains (``--job``) or, without one, on the best of the
+candidate domain sets (``domain_choice``: ``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
+one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``tokens_per_gpu``, and domains
+of one GPU type each at its own size (``fit_blocks``: the fewest GPUs of the type that hold a
+sample, and twice that); each planned in the memory mode ``plan`` picks and, as a second
+candidate, in a recompute mode (more tokens fit a micro-batch: long documents can go to more
+domains); each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
+the structure ``plan --doc-lengths`` would choose (``structure.choose_structure``), and micro-batch
+counts by speed (``domains.speed_shares``). The candidate is chosen on ``CHOICE_STEPS`` global
+batches packed with ``CHOICE_SEED`` (not the compared steps').
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.job.spec import JobPlan
+from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions, modes_to_try
+from megatron_hexiseq.varlen.compare import FORMAT, VERSION, rank_records
+from megatron_hexiseq.varlen.domain_choice import (
+    AUTO,
+    RECOMPUTE,
+    TOKENS_PER_GPU,
+    Modes,
+    domain_candidates,
+    domains_from_job,
+    plan_domains,
+)
+from megatron_hexiseq.varlen.domains import fastest_type_ranks
+from megatron_hexiseq.varlen.global_planner import GlobalPlanner
+from megatron_hexiseq.varlen.global_schemes import (
+    Pricer,
+    SchemeStep,
+    cp_dp_step,
+    cp_sizes,
+    hexiseq_step,
+    hybrid_cp_step,
+    speed_aware_step,
+    thd_step,
+)
+from megatron_hexiseq.varlen.packing import pack_batches
+
+SCHEMES = (
+    "hexiseq-global",
+    "megatron-cp-dp",
+    "megatron-hybrid-cp",
+    "speed-aware-packing",
+    "fast-only",
+)
+BASELINES = SCHEMES[1:]
+APPENDIX = ("megatron-thd-cp",)
+HYBRID_TOKENS = (4096, 8192, 16384, 32768)
+CHOICE_SEED = 1_000_003
+CHOICE_STEPS = 2  # global batches the domain set is chosen on
+
+
+def global_batches(
+    doc_lengths: Sequence[int], seq_length: int, samples: int, steps: int, seed: int
+) -> list[list[list[int]]]:
+    """``steps`` global batches of ``samples`` loader samples of ``seq_length`` tokens each."""
+    packed = pack_batches(doc_lengths, seq_length, samples * steps, seed)
+    return [packed[i * samples : (i + 1) * samples] for i in range(steps)]
+
+
+def units_of(samples: Sequence[Sequence[int]]) -> list[int]:
+    """The units of a global batch: every sample's documents, loader order."""
+    return [int(x) for s in samples for x in s]
+
+
+def modes_for(model: ModelSpec) -> list[TrainOptions]:
+    """The memory modes the baselines try, in order of overhead."""
+    base = TrainOptions.for_model(model)
+    return [replace(base, memory_mode=m, recompute=r) for m, r in modes_to_try("auto", False)]
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+def compare_global(
+    cluster: Cluster,
+    model: ModelSpec,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+    global_batch_tokens: int,
+    steps: int,
+    seed: int,
+    *,
+    job: JobPlan | None = None,
+    keep_assignments: bool = True,
+    progress: Callable[[str], None] | None = None,
+    time_limit_s: float = 60.0,
+    schemes: Sequence[str] = SCHEMES + APPENDIX,
+    tokens_per_gpu: tuple[int, int] = TOKENS_PER_GPU,
+) -> dict[str, Any]:
+    """The ``out.json`` document of ``varlen --global-batch-tokens`` (module docstring)."""
+    say = progress or (lambda message: None)
+    samples = global_batch_tokens // seq_length
+    if samples < 1:
+        raise HexiSeqError(
+            f"--global-batch-tokens {global_batch_tokens:,} is less than one sample of "
+            f"{seq_length:,} tokens"
+        )
+    m = replace(model, seq_length=seq_length)
+    batches = global_batches(doc_lengths, seq_length, samples, steps, seed)
+    pricer = Pricer(cluster, m)
+    modes = modes_for(m)
+    results: dict[str, list[SchemeStep]] = {}
+    tried: dict[str, list[dict[str, Any]]] = {}
+    domains_rec: dict[str, Any] = {}
+
+    def best_of(
+        name: str, configs: list[tuple[dict[str, Any], Callable[[list[list[int]]], SchemeStep]]]
+    ) -> None:
+        rows, best = [], None
+        for cfg, run in configs:
+            try:
+                got = [run(b) for b in batches]
+            except HexiSeqError as e:
+                rows.append({**cfg, "reason": str(e)})
+                continue
+            mean = float(np.mean([g.step_s for g in got]))
+            feasible = all(g.feasible for g in got)
+            rows.append({**cfg, "mean_step_s": _sig(mean), "feasible": feasible})
+            if best is None or (not feasible, mean) < (not best[0], best[1]):
+                best = (feasible, mean, got)
+        tried[name] = rows
+        if best is not None:
+            results[name] = best[2]
+
+    def stock(ranks: Sequence[int] | None) -> list[tuple[dict[str, Any], Callable]]:
+        n = len(ranks) if ranks is not None else cluster.world_size
+        lo, hi = tokens_per_gpu
+        max_cp = max(1, seq_length // lo)
+
+        def in_range(c: int) -> bool:
+            return lo <= seq_length // c <= hi
+
+        out: list[tuple[dict[str, Any], Callable]] = []
+        for c in [c for c in cp_sizes(n, seq_length, samples, max_cp) if in_range(c)]:
+            out.append(({"scheme": "megatron-cp-dp", "cp": c},
+                        lambda b, c=c: cp_dp_step(pricer, b, c, modes, ranks)))  # fmt: skip
+        for t in [t for t in HYBRID_TOKENS if t <= seq_length and lo <= t <= hi]:
+            out.append(({"scheme": "megatron-hybrid-cp", "max_seqlen_per_rank": t},
+                        lambda b, t=t: hybrid_cp_step(pricer, units_of(b), t, modes, ranks)))  # fmt: skip
+        c = 1
+        while c <= min(n, max_cp):
+            if n % c == 0 and in_range(c):
+                out.append(({"scheme": "speed-aware-packing", "cp": c},
+                            lambda b, c=c: speed_aware_step(pricer, units_of(b), samples, c, modes, ranks)))  # fmt: skip
+            c *= 2
+        return out
+
+    all_stock = stock(None)
+    for name in ("megatron-cp-dp", "megatron-hybrid-cp", "speed-aware-packing"):
+        if name in schemes:
+            say(f"{name}")
+            best_of(name, [x for x in all_stock if x[0]["scheme"] == name])
+    if "fast-only" in schemes:
+        fast = fastest_type_ranks(cluster)
+        if len(fast) < cluster.world_size:
+            say("fast-only")
+            best_of("fast-only", stock(fast))
+            domains_rec["fast-only"] = {"ranks": fast}
+    if "megatron-thd-cp" in schemes:
+        say("megatron-thd-cp (appendix)")
+        best_of(
+            "megatron-thd-cp",
+            [({"scheme": "megatron-thd-cp"}, lambda b: thd_step(pricer, b, modes))],
+        )
+    if "hexiseq-global" in schemes:
+        say("hexiseq-global: choosing the domains")
+        chosen, cands = _job_or_choice(
+            cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say,
+            tokens_per_gpu,
+        )  # fmt: skip
+        if chosen is None:  # no candidate domain set holds the global batch
+            domains_rec["hexiseq-global"] = {"chosen": None, "candidates": cands}
+        else:
+            domains_rec["hexiseq-global"] = {
+                "chosen": chosen[0],
+                "candidates": cands,
+                "domains": [
+                    {
+                        "ranks": list(d.ranks),
+                        "micro_batches": d.micro_batches,
+                        "groups": [list(g.ranks) for g in d.structure.groups],
+                        "memory_mode": d.options.memory_mode,
+                        "recompute": d.options.recompute,
+                    }
+                    for d in chosen[1].domains
+                ],  # fmt: skip
+            }
+            say("hexiseq-global")
+            results["hexiseq-global"] = [
+                hexiseq_step(chosen[1], pricer, units_of(b), {"domains": chosen[0]})
+                for b in batches
+            ]
+    out_steps = []
+    if keep_assignments:
+        for i, b in enumerate(batches):
+            out_steps.append(
+                {
+                    "samples": [list(s) for s in b],
+                    "schemes": {k: step_record(v[i]) for k, v in results.items()},
+                }
+            )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "mode": "global",
+        "cluster": cluster.name,
+        "world_size": cluster.world_size,
+        "model": model.name,
+        "seq_length": seq_length,
+        "samples_per_step": samples,
+        "global_batch_tokens": samples * seq_length,
+        "steps_count": steps,
+        "seed": seed,
+        "schemes": {k: summarize_global(k, v, samples * seq_length) for k, v in results.items()},
+        "tried": tried,
+        "domains": domains_rec,
+        "steps": out_steps,
+    }
+
+
+def _job_or_choice(
+    cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say, tokens_per_gpu
+):
+    """The job's domains, or the fastest candidate domain set (``choose_domains``)."""
+    if job is not None:
+        if job.seq_length != S:
+            raise HexiSeqError(
+                f"the job is planned for {job.seq_length:,}-token sequences but the samples have "
+                f"{S:,}; use --tokens-per-batch {job.seq_length}"
+            )
+        doms = domains_from_job(job)
+        return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
+    cache: dict = {}
+    candidates = domain_candidates(cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache)
+    return choose_domains(
+        cluster, model, doc_lengths, S, samples, pricer, candidates, time_limit_s=time_limit_s,
+        say=say, cache=cache,
+    )  # fmt: skip
+
+
+def choose_domains(
+    cluster: Cluster,
+    model: ModelSpec,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+    samples: int,
+    pricer: Pricer,
+    candidates: Sequence[tuple[str, Sequence[Sequence[int]]]],
+    *,
+    variants: Sequence[tuple[str, Modes]] = (("", AUTO), ("+recompute", RECOMPUTE)),
+    one_structure: bool = False,
+    time_limit_s: float = 60.0,
+    say: Callable[[str], None] | None = None,
+    cache: dict | None = None,
+    price: Callable[[GlobalPlanner, list[int]], tuple[float, bool]] | None = None,
+) -> tuple[tuple[str, GlobalPlanner] | None, list[dict[str, Any]]]:
+    """HexiSeq's domain set: every candidate (name, blocks of cluster ranks) in every memory-mode
+    variant (label suffix, modes ``plan`` tries) planned (``plan_domains``) and priced on
+    ``CHOICE_STEPS`` global batches packed with ``CHOICE_SEED`` (not the compared steps') by the
+    comparison's model: ``price(planner, units) -> (step seconds, every micro-batch fits)``
+    (default: ``hexiseq_step``, whole-cluster step); the feasible one with the lowest mean step,
+    else the fastest. Returns (label, its planner) or None when no candidate plans, and one row
+    per try (its mean step and feasibility, or why it failed)."""
+    say = say or (lambda message: None)
+    if price is None:
+
+        def price(gp: GlobalPlanner, units: list[int]) -> tuple[float, bool]:
+            got = hexiseq_step(gp, pricer, units, {})
+            return got.step_s, got.feasible
+
+    cache = {} if cache is None else cache
+    probes = [
+        units_of(b)
+        for b in global_batches(doc_lengths, seq_length, samples, CHOICE_STEPS, CHOICE_SEED)
+    ]
+    best = None
+    rows: list[dict[str, Any]] = []
+    for (name, blocks), (suffix, modes) in [(c, v) for c in candidates for v in variants]:
+        label = name + suffix
+        say(f"hexiseq-global: {label}")
+        try:
+            doms = plan_domains(
+                cluster, model, blocks, seq_length, samples, doc_lengths,
+                time_limit_s=time_limit_s, cache=cache, modes=modes, one_structure=one_structure,
+            )  # fmt: skip
+            gp = GlobalPlanner(doms, model)
+            got = [price(gp, probe) for probe in probes]
+        except HexiSeqError as e:
+            rows.append({"name": label, "reason": str(e)})
+            continue
+        step = float(np.mean([g[0] for g in got]))
+        feasible = all(g[1] for g in got)
+        rows.append(
+            {"name": label, "step_s": _sig(step), "feasible": feasible, "domains": len(doms)}
+        )
+        if best is None or (not feasible, step) < (not best[0], best[1]):
+            best = (feasible, step, label, gp)
+    if best is None:
+        return None, rows
+    return (best[2], best[3]), rows
+
+
+def summarize_global(name: str, steps: Sequence[SchemeStep], tokens: int) -> dict[str, Any]:
+    """Per scheme: mean / p90 step, whole-cluster tokens/s, slowest over mean domain (averaged over
+    steps), feasibility, the configuration, and the planner's CPU time."""
+    st = np.array([s.step_s for s in steps])
+    imb = [max(s.domain_s) / float(np.mean(s.domain_s)) for s in steps if len(s.domain_s) > 1]
+    rec: dict[str, Any] = {
+        "mean_step_s": _sig(float(st.mean())),
+        "p90_step_s": _sig(float(np.percentile(st, 90))),
+        "tokens_per_s": _sig(tokens / float(st.mean())),
+        "domain_imbalance": _sig(float(np.mean(imb))) if imb else 1.0,
+        "feasible": all(s.feasible for s in steps),
+        "config": steps[0].config,
+        "domains": len(steps[0].domain_s),
+    }
+    if name == "hexiseq-global":
+        sched = np.array([s.schedule_s for s in steps]) * 1e3
+        plan = np.array([x for s in steps for x in s.plan_s]) * 1e3
+        rec.update(
+            schedule_ms_max=_sig(float(sched.max())),
+            plan_ms_p50=_sig(float(np.median(plan))),
+            plan_ms_max=_sig(float(plan.max())),
+        )
+    return rec
+
+
+def step_record(step: SchemeStep) -> dict[str, Any]:
+    """One scheme's step in ``out.json``: every micro-batch with its per-rank records
+    (``compare.rank_records``: cluster rank, domain, group, segments, heads)."""
+    out = [
+        {
+            "domain": r.domain,
+            "index": r.micro_batch,
+            "step_s": _sig(r.estimate.iteration_time_s),
+            "doc_lengths": np.diff(r.cu_seqlens).tolist(),
+            "ranks": rank_records(r.layout, r.ranks, r.domain),
+        }
+        for r in step.runs
+    ]
+    return {
+        "step_s": _sig(step.step_s),
+        "domain_s": [_sig(x) for x in step.domain_s],
+        "micro_batches": out,
+    }
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.6g}")

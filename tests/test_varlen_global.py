@@ -1,0 +1,251 @@
+"""Global-batch scheduling: the integer scheduler, the global planner, the whole-cluster schemes and
+``varlen --global-batch-tokens`` / ``--job``.
+
+Layer (a) only (no processes). The scheduler on hand-built integer tables gives the bins worked out
+by hand (earliest finish, capacity, loader order inside a bin, small bins filled), is a pure
+function of its integers (a table one attosecond off can change the bins; equal tables give equal
+digests), and refuses a unit no domain can hold in one line. On a small mixed cluster every unit of
+the global batch lands in exactly one bin, every bin's layout covers its tokens on its domain's
+structure, and faster domains take more tokens. ``compare_global`` reports every scheme with
+per-rank records naming domain and group; the CLI writes them, with a job file too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_hexiseq.cli import main
+from megatron_hexiseq.cluster import cluster_from_dict, cluster_to_dict
+from megatron_hexiseq.errors import HexiSeqError
+from megatron_hexiseq.job import Domain as JobDomain
+from megatron_hexiseq.job import JobPlan
+from megatron_hexiseq.model import get_model
+from megatron_hexiseq.run_config import TrainOptions, options_record
+from megatron_hexiseq.varlen.domain_choice import domains_from_job, plan_domains
+from megatron_hexiseq.varlen.domains import (
+    Domain,
+    cp_groups,
+    domain_options,
+    replica_blocks,
+    speed_shares,
+    sub_cluster,
+    typed_blocks,
+)
+from megatron_hexiseq.varlen.global_batch import DomainCosts, schedule_global
+from megatron_hexiseq.varlen.global_compare import APPENDIX, SCHEMES, compare_global
+from megatron_hexiseq.varlen.global_planner import GlobalPlanner
+from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
+
+MIX = cluster_from_dict(
+    {
+        "name": "mix8",
+        "nodes": [
+            {"name": "a0", "gpu": "A100-SXM-80GB", "count": 2, "network_GBps": 25},
+            {"name": "h0", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
+            {"name": "a1", "gpu": "A100-SXM-80GB", "count": 2, "network_GBps": 25},
+            {"name": "h1", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
+        ],
+    }
+)
+S = 8192
+
+
+# ---- the integer scheduler ---------------------------------------------------------------------
+def test_schedule_by_hand() -> None:
+    fast = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=100)
+    slow = DomainCosts(token_as=2, pair_as=0, batch_as=0, capacity=100)
+    # units (loader order): 30, 20, 10, 10, 10; longest first, each to the earliest finish:
+    # 30 -> fast (30 vs 60); 20 -> slow (50 vs 40); 10 -> fast (40 vs 60);
+    # 10 -> fast (50 vs 60); 10 -> fast? (60 vs 60: tie -> lower index = fast)
+    sched = schedule_global([10, 30, 10, 20, 10], [fast, slow], [1, 1])
+    assert sched.bins == ((tuple(sorted((1, 0, 2, 4))),), ((3,),))
+    assert sched.predicted_as == (60, 40)
+    # two micro-batches: inside the domain the cheaper bin with room; bins keep loader order
+    sched = schedule_global([10, 30, 10, 20, 10], [fast], [2])
+    assert sched.bins == (((1, 2), (0, 3, 4)),)
+    assert [sum([10, 30, 10, 20, 10][u] for u in b) for b in sched.bins[0]] == [40, 40]
+
+
+def test_schedule_respects_capacity_and_pairs() -> None:
+    # pairs dominate: a 9-token unit costs 45 pairs, nine 1-token units cost 9
+    a = DomainCosts(token_as=0, pair_as=1, batch_as=0, capacity=10)
+    sched = schedule_global([9] + [1] * 9, [a, a], [1, 1])
+    assert sched.bins == (((0,),), ((1, 2, 3, 4, 5, 6, 7, 8, 9),))
+    with pytest.raises(HexiSeqError, match="fits no domain's micro-batch"):
+        schedule_global([11, 1], [a, a], [1, 1])
+    with pytest.raises(HexiSeqError, match="does not fit the domains' memory"):
+        schedule_global([6, 6, 6, 6, 6], [a, a], [1, 1])
+
+
+def test_schedule_is_a_function_of_integers() -> None:
+    lengths = heavy_tailed_lengths(200, seed=3, median=300)
+    t = [DomainCosts(7, 3, 50, 10**6), DomainCosts(11, 5, 50, 10**6), DomainCosts(7, 3, 50, 10**6)]
+    a = schedule_global(lengths, t, [2, 1, 2])
+    b = schedule_global(list(lengths), list(t), [2, 1, 2])
+    assert a == b and a.digest() == b.digest()
+    # one attosecond more per pair on one domain: still a valid schedule, another digest
+    c = schedule_global(lengths, [t[0], t[1]._replace(pair_as=4), t[2]], [2, 1, 2])
+    assert sorted(u for d in c.bins for bb in d for u in bb) == list(range(len(lengths)))
+    assert c.digest() != a.digest()
+    assert all(isinstance(x, int) for x in a.predicted_as)
+
+
+def test_small_bins_take_units_from_the_fullest_bin() -> None:
+    # pairs only: the 8-token unit (36 pairs) fills bin 0; the six 3-token units (6 pairs each) go
+    # to bin 1 until it costs as much: bin 0 has 8 tokens, fewer than its 9 ranks, and takes the
+    # smallest unit (the first 3, unit 1) of bin 1
+    pairs = DomainCosts(token_as=0, pair_as=1, batch_as=0, capacity=100)
+    lengths = [8, 3, 3, 3, 3, 3, 3]
+    sched = schedule_global(lengths, [pairs], [2], min_tokens=[9])
+    assert sched.bins == (((0, 1), (2, 3, 4, 5, 6)),)
+    assert sched.tokens(lengths) == [[11, 15]]
+
+
+# ---- domains -------------------------------------------------------------------------------------
+def test_domain_blocks_and_sub_clusters() -> None:
+    assert replica_blocks(MIX, 2) == [[2, 3, 0, 1], [6, 7, 4, 5]]  # H100s first (canonical)
+    assert replica_blocks(MIX, 3) is None
+    assert typed_blocks(MIX, 2) == [[2, 3], [6, 7], [0, 1], [4, 5]]
+    assert cp_groups(MIX, 4) == [[2, 3, 6, 7], [0, 1, 4, 5]]
+    sub = sub_cluster(MIX, [6, 2, 3])
+    assert [d.index for d in sub.devices] == [0, 1, 2]
+    assert [d.node for d in sub.devices] == ["h1", "h0", "h0"]
+    assert {n.name: n.count for n in sub.nodes} == {"h1": 1, "h0": 2}
+    assert speed_shares(10, [2.0, 1.0, 1.0]) == [5, 3, 2]
+    with pytest.raises(HexiSeqError, match="cannot give each"):
+        speed_shares(2, [1.0, 1.0, 1.0])
+
+
+@pytest.fixture(scope="module")
+def typed():
+    m = get_model("gpt-tiny", overrides={"seq_length": S})
+    docs = heavy_tailed_lengths(3000, seed=5, median=700)
+    doms = plan_domains(MIX, m, typed_blocks(MIX, 2), S, 16, docs, time_limit_s=20)
+    return m, docs, doms
+
+
+def test_global_planner_places_every_unit_once(typed) -> None:
+    m, docs, doms = typed
+    counts = [d.micro_batches for d in doms]  # H100 domains first (canonical order), faster
+    assert min(counts[:2]) >= max(counts[2:]) and sum(counts) == 16
+    gp = GlobalPlanner(doms, m)
+    units = [x for s in pack_batches(docs, S, 16, 9) for x in s]
+    sched = gp.schedule(units)
+    assert sched == gp.schedule(units)
+    placed = sorted(u for d in sched.bins for b in d for u in b)
+    assert placed == list(range(len(units)))
+    tokens = sched.tokens(units)
+    per_domain = [sum(t) for t in tokens]
+    assert min(per_domain[:2]) > max(per_domain[2:])  # the H100 domains take more tokens
+    for d, dom in enumerate(doms):
+        for k in range(dom.micro_batches):
+            a = gp.plan_bin(sched, units, d, k)
+            assert a.layout.seq_length == tokens[d][k]
+            assert [r.host for r in a.layout.ranks] == [x.node for x in dom.cluster.devices]
+            assert a.doc_lengths == [units[u] for u in sched.bins[d][k]]
+            assert all(r.num_tokens >= 1 for r in a.layout.ranks)
+
+
+# ---- the comparison and the CLI ---------------------------------------------------------------
+def test_compare_global_reports_every_scheme(typed) -> None:
+    m, docs, _ = typed
+    res = compare_global(MIX, m, docs, S, 16 * S, 1, 4, time_limit_s=20)
+    assert set(res["schemes"]) == set(SCHEMES) | set(APPENDIX)
+    for name, rec in res["schemes"].items():
+        assert rec["tokens_per_s"] > 0 and rec["mean_step_s"] > 0, name
+    ours = res["schemes"]["hexiseq-global"]
+    assert ours["schedule_ms_max"] > 0 and ours["domain_imbalance"] >= 1.0
+    assert res["domains"]["hexiseq-global"]["chosen"]
+    step = res["steps"][0]
+    assert sum(len(s) for s in step["samples"]) > 0
+    for rec in step["schemes"].values():
+        for mb in rec["micro_batches"]:
+            ranks = mb["ranks"]
+            assert all({"rank", "domain", "group", "segments", "heads"} <= set(r) for r in ranks)
+            assert all(0 <= r["rank"] < MIX.world_size for r in ranks)
+    # hexiseq-global covers the global batch: every sample's tokens, once
+    total = sum(sum(mb["doc_lengths"]) for mb in step["schemes"]["hexiseq-global"]["micro_batches"])
+    assert total == 16 * S
+
+
+def test_varlen_global_cli(typed, tmp_path, capsys) -> None:
+    _, docs, _ = typed
+    spec = tmp_path / "c.yaml"
+    spec.write_text(
+        "name: mix8\nnodes:\n"
+        + "".join(
+            f"  - {{name: {n}, gpu: {g}, count: 2, network_GBps: 25}}\n"
+            for n, g in (("a0", "A100-SXM-80GB"), ("h0", "H100-SXM-80GB"))
+        )
+    )
+    lp = tmp_path / "L.json"
+    lp.write_text(json.dumps(docs[:1500]))
+    out = tmp_path / "out.json"
+    args = ["varlen", "--cluster", str(spec), "--model", "gpt-tiny", "--doc-lengths", str(lp),
+            "--tokens-per-batch", str(S), "--global-batch-tokens", str(8 * S), "--batches", "1",
+            "-o", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["samples_per_step"] == 8 and set(data["schemes"]) >= {"hexiseq-global"}
+    printed = capsys.readouterr().out
+    assert "hexiseq-global" in printed and "megatron-thd-cp (appendix)" in printed
+    assert main([*args, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot draws per-micro-batch" in capsys.readouterr().err
+
+
+def _job(m, doms) -> JobPlan:
+    return JobPlan(
+        global_batch=sum(d.micro_batches for d in doms),
+        seq_length=S,
+        model=m.to_dict(),
+        cluster=cluster_to_dict(MIX),
+        options=options_record(doms[0].options, []),
+        domains=tuple(
+            JobDomain(ranks=d.ranks, micro_batches=d.micro_batches, layout=d.structure)
+            for d in doms
+        ),
+    )
+
+
+def test_job_domains_and_the_cli(typed, tmp_path, capsys) -> None:
+    m, docs, doms = typed
+    job = _job(m, [d for d in doms])
+    got = domains_from_job(job)
+    assert [d.ranks for d in got] == [d.ranks for d in doms]
+    assert [d.micro_batches for d in got] == [d.micro_batches for d in doms]
+    assert got[0].options == domain_options(doms[0].options, MIX, list(range(8)), 2)
+    jp = tmp_path / "job.json"
+    job.save(jp)
+    lp = tmp_path / "L.json"
+    lp.write_text(json.dumps(docs[:2000]))
+    out = tmp_path / "out.json"
+    rc = main(["varlen", "--job", str(jp), "--doc-lengths", str(lp), "--batches", "1",
+               "-o", str(out)])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["mode"] == "global" and data["domains"]["hexiseq-global"]["chosen"] == "job"
+    assert data["global_batch_tokens"] == job.global_batch * S
+    assert "hexiseq-global" in capsys.readouterr().out
+    # bad input: one line, exit 2, nothing written
+    out2 = tmp_path / "o2.json"
+    assert main(["varlen", "--job", str(jp), "--doc-lengths", str(lp), "--tokens-per-batch",
+                 "4096", "-o", str(out2)]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4,096" in err[0] and not out2.exists()
+
+
+def test_domain_needs_a_micro_batch() -> None:
+    sub = sub_cluster(MIX, [0])
+    from megatron_hexiseq.varlen.domain_choice import _trivial
+
+    with pytest.raises(HexiSeqError, match="micro_batches must be at least 1"):
+        Domain(
+            index=0,
+            ranks=(0,),
+            micro_batches=0,
+            structure=_trivial(sub, get_model("gpt-tiny")),
+            cluster=sub,
+            options=TrainOptions(),
+        )
