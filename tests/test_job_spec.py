@@ -22,16 +22,19 @@ from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.run_config import TrainOptions, options_record
 
-CLUSTER = cluster_from_dict(
-    {
-        "name": "tiny-mixed",
-        "nodes": [
-            {"name": "h0", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
-            {"name": "a0", "gpu": "A100-SXM-80GB", "count": 2, "network_GBps": 25},
-            {"name": "a1", "gpu": "A100-SXM-80GB", "count": 1, "network_GBps": 25},
-        ],
-    }
-)
+
+def mixed_cluster(name: str, h0: int, a0: int, a1: int):
+    """Node h0: ``h0`` H100s; nodes a0, a1: ``a0`` and ``a1`` A100s."""
+    nodes = [("h0", "H100-SXM-80GB", h0), ("a0", "A100-SXM-80GB", a0), ("a1", "A100-SXM-80GB", a1)]
+    return cluster_from_dict(
+        {
+            "name": name,
+            "nodes": [{"name": n, "gpu": g, "count": c, "network_GBps": 25} for n, g, c in nodes],
+        }
+    )
+
+
+CLUSTER = mixed_cluster("tiny-mixed", 2, 2, 1)
 MODEL = get_model("gpt-7b", overrides={"seq_length": 64})
 OPTIONS = options_record(TrainOptions(), [])
 
@@ -183,16 +186,7 @@ def test_alternative_is_a_job_of_its_own():
 
 
 # ---- TP bundles -------------------------------------------------------------------------------
-TP_CLUSTER = cluster_from_dict(
-    {
-        "name": "tp-mixed",
-        "nodes": [
-            {"name": "h0", "gpu": "H100-SXM-80GB", "count": 4, "network_GBps": 25},
-            {"name": "a0", "gpu": "A100-SXM-80GB", "count": 4, "network_GBps": 25},
-            {"name": "a1", "gpu": "A100-SXM-80GB", "count": 2, "network_GBps": 25},
-        ],
-    }
-)
+TP_CLUSTER = mixed_cluster("tp-mixed", 4, 4, 2)
 TP_OPTIONS = options_record(TrainOptions(tensor_model_parallel_size=2), [])
 
 
