@@ -54,7 +54,9 @@ def plan_job(
     every size of :func:`job_tp_sizes` (module docstring); ``modes``: (memory_mode, recompute)
     pairs to try (default: the options' own), every candidate keeping its fastest;
     ``time_limit_s``: wall-clock cap (once passed, the families not yet started are skipped:
-    ``planner.time_limit_reached``); ``reproducible``: 0 for wall-clock fields."""
+    ``planner.time_limit_reached``); ``reproducible``: 0 for wall-clock fields; ``exhaustive``:
+    with ``"auto"``, the search's families at every TP size, not only at the one whose
+    alternatives were fastest."""
     check_positive_int("global_batch", global_batch)
     mbs = options.micro_batch_size
     if global_batch % mbs:
