@@ -10,10 +10,15 @@ reduction, the attention kernel the runtime picks.
 
 Per case, each in a fresh process (``_common.in_fresh_process``): ``plan_job``'s CPU time (one
 process, ``time.process_time``: the figure on a shared machine), the winner (the family and what it
-chose), the job's step and every alternative's (``job.candidates.ALTERNATIVES``), the job's speed-up
-over each (alternative's step / the job's; > 1: the job is faster), the domains' tokens per GPU.
-Medians over the cases: over the better of ``megatron-cp-dp`` / ``fast-only`` (what stock Megatron
-offers) and over the best of ``typed-dp`` / ``hexiseq-one-domain`` / ``hexiseq-replicas``.
+chose), the job's step and TP size and every alternative's (``job.candidates.ALTERNATIVES``), the
+job's speed-up over each (alternative's step / the job's; > 1: the job is faster), the domains'
+tokens per GPU. The job and every alternative are planned at ``--tensor-model-parallel-size``
+(default ``auto``: each at its best TP size of 1, 2, 4, 8, TP inside the node, as people configure
+stock Megatron); ``--compare-tp1`` also plans each case at TP = 1 (the suite before TP bundles);
+``--exhaustive-tp`` runs the search's families at every TP size (what ``auto``'s one size for
+the families loses). Medians over the cases: over the better of ``megatron-cp-dp`` / ``fast-only``
+(what stock Megatron offers) and over the best of ``typed-dp`` / ``hexiseq-one-domain`` /
+``hexiseq-replicas``.
 
 The paper's testbed (8 H100 + 8 A100, gpt-7b, 16K / 32K; ``examples/clusters/mixed-h100-a100.yaml``):
 HexiSeq's one-domain plan against the best symmetric layout over all 16 GPUs (ring, Ulysses, USP at
@@ -93,6 +98,8 @@ def _plan(case: dict, queue: Any) -> None:
         case["seq_length"],
         case["global_batch"],
         options,
+        tensor_model_parallel_size=case["tp"],
+        exhaustive=case.get("exhaustive", False),
         modes=AUTO_MODES,
         time_limit_s=600,
         reproducible=True,
@@ -104,6 +111,10 @@ def _plan(case: dict, queue: Any) -> None:
     queue.put(
         {
             "step_s": step,
+            "tp": job.tensor_model_parallel_size,
+            "alternatives_tp": {
+                a["name"]: a.get("tensor_model_parallel_size", 1) for a in job.alternatives
+            },
             "alternatives": alt,
             "speedup": {n: (s / step if s else None) for n, s in alt.items()},
             "winner": job.planner["winner"],
@@ -119,15 +130,22 @@ def _plan(case: dict, queue: Any) -> None:
     )
 
 
-def run_case(case: dict) -> dict:
+def run_case(case: dict, tp: int | str, compare_tp1: bool, exhaustive: bool = False) -> dict:
     row = {
         k: case[k]
         for k in ("label", "model", "seq_length", "global_batch", "gpus", "types", "network")
     }
-    row.update(in_fresh_process(_plan, case))
+    row.update(in_fresh_process(_plan, case | {"tp": tp, "exhaustive": exhaustive}))
     sp = row["speedup"]
     row["over_stock"] = _over(sp, STOCK)
     row["over_hexiseq"] = _over(sp, HEXISEQ)
+    if compare_tp1 and tp != 1:  # the same job planned at TP = 1 (the suite before TP bundles)
+        one = in_fresh_process(_plan, case | {"tp": 1})
+        row["tp1"] = {k: one[k] for k in ("step_s", "alternatives", "cpu_s")}
+        row["over_tp1"] = one["step_s"] / row["step_s"]
+        row["over_stock_tp1"] = _over(
+            {n: (s / row["step_s"] if s else None) for n, s in one["alternatives"].items()}, STOCK
+        )
     return row
 
 
@@ -210,6 +228,17 @@ def summary(rows: list[dict]) -> dict:
     for w in sorted({r["gpus"] for r in rows}):
         sel = [r["cpu_s"] for r in rows if r["gpus"] == w]
         out[f"cpu_s_{w}"] = {"median": _med(sel), "max": max(sel)}
+    out["job_tp"] = {str(t): sum(r.get("tp", 1) == t for r in rows) for t in (1, 2, 4, 8)}
+    out["alternatives_tp"] = {
+        n: {str(t): sum(r.get("alternatives_tp", {}).get(n) == t and r["speedup"].get(n) is not None
+                        for r in rows) for t in (1, 2, 4, 8)}
+        for n in ALTERNATIVES
+    }  # fmt: skip
+    if any("over_tp1" in r for r in rows):
+        out["median_over_tp1"] = _med([r.get("over_tp1") for r in rows])
+        out["median_over_stock_tp1"] = _med([r.get("over_stock_tp1") for r in rows])
+        big = [r.get("over_tp1") for r in rows if r["model"] == "llama3-70b"]
+        out["llama3_70b_over_tp1"] = {"cases": len(big), "median": _med(big)}
     return out
 
 
@@ -220,18 +249,21 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 def write(rows: list[dict], paper: list[dict], out: str) -> str:
     s = summary(rows)
     lines = [
-        "| # | cluster | model | seq | B | job (winner) | step s | tok/GPU | x cp-dp | x fast-only | "
-        "x typed-dp | x one-domain | x replicas | mode | CPU s |",
-        "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| # | cluster | model | seq | B | job (winner) | TP | step s | tok/GPU | x cp-dp | x fast-only | "
+        "x typed-dp | x one-domain | x replicas | x own TP=1 plan | mode | CPU s |",
+        "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for i, r in enumerate(rows):
-        sp = r["speedup"]
+        sp, alt_tp = r["speedup"], r.get("alternatives_tp", {})
         lines.append(
             f"| {i} | {r['label']} | {r['model']} | {r['seq_length'] // 1024}K | {r['global_batch']} | "
-            f"{r['winner']['family']}: {r['winner']['config'][:60]} | {r['step_s']:.4g} | "
-            f"{r['tokens_per_gpu']} | "
-            + " | ".join(_f(sp.get(n)) for n in ALTERNATIVES)
-            + f" | {r['memory_mode']} | {r['cpu_s']} |"
+            f"{r['winner']['family']}: {r['winner']['config'][:60]} | {r.get('tp', 1)} | "
+            f"{r['step_s']:.4g} | {r['tokens_per_gpu']} | "
+            + " | ".join(
+                _f(sp.get(n)) + (f" (TP {alt_tp[n]})" if sp.get(n) and alt_tp.get(n, 1) > 1 else "")
+                for n in ALTERNATIVES
+            )
+            + f" | {_f(r.get('over_tp1'))} | {r['memory_mode']} | {r['cpu_s']} |"
         )
     cpu = ", ".join(
         f"{k[6:]} GPUs {v['median']} / {v['max']}" for k, v in s.items() if k.startswith("cpu_s_")
@@ -245,7 +277,15 @@ def write(rows: list[dict], paper: list[dict], out: str) -> str:
         + ", ".join(f"{n} {v}x" for n, v in s["median_over"].items())
         + f". Never slower than an alternative: {s['never_slower']}. Winners: "
         + ", ".join(f"{k} {v}" for k, v in sorted(s["winners"].items()))
-        + f". Planning CPU time (median / max, one process): {cpu} (targets 10 s at 128, 60 s at 1024).",
+        + f". Planning CPU time (median / max, one process): {cpu} (targets 10 s at 128, 60 s at 1024)."
+        + f" The job's TP size: {s['job_tp']}; each alternative's: {s['alternatives_tp']}."
+        + (
+            f" Over the same job planned at TP = 1: median {s['median_over_tp1']}x (llama3-70b: "
+            f"{s['llama3_70b_over_tp1']}); over stock Megatron at TP = 1: median "
+            f"{s['median_over_stock_tp1']}x."
+            if "median_over_tp1" in s
+            else ""
+        ),
         "",
         "The paper's testbed (8 H100 + 8 A100, gpt-7b): one HexiSeq domain over the best symmetric "
         "layout over all 16 GPUs, both with the step's fixed costs",
@@ -290,7 +330,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", type=int, nargs="*", default=None, help="case indices to run")
     ap.add_argument("--no-paper", action="store_true", help="skip the paper's testbed")
     ap.add_argument("--out", default="results/bench", help="output folder")
+    ap.add_argument(
+        "--tensor-model-parallel-size",
+        default="auto",
+        metavar="T|auto",
+        help="TP size of the job and every alternative (default auto: each its best)",
+    )
+    ap.add_argument(
+        "--exhaustive-tp",
+        action="store_true",
+        help="run the search's families at every TP size (plan_job(exhaustive=True))",
+    )
+    ap.add_argument(
+        "--compare-tp1",
+        action="store_true",
+        help="also plan every case at TP = 1 (the job's speed-up over its TP = 1 plan)",
+    )
     args = ap.parse_args(argv)
+    tp = args.tensor_model_parallel_size
+    tp = tp if tp == "auto" else int(tp)
     selected = cases()
     if args.smoke:
         selected = selected[:2]
@@ -299,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in selected:
         t0 = time.perf_counter()
-        rows.append(run_case(case))
+        rows.append(run_case(case, tp, args.compare_tp1, args.exhaustive_tp))
         print(
             f"{case['label']} {case['model']} {case['seq_length'] // 1024}K B={case['global_batch']}: "
             f"{time.perf_counter() - t0:.1f} s, cpu {rows[-1]['cpu_s']} s, winner "

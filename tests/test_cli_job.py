@@ -88,3 +88,50 @@ def test_plan_without_global_batch_still_writes_a_layout(d, capsys):
     assert _plan(d, "--seq-length", "4096", "-o", str(d / "l.json")) == 0
     lay = Layout.load(d / "l.json")
     assert lay.world_size == 4 and "shard_group_size" not in lay.meta["options"]
+
+
+def test_plan_a_job_over_tp_bundles_and_read_it_back(d, capsys):
+    assert (
+        _plan(
+            d, "--global-batch", "8", "--tensor-model-parallel-size", "2", "-o", str(d / "t.json")
+        )
+        == 0
+    )
+    assert "TP bundles of 2 GPUs" in capsys.readouterr().out
+    job = JobPlan.load(d / "t.json")
+    assert job.tensor_model_parallel_size == 2 and job.options["tensor_model_parallel_size"] == 2
+    assert all(dom.layout.tensor_model_parallel_size == 2 for dom in job.domains)
+    assert price_job(job).step_s == pytest.approx(job.predicted["step_time_s"], rel=1e-8)
+    assert main(["validate", str(d / "t.json"), "--cluster", str(d / "c.yaml")]) == 0
+    assert "every domain fits its memory" in capsys.readouterr().out
+    assert main(["simulate", "--layout", str(d / "t.json"), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["step_time_s"] == pytest.approx(job.predicted["step_time_s"], rel=1e-8)
+    # auto: every size of 1, 2 (2-GPU nodes) for the job and each alternative, the best kept
+    assert (
+        _plan(
+            d,
+            "--global-batch",
+            "8",
+            "--tensor-model-parallel-size",
+            "auto",
+            "-o",
+            str(d / "a.json"),
+        )
+        == 0
+    )
+    auto = JobPlan.load(d / "a.json")
+    sizes = auto.planner["tensor_parallel"]["sizes"]
+    assert [s["tensor_model_parallel_size"] for s in sizes] == [1, 2]
+    assert all("tensor_model_parallel_size" in a for a in auto.alternatives if a["feasible"])
+    assert auto.predicted["step_time_s"] <= job.predicted["step_time_s"] * (1 + 1e-9)
+    capsys.readouterr()
+    assert (
+        _plan(
+            d, "--global-batch", "8", "--tensor-model-parallel-size", "3", "-o", str(d / "x.json")
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "do not divide over --tensor-model-parallel-size 3" in err and err.count("\n") == 1
+    assert not (d / "x.json").exists()

@@ -4,7 +4,10 @@ Layer (a) only (no processes): on generated clusters (2-3 GPU types, node order 
 is never slower, in its own model, than any alternative it records, and its file prices again to
 its own figure (``job.evaluate.price_job``); the paper's testbed at 32K with 64 sequences splits
 by GPU type and beats one domain over everything; a planned job round-trips and each feasible
-alternative is a valid job; domains of one shape share one plan.
+alternative is a valid job; domains of one shape share one plan. Over TP bundles (t = 2 given,
+and ``auto``): the same guarantees, every domain's bundles on one node each and its layout over
+bundles, each alternative's TP size recorded and each feasible one a valid job of its own size;
+the step of a job over bundles is the bundle problem's (``evaluate.bundle_problem_of_job``).
 """
 
 from __future__ import annotations
@@ -142,6 +145,71 @@ def test_cpu_testbed_cluster_pays_its_measured_step_overhead_once():
     busy = max(d["busy_s"] for d in pred["domains"])
     assert pred["step_time_s"] == pytest.approx(busy + 0.025)
     assert price_job(job).step_s == pytest.approx(pred["step_time_s"], rel=1e-8)
+
+
+# ---- TP bundles -------------------------------------------------------------------------------
+def _check_tp_job(job: JobPlan, batch: int) -> None:
+    """Never slower than an alternative; the file and every alternative price again to their
+    figures; domains are bundles of ``t`` GPUs of one node; the file round-trips."""
+    step = job.predicted["step_time_s"]
+    t = job.tensor_model_parallel_size
+    for alt in job.alternatives:
+        if alt["feasible"]:
+            assert step <= alt["step_time_s"], (alt["name"], alt["config"])
+            other = job.alternative(alt["name"])
+            assert other.tensor_model_parallel_size == alt["tensor_model_parallel_size"]
+            assert price_job(other).step_s == pytest.approx(alt["step_time_s"], rel=1e-8)
+    assert price_job(job).step_s == pytest.approx(step, rel=1e-8)
+    assert sum(d.micro_batches for d in job.domains) == batch
+    devices = job.cluster_spec.devices
+    for d, dom in enumerate(job.domains):
+        assert dom.layout.tensor_model_parallel_size == t
+        assert dom.layout.world_size * t == len(dom.ranks)
+        for bundle in job.bundles(d):
+            assert len({devices[r].node for r in bundle}) == 1
+        assert all(r.num_tokens % t == 0 for r in dom.layout.ranks)
+    assert JobPlan.from_json(job.to_json()) == job
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_a_job_over_tp_bundles_of_2(seed):
+    cluster, name, seq, batch = generated(seed)
+    model = get_model(name, overrides={"seq_length": seq})
+    options = TrainOptions.for_model(model, overlap_grad_sync=True)
+    job = plan_job(
+        cluster,
+        model,
+        seq,
+        batch,
+        options,
+        tensor_model_parallel_size=2,
+        modes=AUTO_MODES,
+        reproducible=True,
+    )
+    assert job.tensor_model_parallel_size == 2 and job.options["tensor_model_parallel_size"] == 2
+    assert "--sequence-parallel" in job.options["megatron_flags"]
+    assert {a.get("tensor_model_parallel_size") for a in job.alternatives if a["feasible"]} == {2}
+    _check_tp_job(job, batch)
+
+
+def test_auto_tp_keeps_the_best_size_and_records_every_size():
+    cluster = load_cluster("examples/clusters/four-types-64.yaml")
+    model = get_model("gpt-13b", overrides={"seq_length": 131072})
+    options = TrainOptions.for_model(model, overlap_grad_sync=True)
+    kw = dict(modes=AUTO_MODES, reproducible=True)
+    job = plan_job(cluster, model, 131072, 32, options, tensor_model_parallel_size="auto", **kw)
+    _check_tp_job(job, 32)
+    sizes = job.planner["tensor_parallel"]["sizes"]
+    assert [s["tensor_model_parallel_size"] for s in sizes] == [1, 2, 4, 8]
+    chosen = [s for s in sizes if s.get("chosen")]
+    assert [s["tensor_model_parallel_size"] for s in chosen] == [job.tensor_model_parallel_size]
+    assert job.tensor_model_parallel_size > 1  # 13B fits the distributed optimizer only with TP
+    tp1 = plan_job(cluster, model, 131072, 32, options, **kw)
+    assert job.predicted["step_time_s"] < tp1.predicted["step_time_s"]
+    # every alternative is its best over the sizes: never slower than at TP = 1
+    for a, b in zip(job.alternatives, tp1.alternatives):
+        if b["feasible"]:
+            assert a["step_time_s"] <= b["step_time_s"] * (1 + 1e-9), a["name"]
 
 
 def test_job_file_with_a_one_gpu_alternative_loads():

@@ -3,7 +3,8 @@
 - the flags (``--hexiseq-job``, ``--hexiseq-check-params``) and their refusals;
 - ``job_runtime``: every process's domain and local rank, each domain's layout renumbered to
   ascending process ranks, every start-up refusal of ``check_job_run`` / ``check_job_args`` in
-  one line;
+  one line; a job over TP bundles of 2 (:func:`job_tp`): process bundles, TP ranks, each domain's
+  groups per TP rank, its layout over its process bundles, Megatron's TP x CP grid checked;
 - ``job_data.JobBatchSampler`` over 1,000 steps of a three-domain job: each step's global batch
   read once (no index twice, none skipped), every rank of a domain the same indices, a resume in
   the middle (under the same job and under another with the same global batch) continuing exactly;
@@ -35,6 +36,7 @@ from megatron_hexiseq.megatron.args import HexiSeqArgs, add_hexiseq_args, job_fl
 from megatron_hexiseq.megatron.job_data import JobBatchSampler, JobDataLoaders
 from megatron_hexiseq.megatron.job_runtime import (
     check_job_run,
+    domain_groups,
     domain_layout,
     domain_process_ranks,
     job_place,
@@ -46,20 +48,36 @@ from megatron_hexiseq.run_config import TrainOptions, options_record
 from megatron_hexiseq.testbed.train_config import TINY_GPT
 
 SEQ = 48
-# node c0: one fast device; node c1: three slow ones (cluster ranks 0 | 1, 2, 3)
-CLUSTER = cluster_from_dict(
-    {
-        "name": "cpu-job",
-        "gpus": {
-            "FAST-CPU": {"bf16_tflops": 0.2, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-            "SLOW-CPU": {"bf16_tflops": 0.1, "memory_gib": 8, "nvlink_GBps": 5, "efficiency": 1.0},
-        },
-        "nodes": [
-            {"name": "c0", "gpu": "FAST-CPU", "count": 1, "network_GBps": 1},
-            {"name": "c1", "gpu": "SLOW-CPU", "count": 3, "network_GBps": 1},
-        ],
-    }
-)
+
+
+def cpu_cluster(name: str, fast: int, slow: int):
+    """Node c0: ``fast`` fast devices; node c1: ``slow`` slow ones."""
+    return cluster_from_dict(
+        {
+            "name": name,
+            "gpus": {
+                "FAST-CPU": {
+                    "bf16_tflops": 0.2,
+                    "memory_gib": 8,
+                    "nvlink_GBps": 5,
+                    "efficiency": 1.0,
+                },
+                "SLOW-CPU": {
+                    "bf16_tflops": 0.1,
+                    "memory_gib": 8,
+                    "nvlink_GBps": 5,
+                    "efficiency": 1.0,
+                },
+            },
+            "nodes": [
+                {"name": "c0", "gpu": "FAST-CPU", "count": fast, "network_GBps": 1},
+                {"name": "c1", "gpu": "SLOW-CPU", "count": slow, "network_GBps": 1},
+            ],
+        }
+    )
+
+
+CLUSTER = cpu_cluster("cpu-job", 1, 3)  # cluster ranks 0 | 1, 2, 3
 
 
 def layout_on(ranks: list[int], segments, heads, groups) -> Layout:
@@ -133,6 +151,50 @@ def one_domain_job() -> JobPlan:
         [[0, 1, 2]],
     )
     return make_job([([0, 1, 2], 4, three)])
+
+
+TP_CLUSTER = cpu_cluster("cpu-job-tp", 2, 4)  # one fast TP bundle of 2 | two slow ones
+TP = 2
+
+
+def job_tp(model: ModelSpec = TINY_GPT) -> JobPlan:
+    """Two domains over TP bundles of 2 (the tiny GPT's 8 / 2 heads: 4 / 1 per TP rank): the fast
+    bundle [0, 1] alone, 3 micro-batches; two slow bundles listed high first, [4, 5] then [2, 3],
+    one A2A group with uneven tokens (28 / 20, multiples of 2) and heads (3 / 1), 1 micro-batch."""
+    heads, groups = model.num_attention_heads // TP, max(1, model.num_query_groups // TP)
+
+    def over_bundles(hosts, gpus, segments, heads_of, group_lists):
+        return make_layout(
+            seq_length=SEQ,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            segments=segments,
+            heads=heads_of,
+            groups=group_lists,
+            hosts=hosts,
+            gpus=gpus,
+            tensor_model_parallel_size=TP,
+        )
+
+    alone = over_bundles(["c0"], ["FAST-CPU"], [[(0, SEQ)]], [list(range(heads))], [[0]])
+    pair = over_bundles(
+        ["c1", "c1"],
+        ["SLOW-CPU"] * 2,
+        [[(0, 10), (30, 48)], [(10, 30)]],
+        [[0, 1, 2], [3]],
+        [[0, 1]],
+    )
+    return JobPlan(
+        global_batch=4,
+        seq_length=SEQ,
+        model=replace(model, seq_length=SEQ).to_dict(),
+        cluster=cluster_to_dict(TP_CLUSTER),
+        options=options_record(TrainOptions(tensor_model_parallel_size=TP), []),
+        domains=(
+            Domain(ranks=(0, 1), micro_batches=3, layout=alone),
+            Domain(ranks=(4, 5, 2, 3), micro_batches=1, layout=pair),
+        ),
+    )
 
 
 def run_of(job: JobPlan, **changes) -> RunShape:
@@ -210,6 +272,62 @@ def test_renumbering_keeps_what_every_rank_holds():
     assert [g.ranks for g in swapped.groups] == [(0, 1)]
     assert renumber(pair, [0, 1]) is pair
     assert renumber(swapped, [1, 0]) == pair
+
+
+def test_tp_bundles_are_process_bundles_and_each_tp_rank_has_its_groups():
+    job = job_tp()
+    assert job.run_ranks == (0, 1, 2, 3, 4, 5)  # bundles [0, 1], [2, 3], [4, 5]
+    assert domain_process_ranks(job) == [(0, 1), (4, 5, 2, 3)]
+    pair, bundles = domain_layout(job, 1)
+    assert bundles == (1, 2)  # process bundles, ascending: layout bundle 0 is now [2, 3]
+    assert [r.segments for r in pair.ranks] == [((10, 30),), ((0, 10), (30, 48))]
+    assert pair.tensor_model_parallel_size == TP and [r.heads for r in pair.ranks] == [
+        (3,),
+        (0, 1, 2),
+    ]
+    assert domain_groups(job, 0) == [(0,), (1,)]
+    assert domain_groups(job, 1) == [(2, 4), (3, 5)]  # TP rank 0's and TP rank 1's
+    places = [job_place(job, k) for k in range(6)]
+    assert [(p.domain, p.local_rank, p.tp_rank, p.micro_batches) for p in places] == [
+        (0, 0, 0, 3),
+        (0, 0, 1, 3),
+        (1, 0, 0, 1),
+        (1, 0, 1, 1),
+        (1, 1, 0, 1),
+        (1, 1, 1, 1),
+    ]
+    # the domain's own cluster for the batch planner: its 4 GPUs, bundle j on devices 2j, 2j+1
+    from megatron_hexiseq.layout import check_matches
+
+    check_matches(
+        pair, cluster_from_dict(pair.meta["cluster_spec"]), replace(TINY_GPT, seq_length=SEQ)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"tensor_model_parallel_size": 1},
+            "planned over TP bundles of 2 GPUs but --tensor-model-parallel-size is 1",
+        ),
+        (
+            {"context_parallel_size": 6},
+            "one context-parallel group of all 3 bundles .* set --context-parallel-size 3",
+        ),
+        ({"sequence_parallel": True, "seq_length": 48}, None),
+    ],
+)
+def test_tp_run_shape_is_checked(change, message):
+    job = job_tp()
+    run = run_of(job, tensor_model_parallel_size=TP, context_parallel_size=3)
+    check_job_run(job, run, global_batch_size=4, micro_batch_size=1)
+    if message is None:
+        check_job_run(job, replace(run, **change), global_batch_size=4, micro_batch_size=1)
+        return
+    with pytest.raises(HexiSeqError, match=message) as info:
+        check_job_run(job, replace(run, **change), global_batch_size=4, micro_batch_size=1)
+    assert "\n" not in str(info.value)
 
 
 # ---- start-up checks -------------------------------------------------------------------------

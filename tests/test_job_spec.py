@@ -3,6 +3,9 @@
 Layers: (a) only (no processes): a two-domain job built by hand on a 2 H100 + 2 A100 cluster
 round-trips exactly; every rule of the module docstring refuses a broken job in one line naming
 the problem; ``locate``, ``run_ranks`` and ``sample_range`` give the orders the runtime relies on.
+The same over TP bundles of 2 (a 4 + 4 + 2 GPU cluster, a domain's bundles listed out of order):
+bundles, ``run_ranks`` bundle by bundle, ``locate``'s TP rank, and the bundle rules (one node per
+bundle, layouts over bundles of the job's t, heads per TP rank).
 """
 
 from __future__ import annotations
@@ -19,16 +22,19 @@ from megatron_hexiseq.layout import make_layout
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.run_config import TrainOptions, options_record
 
-CLUSTER = cluster_from_dict(
-    {
-        "name": "tiny-mixed",
-        "nodes": [
-            {"name": "h0", "gpu": "H100-SXM-80GB", "count": 2, "network_GBps": 25},
-            {"name": "a0", "gpu": "A100-SXM-80GB", "count": 2, "network_GBps": 25},
-            {"name": "a1", "gpu": "A100-SXM-80GB", "count": 1, "network_GBps": 25},
-        ],
-    }
-)
+
+def mixed_cluster(name: str, h0: int, a0: int, a1: int):
+    """Node h0: ``h0`` H100s; nodes a0, a1: ``a0`` and ``a1`` A100s."""
+    nodes = [("h0", "H100-SXM-80GB", h0), ("a0", "A100-SXM-80GB", a0), ("a1", "A100-SXM-80GB", a1)]
+    return cluster_from_dict(
+        {
+            "name": name,
+            "nodes": [{"name": n, "gpu": g, "count": c, "network_GBps": 25} for n, g, c in nodes],
+        }
+    )
+
+
+CLUSTER = mixed_cluster("tiny-mixed", 2, 2, 1)
 MODEL = get_model("gpt-7b", overrides={"seq_length": 64})
 OPTIONS = options_record(TrainOptions(), [])
 
@@ -177,3 +183,118 @@ def test_alternative_is_a_job_of_its_own():
     data["alternatives"][0]["domains"][0]["micro_batches"] = 3  # 3 != global batch 4
     with pytest.raises(HexiSeqError, match="alternative 'fast-only': the domains take 3"):
         JobPlan.from_dict(data).alternative("fast-only")
+
+
+# ---- TP bundles -------------------------------------------------------------------------------
+TP_CLUSTER = mixed_cluster("tp-mixed", 4, 4, 2)
+TP_OPTIONS = options_record(TrainOptions(tensor_model_parallel_size=2), [])
+
+
+def bundle_layout(hosts: list[str], gpus: list[str], tp: int = 2, heads: int = 16):
+    """A layout over ``len(hosts)`` TP bundles (gpt-7b: 32 heads, 16 per TP rank of 2)."""
+    n = len(hosts)
+    bounds = [64 * i // n // 2 * 2 for i in range(n + 1)]  # multiples of 2 tokens
+    return make_layout(
+        seq_length=64,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        group_sizes=[n],
+        segments=[[(bounds[i], bounds[i + 1])] for i in range(n)],
+        heads=[list(range(heads * i // n, heads * (i + 1) // n)) for i in range(n)],
+        hosts=hosts,
+        gpus=gpus,
+        tensor_model_parallel_size=tp,
+        meta={"options": TP_OPTIONS},
+    )
+
+
+def tp_job_dict() -> dict:
+    """Domain 0: the H100 node as two bundles [0, 1], [2, 3], 3 micro-batches; domain 1: two A100
+    bundles listed out of order, [8, 9] (node a1) then [5, 4] (node a0, TP rank 0 on GPU 5), 1
+    micro-batch; GPUs 6 and 7 of a0 left out."""
+    h, a = "H100-SXM-80GB", "A100-SXM-80GB"
+    job = JobPlan(
+        global_batch=4,
+        seq_length=64,
+        model=MODEL.to_dict(),
+        cluster=cluster_to_dict(TP_CLUSTER),
+        options=TP_OPTIONS,
+        domains=(
+            Domain(ranks=(0, 1, 2, 3), micro_batches=3, layout=bundle_layout(["h0"] * 2, [h] * 2)),
+            Domain(
+                ranks=(8, 9, 5, 4), micro_batches=1, layout=bundle_layout(["a1", "a0"], [a] * 2)
+            ),
+        ),
+    )
+    return json.loads(job.to_json())
+
+
+def test_a_job_over_tp_bundles_round_trips_with_its_orders():
+    job = JobPlan.from_dict(tp_job_dict())
+    assert JobPlan.from_json(job.to_json()) == job
+    assert job.tensor_model_parallel_size == 2
+    assert job.bundles(1) == ((8, 9), (5, 4))
+    # bundle by bundle, bundles by their lowest cluster rank, each in its TP-rank order
+    assert job.run_ranks == (0, 1, 2, 3, 5, 4, 8, 9)
+    assert job.locate(5) == DomainRank(domain=1, local_rank=1, tp_rank=0)
+    assert job.locate(9) == DomainRank(domain=1, local_rank=0, tp_rank=1)
+    assert job.locate(3) == DomainRank(domain=0, local_rank=1, tp_rank=1)
+    # a plain job's files say nothing of TP: its options record has no tensor_model_parallel_size
+    assert "tensor_model_parallel_size" not in job_dict()["options"]
+    assert JobPlan.from_dict(job_dict()).tensor_model_parallel_size == 1
+
+
+def _tp_broken(edit) -> dict:
+    data = copy.deepcopy(tp_job_dict())
+    edit(data)
+    return data
+
+
+def _single_gpu_layouts(data: dict) -> None:
+    data["domains"][0]["layout"]["tensor_model_parallel_size"] = 1
+
+
+def _wrong_heads(data: dict) -> None:
+    data["domains"][0]["layout"] = bundle_layout(
+        ["h0"] * 2, ["H100-SXM-80GB"] * 2, heads=32
+    ).to_dict()
+
+
+def _t4(data: dict) -> None:
+    data["options"]["tensor_model_parallel_size"] = 4
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d["domains"][1].update(ranks=[8, 5, 9, 4]),
+            r"bundle 0 \(cluster ranks \[8, 5\]\) spans nodes a0, a1",
+        ),
+        (
+            lambda d: d["domains"][1].update(ranks=[8, 9, 5]),
+            "3 GPUs do not split into TP bundles of 2",
+        ),
+        (
+            _single_gpu_layouts,
+            "planned for TP bundles of 1 GPUs, the job's tensor_model_parallel_size is 2",
+        ),
+        (_t4, "planned for TP bundles of 2 GPUs, the job's tensor_model_parallel_size is 4"),
+        (_wrong_heads, "per TP rank of 2: 16 / 16"),
+        (
+            lambda d: d["options"].update(tensor_model_parallel_size=3),
+            "32 attention heads do not divide",
+        ),
+        (
+            lambda d: (
+                d["domains"][1].update(ranks=[8, 9, 0, 1])
+                or d["domains"][0].update(ranks=[4, 5, 2, 3])
+            ),
+            "bundle 0 is planned for H100-SXM-80GB on h0 but its cluster rank 4 is A100",
+        ),
+    ],
+)
+def test_broken_tp_jobs_are_refused_in_one_line(edit, message):
+    with pytest.raises(HexiSeqError, match=message) as info:
+        JobPlan.from_dict(_tp_broken(edit), source="job j.json")
+    assert "\n" not in str(info.value) and str(info.value).startswith("job j.json")

@@ -9,7 +9,11 @@ a layout together, ``DATA_PARALLEL`` with a job, a fixed job with ``EXCLUDE``, a
 other hosts. With ``MEGATRON_LM`` set (a Megatron-LM ``core_v0.16.1`` checkout), every rank's
 command and environment of a job in each memory mode a job can choose (``run_config.AUTO_MODES``)
 pass Megatron-LM's real ``parse_args`` + ``validate_args`` (``CUDA_DEVICE_MAX_CONNECTIONS`` 8 for
-Megatron-FSDP, 1 otherwise).
+Megatron-FSDP, 1 otherwise). A job over TP bundles of 2 (one bundle per host, the H100 bundle
+listed GPU 1 first): the rank table keeps each bundle on its host, TP rank order first
+(Megatron's TP groups: consecutive ranks), every command has ``--tensor-model-parallel-size 2`` and
+``--context-parallel-size`` = world size / 2, and (with ``MEGATRON_LM``) passes ``validate_args``
+in both memory modes.
 """
 
 from __future__ import annotations
@@ -55,8 +59,31 @@ def _pair(host: str, gpu: str, options: dict):
     )
 
 
-def _job(memory_mode: str = "distributed_optimizer", recompute: bool = False) -> JobPlan:
-    options = options_record(TrainOptions(memory_mode=memory_mode, recompute=recompute), [])
+def _job(
+    memory_mode: str = "distributed_optimizer", recompute: bool = False, tp: int = 1
+) -> JobPlan:
+    """The H100 pair (GPU 1 first) with 6 micro-batches, the A100 pair with 2: each a two-rank
+    layout, or with ``tp = 2`` one TP bundle (llama3-8b: 16 / 4 heads per TP rank)."""
+    options = options_record(
+        TrainOptions(memory_mode=memory_mode, recompute=recompute, tensor_model_parallel_size=tp),
+        [],
+    )
+
+    def bundle(host: str, gpu: str):
+        return make_layout(
+            seq_length=SEQ,
+            num_attention_heads=MODEL.num_attention_heads // 2,
+            num_query_groups=MODEL.num_query_groups // 2,
+            group_sizes=[1],
+            segments=[[(0, SEQ)]],
+            heads=[list(range(16))],
+            hosts=[host],
+            gpus=[gpu],
+            tensor_model_parallel_size=2,
+            meta={"options": options},
+        )
+
+    layout = _pair if tp == 1 else (lambda host, gpu, _: bundle(host, gpu))
     return JobPlan(
         global_batch=8,
         seq_length=SEQ,
@@ -64,8 +91,8 @@ def _job(memory_mode: str = "distributed_optimizer", recompute: bool = False) ->
         cluster=cluster_to_dict(CLUSTER),
         options=options,
         domains=(
-            Domain(ranks=(1, 0), micro_batches=6, layout=_pair("gpu1", "H100-SXM-80GB", options)),
-            Domain(ranks=(2, 3), micro_batches=2, layout=_pair("gpu2", "A100-SXM-80GB", options)),
+            Domain(ranks=(1, 0), micro_batches=6, layout=layout("gpu1", "H100-SXM-80GB", options)),
+            Domain(ranks=(2, 3), micro_batches=2, layout=layout("gpu2", "A100-SXM-80GB", options)),
         ),
     )
 
@@ -107,6 +134,25 @@ def test_dry_run_prints_each_domain_and_its_rank_commands(stand_ins, tmp_path):
         assert "--hexiseq-layout" not in words and "--use-distributed-optimizer" in words
 
 
+def test_a_tp_job_runs_bundles_on_their_hosts(stand_ins, tmp_path):
+    job = _job(tp=2)
+    job.save(tmp_path / "job.json")
+    res = _run(_env(stand_ins, tmp_path, tmp_path / "job.json"), *MODEL_ARGV)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert (
+        "+ # domain 0: 2 x H100-SXM-80GB in 1 TP bundles of 2, ranks 0@gpu1:1 1@gpu1:0"
+        in res.stdout
+    )
+    ranks = _rank_lines(res.stdout)
+    where = {k: (host, env["LOCAL_RANK"]) for k, (host, env, _) in ranks.items()}
+    assert where == {0: ("gpu1", "1"), 1: ("gpu1", "0"), 2: ("gpu2", "0"), 3: ("gpu2", "1")}
+    for _, _, cmd in ranks.values():
+        words = cmd.split()
+        assert words[words.index("--tensor-model-parallel-size") + 1] == "2"
+        assert words[words.index("--context-parallel-size") + 1] == "2"
+        assert "--sequence-parallel" in words and "--hexiseq-job" in words
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -128,10 +174,13 @@ def test_job_refusals_are_one_line(stand_ins, tmp_path, extra, message):
 @pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM=<Megatron-LM core_v0.16.1 checkout>")
 def test_job_commands_pass_megatron_validate_args_in_every_memory_mode(stand_ins, tmp_path):
     commands: list[tuple[dict, list[str]]] = []
-    for mode, recompute in AUTO_MODES:
-        folder = tmp_path / f"{mode}{recompute}"
+    jobs = [(f"{m}{r}", _job(m, r), m, r) for m, r in AUTO_MODES] + [
+        (f"tp-{m}", _job(m, tp=2), m, False) for m in ("distributed_optimizer", "fsdp")
+    ]
+    for name, job, mode, recompute in jobs:
+        folder = tmp_path / name
         folder.mkdir()
-        _job(mode, recompute).save(folder / "job.json")
+        job.save(folder / "job.json")
         res = _run(_env(stand_ins, folder, folder / "job.json"), *MODEL_ARGV)
         assert res.returncode == 0, res.stderr + res.stdout
         prefix = f"{sys.executable} -m megatron_hexiseq.pretrain_gpt "

@@ -37,8 +37,12 @@ EXAMPLES = """examples:
       --model gpt-7b --seq-length 131072 --exclude gpu01:3 -o layout2.json
   megatron-hexiseq show layout2.json --previous layout.json   # what changed, can it resume
   # the whole job: 64 sequences per step, domains of GPUs with their own layouts and shares
-  megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \
+  megatron-hexiseq plan --cluster examples/clusters/mixed-h100-a100.yaml --model gpt-7b \\
       --seq-length 32768 --global-batch 64 -o job.json --plot job.png
+  # the same over TP bundles: the job and stock Megatron each at their best TP size
+  megatron-hexiseq plan --cluster examples/clusters/four-types-64.yaml --model gpt-13b \\
+      --seq-length 131072 --global-batch 32 --memory-mode auto --tensor-model-parallel-size auto \\
+      -o job.json
 
 The layout records the cluster and model specs it was planned for (meta), so 'simulate --layout'
 and 'validate' need nothing else. With --data-parallel-size D the predicted tokens/s are those of
@@ -46,8 +50,8 @@ D copies of the cluster (each running this layout on its own sequences).
 
 With --global-batch B, plan writes a job file instead (docs/job.md): the cluster's GPUs in
 domains, each with its own layout and its share of the B sequences per step, the step's fixed
-costs priced (gradient reduction, optimizer), and every alternative (stock Megatron CP x DP, the
-fastest GPU type alone, one replica set per GPU type, one HexiSeq domain over all, equal mixed
+costs priced (gradient reduction, optimizer), and every alternative (stock Megatron TP x CP x DP,
+the fastest GPU type alone, one replica set per GPU type, one HexiSeq domain over all, equal mixed
 replicas) recorded beside it. 'show', 'validate' and 'simulate --layout' read job files too.
 """
 METHODS = ("hierarchical", "node", "exact")
@@ -132,7 +136,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="T|auto",
         help="plan over TP bundles of T GPUs of one node (Megatron's tensor + sequence parallelism "
         "inside each bundle; T divides the heads and every node's GPU count), or auto: the planner "
-        "picks one T for the job (planner.tensor_parallel records each T considered). Default 1",
+        "picks one T for the job (planner.tensor_parallel records each T considered). With "
+        "--global-batch: the job's T, and auto also prices every alternative at each T (1, 2, 4, 8) "
+        "and keeps its best. Default 1",
     )
     p.add_argument(
         "--reproducible",
@@ -289,13 +295,13 @@ def _run_job(args: argparse.Namespace) -> int:
         ("--doc-lengths", args.doc_lengths is not None),
         ("--method " + args.method, args.method != "hierarchical"),
         ("--data-parallel-size", args.data_parallel_size != 1),
-        ("--tensor-model-parallel-size", args.tensor_model_parallel_size != "1"),
     ):
         if given:
             raise HexiSeqError(
                 f"{flag} does not apply with --global-batch: a job plans every GPU of the cluster "
-                "with the hierarchical planner per domain, TP = 1; drop it"
+                "with the hierarchical planner per domain; drop it"
             )
+    tp = _tp_size(args.tensor_model_parallel_size)
     outputs = [("-o", args.output)] + ([("--plot", args.plot)] if args.plot else [])
     check_outputs(
         outputs, inputs=[args.cluster, args.model_config], figures=["--plot"] if args.plot else []
@@ -321,6 +327,7 @@ def _run_job(args: argparse.Namespace) -> int:
             prob.seq_length,
             args.global_batch,
             options,
+            tensor_model_parallel_size=tp,
             modes=prob.modes,
             time_limit_s=args.time_limit,
             reproducible=args.reproducible,

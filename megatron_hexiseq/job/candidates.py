@@ -92,7 +92,8 @@ def symmetric_dp(
 ) -> Found:
     """Stock Megatron on ``ranks`` (in launch order): every ``c`` and ``hp``, equal shares.
     ``beat``: modes whose ideal step (``Evaluator.ideal_step_s``) is no better are skipped
-    (every family takes it)."""
+    (every family takes it), and so is a size ``c`` whose slowest replica's ideal share of the
+    step (its ideal step over the replicas) is no better than the best so far."""
     best = NONE
     heads = ev.model.num_attention_heads
     for mode in modes:
@@ -103,6 +104,9 @@ def symmetric_dp(
             reps = _chunks(ranks, c)
             shares = equal_shares(len(reps), ev.micro_batches)
             if shares is None:
+                continue
+            # the slowest replica's share of the work at its summed rates: no faster than that
+            if max(ev.ideal_step_s(r, opts) for r in reps) / len(reps) >= _limit(best, beat):
                 continue
             for hp in head_parallel_options(c, heads):
                 evals = [ev.symmetric(r, opts, hp) for r in reps]
@@ -152,11 +156,15 @@ def typed_dp(ev: Evaluator, modes: Sequence[Mode], beat: float = math.inf) -> Fo
 
 
 def hexiseq_one_domain(ev: Evaluator, modes: Sequence[Mode], beat: float = math.inf) -> Found:
+    """``plan`` over every GPU, every micro-batch on it. With a finite ``beat`` a mode is also
+    skipped when its micro-batches' lower bound (``Evaluator.iteration_bound_s``) reaches it."""
     every = ev.index.canonical_ranks()
     best = NONE
     for mode in modes:
         opts = ev.options(every, *mode)
         if ev.ideal_step_s(every, opts) >= _limit(best, beat):
+            continue
+        if beat < math.inf and ev.micro_batches * ev.iteration_bound_s(every, opts) >= beat:
             continue
         e = ev.hexiseq(every, opts)
         best = best.better(Found(ev.price(opts, [every], [e]), f"{e.label}, {mode_label(opts)}"))
@@ -166,7 +174,9 @@ def hexiseq_one_domain(ev: Evaluator, modes: Sequence[Mode], beat: float = math.
 
 
 def hexiseq_replicas(ev: Evaluator, modes: Sequence[Mode], beat: float = math.inf) -> Found:
-    """``D`` equal mixed replicas for every ``D`` >= 2 that divides every kind's node count."""
+    """``D`` equal mixed replicas for every ``D`` >= 2 that divides every kind's node count. With a
+    finite ``beat`` a ``D`` is also skipped when ``ceil(M / D)`` micro-batches' lower bound on one
+    replica (``Evaluator.iteration_bound_s``: the replicas are alike) reaches it."""
     counts = [len(n) for n in ev.index.nodes_of]
     g = math.gcd(*counts)
     every = ev.index.canonical_ranks()
@@ -184,6 +194,9 @@ def hexiseq_replicas(ev: Evaluator, modes: Sequence[Mode], beat: float = math.in
                 )
                 for i in range(D)
             ]
+            most = -(-ev.micro_batches // D)
+            if beat < math.inf and most * ev.iteration_bound_s(reps[0], opts) >= beat:
+                continue
             evals = [ev.hexiseq(r, opts) for r in reps]
             p = ev.price(opts, reps, evals)
             best = best.better(Found(p, f"D={D} ({evals[0].label}), {mode_label(opts)}"))
@@ -334,7 +347,8 @@ def _distinct(p: Priced) -> list[tuple[tuple[int, ...], DomainEval]]:
 
 
 def _describe(ev: Evaluator, p: Priced | None, opts: TrainOptions) -> str:
-    """``2 x 16 H100 + 3 x 8 A100, distributed_optimizer``: the domains by GPU count and types."""
+    """``2 x 16 H100 + 3 x 8 A100, distributed_optimizer``: the domains by GPU count and types
+    (GPUs, not TP bundles)."""
     if p is None:
         return ""
     count: dict[str, int] = {}
@@ -342,7 +356,7 @@ def _describe(ev: Evaluator, p: Priced | None, opts: TrainOptions) -> str:
         names: dict[str, int] = {}
         for r in d:
             n = ev.cluster.devices[r].gpu.name.split("-")[0]
-            names[n] = names.get(n, 0) + 1
+            names[n] = names.get(n, 0) + ev.tp
         key = "+".join(f"{v} {k}" for k, v in names.items())
         count[key] = count.get(key, 0) + 1
     return ", ".join(f"{v} x ({k})" for k, v in count.items()) + f", {mode_label(opts)}"

@@ -8,6 +8,19 @@ shape, memory mode and shard group, whatever the number of domains of that shape
 runs under the job's options: the optimizer shards over every rank of the job
 (``TrainOptions.shard_group_size``) and Megatron-FSDP's rings cross the whole job
 (``shard_group_GBps``).
+
+**TP bundles.** With ``options.tensor_model_parallel_size = t > 1`` the evaluator works on the
+**bundle problem** (``costmodel.tp.bundle_setting``): one device per TP bundle of ``t`` GPUs of a
+node (bundle ``b`` is cluster ranks ``b*t .. b*t+t-1``), one TP rank's model, the options with
+``t``. Its ranks, domains, shapes, layouts and step are the bundle problem's: a job over bundles is
+priced as the job of the bundle problem, exactly as ``estimate`` prices a layout over bundles
+(``costmodel.tp``): every TP rank of a bundle does the same work at the same time, so one TP rank's
+micro-batch is the bundle's, and the step's fixed costs are those of one TP rank's shard group
+(``W / t`` ranks, ``P / t`` parameters each, its ring over the TP-rank-``i`` GPUs of every node).
+Layouts are planned there and their segment boundaries rounded to multiples of ``t``
+(``planner.tp.round_segments``: sequence parallelism splits a bundle's tokens evenly over its
+GPUs); :meth:`Evaluator.layout_of` and :meth:`Evaluator.cluster_ranks` turn them into the job
+file's layouts over bundles and cluster ranks. ``t = 1``: the bundle problem is the problem.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from megatron_hexiseq.costmodel.step import (
     ring_bus_GBps,
     step_fixed,
 )
+from megatron_hexiseq.costmodel.tp import bundle_setting
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job.domains import NodeIndex, Shape, move_layout, sub_cluster
 from megatron_hexiseq.job.shares import DomainTime, busy_s, equal_shares, min_max_shares
@@ -45,6 +59,7 @@ from megatron_hexiseq.planner.build import with_fields
 from megatron_hexiseq.planner.candidate import Deadline
 from megatron_hexiseq.planner.feasibility import may_fit
 from megatron_hexiseq.planner.plan import plan
+from megatron_hexiseq.planner.tp import iteration_lower_bound, round_segments
 from megatron_hexiseq.run_config import TrainOptions, options_record
 
 Progress = Callable[[str], None]
@@ -111,12 +126,14 @@ class Evaluator:
         deadline: Deadline,
         progress: Progress | None = None,
     ) -> None:
-        self.cluster = cluster
-        self.model = model
+        self.tp = options.tensor_model_parallel_size
+        self.job_cluster, self.job_model = cluster, model  # the real ones (file, records)
+        # what is planned and priced: the bundle problem (t = 1: the cluster and model themselves)
+        self.cluster, self.model, tp_options = bundle_setting(cluster, model, options, self.tp)
         self.seq_length = seq_length
         self.micro_batches = micro_batches  # per step, all domains together
-        self.base = replace(options, data_parallel_size=1)
-        self.index = NodeIndex(cluster)
+        self.base = replace(tp_options, data_parallel_size=1)
+        self.index = NodeIndex(self.cluster)
         self.deadline = deadline
         self.say = progress or (lambda message: None)
         self._subs: dict[Shape, Cluster] = {}
@@ -177,6 +194,10 @@ class Evaluator:
             return DomainEval(None, math.inf, 0.0, 0.0, "hexiseq", str(e))
         self.plans_run += 1
         winner = layout.planner.get("winner", {})
+        try:  # a multiple of t tokens per bundle (t = 1: the layout itself)
+            layout = round_segments(layout, self.tp)
+        except HexiSeqError as e:
+            return DomainEval(None, math.inf, 0.0, 0.0, "hexiseq", str(e))
         small = with_fields(
             layout,
             baselines=(),
@@ -191,29 +212,45 @@ class Evaluator:
         shape, sub = self.sub(ranks)
         key = ("symmetric", shape, options, hp)
         if key not in self._evals:
-            W = sub.world_size
-            label = _symmetric_label(hp, W)
-            if self.seq_length < W or self.model.num_attention_heads % hp or W % hp:
-                self._evals[key] = DomainEval(None, math.inf, 0.0, 0.0, label, "no such layout")
-            elif not may_fit(sub, self.model, self.seq_length, options):
-                self._evals[key] = DomainEval(None, math.inf, 0.0, 0.0, label, "does not fit")
-            else:
-                lay = symmetric_layout(sub, self.model, self.seq_length, hp)
-                ev = domain_eval(lay, sub, self.model, options, label)
-                if ev.layout is not None:
-                    est = costmodel.estimate(lay, sub, self.model, options)
-                    meta = {"chosen": label, "options": options_record(options, [options])}
-                    ev = ev._replace(
-                        layout=with_fields(lay, predicted=est.to_predicted(), meta=meta)
-                    )
-                self._evals[key] = ev
+            self._evals[key] = self._symmetric(sub, options, hp)
         return self._evals[key]
+
+    def _symmetric(self, sub: Cluster, options: TrainOptions, hp: int) -> DomainEval:
+        W = sub.world_size
+        label = _symmetric_label(hp, W)
+        if self.seq_length < W or self.model.num_attention_heads % hp or W % hp:
+            return DomainEval(None, math.inf, 0.0, 0.0, label, "no such layout")
+        if not may_fit(sub, self.model, self.seq_length, options):
+            return DomainEval(None, math.inf, 0.0, 0.0, label, "does not fit")
+        lay = symmetric_layout(sub, self.model, self.seq_length, hp)
+        if any(r.num_tokens % self.tp for r in lay.ranks):
+            # Megatron's sequence parallelism splits each bundle's tokens evenly over its t GPUs
+            why = f"tokens per bundle not a multiple of {self.tp}"
+            return DomainEval(None, math.inf, 0.0, 0.0, label, why)
+        ev = domain_eval(lay, sub, self.model, options, label)
+        if ev.layout is not None:
+            est = costmodel.estimate(lay, sub, self.model, options)
+            meta = {"chosen": label, "options": options_record(options, [options])}
+            ev = ev._replace(layout=with_fields(lay, predicted=est.to_predicted(), meta=meta))
+        return ev
 
     def layout_of(self, ranks: Sequence[int], ev: DomainEval) -> Layout:
         """``ev``'s layout for the domain ``ranks`` (hosts renamed from its shape's first
-        domain)."""
+        domain); with ``t > 1`` a layout over TP bundles of the real cluster."""
         assert ev.layout is not None
-        return move_layout(ev.layout, sub_cluster(self.cluster, ranks, "domain"))
+        layout = move_layout(ev.layout, sub_cluster(self.cluster, ranks, "domain"))
+        if self.tp == 1:
+            return layout
+        return replace(
+            layout,
+            tensor_model_parallel_size=self.tp,
+            meta={**layout.meta, "model": self.job_model.name},
+        )
+
+    def cluster_ranks(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """A domain's cluster ranks: bundle ``b`` is ranks ``b*t .. b*t+t-1``, bundle by bundle."""
+        t = self.tp
+        return tuple(b * t + i for b in ranks for i in range(t))
 
     def ideal_step_s(self, union: Sequence[int], options: TrainOptions) -> float:
         """A lower bound of the step of any job on the ranks ``union`` in ``options``' mode: every
@@ -233,6 +270,18 @@ class Evaluator:
                 top = max((f for _, f in att.causal or ()), default=1.0)
                 rate += max(d.flops_per_s, att.flops_per_s * max(1.0, top))
             self._ideal[key] = self.micro_batches * flops / rate
+        return self._ideal[key]
+
+    def iteration_bound_s(self, ranks: Sequence[int], options: TrainOptions) -> float:
+        """A lower bound of one micro-batch of any HexiSeq layout over every GPU of the domain
+        ``ranks`` (``planner.tp.iteration_lower_bound`` on its sub-cluster: memory-capped linear
+        work, attention at the summed rates, Megatron-FSDP's exposed gathers); infinite when no
+        such layout fits. Once per shape and options."""
+        shape, sub = self.sub(ranks)
+        key = ("bound", shape, options)
+        if key not in self._ideal:
+            bound = iteration_lower_bound(sub, self.model, self.seq_length, [options])
+            self._ideal[key] = math.inf if bound is None else bound
         return self._ideal[key]
 
     # ---- jobs ----------------------------------------------------------------------------
@@ -299,11 +348,11 @@ def price_plan(
     """A job as a file records it, priced again: each domain's layout on its sub-cluster under
     the job's options, its recorded micro-batches, the step's fixed costs of its domains
     (``simulate`` and ``validate`` of a job file; a test checks it equals the planner's figure)."""
-    evals = [
+    evals = [  # estimate prices a layout over TP bundles on its bundle problem itself
         domain_eval(lay, sub_cluster(cluster, ranks, f"{cluster.name}/domain"), model, options, "")
         for lay, ranks in zip(layouts, domains)
     ]
-    fixed = step_fixed(cluster, domains, model, options)
+    fixed = step_fixed(*bundle_problem_of_job(cluster, domains, model, options))
     times = [
         DomainTime(
             e.micro_batch_s, grad_sync_exposed_s(fixed.sync, options, e.forward_s, e.backward_s)
@@ -324,6 +373,29 @@ def price_plan(
         fixed,
         step,
     )
+
+
+def bundle_problem_of_job(
+    cluster: Cluster,
+    domains: Sequence[Sequence[int]],
+    model: ModelSpec,
+    options: TrainOptions,
+) -> tuple[Cluster, list[tuple[int, ...]], ModelSpec, TrainOptions]:
+    """``(cluster, domains, model, options)`` of the job's step as the bundle problem prices it:
+    with ``t = options.tensor_model_parallel_size > 1`` one device per TP bundle of the job's GPUs
+    (``costmodel.tp.bundle_setting`` on the GPUs the job uses, bundles by their lowest cluster
+    rank as ``JobPlan.run_ranks`` orders them), each domain its bundles' devices, one TP rank's
+    model; ``t = 1``: the arguments themselves."""
+    t = options.tensor_model_parallel_size
+    if t == 1:
+        return cluster, [tuple(d) for d in domains], model, options
+    bundles = [tuple(d[j : j + t]) for d in domains for j in range(0, len(d), t)]
+    order = sorted(bundles, key=min)
+    used = sub_cluster(cluster, [r for b in order for r in b], f"{cluster.name}/job")
+    b_cluster, b_model, b_options = bundle_setting(used, model, options, t)
+    index = {b: i for i, b in enumerate(order)}
+    b_domains = [tuple(index[tuple(d[j : j + t])] for j in range(0, len(d), t)) for d in domains]
+    return b_cluster, b_domains, b_model, b_options
 
 
 def price_job(job: JobPlan) -> Priced:

@@ -24,7 +24,11 @@ def busy(priced: Priced) -> list[float]:
 def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[str, Any]:
     """The job file's ``predicted`` block. ``grad_sync_s``: the exposed gradient reduction of the
     domain that sets the step; ``idle_fraction``: the mean over domains of the time a domain waits
-    for the busiest one, over the step; ``domains``: each domain's micro-batch, share, busy time."""
+    for the busiest one, over the step; ``domains``: each domain's GPUs, micro-batch, share, busy
+    time. With TP bundles of ``t > 1`` (``priced`` on the bundle problem: its ranks are bundles)
+    ``shard_group.ranks`` counts one TP rank's shard group (the bundles) and
+    ``tensor_model_parallel_size`` is recorded."""
+    tp = priced.options.tensor_model_parallel_size
     b = busy(priced)
     top = max(b)
     crit = b.index(top)
@@ -46,9 +50,10 @@ def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[st
             "bus_GBps": sig(fixed.bus_GBps) if math.isfinite(fixed.bus_GBps) else None,
         },
         "memory_mode": mode_label(priced.options),
+        **({"tensor_model_parallel_size": tp} if tp > 1 else {}),
         "domains": [
             {
-                "gpus": len(ranks),
+                "gpus": len(ranks) * tp,
                 "micro_batches": m,
                 "micro_batch_s": sig(t.micro_batch_s),
                 "grad_sync_s": sig(t.offset_s),
@@ -63,10 +68,11 @@ def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[st
 
 
 def domains(ev: Evaluator, priced: Priced) -> list[dict[str, Any]]:
-    """The ``domains`` list: cluster ranks, micro-batches, each layout over its local ranks."""
+    """The ``domains`` list: cluster ranks (bundle by bundle with TP), micro-batches, each layout
+    over its local ranks (bundles)."""
     return [
         {
-            "ranks": list(ranks),
+            "ranks": list(ev.cluster_ranks(ranks)),
             "micro_batches": m,
             "layout": ev.layout_of(ranks, e).to_dict(),
         }
@@ -82,10 +88,13 @@ def alternative(
     reason: str = "",
     *,
     with_domains: bool = True,
+    tp: int | None = None,
 ) -> dict[str, Any]:
     """An ``alternatives`` entry: its step, tokens/s, feasibility, domains and options (the
-    alternative's own memory mode), ``config`` (what was chosen: sizes, layouts), ``reason`` when
-    infeasible."""
+    alternative's own memory mode and TP size), ``config`` (what was chosen: sizes, layouts),
+    ``reason`` when infeasible; ``tp``: its TP size, recorded as ``tensor_model_parallel_size``
+    when given (a plan over several sizes)."""
+    size = {} if tp is None else {"tensor_model_parallel_size": tp}
     if priced is None:
         return {
             "name": name,
@@ -101,6 +110,7 @@ def alternative(
         "name": name,
         "step_time_s": pred["step_time_s"],
         "tokens_per_s": pred["tokens_per_s"],
+        **size,
         "feasible": True,
         "domains": domains(ev, priced) if with_domains else [],
         "options": options_record(priced.options, [priced.options]),

@@ -140,7 +140,7 @@ def print_job(job: JobPlan, *, console: Console | None = None) -> None:
     console.print(
         f"job: {job.global_batch} sequences x {job.seq_length:,} tokens per step on "
         f"{len(job.run_ranks)} of {job.cluster_spec.world_size} GPUs ({job.meta.get('cluster', '')}, "
-        f"{job.model_spec.name}): step {_fmt_time(pred.get('step_time_s'))}, "
+        f"{job.model_spec.name}{_tp_words(job)}): step {_fmt_time(pred.get('step_time_s'))}, "
         f"{_fmt_rate(pred.get('tokens_per_s'))} tokens/s; gradient reduction exposed "
         f"{_fmt_time(pred.get('grad_sync_s'))}, optimizer {_fmt_time(pred.get('optimizer_s'))}"
     )
@@ -157,6 +157,11 @@ def print_job(job: JobPlan, *, console: Console | None = None) -> None:
         f"memory mode: {opts.get('memory_mode')}{' + recompute' if opts.get('recompute') else ''} "
         f"-> Megatron flags: {' '.join(opts.get('megatron_flags', []))}"
     )
+
+
+def _tp_words(job: JobPlan) -> str:
+    t = job.tensor_model_parallel_size
+    return "" if t == 1 else f", TP bundles of {t} GPUs"
 
 
 def plot_job(path: str, job: JobPlan) -> None:

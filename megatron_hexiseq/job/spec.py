@@ -8,20 +8,31 @@ takes no part in the run.
 
 Per step, domain ``d`` runs ``micro_batches`` micro-batches of ``micro_batch_size`` sequences
 (``options.micro_batch_size``) with its layout; the sequences of all domains make the global batch
-(``sum(micro_batches) * micro_batch_size == global_batch``). Every rank holds the whole model, so
-one gradient reduction over every rank of the run ends the step.
+(``sum(micro_batches) * micro_batch_size == global_batch``). Every TP rank holds its share of the
+whole model, so one gradient reduction over every rank of the run ends the step.
+
+**TP bundles.** A job has one tensor-parallel size ``t`` (``options.tensor_model_parallel_size``,
+recorded when > 1; :attr:`JobPlan.tensor_model_parallel_size`). With ``t > 1`` a domain lists its
+cluster ranks bundle by bundle: bundle ``j`` is ``ranks[j*t:(j+1)*t]``, ``t`` GPUs of one node (its
+TP ranks in that order), and its layout is over bundles (``layout.world_size == len(ranks) / t``,
+``layout.tensor_model_parallel_size == t``, heads per TP rank as ``tensor_parallel.tp_heads``
+counts them): local rank ``j`` of the layout is bundle ``j``. ``t = 1`` is the plain case, every
+GPU a bundle of its own.
 
 Two orders the runtime relies on (``run_ranks``, ``sample_range``):
 - the run's process ranks: process rank ``k`` is cluster rank ``run_ranks[k]`` (every rank of
-  every domain, ascending): a job that leaves GPUs out is launched on the others only;
+  every domain, ascending; with ``t > 1`` bundle by bundle, bundles by their lowest cluster rank,
+  each bundle's ranks in its TP-rank order, so that every ``t`` consecutive process ranks are one
+  bundle: Megatron's TP group): a job that leaves GPUs out is launched on the others only;
 - the global batch's sequences: domain ``d`` takes the ``sample_range(d)`` slice of each step's
   global batch (domains in file order, each a contiguous run of ``micro_batches *
   micro_batch_size`` sequences), whatever the speed of its GPUs.
 
 Rules (checked at construction, one-line messages carrying the numbers): at least one domain;
 every domain's ranks are distinct cluster ranks, no rank in two domains; a domain's layout has one
-rank per listed GPU, that GPU's type and host, the job's sequence length and the model's heads and
-query groups; ``micro_batches`` is a positive integer; the shares add up to the global batch; a
+rank per listed GPU (per bundle with ``t > 1``: every bundle ``t`` GPUs of one node, the layout
+planned for TP bundles of ``t``), that GPU's type and host, the job's sequence length and the
+model's heads and query groups (per TP rank); ``micro_batches`` is a positive integer; the shares add up to the global batch; a
 layout planned under other training options (memory mode, recompute, micro-batch size) than the
 job's is refused.
 
@@ -48,6 +59,7 @@ from megatron_hexiseq.io import read_json, write_json_atomic
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec, model_from_dict
 from megatron_hexiseq.run_config import TrainOptions, check_options_record, options_from_record
+from megatron_hexiseq.tensor_parallel import tp_heads
 
 FORMAT = "megatron-hexiseq/job"
 VERSION = 1
@@ -57,10 +69,12 @@ SHARED_OPTIONS = ("memory_mode", "recompute", "micro_batch_size")
 
 
 class DomainRank(NamedTuple):
-    """Where a cluster rank runs in a job: its domain's index and its rank in that domain's layout."""
+    """Where a cluster rank runs in a job: its domain's index, its rank in that domain's layout
+    (its bundle with ``t > 1``) and its TP rank in that bundle."""
 
     domain: int
     local_rank: int
+    tp_rank: int = 0
 
 
 class SampleRange(NamedTuple):
@@ -125,21 +139,35 @@ class JobPlan:
     def micro_batch_size(self) -> int:
         return int(self.options.get("micro_batch_size", 1))
 
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        """GPUs per TP bundle (Megatron's ``--tensor-model-parallel-size``), 1 unless recorded."""
+        return int(self.options.get("tensor_model_parallel_size", 1))
+
+    def bundles(self, domain: int) -> tuple[tuple[int, ...], ...]:
+        """Domain ``domain``'s TP bundles (cluster ranks), in its layout's rank order."""
+        t, ranks = self.tensor_model_parallel_size, self.domains[domain].ranks
+        return tuple(ranks[j : j + t] for j in range(0, len(ranks), t))
+
     @cached_property
     def run_ranks(self) -> tuple[int, ...]:
-        """Cluster ranks of the run, ascending: process rank ``k`` runs cluster rank ``run_ranks[k]``."""
-        return tuple(sorted(r for d in self.domains for r in d.ranks))
+        """Cluster ranks of the run: process rank ``k`` runs cluster rank ``run_ranks[k]``;
+        ascending, with ``t > 1`` bundle by bundle (module docstring)."""
+        bundles = [b for d in range(len(self.domains)) for b in self.bundles(d)]
+        return tuple(r for b in sorted(bundles, key=min) for r in b)
 
     @cached_property
     def _where(self) -> dict[int, DomainRank]:
+        t = self.tensor_model_parallel_size
         return {
-            r: DomainRank(d, j)
+            r: DomainRank(d, j // t, j % t)
             for d, dom in enumerate(self.domains)
             for j, r in enumerate(dom.ranks)
         }
 
     def locate(self, cluster_rank: int) -> DomainRank:
-        """The domain and local rank of a cluster rank; an error if the job does not use it."""
+        """The domain, local (bundle) rank and TP rank of a cluster rank; an error if the job does
+        not use it."""
         try:
             return self._where[cluster_rank]
         except KeyError:
@@ -282,6 +310,11 @@ def _validate(job: JobPlan) -> None:
     cluster = job.cluster_spec
     model = job.model_spec
     opts = check_options_record(job.options, "job")
+    t = job.tensor_model_parallel_size
+    try:
+        heads = tp_heads(model.num_attention_heads, model.num_query_groups, t)
+    except HexiSeqError as e:
+        raise HexiSeqError(f"options.tensor_model_parallel_size: {e}") from None
     world = cluster.world_size
     seen: dict[int, int] = {}
     for d, dom in enumerate(job.domains):
@@ -297,28 +330,39 @@ def _validate(job: JobPlan) -> None:
                 _fail(f"{at}: cluster rank {r} is in domain {seen[r]} too; a GPU runs one domain")
             seen[r] = d
         lay = dom.layout
-        if lay.world_size != len(dom.ranks):
+        if t > 1:
+            _check_bundles(job, d, lay, cluster)
+        elif lay.tensor_model_parallel_size != 1:
+            _fail(
+                f"{at}: its layout is planned for TP bundles of {lay.tensor_model_parallel_size} "
+                "GPUs but the job's options have no tensor_model_parallel_size; re-plan the job"
+            )
+        if lay.world_size * t != len(dom.ranks):
             _fail(
                 f"{at}: its layout has {lay.world_size} ranks but the domain lists {len(dom.ranks)} GPUs"
+                if t == 1
+                else f"{at}: its layout has {lay.world_size} TP bundles of {t} but the domain lists "
+                f"{len(dom.ranks)} GPUs"
             )
         if lay.seq_length != job.seq_length:
             _fail(
                 f"{at}: its layout is for seq_length {lay.seq_length}, the job's is {job.seq_length}"
             )
-        if (lay.num_attention_heads, lay.num_query_groups) != (
-            model.num_attention_heads,
-            model.num_query_groups,
-        ):
+        if (lay.num_attention_heads, lay.num_query_groups) != heads:
+            per = "" if t == 1 else f" per TP rank of {t}: {heads[0]} / {heads[1]}"
             _fail(
                 f"{at}: its layout has {lay.num_attention_heads} heads / {lay.num_query_groups} query "
-                f"groups, the model {model.num_attention_heads} / {model.num_query_groups}"
+                f"groups, the model {model.num_attention_heads} / {model.num_query_groups}{per}"
             )
         for j, r in enumerate(dom.ranks):
-            dev, rp = cluster.devices[r], lay.ranks[j]
+            dev, rp = cluster.devices[r], lay.ranks[j // t]
             if (rp.gpu, rp.host) != (dev.gpu.name, dev.node):
                 _fail(
                     f"{at}: local rank {j} is planned for {rp.gpu} on {rp.host} but cluster rank {r} "
                     f"is {dev.gpu.name} on {dev.node}; re-plan the job"
+                    if t == 1
+                    else f"{at}: bundle {j // t} is planned for {rp.gpu} on {rp.host} but its cluster "
+                    f"rank {r} is {dev.gpu.name} on {dev.node}; re-plan the job"
                 )
         lay_opts = (lay.meta or {}).get("options") or {}
         for key in SHARED_OPTIONS:
@@ -334,6 +378,31 @@ def _validate(job: JobPlan) -> None:
             f"the domains take {total} sequences per step ({' + '.join(str(d.micro_batches) for d in job.domains)} "
             f"micro-batches of {mbs}) but global_batch is {job.global_batch}"
         )
+
+
+def _check_bundles(job: JobPlan, d: int, lay: Layout, cluster: Cluster) -> None:
+    """With TP bundles of ``t > 1``: the domain's GPUs split into bundles of ``t`` GPUs of one
+    node each, and its layout is planned over bundles of ``t``."""
+    t = job.tensor_model_parallel_size
+    at = f"domain {d}"
+    ranks = job.domains[d].ranks
+    if lay.tensor_model_parallel_size != t:
+        _fail(
+            f"{at}: its layout is planned for TP bundles of {lay.tensor_model_parallel_size} GPUs, "
+            f"the job's tensor_model_parallel_size is {t}; re-plan the job"
+        )
+    if len(ranks) % t:
+        _fail(
+            f"{at}: {len(ranks)} GPUs do not split into TP bundles of {t} (bundle j is "
+            f"ranks[j*{t}:(j+1)*{t}])"
+        )
+    for j, bundle in enumerate(job.bundles(d)):
+        nodes = sorted({cluster.devices[r].node for r in bundle})
+        if len(nodes) > 1:
+            _fail(
+                f"{at}: bundle {j} (cluster ranks {list(bundle)}) spans nodes {', '.join(nodes)}; "
+                f"a TP bundle is {t} GPUs of one node"
+            )
 
 
 def _plain(x: Any) -> Any:

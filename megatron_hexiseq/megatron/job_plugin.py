@@ -120,15 +120,19 @@ def setup_job(
 ) -> tuple[HexiSeqRuntime, JobPlace, JobPlan]:
     """Load ``--hexiseq-job``, check Megatron's flags against it, build this process's runtime
     (collective over the default group)."""
+    from megatron.core import parallel_state as mpu
+
     assert hs.job is not None
     job = JobPlan.load(hs.job)
     check_job_args(args, job)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     runtime, place = build_job_runtime(
         job,
         RunShape.from_megatron_args(args),
         global_batch_size=getattr(args, "global_batch_size", None),
         micro_batch_size=getattr(args, "micro_batch_size", None),
         source=f"job {hs.job}",
+        tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
         **runtime_options(args, hs),
     )
     return runtime, place, job

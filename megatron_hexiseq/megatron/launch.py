@@ -15,7 +15,9 @@ of replica ``i`` (same GPU type by construction).
 
 A job (``--hexiseq-job``): process rank ``k`` runs cluster rank ``job.run_ranks[k]``, on that
 device's node at its local index (:func:`job_placements`, checked against the allocation's
-cluster YAML: the node exists, with that GPU type and enough GPUs).
+cluster YAML: the node exists, with that GPU type and enough GPUs). A job over TP bundles of t
+lists its run ranks bundle by bundle, so every t consecutive process ranks (Megatron's TP group)
+are the t GPUs of one node.
 
 CLI (prints; errors are one line, exit 2)::
 
@@ -28,6 +30,8 @@ CLI (prints; errors are one line, exit 2)::
            and the planner's memory-mode flags)
     python -m megatron_hexiseq.megatron.launch job-domains --job J.json
         -> one line per domain: its ranks (host:local), micro-batches and sample range
+    python -m megatron_hexiseq.megatron.launch job-tp --job J.json
+        -> the job's tensor-parallel size (Megatron's --tensor-model-parallel-size; 1 without TP)
 """
 
 from __future__ import annotations
@@ -155,8 +159,10 @@ def job_domains(job: JobPlan) -> list[str]:
         )
         start, stop = job.sample_range(d)
         types = sorted({v.gpu.name for v in devices})
+        t = job.tensor_model_parallel_size
+        bundles = "" if t == 1 else f" in {dom.size // t} TP bundles of {t}"
         lines.append(
-            f"domain {d}: {dom.size} x {' + '.join(types)}, "
+            f"domain {d}: {dom.size} x {' + '.join(types)}{bundles}, "
             f"ranks {where}, {dom.micro_batches} micro-batches per step (samples {start}-{stop - 1} "
             f"of each global batch of {job.global_batch}), groups "
             f"{[list(g.ranks) for g in dom.layout.groups]}"
@@ -192,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--job")
     p2 = sub.add_parser("job-flags", help="print a job's Megatron flags on one line")
     p3 = sub.add_parser("job-domains", help="print one line per domain of a job")
-    for p in (p2, p3):
+    p4 = sub.add_parser("job-tp", help="print a job's tensor-parallel size")
+    for p in (p2, p3, p4):
         p.add_argument("--job", required=True)
     p2.add_argument("--planner-flags", choices=("0", "1"), default="1")
     args = parser.parse_args(argv)
-    if args.command in ("job-flags", "job-domains"):
+    if args.command in ("job-flags", "job-domains", "job-tp"):
         return run_user_command(lambda: _print_job(args))
 
     def body() -> None:
@@ -225,6 +232,8 @@ def _print_job(args: Any) -> None:
     job = JobPlan.load(args.job)
     if args.command == "job-flags":
         print(job_flags(job, planner_flags=args.planner_flags == "1"))
+    elif args.command == "job-tp":
+        print(job.tensor_model_parallel_size)
     else:
         print("\n".join(job_domains(job)))
 

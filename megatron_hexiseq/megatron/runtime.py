@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.megatron.args import CP_COMM_TYPE
 from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
-from megatron_hexiseq.megatron.tensor_parallel import check_bundle_hosts, check_tp_layout
+from megatron_hexiseq.megatron.tensor_parallel import check_tp_group_hosts, check_tp_layout
 
 DTYPES = {
     "float32": torch.float32,
@@ -363,15 +362,8 @@ def build_runtime(
     for problem in check_devices(layout, domains, names, allow_mismatch=allow_mismatch):
         if dist.get_rank() == 0:
             warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        bundles: list[tuple[tuple[int, ...], str] | None] = [None] * dist.get_world_size()
-        mine = (tuple(sorted(dist.get_process_group_ranks(tp_group))), socket.gethostname())
-        dist.all_gather_object(bundles, mine)
-        hosts = [b[1] for b in bundles if b is not None]
-        tp_groups = sorted({b[0] for b in bundles if b is not None})
-        for problem in check_bundle_hosts(tp_groups, hosts, allow_mismatch=allow_mismatch):
-            if dist.get_rank() == 0:
-                warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)
+    if tp_group is not None:
+        check_tp_group_hosts(tp_group, allow_mismatch=allow_mismatch)
     device = runtime_device()
     concrete = prove_kernel(kernel, run, device)
     nccl = dist.get_backend() == "nccl"

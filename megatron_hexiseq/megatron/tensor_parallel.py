@@ -20,7 +20,11 @@ per-micro-batch layout) must hold a multiple of t tokens.
 
 from __future__ import annotations
 
+import socket
+import warnings
 from collections.abc import Sequence
+
+import torch.distributed as dist
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
@@ -93,3 +97,20 @@ def check_bundle_hosts(
             "--hexiseq-allow-mismatch"
         )
     return problems
+
+
+def check_tp_group_hosts(tp_group: dist.ProcessGroup, *, allow_mismatch: bool = False) -> None:
+    """:func:`check_bundle_hosts` on the running processes: every TP group (Megatron's, this
+    process's ``tp_group`` one of them) on one host. Collective over the default group; nothing
+    to check for a TP group of one process (every process passes a group of one alike). With
+    ``allow_mismatch`` the problems are warnings (global rank 0's)."""
+    if dist.get_world_size(tp_group) == 1:
+        return
+    bundles: list[tuple[tuple[int, ...], str] | None] = [None] * dist.get_world_size()
+    mine = (tuple(sorted(dist.get_process_group_ranks(tp_group))), socket.gethostname())
+    dist.all_gather_object(bundles, mine)
+    hosts = [b[1] for b in bundles if b is not None]
+    tp_groups = sorted({b[0] for b in bundles if b is not None})
+    for problem in check_bundle_hosts(tp_groups, hosts, allow_mismatch=allow_mismatch):
+        if dist.get_rank() == 0:
+            warnings.warn(f"hexiseq: {problem} (--hexiseq-allow-mismatch)", stacklevel=2)

@@ -135,7 +135,7 @@ def iteration_lower_bound(
         types.setdefault((d.gpu, d.memory_gib), [d, 0])[1] += 1
     best = None
     for o in options:
-        static = costmodel.static_memory_bytes(model, o, W * o.data_parallel_size)
+        static = costmodel.static_memory_bytes(model, o, o.shard_ranks(W))
         act = o.micro_batch_size * costmodel.activation_bytes_per_token(model, o)
         rows = [
             _TypeRow(

@@ -5,7 +5,11 @@ training loop drives ``--hexiseq-job`` (``megatron/job_plugin.py``):
 
 - Megatron's grid: ``initialize_model_parallel(context_parallel_size=world)``, data-parallel size
   1, so ``dp_cp`` is every rank: DDP reduces the gradients over every rank, the per-token loss
-  divides by the global batch's token count;
+  divides by the global batch's token count; a job over TP bundles of ``t``:
+  ``tensor_model_parallel_size=t``, ``context_parallel_size=world / t`` (``dp_cp`` of each TP rank
+  its TP-rank peers), Megatron's sequence parallelism inside each bundle with the CPU stand-ins of
+  ``testbed/tp_cpu.py``, and the model started from TP = 1 weights (``init_params``, each TP rank
+  its Megatron shard) so that a single process can be the oracle;
 - ``megatron.job_runtime.build_job_runtime``: this rank's domain and local rank, every domain's
   groups (created in one order on every rank), the domain's layout for RoPE and the slicer;
 - the first rank's weights on every rank (``params_check.share_initial_parameters``);
@@ -26,8 +30,10 @@ the consumed samples), or under a plain layout (``train.train_rank``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,6 +50,7 @@ from megatron_hexiseq.megatron.params_check import broadcast_parameters, check_s
 from megatron_hexiseq.megatron.runtime import RunShape
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.testbed import ckpt
+from megatron_hexiseq.testbed.tp_cpu import cpu_sequence_parallel
 from megatron_hexiseq.testbed.train import (
     build_gpt,
     ddp_and_optimizer,
@@ -74,6 +81,8 @@ class JobTrainConfig:
     load_dir: str | None = None
     broadcast_params: bool = True  # the first rank's weights everywhere (False: tests only)
     perturb_rank: int | None = None  # this rank's first weight moves one ULP before the broadcast
+    # TP = 1 weights (the reference's initial_params): each TP rank starts from its shard
+    init_params: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.save_dir is None) != (self.save_at_step is None):
@@ -86,6 +95,10 @@ class JobTrainConfig:
     @property
     def world_size(self) -> int:
         return len(self.job.run_ranks)
+
+    @property
+    def tp(self) -> int:
+        return self.job.tensor_model_parallel_size
 
     def domain_config(self, layout: Layout) -> TrainConfig:
         """The plain driver's config of one domain (model building and checkpoint files)."""
@@ -104,27 +117,37 @@ class JobTrainConfig:
             save_dir=self.save_dir,
             save_at_step=self.save_at_step,
             load_dir=self.load_dir,
+            tensor_model_parallel_size=self.tp,
+            init_params=self.init_params,
         )
 
     def run_shape(self) -> RunShape:
-        """Megatron's view of the job's run: one context-parallel group of every rank."""
-        W = self.world_size
+        """Megatron's view of the job's run: one context-parallel group of every bundle per TP
+        rank (t = 1: of every rank)."""
+        W, t = self.world_size, self.tp
         return RunShape(
             world_size=W,
-            tensor_model_parallel_size=1,
+            tensor_model_parallel_size=t,
             pipeline_model_parallel_size=1,
-            context_parallel_size=W,
+            context_parallel_size=W // t,
             seq_length=self.job.seq_length,
             num_attention_heads=self.model.num_attention_heads,
             num_query_groups=self.model.num_query_groups,
+            sequence_parallel=t > 1,
         )
 
     def run_record(self) -> RunRecord:
-        """The checkpoint record of the job's run (CP = world, DP = 1)."""
+        """The checkpoint record of the job's run (TP = t, CP = world / t, DP = 1)."""
         base = ckpt.run_record(self.domain_config(self.job.domains[0].layout)).to_dict()
-        W = self.world_size
+        W, t = self.world_size, self.tp
         return RunRecord.from_dict(
-            base | {"world_size": W, "context_parallel_size": W, "data_parallel_size": 1}
+            base
+            | {
+                "world_size": W,
+                "context_parallel_size": W // t,
+                "data_parallel_size": 1,
+                "tensor_model_parallel_size": t,
+            }
         )
 
 
@@ -155,90 +178,105 @@ class SampleData:
 
 def train_job_rank(rank: int, world_size: int, cfg: JobTrainConfig) -> TrainResult:
     """``run_ranks`` worker: train ``cfg.steps`` steps of ``cfg.job`` on its run ranks."""
-    job = cfg.job
     if world_size != cfg.world_size:
         raise HexiSeqError(f"the job runs on {cfg.world_size} ranks, got {world_size} processes")
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world_size)
+    t = cfg.tp
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=t, context_parallel_size=world_size // t
+    )
     try:
-        record = cfg.run_record()
-        domain_cfg = cfg.domain_config(job.domains[0].layout)
-        resume_from = ckpt.check_checkpoint(domain_cfg, record=record) if cfg.load_dir else None
-        runtime, place = build_job_runtime(
-            job, cfg.run_shape(), kernel=cfg.kernel, comm_chunks=cfg.comm_chunks
-        )
-        model = build_gpt(cfg.domain_config(runtime.layout), runtime=runtime)
-        dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)  # every rank
-        if cfg.perturb_rank == rank:
-            with torch.no_grad():
-                w = next(model.parameters()).view(-1)
-                w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
-        if cfg.broadcast_params:
-            broadcast_parameters(model, group=dp_cp)
-        check_same_parameters(model, group=dp_cp, when="at start-up")
-        ddp, params, opt = ddp_and_optimizer(
-            model, bucket_size=cfg.bucket_size, overlap=cfg.overlap_grad_reduce, lr=cfg.lr
-        )
-        start, consumed = 0, 0
-        keep = cfg.return_params and rank == 0
-        resumed = None
-        if resume_from is not None:
-            start = ckpt.load_checkpoint(resume_from, model, opt, dp_cp_group=dp_cp)
-            consumed = consumed_samples(resume_from, start, job)
-            resumed = ckpt.snapshot(model, opt) if keep else None
-        sampler = JobBatchSampler(
-            total_samples=consumed + (cfg.steps - start) * job.global_batch,
-            consumed_samples=consumed,
-            micro_batch_size=job.micro_batch_size,
-            global_batch=job.global_batch,
-            samples=place.samples,
-        )
-        data = SampleData(cfg.model, job.seq_length, cfg.data_seed)
-        indices = iter(sampler)
-        kept: dict[str, dict[str, torch.Tensor]] = {}
-        losses, times = [], []
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            micro = [
-                slice_batch(
-                    data.batch(next(indices)),
-                    segments=runtime.segments,
-                    seq_length=job.seq_length,
-                )
-                for _ in range(place.micro_batches)
-            ]
-            want = step == 0 and cfg.return_grads and rank == 0
-            report, _ = train_step(
-                ddp,
-                opt,
-                params,
-                micro,
-                report_group=dp_cp,
-                before_update=(lambda: kept.update(grads=_main_grads(model))) if want else None,
-            )
-            times.append(time.perf_counter() - t0)
-            losses.append(float(report[0] / report[1]))
-            if cfg.save_dir is not None and step + 1 == cfg.save_at_step:
-                ckpt.save_checkpoint(
-                    domain_cfg,
-                    model,
-                    opt,
-                    step + 1,
-                    dp_cp_group=dp_cp,
-                    record=record,
-                    consumed_samples=consumed + (step + 1 - start) * job.global_batch,
-                )
-        final = ckpt.snapshot(model, opt) if keep else {}
-        return TrainResult(
-            losses,
-            times,
-            kept.get("grads"),
-            final.get("params"),
-            start_step=start,
-            opt_state=final.get("opt_state"),
-            resumed=resumed,
-        )
+        with cpu_sequence_parallel() if t > 1 else contextlib.nullcontext():
+            return _train_job_rank(rank, cfg)
     finally:
         mpu.destroy_model_parallel()
+
+
+def _train_job_rank(rank: int, cfg: JobTrainConfig) -> TrainResult:
+    """Body of :func:`train_job_rank` (model-parallel state initialised). With TP the first t
+    process ranks (one bundle: each TP rank once) return gradients and parameters."""
+    job, t = cfg.job, cfg.tp
+    record = cfg.run_record()
+    domain_cfg = cfg.domain_config(job.domains[0].layout)
+    resume_from = ckpt.check_checkpoint(domain_cfg, record=record) if cfg.load_dir else None
+    runtime, place = build_job_runtime(
+        job,
+        cfg.run_shape(),
+        kernel=cfg.kernel,
+        comm_chunks=cfg.comm_chunks,
+        tp_group=mpu.get_tensor_model_parallel_group() if t > 1 else None,
+    )
+    model = build_gpt(cfg.domain_config(runtime.layout), runtime=runtime)
+    # every rank (t = 1), or the TP-rank peers of every bundle
+    dp_cp = mpu.get_data_parallel_group(with_context_parallel=True)
+    if cfg.perturb_rank == rank:
+        with torch.no_grad():
+            w = next(model.parameters()).view(-1)
+            w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+    if cfg.broadcast_params:
+        broadcast_parameters(model, group=dp_cp)
+    check_same_parameters(model, group=dp_cp, when="at start-up")
+    ddp, params, opt = ddp_and_optimizer(
+        model, bucket_size=cfg.bucket_size, overlap=cfg.overlap_grad_reduce, lr=cfg.lr
+    )
+    start, consumed = 0, 0
+    keep = cfg.return_params and rank < t
+    resumed = None
+    if resume_from is not None:
+        start = ckpt.load_checkpoint(resume_from, model, opt, dp_cp_group=dp_cp)
+        consumed = consumed_samples(resume_from, start, job)
+        resumed = ckpt.snapshot(model, opt) if keep else None
+    sampler = JobBatchSampler(
+        total_samples=consumed + (cfg.steps - start) * job.global_batch,
+        consumed_samples=consumed,
+        micro_batch_size=job.micro_batch_size,
+        global_batch=job.global_batch,
+        samples=place.samples,
+    )
+    data = SampleData(cfg.model, job.seq_length, cfg.data_seed)
+    indices = iter(sampler)
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+    losses, times = [], []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        micro = [
+            slice_batch(
+                data.batch(next(indices)),
+                segments=runtime.segments,
+                seq_length=job.seq_length,
+            )
+            for _ in range(place.micro_batches)
+        ]
+        want = step == 0 and cfg.return_grads and rank < t
+        report, _ = train_step(
+            ddp,
+            opt,
+            params,
+            micro,
+            report_group=dp_cp,
+            before_update=(lambda: kept.update(grads=_main_grads(model))) if want else None,
+        )
+        times.append(time.perf_counter() - t0)
+        losses.append(float(report[0] / report[1]))
+        if cfg.save_dir is not None and step + 1 == cfg.save_at_step:
+            ckpt.save_checkpoint(
+                domain_cfg,
+                model,
+                opt,
+                step + 1,
+                dp_cp_group=dp_cp,
+                record=record,
+                consumed_samples=consumed + (step + 1 - start) * job.global_batch,
+            )
+    final = ckpt.snapshot(model, opt) if keep else {}
+    return TrainResult(
+        losses,
+        times,
+        kept.get("grads"),
+        final.get("params"),
+        start_step=start,
+        opt_state=final.get("opt_state"),
+        resumed=resumed,
+    )
 
 
 def _main_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -282,6 +320,7 @@ def job_reference_rank(rank: int, world_size: int, cfg: JobTrainConfig) -> Train
             data_seed=cfg.data_seed,
             return_grads=cfg.return_grads,
             return_params=cfg.return_params,
+            tensor_model_parallel_size=base.tensor_model_parallel_size,  # the model is TP = 1
         ),
         global_batch,
     )
