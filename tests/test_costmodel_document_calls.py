@@ -315,9 +315,24 @@ def test_packed_blocks_of_a_cudnn_run_are_priced_as_flash_varlen() -> None:
         assert got.iteration_time_s == want.iteration_time_s
     one = [0, S]
     dense = estimate_documents(lay, c, model, auto, one)
-    assert (
-        dense.attention_s < 0.8 * estimate_documents(lay, c, model, flash, one).attention_s
-    ).all()
+    flash_one = estimate_documents(lay, c, model, flash, one)
+    assert (dense.attention_s < 0.8 * flash_one.attention_s).all()
+    # a packed run's one-document micro-batch runs the packed path too
+    packed_one = estimate_documents(lay, c, model, auto, one, packed=True)
+    assert packed_one.attention_s.tolist() == flash_one.attention_s.tolist()
+    # Transformer Engine's THD ring keeps its fused (cuDNN) kernel
+    ring = make_layout(
+        seq_length=S,
+        num_attention_heads=8,
+        num_query_groups=8,
+        group_sizes=[1, 1],
+        segments=[[(0, S // 4), (3 * S // 4, S)], [(S // 4, 3 * S // 4)]],
+        heads=[list(range(8))] * 2,
+        hosts=["n0", "n0"],
+        gpus=["H100-SXM-80GB"] * 2,
+    )
+    te = [estimate_documents(ring, c, model, o, docs, exchange="te-ring") for o in (auto, flash)]
+    assert (te[0].attention_s < 0.8 * te[1].attention_s).all()
     auto_bp, flash_bp = BatchPlanner(lay, c, model, auto), BatchPlanner(lay, c, model, flash)
     cu = np.array(docs)
     assert auto_bp.predict(lay, cu) == flash_bp.predict(lay, cu)

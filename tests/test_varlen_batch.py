@@ -148,7 +148,7 @@ def test_the_structures_layout_is_kept_when_predicted_faster(setup):
             assert best.predicted_s == min(p_own, p_fixed)
         else:  # too close to call: estimate_documents decides
             t_own, t_fixed = (
-                estimate_documents(x, c, m, o, own.cu_seqlens).iteration_time_s
+                estimate_documents(x, c, m, o, own.cu_seqlens, packed=True).iteration_time_s
                 for x in (own.layout, fixed)
             )
             assert best.layout == (fixed if t_fixed < t_own else own.layout)

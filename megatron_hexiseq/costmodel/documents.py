@@ -187,11 +187,16 @@ def estimate_documents(
     *,
     exchange: str = "pruned",
     rings: Sequence[Sequence[int]] | None = None,
+    packed: bool | None = None,
 ) -> DocumentEstimate:
     """Price ``layout`` for one micro-batch with document boundaries ``cu_seqlens`` (module docstring).
     ``model.seq_length`` must equal ``layout.seq_length`` (the micro-batch's tokens). ``rings``: the
     rank rings of ``exchange="te-ring"`` (default: one ring of all ranks; every layout group must be
-    one rank)."""
+    one rank). ``packed``: the micro-batch runs HexiSeq's packed path, whose blocks run the kernel's
+    variable-length call (``rates.attention_rate``: flash's for ``cudnn``); default: with two or
+    more documents under ``pruned`` (one document is the dense path, as ``estimate`` prices it;
+    ``te-ring`` is Transformer Engine's THD ring, which keeps its fused kernel). A packed run passes
+    True: every micro-batch of it runs the packed path, one document included."""
     if exchange not in EXCHANGES:
         raise HexiSeqError(f"unknown exchange {exchange!r}; use one of {', '.join(EXCHANGES)}")
     check_matches(layout, cluster, model)
@@ -215,7 +220,8 @@ def estimate_documents(
     g_tokens = np.bincount(gi, weights=tokens, minlength=n).astype(np.int64)
 
     dev = _device_arrays(cluster)
-    packed = cu.size > 2  # several documents: the packed path's kernel (rates.attention_rate)
+    if packed is None:
+        packed = cu.size > 2 and exchange == "pruned"
     lin_rate, att_rate = np.empty(W), np.empty(W)
     for first, where in dev.types:
         lin_rate[where] = linear_s_per_token(model, cluster.devices[first], options)

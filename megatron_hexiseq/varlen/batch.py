@@ -405,7 +405,9 @@ class BatchPlanner:
                 model = replace(self.model, seq_length=N)
                 cu_t = tuple(cu.tolist())
                 exact = [
-                    estimate_documents(x, self.cluster, model, self.options, cu_t).iteration_time_s
+                    estimate_documents(
+                        x, self.cluster, model, self.options, cu_t, packed=True
+                    ).iteration_time_s
                     for x in (lay, self.structure)
                 ]
                 if exact[1] < exact[0]:

@@ -216,7 +216,9 @@ def efficiency(
     for docs in pack_batches(doc_lengths, seq_length, STRUCTURE_BATCHES, STRUCTURE_SEED):
         a = planner.plan(docs)
         m = replace(model, seq_length=a.layout.seq_length)
-        est = estimate_documents(a.layout, domain.cluster, m, domain.options, a.cu_seqlens)
+        est = estimate_documents(
+            a.layout, domain.cluster, m, domain.options, a.cu_seqlens, packed=True
+        )
         planned += est.iteration_time_s
         pairs = sum(x * (x + 1) // 2 for x in docs)
         divided += table.cost_as(sum(docs), pairs) + table.batch_as + table.step_as

@@ -141,7 +141,15 @@ class Pricer:
         self, domain: Domain, layout: Layout, cu: tuple[int, ...], exchange: str
     ) -> DocumentEstimate:
         m = self.model_at(layout.seq_length)
-        return estimate_documents(layout, domain.cluster, m, domain.options, cu, exchange=exchange)
+        return estimate_documents(
+            layout,
+            domain.cluster,
+            m,
+            domain.options,
+            cu,
+            exchange=exchange,
+            packed=exchange == "pruned",
+        )
 
 
 def _finish(

@@ -142,7 +142,7 @@ class Schemes:
             t0 = time.thread_time()  # CPU time of this thread: the figure on a shared machine
             a = self.planner.plan(doc_lengths)
             dt = time.thread_time() - t0
-            est = estimate_documents(a.layout, self.cluster, model, self.options, cu_t)
+            est = estimate_documents(a.layout, self.cluster, model, self.options, cu_t, packed=True)
             return SchemeRun(
                 scheme=scheme,
                 layout=a.layout,
@@ -154,13 +154,15 @@ class Schemes:
         if scheme == "hexiseq-fixed":
             if self.fixed.seq_length != N:
                 raise ValueError(f"the fixed layout is for {self.fixed.seq_length} tokens, not {N}")
-            est = estimate_documents(self.fixed, self.cluster, model, self.options, cu_t)
+            est = estimate_documents(
+                self.fixed, self.cluster, model, self.options, cu_t, packed=True
+            )
             return SchemeRun(
                 scheme=scheme, layout=self.fixed, cu_seqlens=cu_t, estimate=est, config={}
             )
         if scheme == "per-document":
             a = self.planner.proportional(doc_lengths)
-            est = estimate_documents(a.layout, self.cluster, model, self.options, cu_t)
+            est = estimate_documents(a.layout, self.cluster, model, self.options, cu_t, packed=True)
             return SchemeRun(
                 scheme=scheme, layout=a.layout, cu_seqlens=cu_t, estimate=est, config={}
             )
@@ -225,7 +227,16 @@ class Schemes:
     ) -> tuple[DocumentEstimate, dict]:
         """The estimate in the first memory mode where it fits (else the last mode's)."""
         for o in self.modes:
-            est = estimate_documents(lay, self.cluster, model, o, cu_t, exchange=kind, rings=rings)
+            est = estimate_documents(
+                lay,
+                self.cluster,
+                model,
+                o,
+                cu_t,
+                exchange=kind,
+                rings=rings,
+                packed=kind == "pruned",
+            )
             if est.feasible:
                 break
         return est, {"memory_mode": o.memory_mode, "recompute": o.recompute}

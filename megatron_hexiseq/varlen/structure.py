@@ -54,7 +54,7 @@ def score_structure(
     for docs in batches:
         a = planner.plan(docs)
         m = replace(model, seq_length=a.layout.seq_length)
-        est = estimate_documents(a.layout, cluster, m, options, a.cu_seqlens)
+        est = estimate_documents(a.layout, cluster, m, options, a.cu_seqlens, packed=True)
         times.append(est.iteration_time_s)
         feasible &= est.feasible
     return float(np.mean(times)), feasible
