@@ -9,16 +9,22 @@ existing non-regular file (``/dev/full``, a directory), a missing or unwritable 
 
 Readers: missing files, non-UTF-8 bytes, syntax errors, duplicate YAML keys, nesting too deep and
 files over ``MAX_INPUT_BYTES`` are one-line HexiSeqErrors naming the file.
+
+The project's JSON files (layouts, job files): :func:`plain` turns their records into JSON trees,
+:func:`schema_error` checks one against its packaged schema, :func:`check_finite` refuses NaN and
+infinity (JSON reads ``NaN``) in the records a file keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -319,3 +325,47 @@ def read_yaml(path: str | os.PathLike, what: str = "YAML file") -> Any:
         raise HexiSeqError(f"{what} {_shown(path)} is nested too deeply to be a {what}") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise HexiSeqError(f"{what} {_shown(path)} is not valid YAML: {short(str(e))}") from None
+
+
+def plain(x: Any) -> Any:
+    """Mapping/tuple trees to plain dict/list for JSON."""
+    if isinstance(x, Mapping):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    return x
+
+
+def schema_error(data: Any, schema: str) -> Any | None:
+    """The best-matching error of ``data`` against the packaged JSON Schema ``schema`` (a file
+    under ``megatron_hexiseq/schema/``), or None."""
+    import jsonschema
+
+    spec = json.loads(resources.files("megatron_hexiseq").joinpath(f"schema/{schema}").read_text())
+    return jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(spec).iter_errors(data))
+
+
+def check_finite(
+    data: Mapping[str, Any],
+    source: str,
+    keys: Iterable[str],
+    what: str,
+    skip: Collection[str] = (),
+) -> None:
+    """One line naming the first NaN or infinity under ``data[key]`` for each of ``keys``
+    ("``{source}: {where} is nan; numbers in {what} must be finite``"); mappings' ``skip`` keys are
+    not entered (checked elsewhere)."""
+
+    def walk(x: Any, where: str) -> None:
+        if isinstance(x, float) and not math.isfinite(x):
+            raise HexiSeqError(f"{source}: {where} is {x}; numbers in {what} must be finite")
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                if k not in skip:
+                    walk(v, f"{where}.{k}")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+
+    for key in keys:
+        walk(data.get(key), key)

@@ -29,17 +29,15 @@ JSON form: ``format: "megatron-hexiseq/layout"``, ``version: 1``; the JSON Schem
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib import resources
 from typing import Any
 
 from megatron_hexiseq.cluster import NAME_RULE, Cluster
 from megatron_hexiseq.errors import HexiSeqError, check_positive_int, short
-from megatron_hexiseq.io import read_json, write_json_atomic
+from megatron_hexiseq.io import check_finite, plain, read_json, schema_error, write_json_atomic
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.tensor_parallel import tp_heads
 
@@ -158,10 +156,10 @@ class Layout:
                 }
                 for r in self.ranks
             ],
-            "predicted": _plain(self.predicted),
-            "baselines": [_plain(b) for b in self.baselines],
-            "planner": _plain(self.planner),
-            "meta": _plain(self.meta),
+            "predicted": plain(self.predicted),
+            "baselines": [plain(b) for b in self.baselines],
+            "planner": plain(self.planner),
+            "meta": plain(self.meta),
         }
 
     def to_json(self) -> str:
@@ -503,19 +501,8 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
-def _plain(x: Any) -> Any:
-    """Mapping/tuple trees to plain dict/list for JSON."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
 def _check_schema(data: Any, source: str) -> None:
     """Structural check with the packaged JSON Schema; one-line message naming the path."""
-    import jsonschema
-
     if not isinstance(data, dict):
         raise HexiSeqError(f"{source}: expected a JSON object at the top level")
     if data.get("format") != FORMAT:
@@ -526,12 +513,7 @@ def _check_schema(data: Any, source: str) -> None:
         raise HexiSeqError(
             f"{source}: layout version {data.get('version')!r} is not supported (this release reads version {VERSION})"
         )
-    schema = json.loads(
-        resources.files("megatron_hexiseq").joinpath("schema/layout.schema.json").read_text()
-    )
-    err = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(schema).iter_errors(data)
-    )
+    err = schema_error(data, "layout.schema.json")
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         if err.validator in ("maximum", "pattern"):  # jsonschema's message quotes the whole value
@@ -542,25 +524,9 @@ def _check_schema(data: Any, source: str) -> None:
             )
             raise HexiSeqError(f"{source}: at {where}: must be {what}, got {short(err.instance)}")
         raise HexiSeqError(f"{source}: at {where}: {err.message}")
-    _check_numbers_finite(data, source)
+    # NaN and infinity are refused in every part of a layout file
+    check_finite(data, source, ("predicted", "baselines", "planner", "meta"), "a layout")
     _check_meta(data, source)
-
-
-def _check_numbers_finite(data: Mapping[str, Any], source: str) -> None:
-    """NaN and infinity are refused in every part of a layout file (JSON reads ``NaN``)."""
-
-    def walk(x: Any, where: str) -> None:
-        if isinstance(x, float) and not math.isfinite(x):
-            raise HexiSeqError(f"{source}: {where} is {x}; numbers in a layout must be finite")
-        if isinstance(x, Mapping):
-            for k, v in x.items():
-                walk(v, f"{where}.{k}")
-        elif isinstance(x, list):
-            for i, v in enumerate(x):
-                walk(v, f"{where}[{i}]")
-
-    for key in ("predicted", "baselines", "planner", "meta"):
-        walk(data.get(key), key)
 
 
 def _check_meta(data: Mapping[str, Any], source: str) -> None:

@@ -45,17 +45,15 @@ JSON form: ``format: "megatron-hexiseq/job"``, ``version: 1``; the JSON Schema l
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib import resources
 from typing import Any, NamedTuple
 
 from megatron_hexiseq.cluster import Cluster, cluster_from_dict
 from megatron_hexiseq.errors import HexiSeqError, short
-from megatron_hexiseq.io import read_json, write_json_atomic
+from megatron_hexiseq.io import check_finite, plain, read_json, schema_error, write_json_atomic
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec, model_from_dict
 from megatron_hexiseq.run_config import TrainOptions, check_options_record, options_from_record
@@ -191,14 +189,14 @@ class JobPlan:
             "version": VERSION,
             "global_batch": self.global_batch,
             "seq_length": self.seq_length,
-            "model": _plain(self.model),
-            "cluster": _plain(self.cluster),
-            "options": _plain(self.options),
+            "model": plain(self.model),
+            "cluster": plain(self.cluster),
+            "options": plain(self.options),
             "domains": [d.to_dict() for d in self.domains],
-            "predicted": _plain(self.predicted),
-            "alternatives": [_plain(a) for a in self.alternatives],
-            "planner": _plain(self.planner),
-            "meta": _plain(self.meta),
+            "predicted": plain(self.predicted),
+            "alternatives": [plain(a) for a in self.alternatives],
+            "planner": plain(self.planner),
+            "meta": plain(self.meta),
         }
 
     def to_json(self) -> str:
@@ -405,19 +403,8 @@ def _check_bundles(job: JobPlan, d: int, lay: Layout, cluster: Cluster) -> None:
             )
 
 
-def _plain(x: Any) -> Any:
-    """Mapping/tuple trees to plain dict/list for JSON."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
 def _check_schema(data: Any, source: str) -> None:
     """Structural check with the packaged JSON Schema; one-line message naming the path."""
-    import jsonschema
-
     if not isinstance(data, dict):
         raise HexiSeqError(f"{source}: expected a JSON object at the top level")
     if data.get("format") != FORMAT:
@@ -433,18 +420,21 @@ def _check_schema(data: Any, source: str) -> None:
         raise HexiSeqError(
             f"{source}: job version {short(data.get('version'))} is not supported (this release reads version {VERSION})"
         )
-    schema = json.loads(
-        resources.files("megatron_hexiseq").joinpath("schema/job.schema.json").read_text()
-    )
-    err = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(schema).iter_errors(data)
-    )
+    err = schema_error(data, "job.schema.json")
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         if err.validator in ("maximum", "minimum", "type", "required", "additionalProperties"):
             raise HexiSeqError(f"{source}: at {where}: {_short_message(err)}")
         raise HexiSeqError(f"{source}: at {where}: {short(err.message)}")
-    _check_numbers_finite(data, source)
+    # NaN and infinity in the job's own records (an alternative's domains hold layouts: checked
+    # when read)
+    check_finite(
+        data,
+        source,
+        ("predicted", "alternatives", "planner", "meta", "options"),
+        "a job file",
+        skip=("domains",),
+    )
 
 
 def _short_message(err: Any) -> str:
@@ -459,24 +449,6 @@ def _short_message(err: Any) -> str:
         return f"must be {err.validator_value}, got {short(err.instance)}"
     word = "at most" if err.validator == "maximum" else "at least"
     return f"must be {word} {err.validator_value}, got {short(err.instance)}"
-
-
-def _check_numbers_finite(data: Mapping[str, Any], source: str) -> None:
-    """NaN and infinity are refused in the job's own records (layouts check theirs)."""
-
-    def walk(x: Any, where: str) -> None:
-        if isinstance(x, float) and not math.isfinite(x):
-            raise HexiSeqError(f"{source}: {where} is {x}; numbers in a job file must be finite")
-        if isinstance(x, Mapping):
-            for k, v in x.items():
-                if k != "domains":  # an alternative's domains hold layouts: checked when read
-                    walk(v, f"{where}.{k}")
-        elif isinstance(x, list):
-            for i, v in enumerate(x):
-                walk(v, f"{where}[{i}]")
-
-    for key in ("predicted", "alternatives", "planner", "meta", "options"):
-        walk(data.get(key), key)
 
 
 def load_layout_or_job(path: str | os.PathLike) -> Layout | JobPlan:
