@@ -305,12 +305,7 @@ def _run_job(args: argparse.Namespace) -> int:
     outputs = [("-o", args.output)] + ([("--plot", args.plot)] if args.plot else [])
     check_outputs(
         outputs, inputs=[args.cluster, args.model_config], figures=["--plot"] if args.plot else []
-    )
-    if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
-        raise HexiSeqError(
-            f"--time-limit must be positive (a finite number of seconds, at most {MAX_TIME_LIMIT_S:g}), "
-            f"got {args.time_limit}"
-        )
+    )  # --time-limit: checked by run before it calls this
     from megatron_hexiseq.job.report import print_job, save_plot
     from megatron_hexiseq.job.search import plan_job
 

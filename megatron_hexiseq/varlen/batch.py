@@ -179,7 +179,7 @@ class BatchPlanner:
         lin = np.array([linear_s_per_token(model, d, options) for d in devs])
         # a planned micro-batch runs the packed path (subring: a batch layout always does), so
         # its blocks run the kernel's variable-length call (rates.attention_rate, ``packed``)
-        att = np.array([attention_s_per_pair_head(model, d, options, True) for d in devs])
+        att = np.array([attention_s_per_pair_head(model, d, options, packed=True) for d in devs])
         heads = np.array([len(r.heads) for r in structure.ranks])
         hpg = structure.heads_per_query_group
         kv = [len({h // hpg for h in r.heads}) for r in structure.ranks]
@@ -253,7 +253,9 @@ class BatchPlanner:
         self.rank_heads = np.array([len(r.heads) for r in structure.ranks])
         self.kv_heads = np.array([len(k) for k in kv_of])
         self.rank_attention_s = rank_attention_s
-        self.rates = cluster_rates(cluster, model.kv_channels, options.attention_kernel, True)
+        self.rates = cluster_rates(
+            cluster, model.kv_channels, options.attention_kernel, packed=True
+        )
         self.varlen_rank = np.array([k in VARLEN_KERNELS for k in self.rates.kernels])
         self.arrays = cluster_arrays(cluster)
         self.ports = GroupPorts.of(structure, self.arrays)
