@@ -258,6 +258,8 @@ def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
         f"fast-only {m.get('fast-only')}x. Homogeneous ({h['cases']}): over megatron-hybrid-cp "
         f"{h.get('megatron-hybrid-cp')}x (target 1.0), over the best {h.get(BEST)}x.",
     ]
+    if not extra.get("probes", True):
+        lines.append("Probes off: every scheme's tables hold the divided work alone (--no-probes).")
     if "imbalance" in extra:
         lines.append(
             "Slowest over mean domain at DP 8 x 4 micro-batches (target 1.03): "
@@ -303,8 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="global batches per case (default 2)")
     ap.add_argument("--imbalance", action="store_true", help="also the DP 8 x 4 imbalance case")
     ap.add_argument("--schedule-time", action="store_true", help="also the 1024-GPU schedule time")
+    ap.add_argument(
+        "--no-probes",
+        action="store_true",
+        help="schedule with the divided work alone (GlobalPlanner's probes off: the tables before "
+        "2026-12-07), every scheme alike",
+    )
     ap.add_argument("--out", default="results/bench", help="output folder")
     args = ap.parse_args(argv)
+    if args.no_probes:
+        from megatron_hexiseq.varlen import global_planner
+
+        global_planner.PROBES = False
     selected = cases()
     if args.smoke:
         selected = [selected[0]]
@@ -316,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         rows.append(run_case(case, steps))
         print(f"{case['label']} {case['dist']}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    extra = {}
+    extra: dict = {"probes": not args.no_probes}
     if args.imbalance:
         extra["imbalance"] = imbalance_case(steps)
     if args.schedule_time:

@@ -13,6 +13,7 @@ per-rank records naming domain and group; the CLI writes them, with a job file t
 from __future__ import annotations
 
 import json
+from collections import namedtuple
 
 import pytest
 
@@ -33,9 +34,16 @@ from megatron_hexiseq.varlen.domains import (
     sub_cluster,
     typed_blocks,
 )
-from megatron_hexiseq.varlen.global_batch import DomainCosts, schedule_global
+from megatron_hexiseq.varlen.global_batch import (
+    ATTO,
+    DomainCosts,
+    LongUnit,
+    as_of,
+    schedule_global,
+)
 from megatron_hexiseq.varlen.global_compare import APPENDIX, SCHEMES, compare_global
-from megatron_hexiseq.varlen.global_planner import GlobalPlanner
+from megatron_hexiseq.varlen.global_planner import PROBE_FILLERS, PROBE_GRAIN_AS, GlobalPlanner
+from megatron_hexiseq.varlen.global_schemes import MicroBatchRun, lockstep_s
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
 
 MIX = cluster_from_dict(
@@ -101,6 +109,118 @@ def test_small_bins_take_units_from_the_fullest_bin() -> None:
     sched = schedule_global(lengths, [pairs], [2], min_tokens=[9])
     assert sched.bins == (((0, 1), (2, 3, 4, 5, 6)),)
     assert sched.tokens(lengths) == [[11, 15]]
+
+
+def test_long_unit_table_by_hand() -> None:
+    t = DomainCosts(1, 0, 5, 100, floor_as=30, long_unit=(LongUnit(10, 4), LongUnit(20, 10)))
+    # 0 at 0 tokens, linear to the first point, between points, the last slope beyond
+    assert [t.long_unit_as(x) for x in (0, 5, 10, 15, 20, 30)] == [0, 2, 4, 7, 10, 16]
+    # a micro-batch: fixed 5 + the larger of the floor and its work plus its longest unit's
+    assert t.bin_as([3, 2]) == 5 + 30  # work 5 + long 1 < floor 30
+    assert t.bin_as([20, 15]) == 5 + 35 + 10
+    one = DomainCosts(1, 0, 0, 100, long_unit=(LongUnit(8, 4),))
+    assert [one.long_unit_as(x) for x in (4, 8, 16)] == [2, 4, 8]
+
+
+def test_schedule_fills_micro_batches_up_to_their_floor() -> None:
+    # every micro-batch lasts at least 10 (e.g. Megatron-FSDP's gathers): the units go where
+    # they cost nothing; the finish ties at 20 on both domains, the lower index wins each tie
+    floor = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=100, floor_as=10)
+    sched = schedule_global([6, 4, 3, 3], [floor, floor], [1, 1])
+    assert sched.bins == (((0, 1),), ((2, 3),))
+    assert sched.predicted_as == (10, 10)
+    # without the floor the same units balance by work: 6 + 3 | 4 + 3
+    plain = floor._replace(floor_as=0)
+    assert schedule_global([6, 4, 3, 3], [plain, plain], [1, 1]).predicted_as == (9, 7)
+
+
+def test_schedule_prices_what_a_long_unit_adds() -> None:
+    # the 8-token unit adds 8 to its micro-batch: the other domain takes every short unit
+    long = DomainCosts(1, 0, 0, 100, long_unit=(LongUnit(7, 0), LongUnit(8, 8)))
+    sched = schedule_global([8, 2, 2, 2, 2, 2, 2], [long, long], [1, 1])
+    assert sched.bins == (((0,),), ((1, 2, 3, 4, 5, 6),))
+    assert sched.predicted_as == (16, 12)
+    # by the divided work alone the tokens balance (8 + 2 | 5 x 2), and the long unit's domain,
+    # really 18, would end last
+    divided = long._replace(long_unit=())
+    assert schedule_global([8, 2, 2, 2, 2, 2, 2], [divided, divided], [1, 1]).bins == (
+        ((0, 5),),
+        ((1, 2, 3, 4, 6),),
+    )
+
+
+def test_a_micro_batch_of_several_units_stops_at_fill() -> None:
+    # a first unit may take the whole capacity (one document splits at will); once a micro-batch
+    # holds units it may reach `fill` only (whole short documents do not split exactly)
+    t = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=64)
+    assert schedule_global([64, 50, 8, 3], [t, t], [1, 1]).bins == (((0,),), ((1, 2, 3),))
+    with pytest.raises(HexiSeqError, match="does not fit the domains' memory"):
+        schedule_global([64, 50, 8, 3], [t._replace(fill=60)] * 2, [1, 1])
+    assert t._replace(fill=60).room(50, True) == 10 and t._replace(fill=60).room(0, False) == 64
+
+
+def test_an_empty_micro_batch_takes_a_unit_from_another_domain() -> None:
+    # domain 0 takes the 50-token unit in one micro-batch and nothing else is cheaper there: its
+    # other micro-batch would run without a token (the runtime refuses it); it takes the
+    # smallest unit of the fullest micro-batch that can give one, on domain 1
+    t = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=100)
+    sched = schedule_global([50, 2, 2], [t, t], [2, 1])
+    assert sched.bins == (((0,), (1,)), ((2,),))
+    assert sched.tokens([50, 2, 2]) == [[50, 2], [2]]
+    assert sched.predicted_as == (52, 2)
+
+
+def test_probes_price_long_documents_and_the_floor(typed) -> None:
+    m, docs, doms = typed
+    with_probes, without = GlobalPlanner(doms, m), GlobalPlanner(doms, m, probes=False)
+    assert all(not c.long_unit and c.floor_as == 0 for c in without.costs)
+    for d, c in enumerate(with_probes.costs):
+        assert c.long_unit and [p.tokens for p in c.long_unit] == sorted(
+            {p.tokens for p in c.long_unit}
+        )
+        assert all(a.extra_as <= b.extra_as for a, b in zip(c.long_unit, c.long_unit[1:]))
+        # each point: the table prices its own probe as the cost model does (to the microsecond
+        # grain) where its divided work passes the floor, unless a shorter probe's point was
+        # higher (the points never decrease); below the floor, between the two
+        top = min(c.capacity, m.seq_length)
+        filler = top // PROBE_FILLERS
+        tight = 0
+        for p in c.long_unit:
+            probe = [p.tokens] + [filler] * ((top - p.tokens) // filler)
+            priced = as_of(with_probes.price(d, with_probes.plan_lengths(d, probe)))
+            work = c.cost_as(sum(probe), sum(x * (x + 1) // 2 for x in probe))
+            assert c.batch_as + c.floor_as <= priced + PROBE_GRAIN_AS
+            if work >= c.floor_as:
+                assert c.bin_as(probe) >= priced - PROBE_GRAIN_AS
+                tight += abs(c.bin_as(probe) - priced) <= PROBE_GRAIN_AS
+            else:
+                assert c.batch_as + c.floor_as <= c.bin_as(probe) <= priced
+        assert tight >= 1
+    # the schedule's per-domain prediction, with probes, is nearer the priced micro-batches
+    units = [x for s in pack_batches(docs, S, 16, 11) for x in s]
+    errors = []
+    for gp in (with_probes, without):
+        sched = gp.schedule(units)
+        err = 0.0
+        for d, dom in enumerate(doms):
+            real = sum(
+                gp.price(d, gp.plan_bin(sched, units, d, k)) for k in range(dom.micro_batches)
+            )
+            err += abs(sched.predicted_as[d] / ATTO - real) / real
+        errors.append(err / len(doms))
+    assert errors[0] < errors[1], errors
+
+
+def test_fsdp_micro_batches_run_in_lockstep() -> None:
+    # micro-batch k of every domain joins the same gathers: the slowest of each k sets the pace
+    Est = namedtuple("Est", "iteration_time_s")
+    runs = [
+        MicroBatchRun(d, k, (), None, (), Est(t))  # type: ignore[arg-type]
+        for d, k, t in ((0, 0, 3.0), (0, 1, 1.0), (1, 0, 1.0), (1, 1, 2.5))
+    ]
+    assert lockstep_s(runs, 2) == 3.0 + 2.5  # not max(3 + 1, 1 + 2.5) = 4
+    with pytest.raises(HexiSeqError, match="same count"):
+        lockstep_s(runs[:3], 2)
 
 
 # ---- domains -------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.testbed.pinning import TestbedShape
 from megatron_hexiseq.varlen.domain_choice import domain_candidates
 from megatron_hexiseq.varlen.domains import Domain, domain_options, sub_cluster
-from megatron_hexiseq.varlen.global_compare import choose_domains
+from megatron_hexiseq.varlen.global_compare import EQUAL, choose_domains
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner, retarget
 from megatron_hexiseq.varlen.global_schemes import Pricer
 from megatron_hexiseq.varlen.schemes import ring_layout
@@ -186,7 +186,7 @@ def choose_testbed_domains(
         price=testbed_price,
     )  # fmt: skip
     blocks_of = dict(sets)
-    rows = [{**r, "blocks": blocks_of[r["name"]]} for r in rows]
+    rows = [{**r, "blocks": blocks_of[r["name"].removesuffix(EQUAL)]} for r in rows]
     rows += [
         {"name": n, "blocks": b, "reason": "the driver runs replicas of one structure on "
          "consecutive process ranks (domains of one size)"}

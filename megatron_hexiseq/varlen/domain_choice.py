@@ -6,8 +6,8 @@ GPU in range; ``fit_blocks``: domains of one GPU type each at its own size, the 
 type that hold a sample). ``plan_domains`` turns blocks into ``Domain``s: each kind of block gets
 ``plan``'s layout for ``S`` tokens on its GPUs, the structure ``plan --doc-lengths`` would choose
 (``structure.choose_structure``) and its measured planning efficiency (``efficiency``); micro-batch
-counts by speed (``domains.speed_shares``). ``global_compare.choose_domains`` prices the candidates
-and keeps the fastest.
+counts by speed (``domains.speed_shares``), equal under Megatron-FSDP.
+``global_compare.choose_domains`` prices the candidates and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -137,7 +137,11 @@ def plan_domains(
 ) -> list[Domain]:
     """Domains on ``blocks`` (cluster ranks each): every kind of block planned once (``plan``'s
     layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
-    counts by speed (``speed_shares`` of ``samples``). ``cache``: plans kept between calls;
+    counts by speed (``speed_shares`` of ``samples``); when a domain runs Megatron-FSDP, the same
+    ``ceil(samples / domains)`` for all: its gathers run every micro-batch over every rank, in
+    lockstep (``global_schemes.lockstep_s``). A run has one memory mode: when kinds choose
+    different ones, every kind is planned again in the heaviest of them (the latest in
+    ``modes``). ``cache``: plans kept between calls;
     ``modes``: the memory modes ``plan`` tries (``RECOMPUTE``: the recompute modes only, more
     tokens fit a domain's micro-batch); ``one_structure``: every block runs the first block's
     structure and options (blocks of one size: Megatron's data-parallel replicas of one layout,
@@ -188,13 +192,25 @@ def plan_domains(
                 efficiency_1024=eff,
             )
         )
+    chosen_modes = {(d.options.memory_mode, d.options.recompute) for d in domains}
+    if len(chosen_modes) > 1:  # a run has one memory mode: every kind in the heaviest chosen
+        heaviest = max(chosen_modes, key=lambda m: modes.index(m) if m in modes else len(modes))
+        return plan_domains(
+            cluster, model, blocks, seq_length, samples, doc_lengths, time_limit_s=time_limit_s,
+            cache=cache, modes=(heaviest,), one_structure=one_structure,
+        )  # fmt: skip
     costs = GlobalPlanner(domains, model).costs
     pairs_per_token = _pairs_per_token(doc_lengths, seq_length)
-    speeds = [
-        1.0 / c.cost_as(seq_length, int(seq_length * pairs_per_token)) if c.capacity else 0.0
+    speeds = [  # a sample's micro-batch at least the floor (e.g. Megatron-FSDP's gathers)
+        1.0 / max(c.floor_as, c.cost_as(seq_length, int(seq_length * pairs_per_token)))
+        if c.capacity
+        else 0.0
         for c in costs
     ]
-    counts = speed_shares(samples, speeds)
+    if any(d.options.memory_mode == "fsdp" for d in domains):  # lockstep: equal counts
+        counts = [-(-samples // len(domains))] * len(domains)
+    else:
+        counts = speed_shares(samples, speeds)
     return [replace(d, micro_batches=m) for d, m in zip(domains, counts)]
 
 
@@ -202,16 +218,17 @@ def efficiency(
     domain: Domain, model: ModelSpec, doc_lengths: Sequence[int], seq_length: int
 ) -> int:
     """``Domain.efficiency_1024``: the mean iteration of the domain's planned micro-batches
-    (``BatchPlanner`` on its structure, priced by ``estimate_documents``) over their perfectly
-    divided work (``domain_costs``' integer table), in 1/1024, on ``STRUCTURE_BATCHES``
+    (``BatchPlanner`` on its structure, priced by ``estimate_documents``) over their cost by the
+    domain's integer table (``DomainCosts.bin_as``: fixed costs plus the larger of the floor and
+    the divided work with what the longest unit adds), in 1/1024, on ``STRUCTURE_BATCHES``
     micro-batches of ``seq_length`` tokens packed from the lengths with ``STRUCTURE_SEED`` (the
     structure choice's own sample, not the compared steps'); within [1/2, 4]."""
     from megatron_hexiseq.costmodel.documents import estimate_documents
-    from megatron_hexiseq.varlen.global_batch import ATTO, domain_costs
+    from megatron_hexiseq.varlen.global_batch import ATTO
     from megatron_hexiseq.varlen.structure import STRUCTURE_SEED
 
-    planner = GlobalPlanner([domain], model).planner(0)
-    table = domain_costs(planner)
+    gp = GlobalPlanner([domain], model)
+    planner, table = gp.planner(0), gp.costs[0]
     planned, divided = 0.0, 0
     for docs in pack_batches(doc_lengths, seq_length, STRUCTURE_BATCHES, STRUCTURE_SEED):
         a = planner.plan(docs)
@@ -220,8 +237,7 @@ def efficiency(
             a.layout, domain.cluster, m, domain.options, a.cu_seqlens, packed=True
         )
         planned += est.iteration_time_s
-        pairs = sum(x * (x + 1) // 2 for x in docs)
-        divided += table.cost_as(sum(docs), pairs) + table.batch_as + table.step_as
+        divided += table.bin_as(docs) + table.step_as
     ratio = planned * ATTO / max(divided, 1)
     return int(round(1024 * min(4.0, max(0.5, ratio))))
 

@@ -32,6 +32,7 @@ docs/varlen.md, "Global-batch scheduling".
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -42,22 +43,71 @@ from megatron_hexiseq.varlen.batch import BatchPlanner
 from megatron_hexiseq.varlen.digest import digest_ints
 
 ATTO = 10**18  # cost units per second
+OPEN_SCAN = 8  # open domains of one kind a unit is priced on, least loaded first (below)
+
+
+class LongUnit(NamedTuple):
+    """A point of ``DomainCosts.long_unit``: a micro-batch whose longest unit has ``tokens``
+    tokens runs ``extra_as`` attoseconds longer than its divided work (that document's K/V
+    exchange across the domain's groups, or its group's share, sets the pace; ``GlobalPlanner``
+    prices it on the domain)."""
+
+    tokens: int
+    extra_as: int
 
 
 class DomainCosts(NamedTuple):
     """One domain's integer cost table: attoseconds per token, per document-masked pair and per
     micro-batch, the most tokens one micro-batch may hold, and attoseconds once per step (the
     devices' measured step overhead: optimizer step and framework, paid once whatever the
-    micro-batch count)."""
+    micro-batch count); ``floor_as``: the least any micro-batch lasts beyond ``batch_as`` (e.g.
+    Megatron-FSDP's gathers, which a short micro-batch cannot hide); ``long_unit``: what a long
+    unit adds to its micro-batch (``long_unit_as``); ``fill``: the most tokens a micro-batch that
+    holds several units may reach (``room``; None: ``capacity``); ``unit_as``: what each unit
+    adds, whatever its length (its kernel calls and windows)."""
 
     token_as: int
     pair_as: int
     batch_as: int
     capacity: int
     step_as: int = 0
+    floor_as: int = 0
+    long_unit: tuple[LongUnit, ...] = ()
+    fill: int | None = None
+    unit_as: int = 0
+
+    @property
+    def fill_tokens(self) -> int:
+        return self.capacity if self.fill is None else self.fill
+
+    def room(self, tokens: int, holds_units: bool) -> int:
+        """Tokens a micro-batch of ``tokens`` may still take: up to ``capacity`` for its first
+        unit, up to ``fill`` (default ``capacity``) once it holds units."""
+        return (self.fill_tokens if holds_units else self.capacity) - tokens
 
     def cost_as(self, tokens: int, pairs: int) -> int:
         return self.token_as * tokens + self.pair_as * pairs
+
+    def long_unit_as(self, length: int) -> int:
+        """What a micro-batch whose longest unit has ``length`` tokens runs beyond its divided
+        work: ``long_unit`` (points of increasing length) interpolated linearly (from 0 at 0
+        tokens; the last segment's slope beyond the last point), integers only."""
+        pts = self.long_unit
+        if not pts:
+            return 0
+        if length <= pts[0].tokens or len(pts) == 1:
+            return pts[0].extra_as * length // pts[0].tokens
+        i = bisect.bisect_right([p.tokens for p in pts], length) - 1
+        a, b = (pts[i], pts[i + 1]) if i + 1 < len(pts) else (pts[i - 1], pts[i])
+        return a.extra_as + (b.extra_as - a.extra_as) * (length - a.tokens) // (b.tokens - a.tokens)
+
+    def bin_as(self, lengths: Sequence[int]) -> int:
+        """A micro-batch of units ``lengths`` by the table: its fixed costs plus the larger of
+        ``floor_as`` and its divided work with ``unit_as`` per unit and what its longest unit
+        adds."""
+        work = self.cost_as(sum(lengths), sum(x * (x + 1) // 2 for x in lengths))
+        work += self.unit_as * len(lengths)
+        return self.batch_as + max(self.floor_as, work + self.long_unit_as(max(lengths, default=0)))
 
 
 class GlobalSchedule(NamedTuple):
@@ -84,7 +134,8 @@ class GlobalSchedule(NamedTuple):
         return [[sum(lengths[u] for u in b) for b in d] for d in self.bins]
 
 
-def _as(seconds: float) -> int:
+def as_of(seconds: float) -> int:
+    """Seconds in attoseconds, rounded once."""
     return int(round(seconds * ATTO))
 
 
@@ -97,7 +148,10 @@ def domain_costs(
 
     Default (a HexiSeq domain: tokens by speed, documents placed per group): the targets of
     ``BatchPlanner`` per token and per pair, ``1 / sum c_g`` and ``1 / sum 1 / alpha_g``, the
-    all-to-all at the linear split; capacity where the tightest group is full at that split.
+    all-to-all at the linear split; capacity where the tightest group is full at that split, and a
+    micro-batch of several units filled to 15/16 of it (whole short documents do not split at
+    exactly that point: 13 documents of 54,070 tokens did not plan on 8 L40S with a capacity of
+    54,071 once micro-batches below their floor were filled; one document splits at will).
     ``even`` (a THD zig-zag ring: every document in equal chunks): the slowest member paces,
     ``n x max 1 / c_g`` per token over n ranks, likewise pairs; capacity ``n x min cap_g``.
     ``efficiency_1024``: the per-token and per-pair costs are scaled by it / 1024 (integers: the
@@ -111,19 +165,22 @@ def domain_costs(
         token_s = max(1.0 / x for x in c) / n + max(float(a) for a in planner.a2a) / n
         pair_s = max(float(a) for a in planner.alpha) / n
         capacity = n * int(min(caps))
+        fill = capacity  # every document splits evenly over the ring
     else:
         C, A = math.fsum(c), math.fsum(inv_alpha)
         a2a = math.fsum(ci / C * float(planner.a2a[g]) * inv_alpha[g] for g, ci in enumerate(c))
         token_s = 1.0 / C + a2a / A
         pair_s = 1.0 / A
         capacity = min(int(caps[g] * C / c[g]) for g in range(n))
+        fill = capacity - capacity // 16
     scale = int(efficiency_1024)
     return DomainCosts(
-        _as(token_s) * scale // 1024,
-        _as(pair_s) * scale // 1024,
-        _as(fixed_s),
+        as_of(token_s) * scale // 1024,
+        as_of(pair_s) * scale // 1024,
+        as_of(fixed_s),
         capacity,
-        _as(float(max(planner.overhead))),
+        as_of(float(max(planner.overhead))),
+        fill=fill,
     )
 
 
@@ -144,103 +201,232 @@ def schedule_global(
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise HexiSeqError("the global batch needs documents of at least one token each")
-    floor = [1] * D if min_tokens is None else [max(1, int(x)) for x in min_tokens]
-    # domain state: step load (fixed costs + units), bins [cost, tokens, units]
-    load = [int(m) * c.batch_as + c.step_as for m, c in zip(micro_batches, costs)]
-    bins: list[list[list]] = [[[0, 0, []] for _ in range(int(m))] for m in micro_batches]
-    kinds: dict[tuple, list[tuple[int, int]]] = {}
+    floor_tokens = [1] * D if min_tokens is None else [max(1, int(x)) for x in min_tokens]
+    # domain state: step load (fixed costs + each bin's cost), bins
+    load = [int(m) * (c.batch_as + c.floor_as) + c.step_as for m, c in zip(micro_batches, costs)]
+    bins = [[_Bin(c.floor_as) for _ in range(int(m))] for m, c in zip(micro_batches, costs)]
+    members: dict[tuple, list[int]] = {}
     for d, c in enumerate(costs):
-        kinds.setdefault((c, int(micro_batches[d])), []).append((load[d], d))
-    heaps = [(key[0], h) for key, h in kinds.items()]
-    for _, h in heaps:
-        heapq.heapify(h)
+        members.setdefault((c, int(micro_batches[d])), []).append(d)
+    kinds = [_Kind(key[0], ds, load, min(lengths)) for key, ds in members.items()]
     biggest = max(c.capacity for c in costs)
     for u in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         l_u = lengths[u]
-        p_u = l_u * (l_u + 1) // 2
         if l_u > biggest:
             raise HexiSeqError(
                 f"a document of {l_u:,} tokens fits no domain's micro-batch (the largest holds "
                 f"{biggest:,} tokens in memory); use larger domains, a memory mode with less per "
                 "GPU, or shorter samples"
             )
-        best: tuple[int, int, int] | None = None  # (finish, domain, heap index)
-        for i, (cost, h) in enumerate(heaps):
-            top = _top_with_room(h, load, bins, cost.capacity, l_u)
-            if top is None:
-                continue
-            finish = load[top] + cost.cost_as(l_u, p_u)
-            if best is None or (finish, top) < best[:2]:
-                best = (finish, top, i)
+        work = [kind.cost.cost_as(l_u, l_u * (l_u + 1) // 2) + kind.cost.unit_as for kind in kinds]
+        long = [kind.cost.long_unit_as(l_u) for kind in kinds]
+        best: _Choice | None = None
+        for i in sorted(range(len(kinds)), key=lambda i: kinds[i].least_load()):
+            best = kinds[i].choose(i, l_u, work[i], long[i], load, bins, best)
         if best is None:
             raise HexiSeqError(
                 f"the global batch does not fit the domains' memory (no micro-batch has room for a "
                 f"document of {l_u:,} tokens); run more micro-batches per step or larger domains"
             )
-        finish, d, i = best
-        cost, h = heaps[i]
-        load[d] = finish
-        heapq.heappush(h, (finish, d))  # the old entry of d is now stale (load differs)
-        k = min(
-            (k for k, b in enumerate(bins[d]) if b[1] + l_u <= cost.capacity),
-            key=lambda k: (bins[d][k][0], bins[d][k][1], k),
-        )
-        b = bins[d][k]
-        b[0] += cost.cost_as(l_u, p_u)
-        b[1] += l_u
-        b[2].append(u)
-    for d in range(D):
-        _fill_small_bins(bins[d], lengths, floor[d])
+        bins[best.domain][best.bin].add(u, l_u, work[best.kind], long[best.kind])
+        moved = best.finish != load[best.domain]
+        load[best.domain] = best.finish
+        kinds[best.kind].update(best.domain, load, bins, moved)
+    _fill_small_bins(bins, lengths, floor_tokens)
     return GlobalSchedule(
-        bins=tuple(tuple(tuple(sorted(b[2])) for b in bins[d]) for d in range(D)),
-        predicted_as=tuple(load),
+        bins=tuple(tuple(tuple(sorted(b.units)) for b in bins[d]) for d in range(D)),
+        predicted_as=tuple(
+            int(m) * c.batch_as + c.step_as + sum(_bin_cost(c, b, lengths) for b in bins[d])
+            for d, (m, c) in enumerate(zip(micro_batches, costs))
+        ),
     )
 
 
-def _top_with_room(
-    heap: list[tuple[int, int]],
-    load: list[int],
-    bins: list[list[list]],
-    capacity: int,
-    length: int,
-) -> int | None:
-    """The least-loaded domain of a heap (ties: the lower index) with a bin that has room for
-    ``length`` tokens. Entries whose load is not the domain's current one are stale and dropped;
-    domains without room are set aside and put back."""
-    aside = []
-    found = None
-    while heap:
-        key, d = heap[0]
-        if key != load[d]:
-            heapq.heappop(heap)
-            continue
-        if any(b[1] + length <= capacity for b in bins[d]):
-            found = d
-            break
-        aside.append(heapq.heappop(heap))
-    for x in aside:
-        heapq.heappush(heap, x)
-    return found
+class _Bin:
+    """A micro-batch being filled: its divided work, what its longest unit adds, its tokens and
+    units (attoseconds, integers); ``floor``: the domain's ``floor_as``."""
+
+    __slots__ = ("work", "long", "floor", "tokens", "units")
+
+    def __init__(self, floor: int) -> None:
+        self.work, self.long, self.floor, self.tokens = 0, 0, floor, 0
+        self.units: list[int] = []
+
+    def cost(self) -> int:
+        return max(self.floor, self.work + self.long)
+
+    def extra(self, work: int, long: int) -> int:
+        """How much longer the bin runs with a unit of this work and long-unit cost."""
+        return max(self.floor, self.work + work + max(self.long, long)) - self.cost()
+
+    def add(self, u: int, length: int, work: int, long: int) -> None:
+        self.work += work
+        self.long = max(self.long, long)
+        self.tokens += length
+        self.units.append(u)
 
 
-def _fill_small_bins(bins: list[list], lengths: Sequence[int], floor: int) -> None:
-    """A bin with fewer than ``floor`` tokens takes the smallest unit of the fullest other bin of
-    its domain that keeps at least ``floor`` tokens without it (ties: the lower bin), until it has
-    ``floor`` or no bin can give."""
-    for b in bins:
-        while b[1] < floor:
-            donors = sorted(
-                (i for i, x in enumerate(bins) if x is not b and len(x[2]) > 1),
-                key=lambda i: (-bins[i][1], i),
-            )
-            for i in donors:
-                donor = bins[i]
-                u = min(donor[2], key=lambda j: (lengths[j], j))
-                if donor[1] - lengths[u] >= floor:
-                    donor[2].remove(u)
-                    donor[1] -= lengths[u]
-                    b[2].append(u)
-                    b[1] += lengths[u]
+class _Kind:
+    """Domains with one table and micro-batch count, in min-heaps of (load, domain):
+
+    - ``plain``: every bin holds a unit and costs more than the floor (or is too full for the
+      shortest unit), so a unit makes any bin of the domain that can take it grow by its work
+      (units come longest first: a bin's longest unit is its first); the least-loaded one with
+      room is the kind's best of them;
+    - ``open``: the others (an empty bin, or one below the floor: a unit may cost less there);
+    - ``aside``: by -room, the domains whose emptiest bin had no room for a unit; they come back
+      once the units are short enough.
+
+    An entry is stale when the domain's load or heap is no longer the one it records."""
+
+    def __init__(
+        self, cost: DomainCosts, domains: Sequence[int], load: Sequence[int], shortest: int
+    ) -> None:
+        self.cost, self.shortest = cost, shortest
+        self.plain: list[tuple[int, int]] = []
+        self.open = [(load[d], d) for d in domains]
+        heapq.heapify(self.open)
+        self.aside: list[tuple[int, int]] = []
+        self.where = {d: "open" for d in domains}
+
+    def update(
+        self, d: int, load: Sequence[int], bins: Sequence[list[_Bin]], moved: bool = True
+    ) -> None:
+        """Domain ``d`` took a unit (its load ``moved`` or not) or came back from ``aside``: an
+        entry at its load in the heap its bins now put it in, unless its entry is still valid
+        (one valid entry per domain)."""
+        shut = self.cost.fill_tokens - self.shortest  # a bin past this takes no more units
+        plain = all(b.units and (b.work + b.long >= b.floor or b.tokens > shut) for b in bins[d])
+        where = "plain" if plain else "open"
+        if moved or where != self.where[d]:
+            self.where[d] = where
+            heapq.heappush(self.plain if where == "plain" else self.open, (load[d], d))
+
+    def least_load(self) -> tuple[int, int]:
+        """A lower bound of the kind's loads (a stale entry's load is an older, smaller one)
+        with its domain: the kind that likely ends the unit earliest is asked first, so the
+        others stop sooner."""
+        tops = [h[0] for h in (self.plain, self.open) if h]
+        return min(tops) if tops else (2**127, 0)
+
+    def choose(
+        self,
+        index: int,
+        length: int,
+        work: int,
+        long: int,
+        load: Sequence[int],
+        bins: Sequence[list[_Bin]],
+        best: _Choice | None,
+    ) -> _Choice | None:
+        """``best``, or where in this kind (its ``index``) a unit of ``length`` tokens, ``work``
+        and long-unit cost ``long`` ends earlier (finish, then the lower domain): the first
+        ``plain`` domain with room, and ``open`` ones by least load (ties: the lower index) while
+        (load, index) is at most the best (finish, domain): a unit never ends a domain's step
+        before its load, so no later one can win."""
+        while self.aside and -self.aside[0][0] >= length:
+            d = heapq.heappop(self.aside)[1]
+            self.update(d, load, bins)
+        cap, fill = self.cost.capacity, self.cost.fill_tokens  # ``DomainCosts.room``, inlined
+        for name, heap in (("plain", self.plain), ("open", self.open)):
+            scanned = []
+            while heap:
+                key, d = heap[0]
+                if key != load[d] or self.where[d] != name:
+                    heapq.heappop(heap)
+                    continue
+                if best is not None and key >= best.finish:
                     break
-            else:
-                return
+                heapq.heappop(heap)
+                room = max((fill if b.units else cap) - b.tokens for b in bins[d])
+                if room < length:
+                    self.where[d] = "aside"
+                    heapq.heappush(self.aside, (-room, d))
+                    continue
+                scanned.append((key, d))
+                extra, k = _cheapest_bin(bins[d], self.cost, length, work, long)
+                if best is None or (key + extra, d) < best[:2]:
+                    best = _Choice(key + extra, d, k, index)
+                if name == "plain" or len(scanned) >= OPEN_SCAN:
+                    break
+            for x in scanned:
+                heapq.heappush(heap, x)
+        return best
+
+
+class _Choice(NamedTuple):
+    """Where a unit goes: the step load of ``domain`` after it (``finish``), its bin, its kind."""
+
+    finish: int
+    domain: int
+    bin: int
+    kind: int
+
+
+def _bin_cost(costs: DomainCosts, b: _Bin, lengths: Sequence[int]) -> int:
+    """A filled bin's cost by the table (after small bins took units: recomputed)."""
+    return costs.bin_as([lengths[u] for u in b.units]) - costs.batch_as
+
+
+def _cheapest_bin(
+    bins: list[_Bin], cost: DomainCosts, length: int, work: int, long: int
+) -> tuple[int, int]:
+    """(how much it grows, index) of the bin of a domain that grows least with the unit (then
+    the least cost, the fewest tokens, the lower index) among those with room (the caller knows
+    one has). ``_Bin.cost`` and ``_Bin.extra`` written out: the scheduler's inner loop."""
+    best = None
+    cap, fill = cost.capacity, cost.fill_tokens
+    for k, b in enumerate(bins):
+        if (fill if b.units else cap) - b.tokens < length:  # ``DomainCosts.room``, inlined
+            continue
+        now = b.work + b.long
+        if now < b.floor:
+            now = b.floor
+        grown = b.work + work + (long if long > b.long else b.long)
+        extra = (grown if grown > b.floor else b.floor) - now
+        key = (extra, now, b.tokens, k)
+        if best is None or key < best:
+            best = key
+    assert best is not None
+    return best[0], best[3]
+
+
+def _fill_small_bins(bins: list[list[_Bin]], lengths: Sequence[int], need: Sequence[int]) -> None:
+    """A bin of domain ``d`` with fewer than ``need[d]`` tokens (its ranks) takes the smallest unit
+    of the fullest other bin of its domain that keeps its own need without it (ties: the lower
+    bin), or, when no bin of its domain can give, of the fullest such bin of the other domains
+    (ties: the lower domain, then bin); until it has enough or no bin can give (a long unit alone
+    in each of its domain's bins can leave another bin empty)."""
+    for d, own in enumerate(bins):
+        for b in own:
+            while b.tokens < need[d]:
+                mine = [(x.tokens, d, k) for k, x in enumerate(own) if x is not b]
+                others = [(x.tokens, e, k) for e, dom in enumerate(bins) if e != d
+                          for k, x in enumerate(dom)]  # fmt: skip
+                if not (
+                    _give(b, mine, bins, lengths, need) or _give(b, others, bins, lengths, need)
+                ):
+                    break
+
+
+def _give(
+    b: _Bin,
+    donors: list[tuple[int, int, int]],
+    bins: list[list[_Bin]],
+    lengths: Sequence[int],
+    need: Sequence[int],
+) -> bool:
+    """Move the smallest unit of the fullest donor ``(tokens, domain, bin)`` that keeps its
+    domain's need without it into ``b``; False when none can."""
+    for _, e, k in sorted(donors, key=lambda x: (-x[0], x[1], x[2])):
+        donor = bins[e][k]
+        if len(donor.units) < 2:
+            continue
+        u = min(donor.units, key=lambda j: (lengths[j], j))
+        if donor.tokens - lengths[u] >= need[e]:
+            donor.units.remove(u)
+            donor.tokens -= lengths[u]
+            b.units.append(u)
+            b.tokens += lengths[u]
+            return True
+    return False

@@ -45,7 +45,7 @@ from megatron_hexiseq.varlen.domain_choice import (
     domains_from_job,
     plan_domains,
 )
-from megatron_hexiseq.varlen.domains import fastest_type_ranks
+from megatron_hexiseq.varlen.domains import Domain, fastest_type_ranks
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner
 from megatron_hexiseq.varlen.global_schemes import (
     Pricer,
@@ -71,6 +71,7 @@ APPENDIX = ("megatron-thd-cp",)
 HYBRID_TOKENS = (4096, 8192, 16384, 32768)
 CHOICE_SEED = 1_000_003
 CHOICE_STEPS = 2  # global batches the domain set is chosen on
+EQUAL = "+equal"  # a candidate priced with equal micro-batch counts (``_count_variants``)
 
 
 def global_batches(
@@ -305,21 +306,43 @@ def choose_domains(
                 cluster, model, blocks, seq_length, samples, doc_lengths,
                 time_limit_s=time_limit_s, cache=cache, modes=modes, one_structure=one_structure,
             )  # fmt: skip
-            gp = GlobalPlanner(doms, model)
-            got = [price(gp, probe) for probe in probes]
         except HexiSeqError as e:
             rows.append({"name": label, "reason": str(e)})
             continue
-        step = float(np.mean([g[0] for g in got]))
-        feasible = all(g[1] for g in got)
-        rows.append(
-            {"name": label, "step_s": _sig(step), "feasible": feasible, "domains": len(doms)}
-        )
-        if best is None or (not feasible, step) < (not best[0], best[1]):
-            best = (feasible, step, label, gp)
+        for name_as, counted in _count_variants(label, doms, samples):
+            try:
+                gp = GlobalPlanner(counted, model)
+                got = [price(gp, probe) for probe in probes]
+            except HexiSeqError as e:
+                rows.append({"name": name_as, "reason": str(e)})
+                continue
+            step = float(np.mean([g[0] for g in got]))
+            feasible = all(g[1] for g in got)
+            rows.append(
+                {"name": name_as, "step_s": _sig(step), "feasible": feasible,
+                 "domains": len(counted)}
+            )  # fmt: skip
+            if best is None or (not feasible, step) < (not best[0], best[1]):
+                best = (feasible, step, name_as, gp)
     if best is None:
         return None, rows
     return (best[2], best[3]), rows
+
+
+def _count_variants(
+    label: str, domains: list[Domain], samples: int
+) -> list[tuple[str, list[Domain]]]:
+    """A candidate's micro-batch counts to price: ``plan_domains``' (by speed), and, when they
+    differ, the same ``ceil(samples / domains)`` for every domain (the stock grid's, what a
+    Megatron run over a layout's replicas runs; each micro-batch pays its fixed costs and floor,
+    so fewer on the fast domains can win), labelled ``+equal``."""
+    equal = -(-samples // len(domains))
+    if all(d.micro_batches == equal for d in domains):
+        return [(label, domains)]
+    return [
+        (label, domains),
+        (label + EQUAL, [replace(d, micro_batches=equal) for d in domains]),
+    ]
 
 
 def summarize_global(name: str, steps: Sequence[SchemeStep], tokens: int) -> dict[str, Any]:

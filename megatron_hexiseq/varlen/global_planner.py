@@ -32,12 +32,22 @@ from megatron_hexiseq.varlen.domains import Domain
 from megatron_hexiseq.varlen.global_batch import (
     DomainCosts,
     GlobalSchedule,
+    LongUnit,
+    as_of,
     domain_costs,
     schedule_global,
 )
 from megatron_hexiseq.varlen.schemes import zigzag_docs
 
 MODES = ("batch", "zigzag")
+PROBE_POINTS = 8  # a long-unit point at every 1/8 of the longest unit a micro-batch may hold
+PROBE_FILLERS = 64  # a probe's other documents have 1/64 of that length
+PROBE_GRAIN_AS = 10**12  # probes are kept in whole microseconds (below)
+PROBES = (
+    True  # the default of ``GlobalPlanner(probes=...)`` (``bench/varlen_suite.py --no-probes``)
+)
+_TABLES: dict[tuple, DomainCosts] = {}  # cost tables by (domain kind, model, mode, probes)
+_TABLES_KEPT = 512
 
 
 def _signature(domain: Domain) -> tuple:
@@ -61,6 +71,11 @@ def _signature(domain: Domain) -> tuple:
     )
 
 
+def _work(table: DomainCosts, docs: Sequence[int], unit_as: int) -> int:
+    """A probe's divided work by ``table``, with ``unit_as`` per document."""
+    return table.cost_as(sum(docs), sum(x * (x + 1) // 2 for x in docs)) + unit_as * len(docs)
+
+
 def retarget(layout: Layout, like: Layout) -> Layout:
     """``layout`` with the hosts and GPU names of ``like`` (same structure, another replica)."""
     if all((a.host, a.gpu) == (b.host, b.gpu) for a, b in zip(layout.ranks, like.ranks)):
@@ -74,15 +89,25 @@ def retarget(layout: Layout, like: Layout) -> Layout:
 
 class GlobalPlanner:
     """Schedules global batches over ``domains`` and plans their micro-batches (module docstring).
-    ``model``: the model (its ``seq_length`` is ignored: each bin has its own)."""
+    ``model``: the model; its ``seq_length`` is the samples' (the longest unit), which the
+    probes measure up to (each bin has its own length). ``probes``: measure the tables'
+    ``floor_as`` and ``long_unit`` (``_probe``); without, the divided work alone."""
 
-    def __init__(self, domains: Sequence[Domain], model: ModelSpec, *, mode: str = "batch") -> None:
+    def __init__(
+        self,
+        domains: Sequence[Domain],
+        model: ModelSpec,
+        *,
+        mode: str = "batch",
+        probes: bool | None = None,
+    ) -> None:
         if mode not in MODES:
             raise HexiSeqError(f"unknown global planner mode {mode!r}; use one of {MODES}")
         if not domains:
             raise HexiSeqError("a global planner needs at least one domain")
         self.domains = list(domains)
         self.model, self.mode = model, mode
+        self.probes = PROBES if probes is None else probes
         self._sig = [_signature(d) for d in self.domains]
         self._planners: dict[tuple, BatchPlanner] = {}
         self._costs: dict[tuple, DomainCosts] = {}
@@ -102,12 +127,90 @@ class GlobalPlanner:
     def _cost(self, d: int) -> DomainCosts:
         key = self._sig[d]
         if key not in self._costs:
-            self._costs[key] = domain_costs(
-                self.planner(d),
-                even=self.mode == "zigzag",
-                efficiency_1024=self.domains[d].efficiency_1024,
-            )
+            # the probes cost nine planned and priced micro-batches: kept between planners
+            # (``_TABLES``) for domains of the same kind, model and mode
+            shared = (key, self.model, self.mode, self.probes)
+            if shared not in _TABLES:
+                table = domain_costs(
+                    self.planner(d),
+                    even=self.mode == "zigzag",
+                    efficiency_1024=self.domains[d].efficiency_1024,
+                )
+                if self.probes:
+                    table = self._probe(d, table)
+                if len(_TABLES) >= _TABLES_KEPT:
+                    _TABLES.clear()
+                _TABLES[shared] = table
+            self._costs[key] = _TABLES[shared]
         return self._costs[key]
+
+    def _probe(self, d: int, table: DomainCosts) -> DomainCosts:
+        """``table`` with ``floor_as`` and ``long_unit`` measured on probe micro-batches of
+        domain ``d``, planned as its micro-batches are (``plan_lengths``) and priced by the
+        cost model (``price``). ``L``: the longest unit a micro-batch may hold (its capacity or
+        a sample: the model's ``seq_length``); fillers have ``L / PROBE_FILLERS`` tokens.
+
+        - ``floor_as``: a micro-batch of the fewest fillers that give every rank a token, beyond
+          the fixed costs (what no micro-batch hides: Megatron-FSDP's gathers, latencies), or
+          the least of the probes below if one is shorter.
+        - ``unit_as``: ``L`` tokens of fillers alone, their time beyond the larger of the floor
+          and their divided work, per filler (what each document adds: the kernel calls and
+          windows of packed documents; 0 when none).
+        - ``long_unit``: at every ``L / PROBE_POINTS``, one unit of that length and fillers up to
+          ``L`` tokens: its time beyond the larger of the floor and its divided work with its
+          documents' ``unit_as`` (what a micro-batch of that work costs without a long unit; 0
+          when none; non-decreasing). A long document spread over the domain's groups exposes
+          its K/V exchange, or one group holds it and paces the micro-batch; the divided work
+          sees neither (docs/varlen.md, "Probes")."""
+        dom = self.domains[d]
+        top = min(table.capacity, self.model.seq_length)
+        filler = max(1, top // PROBE_FILLERS)
+        few = [filler] * max(1, -(-dom.size // filler))
+        probes: list[tuple[int, list[int]]] = []
+        for j in range(1, PROBE_POINTS + 1):
+            length = top * j // PROBE_POINTS
+            docs = [length] + [filler] * ((top - length) // filler)
+            if length >= 1 and sum(docs) >= dom.size and (not probes or length > probes[-1][0]):
+                probes.append((length, docs))
+        flat = [filler] * (top // filler)  # fillers alone: what each document adds
+        real = [self._probe_as(d, docs) - table.batch_as for _, docs in probes]
+        real_flat = self._probe_as(d, flat) - table.batch_as
+        floor = max(0, min([self._probe_as(d, few) - table.batch_as, real_flat, *real]))
+        unit = max(0, real_flat - max(floor, _work(table, flat, 0))) // len(flat)
+        table = table._replace(floor_as=floor, unit_as=unit)
+        points: list[LongUnit] = []
+        for (length, docs), r in zip(probes, real):
+            last = points[-1].extra_as if points else 0
+            points.append(LongUnit(length, max(last, r - max(floor, _work(table, docs, unit)))))
+        return table._replace(long_unit=tuple(points))
+
+    def _probe_as(self, d: int, docs: list[int]) -> int:
+        """A probe micro-batch's price in whole microseconds (as attoseconds). The probes are
+        floats (the batch planner's and the cost model's), so two CPUs may round one
+        differently in the last bit; kept to a microsecond, a table differs between ranks only
+        when a probe lies within that bit of a microsecond boundary, and the per-step schedule
+        digest (``megatron.global_ahead``) turns any such difference into one error before a
+        collective is posted."""
+        real = as_of(self.price(d, self.plan_lengths(d, docs)))
+        return real // PROBE_GRAIN_AS * PROBE_GRAIN_AS
+
+    def price(self, d: int, a: BatchAssignment) -> float:
+        """Micro-batch ``a``'s iteration on domain ``d`` by the cost model: the exchange the
+        mode runs (HexiSeq's pruned K/V blocks with the packed kernel, or Transformer Engine's
+        THD ring)."""
+        from megatron_hexiseq.costmodel.documents import estimate_documents
+
+        dom = self.domains[d]
+        zigzag = self.mode == "zigzag"
+        return estimate_documents(
+            a.layout,
+            dom.cluster,
+            replace(self.model, seq_length=a.layout.seq_length),
+            dom.options,
+            a.cu_seqlens,
+            exchange="te-ring" if zigzag else "pruned",
+            packed=not zigzag,
+        ).iteration_time_s
 
     def schedule(self, lengths: Sequence[int]) -> GlobalSchedule:
         """The bins of one global batch (``global_batch.schedule_global``)."""

@@ -164,12 +164,17 @@ def _finish(
     domain_s: Sequence[float] | None = None,
     **extra: Any,
 ) -> SchemeStep:
+    busy_s = None
     if domain_s is None:
         busy = [0.0] * domains
         for r in runs:
             busy[r.domain] += r.estimate.iteration_time_s
         domain_s = busy
-    step = max(domain_s) + step_fixed_s(cluster, model, options, run_ranks)
+        if options.memory_mode == "fsdp" and domains > 1:
+            busy_s = lockstep_s(runs, domains)
+    if busy_s is None:
+        busy_s = max(domain_s)
+    step = busy_s + step_fixed_s(cluster, model, options, run_ranks)
     return SchemeStep(
         scheme=name,
         config=config,
@@ -179,6 +184,27 @@ def _finish(
         runs=tuple(runs),
         **extra,
     )
+
+
+def lockstep_s(runs: Sequence[MicroBatchRun], domains: int) -> float:
+    """The busy part of a Megatron-FSDP step: every rank of the run joins each micro-batch's
+    per-layer gathers and reduce-scatters (the shard group is every rank), so micro-batch ``k`` of
+    every domain runs in lockstep and lasts as long as the slowest of them; the step is their sum
+    (docs/job.md, "Megatron-FSDP runs equal shares"). Domains with different micro-batch counts
+    would stop joining those collectives at different points: refused, as the runtime refuses
+    such a job."""
+    counts = [0] * domains
+    slots: dict[int, float] = {}
+    for r in runs:
+        counts[r.domain] += 1
+        slots[r.micro_batch] = max(slots.get(r.micro_batch, 0.0), r.estimate.iteration_time_s)
+    if len(set(counts)) > 1:
+        raise HexiSeqError(
+            f"Megatron-FSDP gathers parameters in every micro-batch over every rank, and these "
+            f"domains run {'/'.join(map(str, sorted(set(counts))))} micro-batches per step: give "
+            "every domain the same count, or use the distributed optimizer"
+        )
+    return sum(slots.values())
 
 
 def first_fit(modes: Sequence[TrainOptions], fits: Callable[[TrainOptions], bool]) -> TrainOptions:
@@ -289,6 +315,7 @@ def speed_aware_step(
     last: Exception | None = None
     for o in modes:
         opt = domain_options(o, cluster, run_ranks, c)
+
         domains = [
             Domain(
                 index=i,
