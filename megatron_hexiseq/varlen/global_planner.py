@@ -165,6 +165,8 @@ class GlobalPlanner:
         dom = self.domains[d]
         top = min(table.capacity, self.model.seq_length)
         filler = max(1, top // PROBE_FILLERS)
+        if top < max(dom.size, PROBE_FILLERS):  # holds (next to) nothing in this memory mode
+            return table
         few = [filler] * max(1, -(-dom.size // filler))
         probes: list[tuple[int, list[int]]] = []
         for j in range(1, PROBE_POINTS + 1):
