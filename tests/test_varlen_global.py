@@ -134,6 +134,14 @@ def test_schedule_fills_micro_batches_up_to_their_floor() -> None:
     assert schedule_global([6, 4, 3, 3], [plain, plain], [1, 1]).predicted_as == (9, 7)
 
 
+def test_a_domains_micro_batches_come_costliest_first() -> None:
+    # floor 10: 8 -> bin 0; 6 -> bin 1 (free); 5 -> bin 1 (grows by 1, bin 0 by 3): bin 1 costs
+    # 11, bin 0 10; under Megatron-FSDP micro-batch k of every domain runs in lockstep, so each
+    # domain's costliest comes first
+    t = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=100, floor_as=10)
+    assert schedule_global([8, 6, 5], [t], [2]).bins == (((1, 2), (0,)),)
+
+
 def test_schedule_prices_what_a_long_unit_adds() -> None:
     # the 8-token unit adds 8 to its micro-batch: the other domain takes every short unit
     long = DomainCosts(1, 0, 0, 100, long_unit=(LongUnit(7, 0), LongUnit(8, 8)))

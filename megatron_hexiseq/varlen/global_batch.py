@@ -24,7 +24,8 @@ domain by its own ``BatchPlanner`` (or, for the stock baselines, split THD zig-z
   min-heap of their loads, so a step costs O(units x kinds of domain x log domains).
 - **Small bins**: a bin with fewer tokens than its domain has ranks takes the smallest units of its
   domain's fullest bin (every rank needs a token).
-- Each bin's units keep loader order: that is the micro-batch's packing order.
+- Each bin's units keep loader order: that is the micro-batch's packing order; a domain's bins
+  come costliest first (Megatron-FSDP's domains run micro-batch ``k`` in lockstep).
 
 ``GlobalSchedule.digest`` is what every rank compares once per step (``megatron.agreement``).
 docs/varlen.md, "Global-batch scheduling".
@@ -233,10 +234,16 @@ def schedule_global(
         load[best.domain] = best.finish
         kinds[best.kind].update(best.domain, load, bins, moved)
     _fill_small_bins(bins, lengths, floor_tokens)
+    cost = [[_bin_cost(c, b, lengths) for b in bins[d]] for d, c in enumerate(costs)]
+    # each domain's micro-batches costliest first (ties: as filled): under Megatron-FSDP the
+    # domains run micro-batch k in lockstep, and aligning every domain's k-th costliest
+    # minimises the sum over k of the slowest (``global_schemes.lockstep_s``); elsewhere the
+    # order of a domain's micro-batches changes nothing
+    order = [sorted(range(len(c)), key=lambda k: (-c[k], k)) for c in cost]
     return GlobalSchedule(
-        bins=tuple(tuple(tuple(sorted(b.units)) for b in bins[d]) for d in range(D)),
+        bins=tuple(tuple(tuple(sorted(bins[d][k].units)) for k in order[d]) for d in range(D)),
         predicted_as=tuple(
-            int(m) * c.batch_as + c.step_as + sum(_bin_cost(c, b, lengths) for b in bins[d])
+            int(m) * c.batch_as + c.step_as + sum(cost[d])
             for d, (m, c) in enumerate(zip(micro_batches, costs))
         ),
     )
