@@ -218,12 +218,11 @@ def efficiency(
     domain: Domain, model: ModelSpec, doc_lengths: Sequence[int], seq_length: int
 ) -> int:
     """``Domain.efficiency_1024``: the mean iteration of the domain's planned micro-batches
-    (``BatchPlanner`` on its structure, priced by ``estimate_documents``) over their cost by the
+    (``BatchPlanner`` on its structure, priced by ``GlobalPlanner.price``) over their cost by the
     domain's integer table (``DomainCosts.bin_as``: fixed costs plus the larger of the floor and
     the divided work with what the longest unit adds), in 1/1024, on ``STRUCTURE_BATCHES``
     micro-batches of ``seq_length`` tokens packed from the lengths with ``STRUCTURE_SEED`` (the
     structure choice's own sample, not the compared steps'); within [1/2, 4]."""
-    from megatron_hexiseq.costmodel.documents import estimate_documents
     from megatron_hexiseq.varlen.global_batch import ATTO
     from megatron_hexiseq.varlen.structure import STRUCTURE_SEED
 
@@ -231,12 +230,7 @@ def efficiency(
     planner, table = gp.planner(0), gp.costs[0]
     planned, divided = 0.0, 0
     for docs in pack_batches(doc_lengths, seq_length, STRUCTURE_BATCHES, STRUCTURE_SEED):
-        a = planner.plan(docs)
-        m = replace(model, seq_length=a.layout.seq_length)
-        est = estimate_documents(
-            a.layout, domain.cluster, m, domain.options, a.cu_seqlens, packed=True
-        )
-        planned += est.iteration_time_s
+        planned += gp.price(0, planner.plan(docs))
         divided += table.bin_as(docs) + table.step_as
     ratio = planned * ATTO / max(divided, 1)
     return int(round(1024 * min(4.0, max(0.5, ratio))))

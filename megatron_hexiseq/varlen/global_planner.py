@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from megatron_hexiseq.costmodel.documents import DocumentEstimate, estimate_documents
 from megatron_hexiseq.costmodel.pieces import cu_from_lengths
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
@@ -74,6 +75,23 @@ def _signature(domain: Domain) -> tuple:
 def _work(table: DomainCosts, docs: Sequence[int], unit_as: int) -> int:
     """A probe's divided work by ``table``, with ``unit_as`` per document."""
     return table.cost_as(sum(docs), sum(x * (x + 1) // 2 for x in docs)) + unit_as * len(docs)
+
+
+def price_micro_batch(
+    domain: Domain, model: ModelSpec, layout: Layout, cu: Sequence[int], exchange: str
+) -> DocumentEstimate:
+    """A micro-batch on ``domain`` by ``estimate_documents`` (``model.seq_length``: its tokens):
+    ``exchange`` "pruned" is HexiSeq's packed path (its packed kernel), "te-ring" Transformer
+    Engine's THD ring."""
+    return estimate_documents(
+        layout,
+        domain.cluster,
+        model,
+        domain.options,
+        tuple(cu),
+        exchange=exchange,
+        packed=exchange == "pruned",
+    )
 
 
 def retarget(layout: Layout, like: Layout) -> Layout:
@@ -200,18 +218,10 @@ class GlobalPlanner:
         """Micro-batch ``a``'s iteration on domain ``d`` by the cost model: the exchange the
         mode runs (HexiSeq's pruned K/V blocks with the packed kernel, or Transformer Engine's
         THD ring)."""
-        from megatron_hexiseq.costmodel.documents import estimate_documents
-
-        dom = self.domains[d]
-        zigzag = self.mode == "zigzag"
-        return estimate_documents(
-            a.layout,
-            dom.cluster,
-            replace(self.model, seq_length=a.layout.seq_length),
-            dom.options,
-            a.cu_seqlens,
-            exchange="te-ring" if zigzag else "pruned",
-            packed=not zigzag,
+        exchange = "te-ring" if self.mode == "zigzag" else "pruned"
+        model = replace(self.model, seq_length=a.layout.seq_length)
+        return price_micro_batch(
+            self.domains[d], model, a.layout, a.cu_seqlens, exchange
         ).iteration_time_s
 
     def schedule(self, lengths: Sequence[int]) -> GlobalSchedule:

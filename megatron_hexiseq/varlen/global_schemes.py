@@ -51,7 +51,7 @@ from megatron_hexiseq.planner.canonical import canonical_order
 from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.varlen.assignment import fill_empty
 from megatron_hexiseq.varlen.domains import Domain, cp_groups, domain_options, sub_cluster
-from megatron_hexiseq.varlen.global_planner import GlobalPlanner
+from megatron_hexiseq.varlen.global_planner import GlobalPlanner, price_micro_batch
 from megatron_hexiseq.varlen.schemes import ring_layout, zigzag_docs
 from megatron_hexiseq.varlen.step_costs import step_fixed_s
 
@@ -140,16 +140,7 @@ class Pricer:
     def bin(
         self, domain: Domain, layout: Layout, cu: tuple[int, ...], exchange: str
     ) -> DocumentEstimate:
-        m = self.model_at(layout.seq_length)
-        return estimate_documents(
-            layout,
-            domain.cluster,
-            m,
-            domain.options,
-            cu,
-            exchange=exchange,
-            packed=exchange == "pruned",
-        )
+        return price_micro_batch(domain, self.model_at(layout.seq_length), layout, cu, exchange)
 
 
 def _finish(
