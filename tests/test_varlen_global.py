@@ -13,7 +13,9 @@ per-rank records naming domain and group; the CLI writes them, with a job file t
 from __future__ import annotations
 
 import json
+import random
 from collections import namedtuple
+from dataclasses import replace
 
 import pytest
 
@@ -24,7 +26,7 @@ from megatron_hexiseq.job import Domain as JobDomain
 from megatron_hexiseq.job import JobPlan
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.run_config import TrainOptions, options_record
-from megatron_hexiseq.varlen.domain_choice import domains_from_job, plan_domains
+from megatron_hexiseq.varlen.domain_choice import domains_from_job, other_modes, plan_domains
 from megatron_hexiseq.varlen.domains import (
     Domain,
     cp_groups,
@@ -41,7 +43,12 @@ from megatron_hexiseq.varlen.global_batch import (
     as_of,
     schedule_global,
 )
-from megatron_hexiseq.varlen.global_compare import APPENDIX, SCHEMES, compare_global
+from megatron_hexiseq.varlen.global_compare import (
+    APPENDIX,
+    SCHEMES,
+    _count_variants,
+    compare_global,
+)
 from megatron_hexiseq.varlen.global_planner import PROBE_FILLERS, PROBE_GRAIN_AS, GlobalPlanner
 from megatron_hexiseq.varlen.global_schemes import MicroBatchRun, lockstep_s
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
@@ -140,6 +147,58 @@ def test_a_domains_micro_batches_come_costliest_first() -> None:
     # domain's costliest comes first
     t = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=100, floor_as=10)
     assert schedule_global([8, 6, 5], [t], [2]).bins == (((1, 2), (0,)),)
+
+
+def test_lockstep_repacks_each_domain_against_the_slots() -> None:
+    # balanced by domain totals: 10 | 4 and 6 | 5 + 3, both 14; costliest first the slots are
+    # max(10, 8) + max(4, 6) = 16. In lockstep (Megatron-FSDP) domain 1 fills its first
+    # micro-batch up to slot 0's level (10, set by domain 0's 10-token unit): 6 + 3 | 5, and
+    # the slots cost 10 + 5 = 15; domain totals and every unit's domain unchanged
+    t = DomainCosts(token_as=1, pair_as=0, batch_as=0, capacity=100)
+    lengths = [10, 6, 5, 4, 3]
+    free = schedule_global(lengths, [t, t], [2, 2])
+    assert free.tokens(lengths) == [[10, 4], [8, 6]]
+    step = schedule_global(lengths, [t, t], [2, 2], lockstep=True)
+    assert step.bins == (((0,), (3,)), ((1, 4), (2,)))
+    assert step.tokens(lengths) == [[10, 4], [9, 5]]
+    slots = [max(x) for x in zip(*step.tokens(lengths))]
+    assert sum(slots) == 15 < sum(max(x) for x in zip(*free.tokens(lengths)))
+
+
+def test_lockstep_never_raises_a_slot() -> None:
+    # generated steps on mixed tables (floors, long units, fill): by the tables, the lockstep
+    # step (sum over slots of the costliest bin) is never above the schedule's without the
+    # re-packing, every unit is placed once, and somewhere it is lower
+    rng = random.Random(11)
+    lower = 0
+    for trial in range(40):
+        lengths = heavy_tailed_lengths(rng.randrange(20, 120), seed=trial, median=300)
+        tables = [
+            DomainCosts(
+                rng.randrange(1, 9), rng.randrange(0, 3), 5, 10**5, floor_as=rng.randrange(0, 900),
+                long_unit=(LongUnit(400, rng.randrange(0, 300)), LongUnit(4000, rng.randrange(300, 9000))),
+            )
+            for _ in range(rng.randrange(2, 5))
+        ]  # fmt: skip
+        m = [rng.randrange(2, 5)] * len(tables)
+
+        def slots(sched) -> int:
+            return sum(
+                max(row)
+                for row in zip(
+                    *[
+                        sorted((t.bin_as([lengths[u] for u in b]) for b in d), reverse=True)
+                        for t, d in zip(tables, sched.bins)
+                    ]
+                )
+            )
+
+        free = schedule_global(lengths, tables, m)
+        step = schedule_global(lengths, tables, m, lockstep=True)
+        assert sorted(u for d in step.bins for b in d for u in b) == list(range(len(lengths)))
+        assert slots(step) <= slots(free)
+        lower += slots(step) < slots(free)
+    assert lower > 0
 
 
 def test_schedule_prices_what_a_long_unit_adds() -> None:
@@ -252,6 +311,64 @@ def typed():
     docs = heavy_tailed_lengths(3000, seed=5, median=700)
     doms = plan_domains(MIX, m, typed_blocks(MIX, 2), S, 16, docs, time_limit_s=20)
     return m, docs, doms
+
+
+def test_other_modes_reprice_the_planned_domains(typed) -> None:
+    # domains planned in one mode come back in every other one where each micro-batch still holds
+    # a token per GPU (gpt-tiny: all), in the order of the modes, with their counts: equal under
+    # Megatron-FSDP (lockstep), by speed otherwise; flagged lighter when they come before it
+    m, docs, doms = typed
+    assert {(d.options.memory_mode, d.options.recompute) for d in doms} == {
+        ("distributed_optimizer", False)
+    }
+    got = other_modes(doms, m, 16, docs, S)
+    assert [(v.suffix, v.lighter) for v in got] == [
+        ("+mode:fsdp", False),
+        ("+mode:distributed_optimizer+recompute", False),
+        ("+mode:fsdp+recompute", False),
+    ]
+    heavy = [
+        replace(d, options=replace(d.options, memory_mode="fsdp", recompute=True)) for d in doms
+    ]
+    got = other_modes(heavy, m, 16, docs, S)
+    assert [(v.suffix, v.lighter) for v in got] == [
+        ("+mode:distributed_optimizer", True),
+        ("+mode:fsdp", True),
+        ("+mode:distributed_optimizer+recompute", True),
+    ]
+    for v in got:
+        mode = v.suffix.removeprefix("+mode:")
+        assert all(
+            (d.options.memory_mode + ("+recompute" if d.options.recompute else "")) == mode
+            for d in v.domains
+        )
+        assert [d.ranks for d in v.domains] == [d.ranks for d in doms]
+        counts = [d.micro_batches for d in v.domains]
+        assert counts == ([4] * 4 if mode == "fsdp" else [d.micro_batches for d in doms])
+        # the scheduler re-packs against the slots where the domains run in lockstep
+        assert GlobalPlanner(v.domains, m).lockstep is (mode == "fsdp")
+
+
+def test_count_variants_hold_the_step(typed) -> None:
+    # a candidate's own counts, equal ones, then fewer and fewer while the step's tokens fit the
+    # micro-batches; a heavier mode's variant keeps the fewer ones only
+    m, docs, doms = typed
+    fills = [c.fill_tokens for c in GlobalPlanner(doms, m).costs]
+    got = _count_variants("x", doms, 16, m, S)
+    names = [n for n, _ in got]
+    assert names[:2] == ["x", "x+equal"] and "x+mb/2" in names and "x+equal+mb/2" in names
+    for _, variant in got:
+        assert sum(d.micro_batches * f for d, f in zip(variant, fills)) >= 16 * S
+        assert [d.ranks for d in variant] == [d.ranks for d in doms]
+    halves = dict(got)["x+mb/2"]
+    assert [d.micro_batches for d in halves] == [-(-d.micro_batches // 2) for d in doms]
+    fewer = [n for n in names if "+mb/" in n]
+    assert [n for n, _ in _count_variants("x", doms, 16, m, S, own_counts=False)] == fewer
+    assert _count_variants("x", doms, 16) == got[:2]  # without the model: no fewer ones
+    # a step of more tokens than half the micro-batches hold: none fewer
+    most = sum(d.micro_batches * f for d, f in zip(doms, fills)) // S
+    assert [n for n, _ in _count_variants("x", doms, most, m, S)][:1] == ["x"]
+    assert not [n for n, _ in _count_variants("x", doms, most, m, S) if n.startswith("x+mb/")]
 
 
 def test_global_planner_places_every_unit_once(typed) -> None:

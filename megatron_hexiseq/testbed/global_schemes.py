@@ -38,7 +38,7 @@ from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.testbed.pinning import TestbedShape
 from megatron_hexiseq.varlen.domain_choice import domain_candidates
 from megatron_hexiseq.varlen.domains import Domain, domain_options, sub_cluster
-from megatron_hexiseq.varlen.global_compare import EQUAL, choose_domains
+from megatron_hexiseq.varlen.global_compare import CHOICE_STEPS, EQUAL, choose_domains
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner, retarget
 from megatron_hexiseq.varlen.global_schemes import Pricer
 from megatron_hexiseq.varlen.schemes import ring_layout
@@ -183,7 +183,7 @@ def choose_testbed_domains(
     chosen, rows = choose_domains(
         cluster, model, doc_lengths, S, samples, Pricer(cluster, model), runnable,
         variants=(("", modes),), one_structure=True, time_limit_s=time_limit_s, cache=cache,
-        price=testbed_price,
+        price=testbed_price, fewer=False, steps=CHOICE_STEPS,
     )  # fmt: skip
     blocks_of = dict(sets)
     rows = [{**r, "blocks": blocks_of[r["name"].removesuffix(EQUAL)]} for r in rows]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -199,6 +200,19 @@ def plan_domains(
             cluster, model, blocks, seq_length, samples, doc_lengths, time_limit_s=time_limit_s,
             cache=cache, modes=(heaviest,), one_structure=one_structure,
         )  # fmt: skip
+    return _counted(domains, model, samples, doc_lengths, seq_length)
+
+
+def _counted(
+    domains: list[Domain],
+    model: ModelSpec,
+    samples: int,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+) -> list[Domain]:
+    """``domains`` with their micro-batch counts: by speed (``speed_shares`` of ``samples``, a
+    sample's micro-batch at least the table's floor); under Megatron-FSDP the same
+    ``ceil(samples / domains)`` for all (lockstep)."""
     costs = GlobalPlanner(domains, model).costs
     pairs_per_token = _pairs_per_token(doc_lengths, seq_length)
     speeds = [  # a sample's micro-batch at least the floor (e.g. Megatron-FSDP's gathers)
@@ -212,6 +226,59 @@ def plan_domains(
     else:
         counts = speed_shares(samples, speeds)
     return [replace(d, micro_batches=m) for d, m in zip(domains, counts)]
+
+
+class ModeVariant(NamedTuple):
+    """Planned domains in another memory mode (``other_modes``): the label suffix, the domains
+    with their counts, and whether the mode is lighter than the planned one."""
+
+    suffix: str
+    domains: list[Domain]
+    lighter: bool
+
+
+def other_modes(
+    domains: list[Domain],
+    model: ModelSpec,
+    samples: int,
+    doc_lengths: Sequence[int],
+    seq_length: int,
+    modes: Modes = AUTO,
+) -> list[ModeVariant]:
+    """``domains`` (planned by ``plan_domains`` in one mode of ``modes``) again in every other
+    mode of ``modes`` where each domain's micro-batch still holds a token per GPU, labelled
+    ``+mode:<mode>``, with their counts (``_counted``), in the order of ``modes``.
+
+    - A **lighter** mode (less overhead, fewer tokens per micro-batch): ``plan`` picks a domain's
+      mode for a whole ``S``-token sample on its GPUs, and one kind that needs recompute puts the
+      run in recompute; but a packed micro-batch need not hold a sample: the scheduler gives long
+      units to the domains that hold them and fills each micro-batch up to its capacity in that
+      mode (``DomainCosts.capacity``), as speed-aware packing does on the stock grid.
+    - A **heavier** mode holds more tokens per micro-batch, so the step can run fewer
+      micro-batches, each paying its fixed costs and floor once (``global_compare``'s count
+      variants price it with fewer only).
+
+    A step whose units fit nowhere is refused when it is priced (the candidate's row says why)."""
+    mode = (domains[0].options.memory_mode, domains[0].options.recompute)
+    if mode not in modes:
+        return []
+    out: list[ModeVariant] = []
+    for m, r in modes:
+        if (m, r) == mode:
+            continue
+        other = [
+            replace(d, options=replace(d.options, memory_mode=m, recompute=r)) for d in domains
+        ]
+        try:
+            costs = GlobalPlanner(other, model).costs
+        except HexiSeqError:  # a probe micro-batch does not plan in this mode's memory
+            continue
+        if any(c.capacity < d.size for c, d in zip(costs, other)):
+            continue
+        name = m + ("+recompute" if r else "")
+        counted = _counted(other, model, samples, doc_lengths, seq_length)
+        out.append(ModeVariant(f"+mode:{name}", counted, modes.index((m, r)) < modes.index(mode)))
+    return out
 
 
 def efficiency(

@@ -24,6 +24,9 @@ domain by its own ``BatchPlanner`` (or, for the stock baselines, split THD zig-z
   min-heap of their loads, so a step costs O(units x kinds of domain x log domains).
 - **Small bins**: a bin with fewer tokens than its domain has ranks takes the smallest units of its
   domain's fullest bin (every rank needs a token).
+- **Lockstep** (Megatron-FSDP: micro-batch ``k`` of every domain runs together, so the step is
+  the sum over slots of the costliest bin): each domain's own units re-packed against the slots'
+  levels, kept only where no level rises (``_level_domains``).
 - Each bin's units keep loader order: that is the micro-batch's packing order; a domain's bins
   come costliest first (Megatron-FSDP's domains run micro-batch ``k`` in lockstep).
 
@@ -45,6 +48,7 @@ from megatron_hexiseq.varlen.digest import digest_ints
 
 ATTO = 10**18  # cost units per second
 OPEN_SCAN = 8  # open domains of one kind a unit is priced on, least loaded first (below)
+LEVEL_ROUNDS = 3  # lockstep re-packing rounds (``_level_domains``)
 
 
 class LongUnit(NamedTuple):
@@ -150,9 +154,11 @@ def domain_costs(
     Default (a HexiSeq domain: tokens by speed, documents placed per group): the targets of
     ``BatchPlanner`` per token and per pair, ``1 / sum c_g`` and ``1 / sum 1 / alpha_g``, the
     all-to-all at the linear split; capacity where the tightest group is full at that split, and a
-    micro-batch of several units filled to 15/16 of it (whole short documents do not split at
-    exactly that point: 13 documents of 54,070 tokens did not plan on 8 L40S with a capacity of
-    54,071 once micro-batches below their floor were filled; one document splits at will).
+    micro-batch of several units filled to 15/16 of it when the domain has several groups (whole
+    short documents do not split at exactly that point: 13 documents of 54,070 tokens did not plan
+    on 8 L40S with a capacity of 54,071 once micro-batches below their floor were filled; one
+    document splits at will); a one-group domain holds every unit in its one group, up to its
+    capacity.
     ``even`` (a THD zig-zag ring: every document in equal chunks): the slowest member paces,
     ``n x max 1 / c_g`` per token over n ranks, likewise pairs; capacity ``n x min cap_g``.
     ``efficiency_1024``: the per-token and per-pair costs are scaled by it / 1024 (integers: the
@@ -173,7 +179,7 @@ def domain_costs(
         token_s = 1.0 / C + a2a / A
         pair_s = 1.0 / A
         capacity = min(int(caps[g] * C / c[g]) for g in range(n))
-        fill = capacity - capacity // 16
+        fill = capacity - capacity // 16 if n > 1 else capacity  # one group holds every unit
     scale = int(efficiency_1024)
     return DomainCosts(
         as_of(token_s) * scale // 1024,
@@ -190,10 +196,14 @@ def schedule_global(
     costs: Sequence[DomainCosts],
     micro_batches: Sequence[int],
     min_tokens: Sequence[int] | None = None,
+    *,
+    lockstep: bool = False,
 ) -> GlobalSchedule:
     """The bins of one step (module docstring). ``lengths``: the units in loader order;
     ``costs[d]`` and ``micro_batches[d]``: domain ``d``'s table and micro-batch count;
-    ``min_tokens[d]``: tokens each of its micro-batches needs (its ranks; default 1)."""
+    ``min_tokens[d]``: tokens each of its micro-batches needs (its ranks; default 1);
+    ``lockstep``: the domains run micro-batch ``k`` together (Megatron-FSDP), so each domain's
+    units are then re-packed against the slots' levels (``_level_domains``)."""
     D = len(costs)
     if D == 0 or len(micro_batches) != D:
         raise HexiSeqError("a global schedule needs at least one domain and a count for each")
@@ -234,6 +244,8 @@ def schedule_global(
         load[best.domain] = best.finish
         kinds[best.kind].update(best.domain, load, bins, moved)
     _fill_small_bins(bins, lengths, floor_tokens)
+    if lockstep and max(int(m) for m in micro_batches) > 1:
+        bins = _level_domains(bins, costs, lengths, floor_tokens)
     cost = [[_bin_cost(c, b, lengths) for b in bins[d]] for d, c in enumerate(costs)]
     # each domain's micro-batches costliest first (ties: as filled): under Megatron-FSDP the
     # domains run micro-batch k in lockstep, and aligning every domain's k-th costliest
@@ -436,3 +448,80 @@ def _give(
             b.tokens += lengths[u]
             return True
     return False
+
+
+def _levels(bins: list[list[_Bin]], costs: Sequence[DomainCosts], lengths: Sequence[int]) -> list:
+    """Slot ``k``'s level: the largest ``k``-th costliest bin cost over the domains (what slot
+    ``k`` lasts in lockstep, beyond the fixed costs)."""
+    levels: list[int] = []
+    for d, c in enumerate(costs):
+        for k, x in enumerate(sorted((_bin_cost(c, b, lengths) for b in bins[d]), reverse=True)):
+            if k == len(levels):
+                levels.append(x)
+            elif x > levels[k]:
+                levels[k] = x
+    return levels
+
+
+def _level_domains(
+    bins: list[list[_Bin]],
+    costs: Sequence[DomainCosts],
+    lengths: Sequence[int],
+    need: Sequence[int],
+) -> list[list[_Bin]]:
+    """Under lockstep the step is the sum over slots of the slowest bin, not the slowest domain:
+    a domain whose total is balanced may still hold a second-costliest bin that sets slot 1's
+    level while its costliest sits well below slot 0's (set elsewhere, e.g. by the step's longest
+    document). So, for ``LEVEL_ROUNDS`` rounds: the slots' levels (``_levels``), then each domain's
+    units re-packed longest first into its bins against them: each unit to the first bin (the
+    costliest slot first) that stays within its slot's level and has room, else to the bin it
+    overflows least; kept only when no bin of the re-packing passes its slot's level and every
+    bin has its ``need`` (so no level rises: the step by the tables never grows). Case 8 of
+    ``bench/varlen_suite.py`` (512 A100 / A800 / L40S, llama3-8b, 32K, Megatron-FSDP): slot 0 at
+    3.56 s (a 32K document), slot 1 at 2.80 s while the mean domain ran 5.16 s in all."""
+    for _ in range(LEVEL_ROUNDS):
+        levels = _levels(bins, costs, lengths)
+        changed = False
+        for d, c in enumerate(costs):
+            m = len(bins[d])
+            if m < 2:
+                continue
+            got = _repack(sorted(u for b in bins[d] for u in b.units), c, lengths, levels[:m])
+            if got is None or any(b.tokens < need[d] for b in got):
+                continue
+            new = sorted((_bin_cost(c, b, lengths) for b in got), reverse=True)
+            old = sorted((_bin_cost(c, b, lengths) for b in bins[d]), reverse=True)
+            if new != old and all(x <= y for x, y in zip(new, levels)):
+                bins[d] = got
+                changed = True
+        if not changed:
+            break
+    return bins
+
+
+def _repack(
+    units: list[int], cost: DomainCosts, lengths: Sequence[int], levels: Sequence[int]
+) -> list[_Bin] | None:
+    """``units`` (one domain's) into ``len(levels)`` bins, longest first: each to the first bin
+    whose cost stays within its level and that has room (``DomainCosts.room``), else to the bin
+    with room that passes its level least; None when a unit finds no room."""
+    out = [_Bin(cost.floor_as) for _ in levels]
+    for u in sorted(units, key=lambda j: (-lengths[j], j)):
+        length = lengths[u]
+        work = cost.cost_as(length, length * (length + 1) // 2) + cost.unit_as
+        long = cost.long_unit_as(length)
+        pick, over = -1, None
+        for k, b in enumerate(out):
+            if cost.room(b.tokens, bool(b.units)) < length:
+                continue
+            grown = b.work + work + max(long, b.long)
+            excess = max(grown, b.floor) - levels[k]
+            if excess <= 0:
+                pick = k
+                break
+            if over is None or excess < over:
+                pick, over = k, excess
+        if pick < 0:
+            return None
+        out[pick].add(u, length, work, long)
+    return out

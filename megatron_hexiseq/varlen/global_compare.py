@@ -8,7 +8,8 @@ stock configuration a user could pick is tried and the best (lowest mean step) r
 ``tokens_per_gpu`` (``TOKENS_PER_GPU``: 4K-32K tokens per GPU per micro-batch, the long-context
 regime): ``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``),
 ``megatron-hybrid-cp`` at ``max_seqlen_per_rank`` in ``HYBRID_TOKENS``, ``speed-aware-packing`` at
-every CP size, ``fast-only`` the best of the three on the fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
+every CP size (the stock grid's micro-batch count and fewer, each holding more tokens:
+``fewer_counts``), ``fast-only`` the best of the three on the fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
 
 ``hexiseq-global`` runs on the job's domains (``--job``) or, without one, on the best of the
 candidate domain sets (``domain_choice``: ``hexiseq_candidates``): equal mixed data-parallel replicas and domains of
@@ -16,10 +17,13 @@ one GPU type, of every size ``n`` with ``S / n`` tokens per GPU in ``tokens_per_
 of one GPU type each at its own size (``fit_blocks``: the fewest GPUs of the type that hold a
 sample, and twice that); each planned in the memory mode ``plan`` picks and, as a second
 candidate, in a recompute mode (more tokens fit a micro-batch: long documents can go to more
-domains); each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
+domains), and each in the other modes where every domain still holds a token per GPU
+(``other_modes``: a packed micro-batch need not hold a whole sample, and a heavier mode lets fewer
+micro-batches hold the step); each kind of domain gets ``plan``'s layout for ``S`` tokens on its GPUs and
 the structure ``plan --doc-lengths`` would choose (``structure.choose_structure``), and micro-batch
-counts by speed (``domains.speed_shares``). The candidate is chosen on ``CHOICE_STEPS`` global
-batches packed with ``CHOICE_SEED`` (not the compared steps').
+counts by speed (``domains.speed_shares``). The candidate is chosen on ``choice_steps`` global
+batches (at least ``CHOICE_STEPS`` and ``CHOICE_SAMPLES`` samples) packed with ``CHOICE_SEED``
+(not the compared steps').
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from megatron_hexiseq.varlen.domain_choice import (
     Modes,
     domain_candidates,
     domains_from_job,
+    other_modes,
     plan_domains,
 )
 from megatron_hexiseq.varlen.domains import Domain, fastest_type_ranks
@@ -70,7 +75,8 @@ BASELINES = SCHEMES[1:]
 APPENDIX = ("megatron-thd-cp",)
 HYBRID_TOKENS = (4096, 8192, 16384, 32768)
 CHOICE_SEED = 1_000_003
-CHOICE_STEPS = 2  # global batches the domain set is chosen on
+CHOICE_STEPS = 2  # global batches the domain set is chosen on, at least
+CHOICE_SAMPLES = 64  # samples the domain set is chosen on, at least (``choice_steps``)
 EQUAL = "+equal"  # a candidate priced with equal micro-batch counts (``_count_variants``)
 
 
@@ -163,8 +169,10 @@ def compare_global(
         c = 1
         while c <= min(n, max_cp):
             if n % c == 0 and in_range(c):
-                out.append(({"scheme": "speed-aware-packing", "cp": c},
-                            lambda b, c=c: speed_aware_step(pricer, units_of(b), samples, c, modes, ranks)))  # fmt: skip
+                m = -(-samples // (n // c))  # the stock grid's count, then fewer (``fewer_counts``)
+                for k in fewer_counts(m):
+                    out.append(({"scheme": "speed-aware-packing", "cp": c, "micro_batches": k},
+                                lambda b, c=c, k=k: speed_aware_step(pricer, units_of(b), samples, c, modes, ranks, k)))  # fmt: skip
             c *= 2
         return out
 
@@ -276,10 +284,17 @@ def choose_domains(
     say: Callable[[str], None] | None = None,
     cache: dict | None = None,
     price: Callable[[GlobalPlanner, list[int]], tuple[float, bool]] | None = None,
+    fewer: bool = True,
+    steps: int | None = None,
 ) -> tuple[tuple[str, GlobalPlanner] | None, list[dict[str, Any]]]:
     """HexiSeq's domain set: every candidate (name, blocks of cluster ranks) in every memory-mode
-    variant (label suffix, modes ``plan`` tries) planned (``plan_domains``) and priced on
-    ``CHOICE_STEPS`` global batches packed with ``CHOICE_SEED`` (not the compared steps') by the
+    variant (label suffix, modes ``plan`` tries) planned (``plan_domains``), also in each
+    other mode of the variant where every domain holds a token per GPU (``other_modes``: a
+    packed micro-batch need not hold a sample in a lighter mode, and a heavier one holds more
+    tokens per micro-batch, priced with fewer micro-batches only), with its micro-batch counts
+    and, with ``fewer``, fewer (``_count_variants``), and priced on
+    ``steps`` global batches (default ``choice_steps``) packed with ``CHOICE_SEED`` (not the
+    compared steps') by the
     comparison's model: ``price(planner, units) -> (step seconds, every micro-batch fits)``
     (default: ``hexiseq_step``, whole-cluster step); the feasible one with the lowest mean step,
     else the fastest. Returns (label, its planner) or None when no candidate plans, and one row
@@ -294,10 +309,13 @@ def choose_domains(
     cache = {} if cache is None else cache
     probes = [
         units_of(b)
-        for b in global_batches(doc_lengths, seq_length, samples, CHOICE_STEPS, CHOICE_SEED)
+        for b in global_batches(
+            doc_lengths, seq_length, samples, steps or choice_steps(samples), CHOICE_SEED
+        )
     ]
     best = None
     rows: list[dict[str, Any]] = []
+    priced: set[tuple] = set()
     for (name, blocks), (suffix, modes) in [(c, v) for c in candidates for v in variants]:
         label = name + suffix
         say(f"hexiseq-global: {label}")
@@ -309,7 +327,21 @@ def choose_domains(
         except HexiSeqError as e:
             rows.append({"name": label, "reason": str(e)})
             continue
-        for name_as, counted in _count_variants(label, doms, samples):
+        others = other_modes(doms, model, samples, doc_lengths, seq_length, modes)
+        # a heavier mode is only worth its fewer micro-batches (``own_counts=False``)
+        tries = [(label, doms, True)] + [(label + o.suffix, o.domains, o.lighter) for o in others]
+        counted_tries = [
+            v
+            for lab, d, own in tries
+            for v in _count_variants(
+                lab, d, samples, model if fewer else None, seq_length, own_counts=own
+            )
+        ]
+        for name_as, counted in counted_tries:
+            key = _priced_as(counted)
+            if key in priced:  # the same domains, modes and counts from another variant
+                continue
+            priced.add(key)
             try:
                 gp = GlobalPlanner(counted, model)
                 got = [price(gp, probe) for probe in probes]
@@ -329,20 +361,76 @@ def choose_domains(
     return (best[2], best[3]), rows
 
 
+def choice_steps(samples: int) -> int:
+    """Global batches the domain set is chosen on: ``CHOICE_STEPS``, or more where a step holds
+    few samples, so the choice sees ``CHOICE_SAMPLES`` at least. With more candidates (memory
+    modes, fewer micro-batches) two steps of 8 samples (128K on 64 GPUs, heavy-tailed lengths)
+    chose a candidate that was 21% slower on the compared steps than the one two other steps
+    of 8 samples had chosen: one long document decides such a step."""
+    return max(CHOICE_STEPS, -(-CHOICE_SAMPLES // max(1, samples)))
+
+
+def _priced_as(domains: Sequence[Domain]) -> tuple:
+    """What a candidate's price depends on besides the steps: each domain's ranks, structure,
+    options and micro-batch count (two variants can reach the same, e.g. a candidate planned in
+    recompute and its plain variant's recompute mode)."""
+    return tuple(
+        (d.ranks, d.micro_batches, d.options, d.efficiency_1024,
+         tuple(g.ranks for g in d.structure.groups), tuple((r.group, r.heads, r.segments) for r in d.structure.ranks))
+        for d in domains
+    )  # fmt: skip
+
+
+def fewer_counts(m: int) -> list[int]:
+    """``m`` micro-batches per step, then half as many (rounded up), again, down to one: what
+    speed-aware packing tries on the stock grid (a count whose micro-batches cannot hold the step
+    is refused when it is scheduled)."""
+    out = [m]
+    while out[-1] > 1:
+        out.append(-(-out[-1] // 2))
+    return out
+
+
 def _count_variants(
-    label: str, domains: list[Domain], samples: int
+    label: str,
+    domains: list[Domain],
+    samples: int,
+    model: ModelSpec | None = None,
+    seq_length: int = 0,
+    *,
+    own_counts: bool = True,
 ) -> list[tuple[str, list[Domain]]]:
     """A candidate's micro-batch counts to price: ``plan_domains``' (by speed), and, when they
     differ, the same ``ceil(samples / domains)`` for every domain (the stock grid's, what a
     Megatron run over a layout's replicas runs; each micro-batch pays its fixed costs and floor,
-    so fewer on the fast domains can win), labelled ``+equal``."""
+    so fewer on the fast domains can win), labelled ``+equal``. With ``model``: each of those
+    with every count halved (rounded up), again and again, labelled ``+mb/2``, ``+mb/4``, ...,
+    while the step's ``samples x seq_length`` tokens fit the micro-batches (each at most its
+    domain's ``fill`` tokens): micro-batches may hold more than a sample, and each pays its fixed
+    costs and floor (Megatron-FSDP's per-layer gathers: on 256 H100s at 32K, 2 micro-batches of
+    ~33K tokens per 4-GPU group ran 1.99 s, 4 of ~33K per 8-GPU domain 2.27 s). Without
+    ``own_counts`` only the fewer ones (a heavier memory mode: ``other_modes``)."""
     equal = -(-samples // len(domains))
-    if all(d.micro_batches == equal for d in domains):
-        return [(label, domains)]
-    return [
-        (label, domains),
-        (label + EQUAL, [replace(d, micro_batches=equal) for d in domains]),
-    ]
+    out = [(label, domains)]
+    if any(d.micro_batches != equal for d in domains):
+        out.append((label + EQUAL, [replace(d, micro_batches=equal) for d in domains]))
+    if model is None:
+        return out if own_counts else []
+    try:
+        fills = [c.fill_tokens for c in GlobalPlanner(domains, model).costs]
+    except HexiSeqError:  # priced (and refused) with its own counts below
+        return out if own_counts else []
+    fewer: list[tuple[str, list[Domain]]] = []
+    for name, doms in out:
+        counts, k = [d.micro_batches for d in doms], 1
+        while max(counts) > 1:
+            counts, k = [-(-m // 2) for m in counts], 2 * k
+            if sum(m * f for m, f in zip(counts, fills)) < samples * seq_length:
+                break
+            fewer.append(
+                (f"{name}+mb/{k}", [replace(d, micro_batches=m) for d, m in zip(doms, counts)])
+            )
+    return out + fewer if own_counts else fewer
 
 
 def summarize_global(name: str, steps: Sequence[SchemeStep], tokens: int) -> dict[str, Any]:

@@ -165,8 +165,9 @@ class GlobalPlanner:
     def _probe(self, d: int, table: DomainCosts) -> DomainCosts:
         """``table`` with ``floor_as`` and ``long_unit`` measured on probe micro-batches of
         domain ``d``, planned as its micro-batches are (``plan_lengths``) and priced by the
-        cost model (``price``). ``L``: the longest unit a micro-batch may hold (its capacity or
-        a sample: the model's ``seq_length``); fillers have ``L / PROBE_FILLERS`` tokens.
+        cost model (``price``). ``L``: the most tokens a micro-batch of several units may hold
+        (its ``fill``, below its capacity; a lighter memory mode can put it below a sample) or a
+        sample (the model's ``seq_length``); fillers have ``L / PROBE_FILLERS`` tokens.
 
         - ``floor_as``: a micro-batch of the fewest fillers that give every rank a token, beyond
           the fixed costs (what no micro-batch hides: Megatron-FSDP's gathers, latencies), or
@@ -181,7 +182,7 @@ class GlobalPlanner:
           its K/V exchange, or one group holds it and paces the micro-batch; the divided work
           sees neither (docs/varlen.md, "Probes")."""
         dom = self.domains[d]
-        top = min(table.capacity, self.model.seq_length)
+        top = min(table.fill_tokens, self.model.seq_length)  # what a micro-batch of units holds
         filler = max(1, top // PROBE_FILLERS)
         if top < max(dom.size, PROBE_FILLERS):  # holds (next to) nothing in this memory mode
             return table
@@ -226,7 +227,15 @@ class GlobalPlanner:
 
     def schedule(self, lengths: Sequence[int]) -> GlobalSchedule:
         """The bins of one global batch (``global_batch.schedule_global``)."""
-        return schedule_global(lengths, self.costs, self.micro_batches, self.min_tokens)
+        return schedule_global(
+            lengths, self.costs, self.micro_batches, self.min_tokens, lockstep=self.lockstep
+        )
+
+    @property
+    def lockstep(self) -> bool:
+        """The domains run micro-batch ``k`` together: Megatron-FSDP's per-layer gathers over
+        every rank of the run (``global_schemes.lockstep_s``)."""
+        return len(self.domains) > 1 and any(d.options.memory_mode == "fsdp" for d in self.domains)
 
     def bin_lengths(
         self, schedule: GlobalSchedule, lengths: Sequence[int], d: int, k: int

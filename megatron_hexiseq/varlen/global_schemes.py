@@ -295,13 +295,15 @@ def speed_aware_step(
     c: int,
     modes: Sequence[TrainOptions],
     ranks: Sequence[int] | None = None,
+    micro_batches: int | None = None,
 ) -> SchemeStep:
     """``speed-aware-packing`` with CP groups of size ``c``: the global scheduler with zig-zag cost
-    tables over the stock grid (``ceil(samples / DP)`` micro-batches per group)."""
+    tables over the stock grid, ``micro_batches`` per group (default ``ceil(samples / DP)``, the
+    stock grid's; fewer hold more tokens each)."""
     cluster = pricer.cluster
     groups = _cp_groups(pricer, c, ranks)
     D = len(groups)
-    m = -(-samples // D)
+    m = micro_batches or -(-samples // D)
     run_ranks = sorted(r for g in groups for r in g)
     last: Exception | None = None
     for o in modes:
