@@ -450,12 +450,13 @@ def _give(
     return False
 
 
-def _levels(bins: list[list[_Bin]], costs: Sequence[DomainCosts], lengths: Sequence[int]) -> list:
-    """Slot ``k``'s level: the largest ``k``-th costliest bin cost over the domains (what slot
-    ``k`` lasts in lockstep, beyond the fixed costs)."""
+def _levels(profiles: Sequence[Sequence[int]]) -> list[int]:
+    """Slot ``k``'s level: the largest ``k``-th costliest bin cost over the domains (each
+    domain's bin costs, costliest first, in ``profiles``): what slot ``k`` lasts in lockstep,
+    beyond the fixed costs."""
     levels: list[int] = []
-    for d, c in enumerate(costs):
-        for k, x in enumerate(sorted((_bin_cost(c, b, lengths) for b in bins[d]), reverse=True)):
+    for profile in profiles:
+        for k, x in enumerate(profile):
             if k == len(levels):
                 levels.append(x)
             elif x > levels[k]:
@@ -478,21 +479,37 @@ def _level_domains(
     overflows least; kept only when no bin of the re-packing passes its slot's level and every
     bin has its ``need`` (so no level rises: the step by the tables never grows). Case 8 of
     ``bench/varlen_suite.py`` (512 A100 / A800 / L40S, llama3-8b, 32K, Megatron-FSDP): slot 0 at
-    3.56 s (a 32K document), slot 1 at 2.80 s while the mean domain ran 5.16 s in all."""
+    3.56 s (a 32K document), slot 1 at 2.80 s while the mean domain ran 5.16 s in all.
+
+    A re-packed bin's cost is ``max(floor, work + long)`` from its own sums (exact: the table's
+    work is linear in tokens and pairs, and what a long unit adds grows with its length); a
+    domain whose levels did not move since its last re-packing is not re-packed again (the same
+    units against the same levels give the same bins); each domain's units are sorted once. The
+    1,024-GPU schedule of ``--schedule-time`` (128 domains, 2 micro-batches each; median of 15
+    interleaved runs, one thread): 153 ms without the re-packing, 177 ms with ``_bin_cost`` for
+    every bin in every round and a sort per re-packing, 170 ms so (the same bins)."""
+    profiles = [sorted((_bin_cost(c, b, lengths) for b in bins[d]), reverse=True)
+                for d, c in enumerate(costs)]  # fmt: skip
+    tried: dict[int, list[int]] = {}  # the levels each domain was last re-packed against
+    order: dict[int, list[int]] = {}
     for _ in range(LEVEL_ROUNDS):
-        levels = _levels(bins, costs, lengths)
+        levels = _levels(profiles)
         changed = False
         for d, c in enumerate(costs):
             m = len(bins[d])
-            if m < 2:
+            if m < 2 or tried.get(d) == levels[:m]:
                 continue
-            got = _repack(sorted(u for b in bins[d] for u in b.units), c, lengths, levels[:m])
+            tried[d] = levels[:m]
+            if d not in order:  # a domain's units stay its own: sorted once, longest first
+                order[d] = sorted(
+                    (u for b in bins[d] for u in b.units), key=lambda j: (-lengths[j], j)
+                )
+            got = _repack(order[d], c, lengths, levels[:m])
             if got is None or any(b.tokens < need[d] for b in got):
                 continue
-            new = sorted((_bin_cost(c, b, lengths) for b in got), reverse=True)
-            old = sorted((_bin_cost(c, b, lengths) for b in bins[d]), reverse=True)
-            if new != old and all(x <= y for x, y in zip(new, levels)):
-                bins[d] = got
+            new = sorted((max(b.floor, b.work + b.long) for b in got), reverse=True)
+            if new != profiles[d] and all(x <= y for x, y in zip(new, levels)):
+                bins[d], profiles[d] = got, new
                 changed = True
         if not changed:
             break
@@ -502,17 +519,19 @@ def _level_domains(
 def _repack(
     units: list[int], cost: DomainCosts, lengths: Sequence[int], levels: Sequence[int]
 ) -> list[_Bin] | None:
-    """``units`` (one domain's) into ``len(levels)`` bins, longest first: each to the first bin
-    whose cost stays within its level and that has room (``DomainCosts.room``), else to the bin
-    with room that passes its level least; None when a unit finds no room."""
+    """``units`` (one domain's, longest first) into ``len(levels)`` bins in that order: each to
+    the first bin whose cost stays within its level and that has room (``DomainCosts.room``,
+    inlined), else to the bin with room that passes its level least; None when a unit finds no
+    room."""
     out = [_Bin(cost.floor_as) for _ in levels]
-    for u in sorted(units, key=lambda j: (-lengths[j], j)):
+    cap, fill = cost.capacity, cost.fill_tokens
+    for u in units:
         length = lengths[u]
         work = cost.cost_as(length, length * (length + 1) // 2) + cost.unit_as
         long = cost.long_unit_as(length)
         pick, over = -1, None
         for k, b in enumerate(out):
-            if cost.room(b.tokens, bool(b.units)) < length:
+            if (fill if b.units else cap) - b.tokens < length:
                 continue
             grown = b.work + work + max(long, b.long)
             excess = max(grown, b.floor) - levels[k]
