@@ -209,11 +209,14 @@ def _counted(
     samples: int,
     doc_lengths: Sequence[int],
     seq_length: int,
+    planner: GlobalPlanner | None = None,
 ) -> list[Domain]:
     """``domains`` with their micro-batch counts: by speed (``speed_shares`` of ``samples``, a
-    sample's micro-batch at least the table's floor); under Megatron-FSDP the same
-    ``ceil(samples / domains)`` for all (lockstep)."""
-    costs = GlobalPlanner(domains, model).costs
+    sample's micro-batch at least the table's floor); in lockstep (Megatron-FSDP:
+    ``GlobalPlanner.lockstep``) the same ``ceil(samples / domains)`` for all. ``planner``: the
+    domains' planner when the caller has built it."""
+    gp = GlobalPlanner(domains, model) if planner is None else planner
+    costs = gp.costs
     pairs_per_token = _pairs_per_token(doc_lengths, seq_length)
     speeds = [  # a sample's micro-batch at least the floor (e.g. Megatron-FSDP's gathers)
         1.0 / max(c.floor_as, c.cost_as(seq_length, int(seq_length * pairs_per_token)))
@@ -221,7 +224,7 @@ def _counted(
         else 0.0
         for c in costs
     ]
-    if any(d.options.memory_mode == "fsdp" for d in domains):  # lockstep: equal counts
+    if gp.lockstep or len(domains) == 1:  # equal counts (one domain: all of them)
         counts = [-(-samples // len(domains))] * len(domains)
     else:
         counts = speed_shares(samples, speeds)
@@ -270,13 +273,13 @@ def other_modes(
             replace(d, options=replace(d.options, memory_mode=m, recompute=r)) for d in domains
         ]
         try:
-            costs = GlobalPlanner(other, model).costs
+            gp = GlobalPlanner(other, model)
         except HexiSeqError:  # a probe micro-batch does not plan in this mode's memory
             continue
-        if any(c.capacity < d.size for c, d in zip(costs, other)):
+        if any(c.capacity < d.size for c, d in zip(gp.costs, other)):
             continue
         name = m + ("+recompute" if r else "")
-        counted = _counted(other, model, samples, doc_lengths, seq_length)
+        counted = _counted(other, model, samples, doc_lengths, seq_length, gp)
         out.append(ModeVariant(f"+mode:{name}", counted, modes.index((m, r)) < modes.index(mode)))
     return out
 
