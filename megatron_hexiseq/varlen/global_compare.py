@@ -363,10 +363,10 @@ def choose_domains(
 
 def choice_steps(samples: int) -> int:
     """Global batches the domain set is chosen on: ``CHOICE_STEPS``, or more where a step holds
-    few samples, so the choice sees ``CHOICE_SAMPLES`` at least. With more candidates (memory
-    modes, fewer micro-batches) two steps of 8 samples (128K on 64 GPUs, heavy-tailed lengths)
-    chose a candidate that was 21% slower on the compared steps than the one two other steps
-    of 8 samples had chosen: one long document decides such a step."""
+    few samples, so the choice sees ``CHOICE_SAMPLES`` at least: with 8 samples of 128K tokens
+    per step and heavy-tailed lengths one long document decides a step, and a candidate chosen
+    on 2 such steps ran 0.92x of the best baseline on the compared steps (docs/varlen.md,
+    "Results", case 3)."""
     return max(CHOICE_STEPS, -(-CHOICE_SAMPLES // max(1, samples)))
 
 
@@ -387,8 +387,13 @@ def fewer_counts(m: int) -> list[int]:
     is refused when it is scheduled)."""
     out = [m]
     while out[-1] > 1:
-        out.append(-(-out[-1] // 2))
+        out.append(_half(out[-1]))
     return out
+
+
+def _half(m: int) -> int:
+    """Half as many micro-batches, rounded up."""
+    return -(-m // 2)
 
 
 def _count_variants(
@@ -424,7 +429,7 @@ def _count_variants(
     for name, doms in out:
         counts, k = [d.micro_batches for d in doms], 1
         while max(counts) > 1:
-            counts, k = [-(-m // 2) for m in counts], 2 * k
+            counts, k = [_half(m) for m in counts], 2 * k
             if sum(m * f for m, f in zip(counts, fills)) < samples * seq_length:
                 break
             fewer.append(
