@@ -24,6 +24,7 @@ Writes results/bench/varlen_suite.{json,md,png} and prints the table.
     python bench/varlen_suite.py                 # every case (tens of minutes)
     python bench/varlen_suite.py --smoke         # one small case
     python bench/varlen_suite.py --only 0 3      # some cases by index
+    python bench/varlen_suite.py --only --schedule-time   # the schedule time alone
 """
 
 from __future__ import annotations
@@ -257,18 +258,21 @@ def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
             f"{r['plan_ms_p50']:.3g} / {r['plan_ms_max']:.3g} |"
         )
     m, h = s["mixed"], s["homogeneous"]
-    lines += [
-        "",
-        f"{steps} steps per case, more where a step holds fewer than 64 samples "
-        f"({', '.join(str(r.get('compared_steps', steps)) for r in rows)}); "
-        "x: the scheme's mean step over hexiseq-global's (> 1: "
-        "hexiseq-global faster); *: that scheme does not fit in memory in every micro-batch. "
-        f"Medians, mixed clusters ({m['cases']}): over the best of the four {m.get(BEST)}x "
-        f"(target 1.15), megatron-cp-dp {m.get('megatron-cp-dp')}x, megatron-hybrid-cp "
-        f"{m.get('megatron-hybrid-cp')}x, speed-aware-packing {m.get('speed-aware-packing')}x, "
-        f"fast-only {m.get('fast-only')}x. Homogeneous ({h['cases']}): over megatron-hybrid-cp "
-        f"{h.get('megatron-hybrid-cp')}x (target 1.0), over the best {h.get(BEST)}x.",
-    ]
+    if not rows:  # --only with no case: the extras alone
+        lines = []
+    else:
+        lines += [
+            "",
+            f"{steps} steps per case, more where a step holds fewer than 64 samples "
+            f"({', '.join(str(r.get('compared_steps', steps)) for r in rows)}); "
+            "x: the scheme's mean step over hexiseq-global's (> 1: "
+            "hexiseq-global faster); *: that scheme does not fit in memory in every micro-batch. "
+            f"Medians, mixed clusters ({m['cases']}): over the best of the four {m.get(BEST)}x "
+            f"(target 1.15), megatron-cp-dp {m.get('megatron-cp-dp')}x, megatron-hybrid-cp "
+            f"{m.get('megatron-hybrid-cp')}x, speed-aware-packing {m.get('speed-aware-packing')}x, "
+            f"fast-only {m.get('fast-only')}x. Homogeneous ({h['cases']}): over megatron-hybrid-cp "
+            f"{h.get('megatron-hybrid-cp')}x (target 1.0), over the best {h.get(BEST)}x.",
+        ]
     if not extra.get("probes", True):
         lines.append("Probes off: every scheme's tables hold the divided work alone (--no-probes).")
     if "imbalance" in extra:
@@ -304,7 +308,7 @@ def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
         title="Packed documents, global batches: hexiseq-global vs what a Megatron user has "
         "(generated clusters, cost model)",
         table=table,
-        plot=plot,
+        plot=plot if rows else None,  # --only with no case: the schedule time alone, no picture
     )
     return table
 
