@@ -27,6 +27,7 @@ from megatron_hexiseq.costmodel.pieces import cu_from_lengths
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
+from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.varlen.assignment import BatchAssignment, fill_empty
 from megatron_hexiseq.varlen.batch import BatchPlanner
 from megatron_hexiseq.varlen.domains import Domain
@@ -75,6 +76,13 @@ def _signature(domain: Domain) -> tuple:
 def _work(table: DomainCosts, docs: Sequence[int], unit_as: int) -> int:
     """A probe's divided work by ``table``, with ``unit_as`` per document."""
     return table.cost_as(sum(docs), sum(x * (x + 1) // 2 for x in docs)) + unit_as * len(docs)
+
+
+def in_lockstep(options: Sequence[TrainOptions], domains: int) -> bool:
+    """A run of ``domains`` domains (under ``options``, one or one per domain) runs micro-batch
+    ``k`` of every domain together: Megatron-FSDP's per-layer gathers span every rank of the run
+    (``global_schemes.lockstep_s`` prices such a step)."""
+    return domains > 1 and any(o.memory_mode == "fsdp" for o in options)
 
 
 def price_micro_batch(
@@ -233,9 +241,8 @@ class GlobalPlanner:
 
     @property
     def lockstep(self) -> bool:
-        """The domains run micro-batch ``k`` together: Megatron-FSDP's per-layer gathers over
-        every rank of the run (``global_schemes.lockstep_s``)."""
-        return len(self.domains) > 1 and any(d.options.memory_mode == "fsdp" for d in self.domains)
+        """The domains run micro-batch ``k`` together (:func:`in_lockstep`)."""
+        return in_lockstep([d.options for d in self.domains], len(self.domains))
 
     def bin_lengths(
         self, schedule: GlobalSchedule, lengths: Sequence[int], d: int, k: int

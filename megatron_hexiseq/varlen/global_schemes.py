@@ -51,7 +51,7 @@ from megatron_hexiseq.planner.canonical import canonical_order
 from megatron_hexiseq.run_config import TrainOptions
 from megatron_hexiseq.varlen.assignment import fill_empty
 from megatron_hexiseq.varlen.domains import Domain, cp_groups, domain_options, sub_cluster
-from megatron_hexiseq.varlen.global_planner import GlobalPlanner, price_micro_batch
+from megatron_hexiseq.varlen.global_planner import GlobalPlanner, in_lockstep, price_micro_batch
 from megatron_hexiseq.varlen.schemes import ring_layout, zigzag_docs
 from megatron_hexiseq.varlen.step_costs import step_fixed_s
 
@@ -161,7 +161,7 @@ def _finish(
         for r in runs:
             busy[r.domain] += r.estimate.iteration_time_s
         domain_s = busy
-        if options.memory_mode == "fsdp" and domains > 1:
+        if in_lockstep([options], domains):
             busy_s = lockstep_s(runs, domains)
     if busy_s is None:
         busy_s = max(domain_s)
