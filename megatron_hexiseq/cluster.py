@@ -109,7 +109,10 @@ class GpuType:
 
     Fixed costs (default 0, which is what the catalog assumes for GPUs; ``profile`` measures them on
     the CPU testbed, where they are large; docs/cost_model.md "Fixed costs"):
-    ``step_overhead_ms`` per training iteration whatever the tokens (optimizer step, framework);
+    ``step_overhead_ms`` per training iteration whatever the tokens (optimizer step, framework),
+    of which ``micro_batch_overhead_ms`` is paid again by every further micro-batch of a step (the
+    framework's fixed cost of a forward and backward: a step of ``m`` micro-batches pays
+    ``step_overhead_ms + (m - 1) * micro_batch_overhead_ms``);
     ``collective_latency_us`` per head all-to-all collective; ``p2p_latency_us`` per K/V exchange
     step (one sub-ring round of one layer, one direction of the pass); ``window_overhead_us`` per
     attention kernel call of a packed micro-batch (one document window, or one block with a
@@ -129,6 +132,7 @@ class GpuType:
     source: str = ""
     attention_tflops: float | None = None
     step_overhead_ms: float = 0.0
+    micro_batch_overhead_ms: float = 0.0
     collective_latency_us: float = 0.0
     p2p_latency_us: float = 0.0
     window_overhead_us: float = 0.0
@@ -216,6 +220,11 @@ class Device:
     def step_overhead_s(self) -> float:
         """Fixed seconds per iteration (optimizer step, framework), whatever the tokens."""
         return self.gpu.step_overhead_ms * 1e-3
+
+    @property
+    def micro_batch_overhead_s(self) -> float:
+        """The part of ``step_overhead_s`` every further micro-batch of a step pays again."""
+        return self.gpu.micro_batch_overhead_ms * 1e-3
 
     @property
     def collective_latency_s(self) -> float:
@@ -418,6 +427,7 @@ GPU_CATALOG: Mapping[str, GpuType] = MappingProxyType(
 
 _FIXED_COST_KEYS = (
     "step_overhead_ms",
+    "micro_batch_overhead_ms",
     "collective_latency_us",
     "p2p_latency_us",
     "window_overhead_us",

@@ -28,6 +28,7 @@ from megatron_hexiseq.costmodel.step import (
     ring_bus_GBps,
     ring_collective_s,
     step_fixed,
+    step_once_s,
     step_time_s,
 )
 from megatron_hexiseq.errors import HexiSeqError
@@ -152,6 +153,30 @@ def test_step_fixed_and_step_time():
     measured = step_fixed(cluster_from_dict(spec), [[0, 1, 2, 3]], m, TrainOptions())
     assert measured.measured and measured.overhead_s == pytest.approx(0.02)
     assert measured.sync == GradSync(0.0, 0.0, 1) and measured.optimizer_s == 0.0
+    assert measured.once_s == pytest.approx(0.02)  # no per-micro-batch part measured
+
+
+def test_per_micro_batch_overhead_is_paid_once_per_micro_batch():
+    """A step of m micro-batches pays step_overhead + (m - 1) x micro_batch_overhead: the job's
+    step (``step_time_s`` on micro-batch times that carry the per-micro-batch part) and what
+    ``step_once_s`` leaves of a priced micro-batch's overhead agree on it."""
+    spec = cluster_to_dict(_two_nodes())
+    for g in spec["gpus"].values():
+        g["step_overhead_ms"] = 20.0
+    spec["gpus"]["A100-SXM-80GB"]["micro_batch_overhead_ms"] = 5.0
+    c = cluster_from_dict(spec)
+    assert c.devices[2].micro_batch_overhead_s == pytest.approx(0.005)
+    assert c.devices[0].micro_batch_overhead_s == 0.0
+    # the spec keeps it when written back
+    assert cluster_to_dict(c)["gpus"]["A100-SXM-80GB"]["micro_batch_overhead_ms"] == 5.0
+    fixed = step_fixed(c, [[0, 1], [2, 3]], get_model("gpt-7b"), TrainOptions())
+    assert fixed.micro_batch_overhead_s == pytest.approx(0.005)  # the job's largest
+    assert fixed.once_s == pytest.approx(0.015)
+    # micro-batches of 1 s of work each carrying 5 ms, three of them: 3 x 1 s + 20 + 2 x 5 ms
+    assert step_time_s([1.005], [0.0], [3], fixed) == pytest.approx(3.0 + 0.020 + 0.010)
+    # a priced micro-batch carries the whole 20 ms; a further one keeps 5 ms of it
+    assert step_once_s(c.devices) == pytest.approx(0.015)
+    assert step_once_s(c.devices[:2]) == pytest.approx(0.020)  # no part measured there
 
 
 def test_fsdp_collectives_in_estimate_by_hand():

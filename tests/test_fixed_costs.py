@@ -173,12 +173,24 @@ def test_profile_with_a_model_measures_fixed_costs(tmp_path):
             max(0.0, f["measured_s"] - f["modelled_without_fixed_s"]) / f["steps"] * 1e6
         )
     per_node = {r["node"]: [] for r in raw["ranks"]}
+    per_micro = {r["node"]: [] for r in raw["ranks"]}
     for r in raw["ranks"]:
         per_node[r["node"]].append(r["step_overhead_s"])
+        per_micro[r["node"]].append(r["micro_batch_overhead_s"])
+        # a part of the rank's fixed local cost, never negative
+        assert 0.0 <= r["micro_batch_overhead_s"] <= r["step_overhead_s"]
     for d in cluster.devices:  # the spec carries the fit and each node's mean step overhead
         assert d.collective_latency_s == pytest.approx(fit["a2a"]["latency_us"] * 1e-6)
         assert d.p2p_latency_s == pytest.approx(fit["p2p"]["latency_us"] * 1e-6)
         mean_s = sum(per_node[d.node]) / len(per_node[d.node])
         assert d.step_overhead_s == pytest.approx(significant(mean_s * 1e3) * 1e-3)
+        mean_s = sum(per_micro[d.node]) / len(per_micro[d.node])
+        assert d.micro_batch_overhead_s == pytest.approx(significant(mean_s * 1e3) * 1e-3)
     points = raw["ranks"][0]["model_step"]
-    assert [p["tokens"] for p in points] == [256, 512, 1024]
+    # the three sizes as one micro-batch, then the largest as four of the smallest
+    assert [(p["tokens"], p["micro_batches"]) for p in points] == [
+        (256, 1),
+        (512, 1),
+        (1024, 1),
+        (256, 4),
+    ]

@@ -162,3 +162,27 @@ def test_infeasible_schemes_are_reported_with_their_reason_and_not_trained(monke
     )  # fmt: skip
     assert "infeasible" not in rec["schemes"]["fast-only"]
     assert rec["memory"]["min_ranks_per_sample"] == 1
+
+
+def test_each_micro_batch_pays_its_measured_overhead_once_the_step_the_rest():
+    """``predict_steps``: a priced micro-batch carries the whole step overhead; a step of m
+    micro-batches pays it once and ``micro_batch_overhead_ms`` m - 1 times more: Megatron's own
+    grid (one four-rank ring, 8 micro-batches per step, layouts that do not depend on it) is
+    priced exactly 7 x the largest per-micro-batch overhead slower with it than without."""
+    spec = copy.deepcopy(SPEC)
+    spec["gpus"]["CPU-vm-c0"]["micro_batch_overhead_ms"] = 4.0
+    spec["gpus"]["CPU-vm-c1"]["micro_batch_overhead_ms"] = 9.0
+    packed = global_batches(DOCS, S, SAMPLES, 2, CHOICE_SEED)
+    batches = [units_of(b) for b in packed]
+    m = replace(MODEL, seq_length=S)
+    options = TrainOptions.for_model(MODEL)
+    steps = []
+    for cluster in (cluster_from_dict(SPEC), cluster_from_dict(spec)):
+        schemes, _ = schemes_for(cluster, MODEL, options, packed, DOCS)
+        sch = schemes["megatron-cp-dp(cp=4)"]
+        assert sch.replicas == 1
+        predicted, problem = price_scheme(sch, batches, m)
+        assert problem is None
+        steps.append(predicted)
+    for without, with_ in zip(*steps):
+        assert with_ - without == pytest.approx(7 * 0.009, rel=1e-9)

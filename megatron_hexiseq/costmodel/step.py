@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from megatron_hexiseq.cluster import Cluster
+from megatron_hexiseq.cluster import Cluster, Device
 from megatron_hexiseq.costmodel.comm import cluster_arrays
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.run_config import TrainOptions
@@ -240,11 +240,27 @@ class StepFixed(NamedTuple):
     sync: GradSync
     optimizer_s: float  # the slowest rank's
     overhead_s: float  # measured step overhead (the CPU testbed), else 0
+    # the part of overhead_s every micro-batch pays (the largest rank's measured
+    # micro_batch_overhead_ms): priced in each micro-batch, so the step adds the rest once
+    micro_batch_overhead_s: float = 0.0
 
     @property
     def measured(self) -> bool:
         """The cluster's step overhead was measured (it holds the reduction and the optimizer)."""
         return self.overhead_s > 0
+
+    @property
+    def once_s(self) -> float:
+        """What the step pays once beside its micro-batches (each of which carries
+        ``micro_batch_overhead_s``): the optimizer and the rest of the measured overhead."""
+        return self.optimizer_s + self.overhead_s - self.micro_batch_overhead_s
+
+
+def step_once_s(devices: Sequence[Device]) -> float:
+    """Of the step overhead a priced micro-batch carries (``estimate``, ``estimate_documents``:
+    the largest ``step_overhead_ms`` of its ranks), what a step pays only once: a further
+    micro-batch pays just its ``micro_batch_overhead_ms``. 0 where nothing was measured (GPUs)."""
+    return max(d.step_overhead_s for d in devices) - max(d.micro_batch_overhead_s for d in devices)
 
 
 def step_fixed(
@@ -268,7 +284,8 @@ def step_fixed(
     bus = ring_bus_GBps(cluster, ranks)
     overhead = max(devs[r].step_overhead_s for r in ranks)
     if overhead > 0:
-        return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead)
+        per_micro = max(devs[r].micro_batch_overhead_s for r in ranks)
+        return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead, per_micro)
     opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
     return StepFixed(n, bus, grad_sync(model, options, n, bus), opt, 0.0)
 
@@ -281,6 +298,7 @@ def step_time_s(
 ) -> float:
     """A job's step: the slowest domain's ``m_d x`` its micro-batch time plus its exposed
     gradient reduction (``offsets_s``, :func:`grad_sync_exposed_s`), then the optimizer and the
-    measured overhead."""
+    measured overhead (``StepFixed.once_s``: the micro-batch times carry its per-micro-batch
+    part)."""
     busy = max(m * t + x for t, x, m in zip(micro_batch_s, offsets_s, shares))
-    return busy + fixed.optimizer_s + fixed.overhead_s
+    return busy + fixed.once_s

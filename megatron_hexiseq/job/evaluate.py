@@ -85,7 +85,8 @@ def domain_eval(
     layout: Layout, cluster: Cluster, model: ModelSpec, options: TrainOptions, label: str
 ) -> DomainEval:
     """Price one micro-batch of ``layout`` on its sub-cluster: the iteration of ``estimate`` with
-    the step overhead taken out (the step pays it once) and the linear work of each pass."""
+    the step overhead taken out but its per-micro-batch part (the step pays the rest once:
+    ``StepFixed.once_s``) and the linear work of each pass."""
     est = costmodel.estimate(layout, cluster, model, options)
     if not est.feasible:
         problems = est.memory_problems()
@@ -96,7 +97,8 @@ def domain_eval(
     rest = est.columns.values["time_s"] - lin
     work = float((lin - overhead - fsdp).max())
     fwd = forward_fraction(options) * work
-    micro = float((lin - overhead).max()) + float(rest.max())
+    per_micro = max(d.micro_batch_overhead_s for d in cluster.devices)
+    micro = float((lin - overhead).max()) + per_micro + float(rest.max())
     return DomainEval(layout, micro, fwd, work - fwd, label)
 
 
@@ -327,7 +329,7 @@ class Evaluator:
         fixed = self.fixed(domains, options)
         times = self.times(domains, options, evals)
         got = tuple(shares) if shares is not None else min_max_shares(times, self.micro_batches)
-        step = busy_s(times, got) + fixed.optimizer_s + fixed.overhead_s
+        step = busy_s(times, got) + fixed.once_s
         return Priced(options, tuple(domains), tuple(evals), got, tuple(times), fixed, step)
 
 
@@ -359,11 +361,7 @@ def price_plan(
         )
         for e in evals
     ]
-    step = (
-        busy_s(times, shares) + fixed.optimizer_s + fixed.overhead_s
-        if all(e.feasible for e in evals)
-        else math.inf
-    )
+    step = busy_s(times, shares) + fixed.once_s if all(e.feasible for e in evals) else math.inf
     return Priced(
         options,
         tuple(tuple(d) for d in domains),

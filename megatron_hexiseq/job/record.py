@@ -42,6 +42,12 @@ def predicted(priced: Priced, seq_length: int, micro_batch_size: int) -> dict[st
         "optimizer_s": sig(fixed.optimizer_s),
         "idle_fraction": round(statistics.fmean((top - x) / step for x in b), 6),
         "overhead_s": sig(fixed.overhead_s),
+        # of it, what every micro-batch pays (measured on the CPU testbed; priced in each)
+        **(
+            {"micro_batch_overhead_s": sig(fixed.micro_batch_overhead_s)}
+            if fixed.micro_batch_overhead_s
+            else {}
+        ),
         "grad_reduce_s": sig(fixed.sync.reduce_scatter_s),
         "param_gather_s": sig(fixed.sync.all_gather_s),
         # one rank has no ring: no bus bandwidth (null; a job file holds finite numbers only)

@@ -69,7 +69,7 @@ class CpuCalibration:
     """The measurements of a CPU rank that need the CPU training driver, as callables.
 
     ``model_step(model, tokens, opts)``: a training step without attention as
-    ``{"flops_per_s", "step_overhead_s", "points"}``; ``attention_flops(model, tokens, opts)``: FLOP/s
+    ``{"flops_per_s", "step_overhead_s", "points"}`` (and ``micro_batch_overhead_s`` when measured); ``attention_flops(model, tokens, opts)``: FLOP/s
     of the runtime's own attention; ``can_time_fixed_costs(model, world)``: whether the world and
     sequence are large enough to fit fixed costs; ``fixed_costs(model, opts)``: the timed
     calibration calls; ``fit_latencies(spec, calls, model)``:
@@ -122,6 +122,8 @@ def run_profile(
             step["step_overhead_s"],
             step["points"],
         )
+        if "micro_batch_overhead_s" in step:
+            fixed["micro_batch_overhead_s"] = step["micro_batch_overhead_s"]
     else:
         mm = measure_layer_flops(model, device, dtype, opts)
     say("attention throughput (all ranks at once)")
@@ -255,6 +257,10 @@ def cluster_spec_from_measurements(
         if all("step_overhead_s" in r for r in members):
             gpus[type_name]["step_overhead_ms"] = significant(
                 statistics.mean(r["step_overhead_s"] for r in members) * 1e3
+            )
+        if all("micro_batch_overhead_s" in r for r in members):
+            gpus[type_name]["micro_batch_overhead_ms"] = significant(
+                statistics.mean(r["micro_batch_overhead_s"] for r in members) * 1e3
             )
         nodes.append(
             {

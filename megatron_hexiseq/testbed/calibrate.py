@@ -6,7 +6,8 @@ model, and it measures what training executes:
 
 - :func:`measure_model_step`: a whole training step of the CPU driver's model *without* attention
   (a pass-through core attention) at three token counts, fitted as a FLOP rate plus a fixed
-  ``step_overhead_s``;
+  ``step_overhead_s``, and the largest again as several micro-batches: the part of that fixed cost
+  each further micro-batch pays again (``micro_batch_overhead_s``);
 - :func:`measure_runtime_attention_flops`: HexiSeq's own attention (``kernel="auto"``) on one rank;
 - fixed costs of the attention runtime's communication: a head all-to-all or a K/V exchange step
   between ranks that share a core costs milliseconds of scheduling (one rank must be switched out
@@ -72,6 +73,8 @@ from megatron_hexiseq.profile.run import CpuCalibration
 from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
 from megatron_hexiseq.varlen.schemes import zigzag_docs
 
+MICRO_BATCHES = 4  # the split step of ``measure_model_step``: the largest size in this many
+
 
 def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> dict[str, Any]:
     """CPU calibration: a whole training step of the model *without* attention, as a rate plus a
@@ -89,17 +92,27 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
     framework). ``step_overhead_s`` = that intercept + the gradient and loss reduction (the fastest
     rank's median time in the collectives: the others also wait for stragglers, which the phase
     model already counts). A negative intercept (noise) becomes 0 and the rate the one at
-    ``tokens``. Collective over the default group (Megatron's parallel state is set up and torn down).
+    ``tokens``. Then ``2 * tokens`` as ``MICRO_BATCHES`` micro-batches of ``tokens // 2`` (the
+    driver's gradient accumulation): its local time over the one-micro-batch step of the same
+    tokens, per further micro-batch, is ``micro_batch_overhead_s`` (the framework's fixed cost of a
+    forward and backward, which a step pays once per micro-batch; within 0 and the intercept).
+    Collective over the default group (Megatron's parallel state is set up and torn down).
     """
     H = model.num_attention_heads
     sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
+    # (tokens per micro-batch, micro-batches): the three sizes as one micro-batch, then the
+    # largest as MICRO_BATCHES of the smallest (the same tokens; the difference is what each
+    # further micro-batch of a step pays again)
+    runs = [(T, 1) for T in sizes]
+    if sizes[0] * MICRO_BATCHES == sizes[-1]:
+        runs.append((sizes[0], MICRO_BATCHES))
     local_s, sync_s = [], []
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=1, context_parallel_size=1
     )  # DP = all ranks
     try:
         with cpu_device_shim():  # megatron's RoPE asks torch.cuda for its device
-            for T in sizes:
+            for T, m in runs:
                 layout = make_layout(
                     seq_length=T,
                     num_attention_heads=H,
@@ -115,7 +128,7 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
                 )
                 params = [p for p in ddp.parameters() if p.requires_grad]
                 opt = torch.optim.AdamW(params, lr=1e-5)
-                batch = make_batch(cfg, 0, dist.get_rank())
+                batch = [make_batch(cfg, i, dist.get_rank()) for i in range(m)]
                 loc, syn = [], []
                 dist.barrier()  # every rank times the same size at the same time
                 for _ in range(
@@ -130,17 +143,27 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
         mpu.destroy_model_parallel()
     sync = torch.tensor([statistics.median(sync_s)], dtype=torch.float64)
     dist.all_reduce(sync, op=dist.ReduceOp.MIN)
-    slope, intercept = statistics.linear_regression(sizes, local_s)
+    single = local_s[: len(sizes)]
+    slope, intercept = statistics.linear_regression(sizes, single)
     if intercept < 0 or slope <= 0:
         k = sizes.index(tokens)
-        slope, intercept = local_s[k] / tokens, 0.0
+        slope, intercept = single[k] / tokens, 0.0
+    # each further micro-batch: the split step's extra local time per micro-batch, within [0,
+    # the intercept] (it is a part of the step's fixed cost; noise could put it outside)
+    per_micro = (
+        min(max(0.0, (local_s[-1] - single[-1]) / (MICRO_BATCHES - 1)), intercept)
+        if len(runs) > len(sizes)
+        else 0.0
+    )
     return {
         "flops_per_s": linear_flops_per_token(model) / slope,
         "step_overhead_s": intercept + float(sync),
+        "micro_batch_overhead_s": per_micro,
         "local_overhead_s": intercept,
         "grad_sync_s": float(sync),
         "points": [
-            {"tokens": T, "local_s": t, "sync_s": y} for T, t, y in zip(sizes, local_s, sync_s)
+            {"tokens": T, "micro_batches": m, "local_s": t, "sync_s": y}
+            for (T, m), t, y in zip(runs, local_s, sync_s)
         ],
     }
 

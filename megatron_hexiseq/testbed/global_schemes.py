@@ -14,7 +14,8 @@ units)``, ``layout(domain, lengths)``): ``PlannedScheme`` (a ``GlobalPlanner``'s
   (``schemes_for``), ``fast-only`` on the rank alone on its core (``fast_only``).
 
 Pricing (``predict_steps``): every micro-batch by ``estimate_documents`` on its domain's GPUs, a
-domain's micro-batches summed, the testbed's measured step overhead once per step, the step the
+domain's micro-batches summed, the testbed's measured step overhead once per step (and its
+per-micro-batch part, ``micro_batch_overhead_ms``, once per micro-batch), the step the
 slowest domain; a micro-batch over the declared memory (``capacity_fraction`` of the profile's
 ``memory_gib``) is a problem line. Every scheme is priced in the one memory mode the driver's runs
 are priced in (``TrainOptions.for_model``: the distributed optimizer without recompute); the driver
@@ -31,6 +32,7 @@ import numpy as np
 
 from megatron_hexiseq.cluster import Cluster
 from megatron_hexiseq.costmodel.documents import estimate_documents
+from megatron_hexiseq.costmodel.step import step_once_s
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
 from megatron_hexiseq.model import ModelSpec
@@ -281,8 +283,9 @@ def predict_steps(
     exchange: str,
 ) -> tuple[list[float], list[str]]:
     """Per step: the slowest domain's priced micro-batches (``estimate_documents`` on its GPUs),
-    the measured step overhead once per step (every priced micro-batch carries it); and one line
-    per micro-batch over the declared memory (its step, domain, ranks and largest need)."""
+    the measured step overhead once per step (every priced micro-batch carries it; a further
+    micro-batch keeps only its ``micro_batch_overhead_ms``: ``step_once_s``); and one line per
+    micro-batch over the declared memory (its step, domain, ranks and largest need)."""
     out, problems = [], []
     for step, units in enumerate(batches):
         busy = []
@@ -311,8 +314,7 @@ def predict_steps(
                     )
                 total += est.iteration_time_s
                 n += 1
-            overhead = max(x.step_overhead_s for x in dom.cluster.devices)
-            busy.append(total - max(0, n - 1) * overhead)
+            busy.append(total - max(0, n - 1) * step_once_s(dom.cluster.devices))
         out.append(max(busy))
     return out, problems
 

@@ -26,7 +26,8 @@ def step_fixed_s(
 ) -> float:
     """Seconds per step outside the micro-batches of the run on ``run_ranks`` (module docstring).
     A measured step overhead is already in every priced micro-batch (``estimate_documents`` adds
-    it to each iteration), so it is not added again here."""
+    it to each iteration; the schemes keep one per step and each further micro-batch's
+    ``micro_batch_overhead_ms``: ``costmodel.step.step_once_s``), so it is not added again here."""
     fixed = step_fixed(cluster, [run_ranks], model, options)
     if fixed.measured:
         return 0.0
