@@ -610,7 +610,14 @@ def _gpu_type(name: str, spec: Mapping[str, Any], base: GpuType | None, source: 
                 )
             curves.append((key, tuple((float(x), float(f)) for x, f in points)))
         fields["attention_curves"] = tuple(sorted(curves))
-    return replace(base, **fields)
+    got = replace(base, **fields)
+    if got.micro_batch_overhead_ms > got.step_overhead_ms:
+        raise HexiSeqError(
+            f"gpus.{name}.micro_batch_overhead_ms ({got.micro_batch_overhead_ms:g}) exceeds its "
+            f"step_overhead_ms ({got.step_overhead_ms:g}): it is the part of the step overhead "
+            "that every micro-batch pays; give at most step_overhead_ms (profile measures both)"
+        )
+    return got
 
 
 def _node(raw: Mapping[str, Any], types: Mapping[str, GpuType]) -> Node:

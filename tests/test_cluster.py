@@ -131,6 +131,14 @@ def _bad(mutate):
         ),
         (lambda s: s["gpus"]["MY-GPU"].update(efficiency=1.5), r"efficiency must be in \(0, 1\]"),
         (
+            lambda s: s["gpus"]["MY-GPU"].update(step_overhead_ms=5, micro_batch_overhead_ms=6),
+            r"gpus.MY-GPU.micro_batch_overhead_ms \(6\) exceeds its step_overhead_ms \(5\)",
+        ),
+        (
+            lambda s: s["gpus"]["MY-GPU"].update(micro_batch_overhead_ms=-1),
+            r"gpus.MY-GPU.micro_batch_overhead_ms must be a number >= 0, got -1",
+        ),
+        (
             lambda s: s["nodes"][0].update(count=0),
             r"node 'a': count must be a positive integer, got 0",
         ),
