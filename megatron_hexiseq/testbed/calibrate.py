@@ -92,20 +92,18 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
     framework). ``step_overhead_s`` = that intercept + the gradient and loss reduction (the fastest
     rank's median time in the collectives: the others also wait for stragglers, which the phase
     model already counts). A negative intercept (noise) becomes 0 and the rate the one at
-    ``tokens``. Then ``2 * tokens`` as ``MICRO_BATCHES`` micro-batches of ``tokens // 2`` (the
-    driver's gradient accumulation): its local time over the one-micro-batch step of the same
-    tokens, per further micro-batch, is ``micro_batch_overhead_s`` (the framework's fixed cost of a
-    forward and backward, which a step pays once per micro-batch; within 0 and the intercept).
+    ``tokens``. Then ``MICRO_BATCHES`` micro-batches of ``tokens // 2`` (the driver's gradient
+    accumulation, about ``2 * tokens`` in all): its local time over the line's at its tokens, per
+    further micro-batch, is ``micro_batch_overhead_s`` (the framework's fixed cost of a forward
+    and backward, which a step pays once per micro-batch; within 0 and the intercept).
     Collective over the default group (Megatron's parallel state is set up and torn down).
     """
     H = model.num_attention_heads
     sizes = sorted({max(1, tokens // 2), tokens, 2 * tokens})
-    # (tokens per micro-batch, micro-batches): the three sizes as one micro-batch, then the
-    # largest as MICRO_BATCHES of the smallest (the same tokens; the difference is what each
-    # further micro-batch of a step pays again)
-    runs = [(T, 1) for T in sizes]
-    if sizes[0] * MICRO_BATCHES == sizes[-1]:
-        runs.append((sizes[0], MICRO_BATCHES))
+    # (tokens per micro-batch, micro-batches): the three sizes as one micro-batch, then
+    # MICRO_BATCHES of the smallest (about the largest's tokens; what it costs over the fitted
+    # line is what each further micro-batch of a step pays again)
+    runs = [(T, 1) for T in sizes] + [(sizes[0], MICRO_BATCHES)]
     local_s, sync_s = [], []
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=1, context_parallel_size=1
@@ -148,13 +146,11 @@ def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> d
     if intercept < 0 or slope <= 0:
         k = sizes.index(tokens)
         slope, intercept = single[k] / tokens, 0.0
-    # each further micro-batch: the split step's extra local time per micro-batch, within [0,
-    # the intercept] (it is a part of the step's fixed cost; noise could put it outside)
-    per_micro = (
-        min(max(0.0, (local_s[-1] - single[-1]) / (MICRO_BATCHES - 1)), intercept)
-        if len(runs) > len(sizes)
-        else 0.0
-    )
+    # each further micro-batch: the split step's local time over the line's at its tokens, per
+    # further micro-batch, within [0, the intercept] (a part of the step's fixed cost; noise
+    # could put it outside)
+    line = intercept + slope * sizes[0] * MICRO_BATCHES
+    per_micro = min(max(0.0, (local_s[-1] - line) / (MICRO_BATCHES - 1)), intercept)
     return {
         "flops_per_s": linear_flops_per_token(model) / slope,
         "step_overhead_s": intercept + float(sync),
