@@ -26,7 +26,13 @@ from megatron_hexiseq.job import Domain as JobDomain
 from megatron_hexiseq.job import JobPlan
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.run_config import TrainOptions, options_record
-from megatron_hexiseq.varlen.domain_choice import domains_from_job, other_modes, plan_domains
+from megatron_hexiseq.varlen.domain_choice import (
+    TOKENS_PER_GPU,
+    domains_from_job,
+    other_modes,
+    plan_domains,
+    regime,
+)
 from megatron_hexiseq.varlen.domains import (
     Domain,
     cp_groups,
@@ -413,6 +419,27 @@ def test_compare_global_reports_every_scheme(typed) -> None:
     # hexiseq-global covers the global batch: every sample's tokens, once
     total = sum(sum(mb["doc_lengths"]) for mb in step["schemes"]["hexiseq-global"]["micro_batches"])
     assert total == 16 * S
+
+
+def test_regime_widens_only_where_no_cp_size_fits() -> None:
+    lo, hi = TOKENS_PER_GPU
+    assert regime(TOKENS_PER_GPU, 131072, 64) == TOKENS_PER_GPU  # the suite's cases: unchanged
+    assert regime(TOKENS_PER_GPU, lo, 4) == TOKENS_PER_GPU  # one GPU at the lower bound
+    # the CPU testbed's 2K samples: every CP size, from a sample over all GPUs to one on one
+    assert regime(TOKENS_PER_GPU, 2048, 4) == (512, 2048)
+    # a sample longer than the upper bound over every GPU: the same
+    assert regime(TOKENS_PER_GPU, 64 * hi, 32) == (2 * hi, 64 * hi)
+
+
+def test_compare_global_tries_short_samples(typed) -> None:
+    """Samples of 2K (below the 4K-32K regime at every CP size) still get every stock scheme and
+    hexiseq-global, not the appendix row alone."""
+    m, docs, _ = typed
+    short = [max(1, x // 4) for x in docs]
+    res = compare_global(MIX, m, short, 2048, 16 * 2048, 1, 4, time_limit_s=20)
+    assert set(res["schemes"]) >= {"megatron-cp-dp", "speed-aware-packing", "hexiseq-global"}
+    cps = {r["cp"] for r in res["tried"]["megatron-cp-dp"]}
+    assert cps == {1, 2, 4, 8}
 
 
 def test_varlen_global_cli(typed, tmp_path, capsys) -> None:

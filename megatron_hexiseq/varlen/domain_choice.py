@@ -40,6 +40,19 @@ from megatron_hexiseq.varlen.packing import pack_batches
 from megatron_hexiseq.varlen.structure import choose_structure
 
 TOKENS_PER_GPU = (4096, 32768)  # tokens per GPU per micro-batch of every configuration tried
+
+
+def regime(tokens_per_gpu: tuple[int, int], seq_length: int, world: int) -> tuple[int, int]:
+    """``tokens_per_gpu``, or every size from a sample over all ``world`` GPUs to a sample on one
+    where no size in it is possible: a sample shorter than its lower bound (the CPU testbed's 2K)
+    or longer than its upper bound spread over every GPU."""
+    lo, hi = tokens_per_gpu
+    fewest = -(-seq_length // world)
+    if seq_length >= lo and fewest <= hi:
+        return lo, hi
+    return fewest, seq_length
+
+
 Modes = tuple[tuple[str, bool], ...]  # (memory mode, recompute) pairs, tried in order
 AUTO: Modes = modes_to_try("auto", False)  # every mode, in order of overhead (``plan``'s auto)
 RECOMPUTE: Modes = modes_to_try("auto", True)  # the recompute modes only

@@ -6,7 +6,8 @@ tokens (``packing.pack_batches``, shuffled with ``seed``; a document cut at a sa
 two units) and runs each scheme of ``global_schemes`` on each step, on the whole cluster. Every
 stock configuration a user could pick is tried and the best (lowest mean step) reported, within
 ``tokens_per_gpu`` (``TOKENS_PER_GPU``: 4K-32K tokens per GPU per micro-batch, the long-context
-regime): ``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``),
+regime; widened by ``domain_choice.regime`` where no CP size of a sample lies in it, as for the
+CPU testbed's 2K samples): ``megatron-cp-dp`` at every CP size Megatron accepts (``cp_sizes``),
 ``megatron-hybrid-cp`` at ``max_seqlen_per_rank`` in ``HYBRID_TOKENS``, ``speed-aware-packing`` at
 every CP size (the stock grid's micro-batch count and fewer, each holding more tokens:
 ``fewer_counts``), ``fast-only`` the best of the three on the fastest GPU type alone. ``megatron-thd-cp`` (one ring over every GPU) is an appendix row.
@@ -49,6 +50,7 @@ from megatron_hexiseq.varlen.domain_choice import (
     domains_from_job,
     other_modes,
     plan_domains,
+    regime,
 )
 from megatron_hexiseq.varlen.domains import Domain, fastest_type_ranks
 from megatron_hexiseq.varlen.global_planner import GlobalPlanner
@@ -124,6 +126,8 @@ def compare_global(
             f"--global-batch-tokens {global_batch_tokens:,} is less than one sample of "
             f"{seq_length:,} tokens"
         )
+    # a sample outside the regime's 4K-32K per GPU at every CP size would leave nothing to try
+    tokens_per_gpu = regime(tokens_per_gpu, seq_length, cluster.world_size)
     m = replace(model, seq_length=seq_length)
     batches = global_batches(doc_lengths, seq_length, samples, steps, seed)
     pricer = Pricer(cluster, m)
