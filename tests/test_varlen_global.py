@@ -437,9 +437,12 @@ def test_compare_global_tries_short_samples(typed) -> None:
     m, docs, _ = typed
     short = [max(1, x // 4) for x in docs]
     res = compare_global(MIX, m, short, 2048, 16 * 2048, 1, 4, time_limit_s=20)
-    assert set(res["schemes"]) >= {"megatron-cp-dp", "speed-aware-packing", "hexiseq-global"}
+    assert set(res["schemes"]) == set(SCHEMES) | set(APPENDIX)
     cps = {r["cp"] for r in res["tried"]["megatron-cp-dp"]}
     assert cps == {1, 2, 4, 8}
+    # Megatron's hybrid CP at the widened regime's powers of two: 256 to 2048 tokens per rank
+    tried = {r["max_seqlen_per_rank"] for r in res["tried"]["megatron-hybrid-cp"]}
+    assert tried == {256, 512, 1024, 2048}
 
 
 def test_varlen_global_cli(typed, tmp_path, capsys) -> None:

@@ -167,7 +167,13 @@ def compare_global(
         for c in [c for c in cp_sizes(n, seq_length, samples, max_cp) if in_range(c)]:
             out.append(({"scheme": "megatron-cp-dp", "cp": c},
                         lambda b, c=c: cp_dp_step(pricer, b, c, modes, ranks)))  # fmt: skip
-        for t in [t for t in HYBRID_TOKENS if t <= seq_length and lo <= t <= hi]:
+        # Megatron's max_seqlen_per_rank: the regime's powers of two (a widened regime's own)
+        hybrid = [t for t in HYBRID_TOKENS if t <= seq_length and lo <= t <= hi] or [
+            1 << k
+            for k in range(max(0, lo.bit_length() - 1), hi.bit_length())
+            if lo <= 1 << k <= hi
+        ]
+        for t in hybrid:
             out.append(({"scheme": "megatron-hybrid-cp", "max_seqlen_per_rank": t},
                         lambda b, t=t: hybrid_cp_step(pricer, units_of(b), t, modes, ranks)))  # fmt: skip
         c = 1
