@@ -54,9 +54,16 @@ from megatron_hexiseq.varlen.global_compare import (
     SCHEMES,
     _count_variants,
     compare_global,
+    modes_for,
 )
 from megatron_hexiseq.varlen.global_planner import PROBE_FILLERS, PROBE_GRAIN_AS, GlobalPlanner
-from megatron_hexiseq.varlen.global_schemes import MicroBatchRun, lockstep_s
+from megatron_hexiseq.varlen.global_schemes import (
+    MicroBatchRun,
+    Pricer,
+    hybrid_cp_step,
+    lockstep_s,
+    thd_step,
+)
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, pack_batches
 
 MIX = cluster_from_dict(
@@ -524,3 +531,42 @@ def test_domain_needs_a_micro_batch() -> None:
             cluster=sub,
             options=TrainOptions(),
         )
+
+
+def _cpu_pair(micro_batch_overhead_ms: float) -> object:
+    """Two CPU ranks whose profile measured a 20 ms step overhead, of which each micro-batch
+    pays ``micro_batch_overhead_ms``."""
+    gpu = {
+        "bf16_tflops": 0.05,
+        "attention_tflops": 0.04,
+        "memory_gib": 4.0,
+        "nvlink_GBps": 3.0,
+        "efficiency": 1.0,
+        "step_overhead_ms": 20.0,
+        "micro_batch_overhead_ms": micro_batch_overhead_ms,
+    }
+    return cluster_from_dict(
+        {
+            "name": "cpu-pair",
+            "gpus": {"CPU-a": gpu},
+            "nodes": [{"name": "a", "gpu": "CPU-a", "count": 2, "network_GBps": 3.0}],
+        }
+    )
+
+
+def test_stock_steps_pay_the_measured_overhead_once_per_step() -> None:
+    """``megatron-thd-cp`` prices 8 samples as 8 micro-batches and ``megatron-hybrid-cp`` each
+    unit as its own forward and backward: a step pays the measured step overhead once and each
+    further micro-batch its per-micro-batch part (when that part is the whole overhead, every
+    micro-batch pays all of it: the 20 ms difference per further micro-batch)."""
+    m = get_model("gpt-tiny", overrides={"seq_length": 2048})
+    samples = [[1024, 1024]] * 8
+    units = [1024] * 16
+    full, part = (Pricer(_cpu_pair(x), m) for x in (20.0, 0.0))
+    modes = modes_for(m)
+    a, b = (thd_step(p, samples, modes) for p in (full, part))
+    assert a.domain_s[0] - b.domain_s[0] == pytest.approx(7 * 0.020, rel=1e-9)
+    a, b = (hybrid_cp_step(p, units, 1024, modes) for p in (full, part))
+    # 16 units of 1024 tokens at 1024 per rank: one group, each rank runs 8 one after another
+    assert b.config["groups"] == 1
+    assert a.domain_s[0] - b.domain_s[0] == pytest.approx(7 * 0.020, rel=1e-9)

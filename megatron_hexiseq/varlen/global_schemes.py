@@ -410,7 +410,10 @@ def hybrid_cp_step(
         lambda o: pricer.ring(gpus[:k_long], [longest], o, memo=True)[2].feasible,
     )
     runs: list[MicroBatchRun] = []
-    step = 0.0
+    # every unit is a forward and backward carrying the measured step overhead (the CPU
+    # testbed's; 0 on GPUs): the step pays it once, each unit only its per-micro-batch part
+    once = step_once_s([cluster.devices[g] for g in run_ranks])
+    step = once
     for j, per_gpu in enumerate(id_groups):
         members: dict[int, list[int]] = {}
         for g, ids in enumerate(per_gpu):
@@ -420,7 +423,7 @@ def hybrid_cp_step(
         for u, gs in sorted(members.items()):
             rr = tuple(gpus[g] for g in gs)
             lay, cu, est = pricer.ring(rr, [int(units[u])], o, memo=True)
-            busy[gs] += est.iteration_time_s
+            busy[gs] += est.iteration_time_s - once
             runs.append(MicroBatchRun(j, u, rr, lay, cu, est))
         step += float(busy.max())
     groups = len(id_groups)
@@ -452,6 +455,8 @@ def thd_step(
         lay, cu, est = pricer.ring(order, docs, o)
         runs.append(MicroBatchRun(0, i, tuple(order), lay, cu, est))
     mean = float(np.mean([r.estimate.iteration_time_s for r in runs]))
+    # every sample a micro-batch carrying the measured step overhead: the step pays it once
+    once = step_once_s([pricer.cluster.devices[g] for g in order])
     return _finish(
         "megatron-thd-cp",
         {"cp": W, "priced_samples": len(runs), **_mode(o)},
@@ -461,7 +466,7 @@ def thd_step(
         runs,
         1,
         order,
-        domain_s=[mean * len(samples)],
+        domain_s=[mean * len(samples) - (len(samples) - 1) * once],
     )
 
 
