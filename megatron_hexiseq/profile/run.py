@@ -69,8 +69,8 @@ class CpuCalibration:
     """The measurements of a CPU rank that need the CPU training driver, as callables.
 
     ``model_step(model, tokens, opts)``: a training step without attention as
-    ``{"flops_per_s", "step_overhead_s", "points"}`` (and ``micro_batch_overhead_s`` when measured); ``attention_flops(model, tokens, opts)``: FLOP/s
-    of the runtime's own attention; ``can_time_fixed_costs(model, world)``: whether the world and
+    ``{"flops_per_s", "step_overhead_s", "points"}`` (and ``micro_batch_overhead_s`` when
+    measured); ``attention_flops(model, tokens, opts)``: FLOP/s of the runtime's own attention; ``can_time_fixed_costs(model, world)``: whether the world and
     sequence are large enough to fit fixed costs; ``fixed_costs(model, opts)``: the timed
     calibration calls; ``fit_latencies(spec, calls, model)``:
     sets the spec's latencies from those calls (in place) and returns the fit;

@@ -6,8 +6,8 @@ model, and it measures what training executes:
 
 - :func:`measure_model_step`: a whole training step of the CPU driver's model *without* attention
   (a pass-through core attention) at three token counts, fitted as a FLOP rate plus a fixed
-  ``step_overhead_s``, and the largest again as several micro-batches: the part of that fixed cost
-  each further micro-batch pays again (``micro_batch_overhead_s``);
+  ``step_overhead_s``, and a step of several micro-batches of the smallest: the part of that fixed
+  cost each further micro-batch pays again (``micro_batch_overhead_s``);
 - :func:`measure_runtime_attention_flops`: HexiSeq's own attention (``kernel="auto"``) on one rank;
 - fixed costs of the attention runtime's communication: a head all-to-all or a K/V exchange step
   between ranks that share a core costs milliseconds of scheduling (one rank must be switched out
@@ -73,7 +73,7 @@ from megatron_hexiseq.profile.run import CpuCalibration
 from megatron_hexiseq.testbed.train import TrainConfig, build_gpt, make_batch, train_step
 from megatron_hexiseq.varlen.schemes import zigzag_docs
 
-MICRO_BATCHES = 4  # the split step of ``measure_model_step``: the largest size in this many
+MICRO_BATCHES = 4  # measure_model_step's split step: this many micro-batches of the smallest
 
 
 def measure_model_step(model: ModelSpec, tokens: int, opts: ProfileOptions) -> dict[str, Any]:

@@ -40,6 +40,10 @@ from megatron_hexiseq.varlen.packing import pack_batches
 from megatron_hexiseq.varlen.structure import choose_structure
 
 TOKENS_PER_GPU = (4096, 32768)  # tokens per GPU per micro-batch of every configuration tried
+Modes = tuple[tuple[str, bool], ...]  # (memory mode, recompute) pairs, tried in order
+AUTO: Modes = modes_to_try("auto", False)  # every mode, in order of overhead (``plan``'s auto)
+RECOMPUTE: Modes = modes_to_try("auto", True)  # the recompute modes only
+STRUCTURE_BATCHES = 4
 
 
 def regime(tokens_per_gpu: tuple[int, int], seq_length: int, world: int) -> tuple[int, int]:
@@ -51,12 +55,6 @@ def regime(tokens_per_gpu: tuple[int, int], seq_length: int, world: int) -> tupl
     if seq_length >= lo and fewest <= hi:
         return lo, hi
     return fewest, seq_length
-
-
-Modes = tuple[tuple[str, bool], ...]  # (memory mode, recompute) pairs, tried in order
-AUTO: Modes = modes_to_try("auto", False)  # every mode, in order of overhead (``plan``'s auto)
-RECOMPUTE: Modes = modes_to_try("auto", True)  # the recompute modes only
-STRUCTURE_BATCHES = 4
 
 
 def domains_from_job(job: JobPlan) -> list[Domain]:
