@@ -256,11 +256,17 @@ class StepFixed(NamedTuple):
         return self.optimizer_s + self.overhead_s - self.micro_batch_overhead_s
 
 
+def micro_batch_overhead_s(devices: Sequence[Device]) -> float:
+    """The largest measured ``micro_batch_overhead_ms`` of ``devices``: what each micro-batch of
+    theirs pays of the step overhead (0 on GPUs)."""
+    return max(d.micro_batch_overhead_s for d in devices)
+
+
 def step_once_s(devices: Sequence[Device]) -> float:
     """Of the step overhead a priced micro-batch carries (``estimate``, ``estimate_documents``:
     the largest ``step_overhead_ms`` of its ranks), what a step pays only once: a further
     micro-batch pays just its ``micro_batch_overhead_ms``. 0 where nothing was measured (GPUs)."""
-    return max(d.step_overhead_s for d in devices) - max(d.micro_batch_overhead_s for d in devices)
+    return max(d.step_overhead_s for d in devices) - micro_batch_overhead_s(devices)
 
 
 def step_fixed(
@@ -284,7 +290,7 @@ def step_fixed(
     bus = ring_bus_GBps(cluster, ranks)
     overhead = max(devs[r].step_overhead_s for r in ranks)
     if overhead > 0:
-        per_micro = max(devs[r].micro_batch_overhead_s for r in ranks)
+        per_micro = micro_batch_overhead_s([devs[r] for r in ranks])
         return StepFixed(n, bus, GradSync(0.0, 0.0, 1), 0.0, overhead, per_micro)
     opt = max(optimizer_s(model, options, n, devs[r].hbm_Bps) for r in ranks)
     return StepFixed(n, bus, grad_sync(model, options, n, bus), opt, 0.0)

@@ -44,6 +44,7 @@ from megatron_hexiseq.costmodel.step import (
     StepFixed,
     forward_fraction,
     grad_sync_exposed_s,
+    micro_batch_overhead_s,
     ring_bus_GBps,
     step_fixed,
 )
@@ -97,8 +98,8 @@ def domain_eval(
     rest = est.columns.values["time_s"] - lin
     work = float((lin - overhead - fsdp).max())
     fwd = forward_fraction(options) * work
-    per_micro = max(d.micro_batch_overhead_s for d in cluster.devices)
-    micro = float((lin - overhead).max()) + per_micro + float(rest.max())
+    micro = float((lin - overhead).max()) + micro_batch_overhead_s(cluster.devices)
+    micro += float(rest.max())
     return DomainEval(layout, micro, fwd, work - fwd, label)
 
 

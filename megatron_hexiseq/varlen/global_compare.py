@@ -169,9 +169,7 @@ def compare_global(
                         lambda b, c=c: cp_dp_step(pricer, b, c, modes, ranks)))  # fmt: skip
         # Megatron's max_seqlen_per_rank: the regime's powers of two (a widened regime's own)
         hybrid = [t for t in HYBRID_TOKENS if t <= seq_length and lo <= t <= hi] or [
-            1 << k
-            for k in range(max(0, lo.bit_length() - 1), hi.bit_length())
-            if lo <= 1 << k <= hi
+            t for t in (1 << k for k in range(hi.bit_length())) if lo <= t <= hi
         ]
         for t in hybrid:
             out.append(({"scheme": "megatron-hybrid-cp", "max_seqlen_per_rank": t},
