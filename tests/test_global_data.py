@@ -33,7 +33,7 @@ from megatron_hexiseq.megatron.global_data import (
     read_steps,
     step_units,
 )
-from megatron_hexiseq.megatron.job_runtime import job_place
+from megatron_hexiseq.megatron.job_runtime import domain_layout, job_place
 from megatron_hexiseq.megatron.packed_checks import refuse_packed_combinations
 
 EOD = 127
@@ -163,7 +163,6 @@ GOOD = {"hexiseq_global_batch": True, "reset_attention_mask": True, "dataloader_
     [
         ({"reset_attention_mask": False}, "has no document boundaries: add --reset-attention"),
         ({"sft": True}, "packed SFT \\(THD\\) batches are not supported"),
-        ({"tensor_model_parallel_size": 2}, "with --tensor-model-parallel-size 2 only some"),
         ({"pipeline_model_parallel_size": 2}, "with --pipeline-model-parallel-size 2 only"),
         ({"dataloader_type": "cyclic"}, "--dataloader-type cyclic: --hexiseq-global-batch"),
         ({"rampup_batch_size": [1, 1, 10]}, "--rampup-batch-size changes the global batch"),
@@ -175,9 +174,38 @@ def test_global_batch_refusals_are_one_line(change: dict, message: str) -> None:
         refuse_packed_combinations(argparse.Namespace(**{**GOOD, **change}))
     assert "\n" not in str(e.value)
     refuse_packed_combinations(argparse.Namespace(**GOOD))
+    # TP bundles: every TP rank reads the step's samples itself (global_ahead)
+    refuse_packed_combinations(argparse.Namespace(**GOOD, tensor_model_parallel_size=2))
 
 
 def test_global_batch_flag_needs_a_layout_or_a_job() -> None:
     with pytest.raises(HexiSeqError, match="give --hexiseq-layout PATH .* or --hexiseq-job"):
         HexiSeqArgs(global_batch=True)
     assert HexiSeqArgs(global_batch=True, job="j.json").global_batch
+
+
+def test_tp_domains_are_bundle_problems_and_their_layouts_bundle_layouts() -> None:
+    """With TP bundles a job's domains are planned on the bundle problem (one device per bundle,
+    one TP rank's model) and the scheme's layouts are over bundles, rounded to multiples of t;
+    the agreement groups span every GPU of a domain's bundles. Whatever layout the scheme takes
+    its model from, t comes from the domains (``run_global_batches`` passes a domain's)."""
+    from test_job_runtime import job_tp
+
+    from megatron_hexiseq.megatron.global_data import domain_side_ranks
+    from megatron_hexiseq.megatron.job_runtime import domain_process_ranks
+
+    job = job_tp()
+    t = job.tensor_model_parallel_size
+    domains = job_domains(job)
+    assert [d.size for d in domains] == [1, 2] and t == 2
+    for d in domains:
+        assert d.structure.tensor_model_parallel_size == 1
+        assert d.options.tensor_model_parallel_size == t
+        assert d.cluster.world_size == d.structure.world_size
+    assert domain_side_ranks(domains, t) == [sorted(r) for r in domain_process_ranks(job)]
+    for model_from in (domains[1].structure, domain_layout(job, 1)[0]):
+        scheme = planned_scheme(domains, model_from, "job")
+        assert scheme.planner.model.num_attention_heads == 4  # 8 heads over TP 2
+        layout = scheme.layout(1, [9, 3, 13, 1])  # 26 tokens over 2 bundles
+        assert layout.tensor_model_parallel_size == t and layout.seq_length == 26
+        assert all(r.num_tokens % t == 0 and r.num_tokens for r in layout.ranks)

@@ -14,7 +14,10 @@ thread:
 3. for each micro-batch of its domain (:class:`StepPreparer`): the layout of its documents in
    the domain (``GlobalScheme.layout``: the batch planner), its ``BatchPlan``, and this rank's
    tokens, gathered from the step's batch straight into pinned host memory: **each micro-batch
-   is ``[1, N]``, N = its documents' tokens** (decision: docs/megatron.md; no filler);
+   is ``[1, N]``, N = its documents' tokens** (decision: docs/megatron.md; no filler), except
+   with TP bundles and sequence parallelism, where N must be a multiple of t: the micro-batch
+   ends with a filler document of ``-N mod t`` zero tokens (loss mask 0, attending only to
+   itself), so the run's losses and gradients are those without it;
 4. checks once per micro-batch that the domain's ranks planned the same layout (the digests of
    the step's micro-batches, one all-reduce on the domain's gloo side group).
 
@@ -52,6 +55,7 @@ from megatron_hexiseq.megatron.documents import MicroBatchDocuments
 from megatron_hexiseq.megatron.global_data import (
     GlobalScheme,
     GlobalStep,
+    domain_side_ranks,
     job_domains,
     planned_scheme,
     read_steps,
@@ -68,7 +72,7 @@ from megatron_hexiseq.varlen.global_batch import GlobalSchedule
 class GlobalPrepared(Prepared):
     """A prepared micro-batch of a global batch: also its step, its units (the step's unit
     indices, loader order) and where each of this rank's tokens comes from in the step's batch
-    (``sample * S + position``, int64 ``[s_r]``)."""
+    (``sample * S + position``, int64 ``[s_r]``; ``B * S`` and above: a filler token)."""
 
     step: int = 0
     units: tuple[int, ...] = ()
@@ -115,15 +119,26 @@ class StepPreparer:
                 f"{self.domain}; the scheme must give every domain its bins"
             )
         units = step.units
+        multiple = self.slot.tokens_multiple_of
+        # the step's batch flattened; with sequence parallelism followed by ``multiple - 1``
+        # filler tokens (zeros, so out of the loss) at index ``filler``
         flat = {key: v.reshape(-1) for key, v in step.batch.items()}
+        filler = next(iter(flat.values())).numel()
+        if multiple > 1:
+            flat = {key: torch.cat([v, v.new_zeros(multiple - 1)]) for key, v in flat.items()}
         items, digests = [], []
         for k, ids in enumerate(step.bins[self.domain]):
             lengths = [units.length[u] for u in ids]
+            pad = -sum(lengths) % multiple
+            where = units.flat(ids)
+            if pad:  # sequence parallelism: a filler document makes N a multiple of t
+                lengths.append(pad)
+                where = np.concatenate([where, np.arange(filler, filler + pad, dtype=np.int64)])
             layout = self.scheme.layout(self.domain, lengths)
             cu = [0, *np.cumsum(lengths).tolist()]
             bounds = parse_cu_seqlens(cu, seq_length=cu[-1], batch=1)
             plan = self.slot.plan_of(layout, bounds, any_length=True)
-            origins = torch.from_numpy(units.flat(ids)[np.asarray(plan.positions, dtype=np.int64)])
+            origins = torch.from_numpy(where[np.asarray(plan.positions, dtype=np.int64)])
             tensors = {}
             for key, v in flat.items():
                 part = v.index_select(0, origins).unsqueeze(0)
@@ -204,10 +219,18 @@ def _no_provider(bounds: Any) -> Layout:
     )
 
 
-def global_slot(groups: HexiSeqGroups, *, reset_position_ids: bool) -> MicroBatchLayout:
+def global_slot(
+    groups: HexiSeqGroups, *, reset_position_ids: bool, tokens_multiple_of: int = 1
+) -> MicroBatchLayout:
     """The per-micro-batch layout slot of a global-batch run (its plans come from
-    :class:`StepPreparer`; a provider call is an error)."""
-    return MicroBatchLayout(groups, _no_provider, reset_position_ids=reset_position_ids)
+    :class:`StepPreparer`; a provider call is an error). ``tokens_multiple_of``: t with TP
+    bundles and sequence parallelism (every bundle's tokens, so every micro-batch's)."""
+    return MicroBatchLayout(
+        groups,
+        _no_provider,
+        reset_position_ids=reset_position_ids,
+        tokens_multiple_of=tokens_multiple_of,
+    )
 
 
 def global_batches(
@@ -238,6 +261,16 @@ def global_batches(
     return AheadBatches(None, documents, slot, depth=micro_batches, device=device, streams=streams)
 
 
+def every_rank_builds_datasets(vp_stage: int | None = None) -> bool:
+    """``pretrain_gpt.is_dataset_built_on_rank`` of a global-batch run with TP bundles (the
+    plugin installs it): Megatron-LM builds the GPT datasets only on TP rank 0 and broadcasts
+    each batch over the TP group, but here every rank reads every step's samples and prepares
+    its bundle's micro-batches itself, the same on all t TP ranks (the schedule and the
+    layouts are integer results, checked to agree). Pipeline parallelism is refused with
+    ``--hexiseq-global-batch``, so every rank is the first and the last stage."""
+    return True
+
+
 def global_data_loaders(args: argparse.Namespace) -> JobDataLoaders:
     """Megatron-LM's ``build_pretraining_data_loader`` of a global-batch run: every rank reads
     every step's whole global batch (``samples = [0, B)``) in micro-batches of ``b`` samples,
@@ -252,6 +285,21 @@ def global_data_loaders(args: argparse.Namespace) -> JobDataLoaders:
     )
 
 
+def replica_ranks(
+    cp_group: dist.ProcessGroup | None, tensor_model_parallel_size: int
+) -> list[list[int]]:
+    """Every data-parallel replica's process ranks (ascending), in the same order on all ranks:
+    Megatron's CP groups, or with TP bundles its tensor x context-parallel groups (a replica's
+    bundles with all their TP ranks). Collective over the default group."""
+    from megatron_hexiseq.megatron.runtime import cp_domains
+
+    if tensor_model_parallel_size == 1:
+        return cp_domains(cp_group)
+    from megatron.core import parallel_state as mpu
+
+    return cp_domains(mpu.get_tensor_and_context_parallel_group())
+
+
 def run_global_batches(
     args: argparse.Namespace,
     runtime: HexiSeqRuntime,
@@ -262,17 +310,17 @@ def run_global_batches(
     source: str,
 ) -> AheadBatches:
     """``global_batches`` for this run (``plugin.setup``): a job's domains and this rank's place
-    in it, or the data-parallel replicas of the layout (Megatron's CP groups; collective over the
-    default group), each running ``B / (b x DP)`` micro-batches per step."""
-    from megatron_hexiseq.megatron.runtime import cp_domains
-
+    in it, or the data-parallel replicas of the layout (Megatron's CP groups, with TP its tensor x
+    context-parallel groups; collective over the default group), each running ``B / (b x DP)``
+    micro-batches per step."""
     B, b = int(args.global_batch_size), int(args.micro_batch_size)
+    t = runtime.layout.tensor_model_parallel_size
     if job is not None:
         assert place is not None
         domains = job_domains(job, source)
         mine, micro_batches = place.domain, place.micro_batches
     else:
-        replicas = cp_domains(cp_group)
+        replicas = replica_ranks(cp_group, t)
         if B % (b * len(replicas)):
             raise HexiSeqError(
                 f"--global-batch-size {B} is not a whole number of micro-batches of {b} for each "
@@ -286,7 +334,7 @@ def run_global_batches(
         planned_scheme(domains, domains[mine].structure, source),
         runtime.documents,
         runtime.batch_layout,
-        domains=[d.ranks for d in domains],
+        domains=domain_side_ranks(domains, t),
         domain=mine,
         micro_batches=micro_batches,
         chunks=B // b,

@@ -31,6 +31,7 @@ layout (``batch_layout.planner_inputs``), as for ``--hexiseq-batch-plan``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -111,14 +112,24 @@ class PlannedScheme:
     """The ``GlobalScheme`` of a ``GlobalPlanner``: its integer schedule, and each micro-batch
     ``BatchPlanner``-planned in its domain (moved onto the domain's structure's hosts)."""
 
-    def __init__(self, planner: GlobalPlanner) -> None:
+    def __init__(self, planner: GlobalPlanner, tensor_model_parallel_size: int = 1) -> None:
         self.planner = planner
+        self.tensor_model_parallel_size = tensor_model_parallel_size
 
     def schedule(self, step: int, lengths: Sequence[int]) -> Bins:
         return self.planner.schedule(lengths).bins
 
     def layout(self, domain: int, lengths: Sequence[int]) -> Layout:
-        return self.planner.plan_lengths(domain, lengths).layout
+        """The micro-batch's layout; with TP bundles of t (the planner plans the bundle problem)
+        a layout over bundles, its boundaries rounded to multiples of t as ``plan`` rounds them
+        (``planner.tp.round_segments``; the micro-batch's length is one already)."""
+        layout = self.planner.plan_lengths(domain, lengths).layout
+        t = self.tensor_model_parallel_size
+        if t == 1:
+            return layout
+        from megatron_hexiseq.planner.tp import round_segments
+
+        return replace(round_segments(layout, t), tensor_model_parallel_size=t)
 
 
 def read_steps(
@@ -165,50 +176,76 @@ def _stack(parts: list[Tensor]) -> Tensor:
     return torch.cat(parts, dim=0)
 
 
+def _domain(
+    index: int, bundles: Sequence[int], micro_batches: int, layout: Layout, source: str
+) -> Domain:
+    """Domain ``index`` running ``layout`` on ``bundles`` (its layout ranks' cluster ranks; with
+    TP bundles of t GPUs, bundle ids), priced and planned on the cluster, model and options
+    recorded in ``layout``: with t > 1 on its bundle problem (``costmodel.tp.bundle_setting``:
+    one device per bundle, one TP rank's model), as ``--hexiseq-batch-plan`` plans."""
+    cluster, model, options = planner_inputs(layout, source, flag="--hexiseq-global-batch")
+    t = layout.tensor_model_parallel_size
+    if t > 1:
+        from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
+
+        cluster, model, options = bundle_setting(cluster, model, options, t)
+        layout = over_bundles(layout)
+    return Domain(
+        index=index,
+        ranks=tuple(bundles),
+        micro_batches=micro_batches,
+        structure=layout,
+        cluster=cluster,
+        options=options,
+    )
+
+
 def replica_domains(
     layout: Layout, replicas: Sequence[Sequence[int]], micro_batches: int, source: str
 ) -> list[Domain]:
     """The data-parallel replicas of ``layout`` as domains: replica ``i`` on process ranks
-    ``replicas[i]`` (Megatron's CP groups, ascending), ``micro_batches`` each, all priced and
-    planned on the layout's recorded cluster, model and options."""
-    cluster, _, options = planner_inputs(layout, source, flag="--hexiseq-global-batch")
+    ``replicas[i]`` (Megatron's tensor x context-parallel groups, ascending: with TP bundles of
+    t, bundle ``j`` of a replica is its process ranks ``j*t .. j*t+t-1``), ``micro_batches`` each,
+    all priced and planned on the layout's recorded cluster, model and options."""
+    t = layout.tensor_model_parallel_size
     return [
-        Domain(
-            index=i,
-            ranks=tuple(r),
-            micro_batches=micro_batches,
-            structure=layout,
-            cluster=cluster,
-            options=options,
-        )
+        _domain(i, [k // t for k in r[::t]], micro_batches, layout, source)
         for i, r in enumerate(replicas)
     ]
 
 
 def job_domains(job: JobPlan, source: str = "job") -> list[Domain]:
     """A job's domains: each its layout renumbered to ascending process ranks (what its ranks
-    run), its micro-batch count, the cluster of its GPUs and the job's model and options."""
+    run; with TP bundles, process bundles), its micro-batch count, the cluster of its GPUs and
+    the job's model and options."""
     out = []
     for d, dom in enumerate(job.domains):
         layout, ranks = domain_layout(job, d)
-        cluster, _, options = planner_inputs(
-            layout, f"{source} domain {d}", flag="--hexiseq-global-batch"
-        )
-        out.append(
-            Domain(
-                index=d,
-                ranks=ranks,
-                micro_batches=dom.micro_batches,
-                structure=layout,
-                cluster=cluster,
-                options=options,
-            )
-        )
-    assert [tuple(sorted(r)) for r in domain_process_ranks(job)] == [d.ranks for d in out]
+        out.append(_domain(d, ranks, dom.micro_batches, layout, f"{source} domain {d}"))
+    t = job.tensor_model_parallel_size
+    assert [tuple(sorted(r))[::t] for r in domain_process_ranks(job)] == [
+        tuple(b * t for b in d.ranks) for d in out
+    ]
     return out
 
 
+def domain_side_ranks(
+    domains: Sequence[Domain], tensor_model_parallel_size: int
+) -> list[list[int]]:
+    """Each domain's process ranks (every GPU of its bundles), what its agreement checks span."""
+    t = tensor_model_parallel_size
+    return [[b * t + i for b in d.ranks for i in range(t)] for d in domains]
+
+
 def planned_scheme(domains: Sequence[Domain], layout: Layout, source: str) -> PlannedScheme:
-    """The ``GlobalPlanner`` scheme of ``domains`` with the model recorded in ``layout``."""
+    """The ``GlobalPlanner`` scheme of ``domains`` with the model recorded in ``layout``; with TP
+    bundles (the domains are bundle problems: their options carry t) one TP rank's model."""
     _, model, _ = planner_inputs(layout, source, flag="--hexiseq-global-batch")
-    return PlannedScheme(GlobalPlanner(domains, model))
+    t = domains[0].options.tensor_model_parallel_size
+    if any(d.options.tensor_model_parallel_size != t for d in domains):
+        raise HexiSeqError(f"{source}: the domains are planned for different TP sizes")
+    if t > 1:
+        from megatron_hexiseq.costmodel.tp import rank_model
+
+        model = rank_model(model, t)
+    return PlannedScheme(GlobalPlanner(domains, model), tensor_model_parallel_size=t)

@@ -17,8 +17,9 @@ before anything is built), on every rank alike, for runs with ``--hexiseq-layout
 - ``--hexiseq-global-batch`` where it cannot work (``refuse_global_batch``): without
   ``--reset-attention-mask`` (it cuts the step's samples into documents at their EOD tokens), with
   a packed SFT dataset (``--sft``: THD batches carry their boundaries in ``cu_seqlens``, which the
-  step reader does not take), with tensor or pipeline parallelism (only TP rank 0 and the first
-  stage read data), with another data order than Megatron's ``single`` one, a batch-size ramp-up
+  step reader does not take), with pipeline parallelism (only the first and last stages read
+  data; with TP every TP rank reads the step itself: ``global_ahead.every_rank_builds_datasets``),
+  with another data order than Megatron's ``single`` one, a batch-size ramp-up
   (the step's samples are the global batch) or ``--full-validation`` (its own loader order).
 """
 
@@ -78,16 +79,13 @@ def refuse_global_batch(args: argparse.Namespace) -> None:
             f"{flag} reads document boundaries from the EOD tokens of Megatron's GPT dataset; "
             "packed SFT (THD) batches are not supported: drop --sft or --hexiseq-global-batch"
         )
-    for attr, name in (
-        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-    ):
-        size = getattr(args, attr, 1) or 1
-        if size > 1:
-            raise HexiSeqError(
-                f"{flag} needs every rank to read the step's samples, but with {name} {size} "
-                f"only some ranks read data; use {name} 1 or drop {flag}"
-            )
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1:
+        raise HexiSeqError(
+            f"{flag} needs every rank to read the step's samples, but with "
+            f"--pipeline-model-parallel-size {pp} only the first and last stages read data; use "
+            f"--pipeline-model-parallel-size 1 or drop {flag}"
+        )
     kind = getattr(args, "dataloader_type", None) or "single"
     if kind != "single":
         raise HexiSeqError(

@@ -247,8 +247,11 @@ def setup(
                 "--hexiseq-global-batch plans every micro-batch itself; drop the "
                 "per-micro-batch layout provider"
             )
+        sequence_parallel = bool(getattr(args, "sequence_parallel", False))
         slot = global_slot(
-            runtime.groups, reset_position_ids=bool(getattr(args, "reset_position_ids", False))
+            runtime.groups,
+            reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+            tokens_multiple_of=layout.tensor_model_parallel_size if sequence_parallel else 1,
         )
         runtime = replace(runtime, batch_layout=slot)
     elif hs.batch_plan:
@@ -266,11 +269,17 @@ def setup(
         domains = [sorted(d) for d in domain_process_ranks(job)] if job is not None else None
         ahead = None
         if hs.global_batch:
-            from megatron_hexiseq.megatron.global_ahead import run_global_batches
+            from megatron_hexiseq.megatron.global_ahead import (
+                every_rank_builds_datasets,
+                run_global_batches,
+            )
 
             ahead = run_global_batches(
                 args, runtime, cp_group=cp_group, job=job, place=place, source=source
             )
+            if layout.tensor_model_parallel_size > 1:  # every TP rank reads the step's samples
+                seam = every_rank_builds_datasets
+                pretrain_module.is_dataset_built_on_rank = seam  # type: ignore[attr-defined]
         runtime = install_batch_seams(args, runtime, pretrain_module, cp_group, domains, ahead)
         if training_module is None and (job is not None or hs.check_params or hs.global_batch):
             from megatron.training import training
@@ -298,14 +307,16 @@ def install_batch_seams(
     and tensor parallelism every micro-batch is prepared ahead off the training thread
     (``batch_ahead``: boundaries from the CPU batch, plan, host slices, agreement checks over the
     CP domains, or a job's ``domains`` of process ranks; ``ahead``: a ready
-    ``get_batch_on_this_tp_rank``, the global-batch path's) and ``get_batch`` only copies;
+    ``get_batch_on_this_tp_rank``, the global-batch path's, which every TP rank runs alike) and
+    ``get_batch`` only copies;
     otherwise (middle pipeline stages, TP ranks that receive the batch by broadcast) the slicer
     slices on the device as before."""
     reset_mask = bool(getattr(args, "reset_attention_mask", False))
-    prepared = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1 and (
-        getattr(args, "tensor_model_parallel_size", 1) or 1
-    ) == 1
-    assert ahead is None or prepared, "the global-batch path needs TP = PP = 1 (packed_checks)"
+    one_stage = (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+    prepared = one_stage and (
+        ahead is not None or (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1
+    )
+    assert ahead is None or one_stage, "the global-batch path needs PP = 1 (packed_checks)"
     if prepared:
         from megatron_hexiseq.megatron.batch_ahead import ahead_batches, micro_batches_per_step
         from megatron_hexiseq.megatron.batch_layout import fixed_layout

@@ -30,10 +30,11 @@ oracle (the same weights and units, each unit alone with causal attention).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,12 +49,18 @@ from megatron_hexiseq.megatron.batch_ahead import Prepared
 from megatron_hexiseq.megatron.batch_layout import MicroBatchLayout
 from megatron_hexiseq.megatron.config import cpu_device_shim
 from megatron_hexiseq.megatron.documents import MicroBatchDocuments
-from megatron_hexiseq.megatron.global_ahead import StepPreparer, global_slot, side_groups
+from megatron_hexiseq.megatron.global_ahead import (
+    StepPreparer,
+    global_slot,
+    replica_ranks,
+    side_groups,
+)
 from megatron_hexiseq.megatron.global_data import GlobalStep, StepUnits
 from megatron_hexiseq.megatron.loss import per_token_loss
-from megatron_hexiseq.megatron.runtime import RunShape, build_runtime
+from megatron_hexiseq.megatron.runtime import build_runtime
 from megatron_hexiseq.model import ModelSpec
-from megatron_hexiseq.testbed.train import build_gpt, train_step
+from megatron_hexiseq.testbed.tp_cpu import cpu_sequence_parallel
+from megatron_hexiseq.testbed.train import build_gpt, run_shape, train_step
 from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig
 
 
@@ -76,6 +83,10 @@ class GlobalTrainConfig:
     reset_position_ids: bool = False
     depth: int = 2  # steps the planning thread may run ahead
     return_grads: bool = False  # rank 0: the gradients of step 0 (for equivalence tests)
+    # TP bundles of t (``structure`` over bundles), Megatron's sequence parallelism inside with the
+    # CPU stand-ins of testbed/tp_cpu.py; init_params: TP = 1 weights (each TP rank its shard)
+    tensor_model_parallel_size: int = 1
+    init_params: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def steps(self) -> int:
@@ -88,7 +99,12 @@ class GlobalTrainConfig:
     def train_config(self) -> TrainConfig:
         """The per-micro-batch driver's config with the same model and weights (``build_gpt``)."""
         return TrainConfig(
-            model=self.model, layout=self.structure, seed=self.seed, data_parallel=self.replicas
+            model=self.model,
+            layout=self.structure,
+            seed=self.seed,
+            data_parallel=self.replicas,
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            init_params=self.init_params,
         )
 
 
@@ -97,7 +113,8 @@ class GlobalTrainResult:
     """Per rank: the global per-token loss and wall time of each step; per micro-batch of its
     domain the exposed host time; per step the planning thread's CPU seconds (schedule, layouts,
     plans, slices, agreement checks; not the reading of the units' tokens); its domain's
-    micro-batches (unit indices, layouts); step 0's gradients when asked (rank 0)."""
+    micro-batches (unit indices, layouts); step 0's gradients when asked (process ranks 0..t-1:
+    replica 0's bundle 0, one per TP rank); the reference's initial weights."""
 
     losses: list[float]
     step_times_s: list[float]
@@ -106,6 +123,7 @@ class GlobalTrainResult:
     bins: list[list[tuple[int, ...]]] = field(default_factory=list)
     layouts: list[list[Layout]] = field(default_factory=list)
     grads: dict[str, torch.Tensor] | None = None
+    initial_params: dict[str, torch.Tensor] | None = None
 
 
 def unit_tensors(
@@ -187,92 +205,97 @@ def _domain_batch(
 
 
 def train_global_rank(rank: int, world_size: int, cfg: GlobalTrainConfig) -> GlobalTrainResult:
-    """``run_ranks`` worker: ``cfg.steps`` global-batch steps on ``replicas x W`` ranks."""
-    W = cfg.structure.world_size
-    if world_size != W * cfg.replicas:
+    """``run_ranks`` worker: ``cfg.steps`` global-batch steps on ``replicas x W`` ranks (x t:
+    TP bundles, Megatron's grid: process rank ``tp + t (j + W replica)``)."""
+    W, t = cfg.structure.world_size, cfg.tensor_model_parallel_size
+    if world_size != W * cfg.replicas * t:
         raise HexiSeqError(
-            f"train_global_rank needs {W} x {cfg.replicas} = {W * cfg.replicas} processes, got {world_size}"
+            f"train_global_rank needs {W} x {cfg.replicas} x {t} = {W * cfg.replicas * t} "
+            f"processes, got {world_size}"
         )
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=W)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=t, context_parallel_size=W)
     try:
-        shape = RunShape(
-            world_size=world_size,
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1,
-            context_parallel_size=W,
-            seq_length=cfg.structure.seq_length,
-            num_attention_heads=cfg.model.num_attention_heads,
-            num_query_groups=cfg.model.num_query_groups,
-        )
-        runtime = build_runtime(
-            cfg.structure, shape, cp_group=mpu.get_context_parallel_group(), kernel=cfg.kernel
-        )
-        documents = MicroBatchDocuments(
-            seq_length=cfg.structure.seq_length,
-            eod_token=cfg.eod_token,
-            reset_position_ids=cfg.reset_position_ids,
-            required=True,
-        )
-        slot = global_slot(runtime.groups, reset_position_ids=cfg.reset_position_ids)
-        runtime = replace(runtime, documents=documents, batch_layout=slot)
-        model = build_gpt(cfg.train_config(), runtime=runtime)
-        ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=cfg.overlap_grad_reduce,
-            bucket_size=cfg.bucket_size,
-            grad_reduce_in_fp32=True,
-        )
-        with cpu_device_shim():
-            ddp = DistributedDataParallel(model.config, ddp_config, model)
-        params = [p for p in ddp.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr)
-        replicas = [list(range(d * W, (d + 1) * W)) for d in range(cfg.replicas)]
-        world_side, domain_side = side_groups(replicas)
-        planner = _Planner(cfg, slot, rank // W, world_side, domain_side)
-        device = torch.device("cpu")
-        losses, times, exposed, cpu, all_bins, all_layouts = [], [], [], [], [], []
-        kept: dict[str, dict[str, torch.Tensor]] = {}
-        for step in range(cfg.steps):
-            t_start = time.perf_counter()
-            items, mine, plan_s = planner.next()
-            waited = time.perf_counter() - t_start
-            batches = [
-                {key: v.to(device, non_blocking=True) for key, v in item.tensors.items()}
-                for item in items
-            ]
-
-            def activate(k: int, items=items, waited=waited) -> None:
-                """Micro-batch k's boundaries and plan become current (the core attention and
-                RoPE read them); its index goes to the device: the exposed host time."""
-                t0 = time.perf_counter()
-                documents.bounds = items[k].bounds
-                slot.plan = items[k].plan
-                items[k].plan.indices(device)
-                exposed.append((waited if k == 0 else 0.0) + time.perf_counter() - t0)
-
-            def keep_grads() -> None:
-                kept["grads"] = {
-                    n: p.main_grad.detach().clone() for n, p in model.named_parameters()
-                }
-
-            want = step == 0 and cfg.return_grads and rank == 0
-            report, _ = train_step(
-                ddp,
-                opt,
-                params,
-                batches,
-                before_micro_batch=activate,
-                before_update=keep_grads if want else None,
-            )
-            times.append(time.perf_counter() - t_start)
-            losses.append(float(report[0] / report[1]))
-            cpu.append(plan_s)
-            all_bins.append(mine)
-            all_layouts.append([item.plan.layout for item in items])
-        return GlobalTrainResult(
-            losses, times, exposed, cpu, all_bins, all_layouts, kept.get("grads")
-        )
+        with cpu_sequence_parallel() if t > 1 else contextlib.nullcontext():
+            return _train_global_rank(rank, cfg)
     finally:
         mpu.destroy_model_parallel()
+
+
+def _train_global_rank(rank: int, cfg: GlobalTrainConfig) -> GlobalTrainResult:
+    """Body of ``train_global_rank`` (model-parallel state initialised)."""
+    W, t = cfg.structure.world_size, cfg.tensor_model_parallel_size
+    runtime = build_runtime(
+        cfg.structure,
+        run_shape(cfg.train_config()),
+        cp_group=mpu.get_context_parallel_group(),
+        kernel=cfg.kernel,
+        tp_group=mpu.get_tensor_model_parallel_group() if t > 1 else None,
+    )
+    documents = MicroBatchDocuments(
+        seq_length=cfg.structure.seq_length,
+        eod_token=cfg.eod_token,
+        reset_position_ids=cfg.reset_position_ids,
+        required=True,
+    )
+    slot = global_slot(
+        runtime.groups, reset_position_ids=cfg.reset_position_ids, tokens_multiple_of=t
+    )
+    runtime = replace(runtime, documents=documents, batch_layout=slot)
+    model = build_gpt(cfg.train_config(), runtime=runtime)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        bucket_size=cfg.bucket_size,
+        grad_reduce_in_fp32=True,
+    )
+    with cpu_device_shim():
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    size = W * t  # a replica's process ranks (its bundles' GPUs), consecutive
+    replicas = [list(range(d * size, (d + 1) * size)) for d in range(cfg.replicas)]
+    # what a Megatron run computes (global_ahead.run_global_batches)
+    assert replica_ranks(mpu.get_context_parallel_group(), t) == replicas
+    world_side, domain_side = side_groups(replicas)
+    planner = _Planner(cfg, slot, rank // size, world_side, domain_side)
+    device = torch.device("cpu")
+    losses, times, exposed, cpu, all_bins, all_layouts = [], [], [], [], [], []
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+    for step in range(cfg.steps):
+        t_start = time.perf_counter()
+        items, mine, plan_s = planner.next()
+        waited = time.perf_counter() - t_start
+        batches = [
+            {key: v.to(device, non_blocking=True) for key, v in item.tensors.items()}
+            for item in items
+        ]
+
+        def activate(k: int, items=items, waited=waited) -> None:
+            """Micro-batch k's boundaries and plan become current (the core attention and
+            RoPE read them); its index goes to the device: the exposed host time."""
+            t0 = time.perf_counter()
+            documents.bounds = items[k].bounds
+            slot.plan = items[k].plan
+            items[k].plan.indices(device)
+            exposed.append((waited if k == 0 else 0.0) + time.perf_counter() - t0)
+
+        def keep_grads() -> None:
+            kept["grads"] = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+
+        want = step == 0 and cfg.return_grads and rank < t
+        report, _ = train_step(
+            ddp,
+            opt,
+            params,
+            batches,
+            before_micro_batch=activate,
+            before_update=keep_grads if want else None,
+        )
+        times.append(time.perf_counter() - t_start)
+        losses.append(float(report[0] / report[1]))
+        cpu.append(plan_s)
+        all_bins.append(mine)
+        all_layouts.append([item.plan.layout for item in items])
+    return GlobalTrainResult(losses, times, exposed, cpu, all_bins, all_layouts, kept.get("grads"))
 
 
 def train_global_reference(rank: int, world_size: int, cfg: GlobalTrainConfig) -> GlobalTrainResult:
@@ -284,6 +307,7 @@ def train_global_reference(rank: int, world_size: int, cfg: GlobalTrainConfig) -
     try:
         with cpu_device_shim():
             model = build_gpt(cfg.train_config())
+            initial = {n: q.detach().clone() for n, q in model.named_parameters()}
             opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
             losses, times, grads = [], [], None
             for step, units in enumerate(cfg.batches):
@@ -305,6 +329,6 @@ def train_global_reference(rank: int, world_size: int, cfg: GlobalTrainConfig) -
                 opt.step()
                 losses.append(loss_all / total)
                 times.append(time.perf_counter() - t0)
-        return GlobalTrainResult(losses, times, [], [], grads=grads)
+        return GlobalTrainResult(losses, times, [], [], grads=grads, initial_params=initial)
     finally:
         mpu.destroy_model_parallel()
