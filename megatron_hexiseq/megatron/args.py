@@ -88,7 +88,7 @@ class HexiSeqArgs:
         "documents (cut at EOD tokens) go to the domains (a job's, or the data-parallel replicas "
         "of --hexiseq-layout) and their micro-batches by predicted cost, and each micro-batch is "
         "planned by the batch planner in its domain (implies --hexiseq-batch-plan). Needs "
-        "--reset-attention-mask, TP = PP = 1 and a layout or job written by 'megatron-hexiseq "
+        "--reset-attention-mask, PP = 1 and a layout or job written by 'megatron-hexiseq "
         "plan' (docs/megatron.md, 'Packed long-context training').",
         default=False,
     )
