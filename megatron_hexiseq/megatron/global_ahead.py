@@ -15,7 +15,8 @@ thread:
    the domain (``GlobalScheme.layout``: the batch planner), its ``BatchPlan``, and this rank's
    tokens, gathered from the step's batch straight into pinned host memory: **each micro-batch
    is ``[1, N]``, N = its documents' tokens** (decision: docs/megatron.md; no filler), except
-   with TP bundles and sequence parallelism, where N must be a multiple of t: the micro-batch
+   with TP bundles, whose layouts hold multiples of t tokens per bundle (sequence parallelism
+   splits them evenly), so N must be a multiple of t: the micro-batch
    ends with a filler document of ``-N mod t`` zero tokens (loss mask 0, attending only to
    itself), so the run's losses and gradients are those without it;
 4. checks once per micro-batch that the domain's ranks planned the same layout (the digests of
@@ -120,8 +121,8 @@ class StepPreparer:
             )
         units = step.units
         multiple = self.slot.tokens_multiple_of
-        # the step's batch flattened; with sequence parallelism followed by ``multiple - 1``
-        # filler tokens (zeros, so out of the loss) at index ``filler``
+        # the step's batch flattened; with TP bundles followed by ``multiple - 1`` filler tokens
+        # (zeros, so out of the loss) at index ``filler``
         flat = {key: v.reshape(-1) for key, v in step.batch.items()}
         filler = next(iter(flat.values())).numel()
         if multiple > 1:
@@ -131,7 +132,7 @@ class StepPreparer:
             lengths = [units.length[u] for u in ids]
             pad = -sum(lengths) % multiple
             where = units.flat(ids)
-            if pad:  # sequence parallelism: a filler document makes N a multiple of t
+            if pad:  # TP bundles: a filler document makes N a multiple of t
                 lengths.append(pad)
                 where = np.concatenate([where, np.arange(filler, filler + pad, dtype=np.int64)])
             layout = self.scheme.layout(self.domain, lengths)
@@ -224,7 +225,8 @@ def global_slot(
 ) -> MicroBatchLayout:
     """The per-micro-batch layout slot of a global-batch run (its plans come from
     :class:`StepPreparer`; a provider call is an error). ``tokens_multiple_of``: t with TP
-    bundles and sequence parallelism (every bundle's tokens, so every micro-batch's)."""
+    bundles (every bundle's tokens, so every micro-batch's: the scheme rounds its layouts as
+    ``plan`` does, for sequence parallelism)."""
     return MicroBatchLayout(
         groups,
         _no_provider,
@@ -314,13 +316,12 @@ def run_global_batches(
     context-parallel groups; collective over the default group), each running ``B / (b x DP)``
     micro-batches per step."""
     B, b = int(args.global_batch_size), int(args.micro_batch_size)
-    t = runtime.layout.tensor_model_parallel_size
     if job is not None:
         assert place is not None
         domains = job_domains(job, source)
         mine, micro_batches = place.domain, place.micro_batches
     else:
-        replicas = replica_ranks(cp_group, t)
+        replicas = replica_ranks(cp_group, runtime.layout.tensor_model_parallel_size)
         if B % (b * len(replicas)):
             raise HexiSeqError(
                 f"--global-batch-size {B} is not a whole number of micro-batches of {b} for each "
@@ -334,7 +335,7 @@ def run_global_batches(
         planned_scheme(domains, domains[mine].structure, source),
         runtime.documents,
         runtime.batch_layout,
-        domains=domain_side_ranks(domains, t),
+        domains=domain_side_ranks(domains, domains[0].options.tensor_model_parallel_size),
         domain=mine,
         micro_batches=micro_batches,
         chunks=B // b,

@@ -247,11 +247,10 @@ def setup(
                 "--hexiseq-global-batch plans every micro-batch itself; drop the "
                 "per-micro-batch layout provider"
             )
-        sequence_parallel = bool(getattr(args, "sequence_parallel", False))
-        slot = global_slot(
+        slot = global_slot(  # with TP bundles the scheme rounds every layout to multiples of t
             runtime.groups,
             reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-            tokens_multiple_of=layout.tensor_model_parallel_size if sequence_parallel else 1,
+            tokens_multiple_of=layout.tensor_model_parallel_size,
         )
         runtime = replace(runtime, batch_layout=slot)
     elif hs.batch_plan:
