@@ -83,8 +83,8 @@ HEXISEQ = [
 ]
 
 
-def _data() -> EodSamples:
-    return EodSamples(STEPS * B, S, seed=SEED, every=7)
+def _data(seed: int = SEED) -> EodSamples:
+    return EodSamples(STEPS * B, S, seed=seed, every=7)
 
 
 class _Mutated:
@@ -157,7 +157,7 @@ def _hexiseq_worker(
     return out
 
 
-def _reference_worker(rank: int, world: int, checkout: str) -> dict:
+def _reference_worker(rank: int, world: int, checkout: str, seed: int = SEED) -> dict:
     """Stock single-process Megatron on each step's 4 samples (dense document mask); step 0's
     gradients of the global per-token loss, and of the same loss with the longest document of
     step 0 dropped, then counted twice."""
@@ -171,11 +171,12 @@ def _reference_worker(rank: int, world: int, checkout: str) -> dict:
 
     _parse(ARGV + ["--micro-batch-size", str(B)], rank, world)
     mpu.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    data = _data()
+    data = _data(seed)
     out: dict = {"losses": [], "grads": []}
     with cpu_device_shim():
         model = stock_model(stock)
         out["params"] = sum(float(p.detach().double().sum()) for p in model.parameters())
+        out["initial"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         for step in range(STEPS):
             samples = [data[i] for i in range(step * B, (step + 1) * B)]
             batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
