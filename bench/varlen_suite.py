@@ -39,6 +39,7 @@ from _common import PROLONG_DOCS, write_outputs
 from planner_suite import TYPES, cluster_spec
 
 from megatron_hexiseq.cluster import cluster_from_dict
+from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.model import get_model
 from megatron_hexiseq.varlen.global_compare import BASELINES, choice_steps, compare_global
 from megatron_hexiseq.varlen.packing import heavy_tailed_lengths, load_doc_lengths
@@ -98,20 +99,40 @@ def case_steps(case: dict, steps: int) -> int:
     return max(steps, choice_steps(case["tokens"] // case["seq"]))
 
 
-def run_case(case: dict, steps: int) -> dict:
+def run_case(case: dict, steps: int, tp_sizes: tuple[int, ...] = (1,)) -> dict:
+    """One case compared; with several ``tp_sizes`` every scheme at its best TP size (each size
+    compared on its bundle problem, ``compare_global(tensor_model_parallel_size=t)``; a size
+    that does not divide the heads or a node's GPUs is skipped), its ``config`` with ``tp``."""
     cluster = cluster_from_dict(case["spec"])
     model = get_model(case["model"])
     t0 = time.process_time()
-    res = compare_global(
-        cluster, model, _docs(case), case["seq"], case["tokens"], case_steps(case, steps),
-        case["seed"] % 1000, keep_assignments=False,
-    )  # fmt: skip
-    s = res["schemes"]
+    s: dict = {}
+    chosen, candidates = None, []
+    for t in tp_sizes:
+        try:
+            res = compare_global(
+                cluster, model, _docs(case), case["seq"], case["tokens"],
+                case_steps(case, steps), case["seed"] % 1000, keep_assignments=False,
+                tensor_model_parallel_size=t,
+            )  # fmt: skip
+        except HexiSeqError:  # t does not split this model or these nodes
+            continue
+        candidates += res["domains"].get("hexiseq-global", {}).get("candidates", [])
+        for k, v in res["schemes"].items():
+            v = {**v, "config": {**v["config"], "tp": t}}
+            if k not in s or (not v["feasible"], v["mean_step_s"]) < (
+                not s[k]["feasible"],
+                s[k]["mean_step_s"],
+            ):
+                s[k] = v
+                if k == "hexiseq-global":
+                    chosen = res["domains"]["hexiseq-global"]["chosen"]
+                    chosen += f" @TP{t}" if len(tp_sizes) > 1 else ""
     if "hexiseq-global" not in s:  # no HexiSeq domain set fits: reported, not compared
         row = {
             k: case[k] for k in ("label", "model", "seq", "tokens", "gpus", "homogeneous", "dist")
         }
-        row["error"] = [c.get("reason", "") for c in res["domains"]["hexiseq-global"]["candidates"]]
+        row["error"] = [c.get("reason", "") for c in candidates]
         return row
     ours = s["hexiseq-global"]["mean_step_s"]
     row = {
@@ -127,7 +148,7 @@ def run_case(case: dict, steps: int) -> dict:
             "configs": {k: v["config"] for k, v in s.items()},
             "speedup": {k: s[k]["mean_step_s"] / ours for k in s if k != "hexiseq-global"},
             "domain_imbalance": s["hexiseq-global"]["domain_imbalance"],
-            "domains": res["domains"]["hexiseq-global"]["chosen"],
+            "domains": chosen,
             "schedule_ms_max": s["hexiseq-global"]["schedule_ms_max"],
             "plan_ms_p50": s["hexiseq-global"]["plan_ms_p50"],
             "plan_ms_max": s["hexiseq-global"]["plan_ms_max"],
@@ -136,6 +157,8 @@ def run_case(case: dict, steps: int) -> dict:
     )
     present = [k for k in BASELINES if k in s and s[k]["feasible"]]
     row["best_baseline"] = min(present, key=lambda k: s[k]["mean_step_s"])
+    if len(tp_sizes) > 1:  # each scheme at its own best TP size
+        row["tp"] = {k: v["config"]["tp"] for k, v in s.items()}
     row["speedup"][BEST] = s[row["best_baseline"]]["mean_step_s"] / ours
     return row
 
@@ -253,7 +276,9 @@ def write(rows: list[dict], out: str, steps: int, extra: dict) -> str:
             f"{r['dist']} | {r['domains']} | {r['tokens_per_s']['hexiseq-global']:,.0f} | "
             f"{_x(r, 'megatron-cp-dp')} | {_x(r, 'megatron-hybrid-cp')} | "
             f"{_x(r, 'speed-aware-packing')} | {_x(r, 'fast-only')} | "
-            f"{r['speedup'][BEST]:.2f} ({r['best_baseline']}) | {_x(r, 'megatron-thd-cp')} | "
+            f"{r['speedup'][BEST]:.2f} ({r['best_baseline']}"
+            + (f" @TP{r['tp'][r['best_baseline']]}" if "tp" in r else "")
+            + f") | {_x(r, 'megatron-thd-cp')} | "
             f"{r['domain_imbalance']:.3f} | {r['schedule_ms_max']:.3g} | "
             f"{r['plan_ms_p50']:.3g} / {r['plan_ms_max']:.3g} |"
         )
@@ -326,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         help="schedule with the divided work alone (GlobalPlanner's probes off: the tables before "
         "2026-12-07), every scheme alike",
     )
+    ap.add_argument(
+        "--tp-sizes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="TP bundle sizes every scheme is compared at (each at its best; default 1)",
+    )
     ap.add_argument("--out", default="results/bench", help="output folder")
     args = ap.parse_args(argv)
     if args.no_probes:
@@ -341,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in selected:
         t0 = time.perf_counter()
-        rows.append(run_case(case, steps))
+        rows.append(run_case(case, steps, tuple(args.tp_sizes)))
         print(f"{case['label']} {case['dist']}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    extra: dict = {"probes": not args.no_probes}
+    extra: dict = {"probes": not args.no_probes, "tp_sizes": args.tp_sizes}
     if args.imbalance:
         extra["imbalance"] = imbalance_case(steps)
     if args.schedule_time:

@@ -475,6 +475,15 @@ def test_varlen_global_cli(typed, tmp_path, capsys) -> None:
     assert "hexiseq-global" in printed and "megatron-thd-cp (appendix)" in printed
     assert main([*args, "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot draws per-micro-batch" in capsys.readouterr().err
+    # TP bundles of 2 (one per node here): the same comparison on the bundle problem
+    assert main([*args, "--tensor-model-parallel-size", "2"]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["tensor_model_parallel_size"] == 2 and data["world_size"] == 4
+    assert "in TP bundles of 2" in capsys.readouterr().out
+    no_global = [a for a in args if a not in ("--global-batch-tokens", str(8 * S))]
+    assert main([*no_global, "--tensor-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "add --global-batch-tokens" in err and len(err.strip().splitlines()) == 1
 
 
 def _job(m, doms) -> JobPlan:
@@ -570,3 +579,35 @@ def test_stock_steps_pay_the_measured_overhead_once_per_step() -> None:
     # 16 units of 1024 tokens at 1024 per rank: one group, each rank runs 8 one after another
     assert b.config["groups"] == 1
     assert a.domain_s[0] - b.domain_s[0] == pytest.approx(7 * 0.020, rel=1e-9)
+
+
+def test_compare_global_over_tp_bundles(typed) -> None:
+    """``tensor_model_parallel_size`` t: every scheme on TP bundles, compared on the bundle
+    problem (one device per bundle, one TP rank's model, options with t): the domains' and the
+    stock schemes' options carry t (their TP collectives and activations priced), CP sizes count
+    bundles, the record reports the real GPUs; a t that does not split the nodes is one line."""
+    from megatron_hexiseq.costmodel.tp import bundle_cluster, rank_model
+
+    m, docs, _ = typed
+    t = 2
+    res = compare_global(
+        MIX, m, docs, S, 16 * S, 1, 4, time_limit_s=20, tensor_model_parallel_size=t
+    )
+    assert res["tensor_model_parallel_size"] == t and res["world_size"] == MIX.world_size
+    assert res["model"] == m.name
+    assert set(res["schemes"]) == set(SCHEMES) | set(APPENDIX)
+    assert {r["cp"] for r in res["tried"]["megatron-cp-dp"]} <= {1, 2, 4}  # 4 bundles
+    assert all(
+        0 <= r["rank"] < MIX.world_size // t
+        for mb in res["steps"][0]["schemes"]["hexiseq-global"]["micro_batches"]
+        for r in mb["ranks"]
+    )
+    bundles, rank_m = bundle_cluster(MIX, t), rank_model(m, t)
+    assert all(o.tensor_model_parallel_size == t for o in modes_for(rank_m, t))
+    doms = plan_domains(
+        bundles, rank_m, typed_blocks(bundles, 1), S, 16, docs, time_limit_s=20,
+        tensor_model_parallel_size=t,
+    )  # fmt: skip
+    assert doms and all(d.options.tensor_model_parallel_size == t for d in doms)
+    with pytest.raises(HexiSeqError, match="does not divide|bundle|tensor-model-parallel-size 3"):
+        compare_global(MIX, m, docs, S, 16 * S, 1, 4, time_limit_s=20, tensor_model_parallel_size=3)

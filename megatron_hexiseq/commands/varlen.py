@@ -61,6 +61,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--job", metavar="job.json", help="a job file: its domains run hexiseq-global")
     p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="with --global-batch-tokens: every scheme on TP bundles of T GPUs of a node "
+        "(Megatron's tensor + sequence parallelism inside; default 1)",
+    )
+    p.add_argument(
         "--batches",
         type=int,
         default=None,
@@ -99,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
         raise HexiSeqError(f"--seed must be a non-negative integer, got {short(args.seed)}")
     if args.global_batch_tokens is not None:
         check_positive_int("--global-batch-tokens", args.global_batch_tokens, at_most=1 << 40)
+    tp = args.tensor_model_parallel_size
+    check_positive_int("--tensor-model-parallel-size", tp, at_most=64)
+    if tp > 1 and args.global_batch_tokens is None:
+        raise HexiSeqError(
+            "--tensor-model-parallel-size compares global batches; add --global-batch-tokens N "
+            "(a --job records its own TP size)"
+        )
     if global_mode and args.plot:
         raise HexiSeqError("--plot draws per-micro-batch runs; drop it with --global-batch-tokens")
     check_outputs(
@@ -137,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
             total = job.global_batch * job.seq_length
         with waiting("varlen", enabled=True) as say:
             result = compare_global(
-                cluster, model, docs, tokens, total, batches, args.seed, job=job, progress=say
-            )
+                cluster, model, docs, tokens, total, batches, args.seed, job=job, progress=say,
+                tensor_model_parallel_size=tp,
+            )  # fmt: skip
         write_json_atomic(args.output, result)
         _print_global(result)
         print(f"wrote {args.output}")
@@ -163,7 +179,13 @@ def _print_global(result: dict) -> None:
     rows = result["schemes"]
     ours = rows.get("hexiseq-global")
     table = Table(
-        title=f"{result['cluster']}: {result['world_size']} GPUs, {result['model']}, "
+        title=f"{result['cluster']}: {result['world_size']} GPUs"
+        + (
+            f" in TP bundles of {tp}"
+            if (tp := result.get("tensor_model_parallel_size", 1)) > 1
+            else ""
+        )
+        + f", {result['model']}, "
         f"{result['global_batch_tokens']:,} tokens per step in {result['samples_per_step']} "
         f"samples of {result['seq_length']:,} x {result['steps_count']} steps"
     )

@@ -100,6 +100,12 @@ def _kind(cluster: Cluster, model: ModelSpec, ranks: Sequence[int]) -> tuple:
     return _signature(probe)[0]
 
 
+def base_options(model: ModelSpec, tensor_model_parallel_size: int = 1) -> TrainOptions:
+    """The options every domain and scheme starts from: the model's micro-batch size, and t on a
+    bundle problem (its TP collectives and activations as Megatron's TP divides them)."""
+    return TrainOptions.for_model(model, tensor_model_parallel_size=tensor_model_parallel_size)
+
+
 def _plan_block(
     cluster: Cluster,
     model: ModelSpec,
@@ -109,14 +115,17 @@ def _plan_block(
     time_limit_s: float,
     cache: dict,
     modes: Modes = AUTO,
+    tensor_model_parallel_size: int = 1,
 ) -> tuple[Layout, TrainOptions]:
     """``plan``'s layout (and options) for ``seq_length`` tokens on the block ``ranks`` of a run
     on ``run`` (the optimizer sharded over the whole run), once per kind of block (``cache``);
     a ``HexiSeqError`` when it does not fit (cached too). ``modes``: the (memory mode, recompute)
-    pairs ``plan`` tries, in order."""
-    key = (_kind(cluster, model, ranks), len(run), seq_length, tuple(modes))
+    pairs ``plan`` tries, in order. ``tensor_model_parallel_size``: t of a bundle problem
+    (``cluster`` one device per TP bundle, ``model`` one TP rank's: ``compare_global``)."""
+    t = tensor_model_parallel_size
+    key = (_kind(cluster, model, ranks), len(run), seq_length, tuple(modes), t)
     if key not in cache:
-        base = domain_options(TrainOptions.for_model(model), cluster, run, len(ranks))
+        base = domain_options(base_options(model, t), cluster, run, len(ranks))
         try:
             cache[key] = plan_fixed(
                 sub_cluster(cluster, ranks),
@@ -146,6 +155,7 @@ def plan_domains(
     cache: dict | None = None,
     modes: Modes = AUTO,
     one_structure: bool = False,
+    tensor_model_parallel_size: int = 1,
 ) -> list[Domain]:
     """Domains on ``blocks`` (cluster ranks each): every kind of block planned once (``plan``'s
     layout for ``seq_length`` tokens, then the structure chosen for the lengths), micro-batch
@@ -157,7 +167,8 @@ def plan_domains(
     ``modes``: the memory modes ``plan`` tries (``RECOMPUTE``: the recompute modes only, more
     tokens fit a domain's micro-batch); ``one_structure``: every block runs the first block's
     structure and options (blocks of one size: Megatron's data-parallel replicas of one layout,
-    the CPU testbed's driver), each kind still with its own efficiency."""
+    the CPU testbed's driver), each kind still with its own efficiency.
+    ``tensor_model_parallel_size``: t of a bundle problem (``_plan_block``)."""
     if one_structure and len({len(b) for b in blocks}) > 1:
         raise HexiSeqError(
             f"one structure for every domain needs blocks of one size, got sizes "
@@ -176,8 +187,9 @@ def plan_domains(
                 structure, opt = _rehost(first[0], sub), first[1]
             else:
                 lay, opt = _plan_block(
-                    cluster, model, b, seq_length, run, time_limit_s, cache, modes
-                )
+                    cluster, model, b, seq_length, run, time_limit_s, cache, modes,
+                    tensor_model_parallel_size,
+                )  # fmt: skip
                 m = replace(model, seq_length=seq_length)
                 structure, _ = choose_structure(
                     lay, sub, m, opt, doc_lengths, batches=STRUCTURE_BATCHES
@@ -210,6 +222,7 @@ def plan_domains(
         return plan_domains(
             cluster, model, blocks, seq_length, samples, doc_lengths, time_limit_s=time_limit_s,
             cache=cache, modes=(heaviest,), one_structure=one_structure,
+            tensor_model_parallel_size=tensor_model_parallel_size,
         )  # fmt: skip
     return _counted(domains, model, samples, doc_lengths, seq_length)
 
@@ -326,6 +339,7 @@ def fit_blocks(
     cache: dict,
     scale: int = 1,
     modes: Modes = AUTO,
+    tensor_model_parallel_size: int = 1,
 ) -> tuple[str, list[list[int]]] | None:
     """Domains of one GPU type each, every type at its own size: the smallest power of two whose
     GPUs hold a ``seq_length``-token sample in memory (``plan`` finds a layout) with at most
@@ -343,8 +357,9 @@ def fit_blocks(
             if len(ranks) % n == 0 and seq_length // n <= hi:
                 try:
                     _plan_block(
-                        cluster, model, ranks[:n], seq_length, run, time_limit_s, cache, modes
-                    )
+                        cluster, model, ranks[:n], seq_length, run, time_limit_s, cache, modes,
+                        tensor_model_parallel_size,
+                    )  # fmt: skip
                 except HexiSeqError:
                     n *= 2
                     continue
@@ -423,6 +438,7 @@ def domain_candidates(
     *,
     modes: Modes = AUTO,
     grids: bool = False,
+    tensor_model_parallel_size: int = 1,
 ) -> list[tuple[str, list[list[int]]]]:
     """``hexiseq_candidates`` and, on a mixed cluster, ``fit_blocks`` at scales 1 and 2 (planned
     in ``modes``; ``cache`` as ``plan_domains``')."""
@@ -430,8 +446,9 @@ def domain_candidates(
     if len({d.gpu.name for d in cluster.devices}) > 1:
         for scale in (1, 2):
             fit = fit_blocks(
-                cluster, model, seq_length, tokens_per_gpu, time_limit_s, cache, scale, modes
-            )
+                cluster, model, seq_length, tokens_per_gpu, time_limit_s, cache, scale, modes,
+                tensor_model_parallel_size,
+            )  # fmt: skip
             if fit is not None and len(fit[1]) <= samples:
                 if all(fit[1] != blocks for _, blocks in out):  # not a typed(n) already
                     out.append(fit)

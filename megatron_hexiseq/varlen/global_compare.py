@@ -46,6 +46,7 @@ from megatron_hexiseq.varlen.domain_choice import (
     RECOMPUTE,
     TOKENS_PER_GPU,
     Modes,
+    base_options,
     domain_candidates,
     domains_from_job,
     other_modes,
@@ -95,9 +96,9 @@ def units_of(samples: Sequence[Sequence[int]]) -> list[int]:
     return [int(x) for s in samples for x in s]
 
 
-def modes_for(model: ModelSpec) -> list[TrainOptions]:
-    """The memory modes the baselines try, in order of overhead."""
-    base = TrainOptions.for_model(model)
+def modes_for(model: ModelSpec, tensor_model_parallel_size: int = 1) -> list[TrainOptions]:
+    """The memory modes the baselines try, in order of overhead (with t on a bundle problem)."""
+    base = base_options(model, tensor_model_parallel_size)
     return [replace(base, memory_mode=m, recompute=r) for m, r in modes_to_try("auto", False)]
 
 
@@ -117,9 +118,28 @@ def compare_global(
     time_limit_s: float = 60.0,
     schemes: Sequence[str] = SCHEMES + APPENDIX,
     tokens_per_gpu: tuple[int, int] = TOKENS_PER_GPU,
+    tensor_model_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """The ``out.json`` document of ``varlen --global-batch-tokens`` (module docstring)."""
+    """The ``out.json`` document of ``varlen --global-batch-tokens`` (module docstring).
+
+    ``tensor_model_parallel_size`` t > 1: every scheme on TP bundles of t GPUs, compared on the
+    **bundle problem** as ``plan --tensor-model-parallel-size t`` plans (``costmodel.tp``: one
+    device per bundle, one TP rank's model, options with t), so a "GPU" below is a bundle and
+    ``tokens_per_gpu`` is scaled by t; step times and tokens/s are the real cluster's (every GPU of
+    a bundle works in step). The filler that makes a micro-batch's tokens a multiple of t at run
+    time (fewer than t tokens, docs/megatron.md) is not priced."""
     say = progress or (lambda message: None)
+    t, model_name = tensor_model_parallel_size, model.name
+    if t > 1:
+        if job is not None:
+            raise HexiSeqError(
+                "--tensor-model-parallel-size with --job: the job records its own TP size; drop "
+                "--tensor-model-parallel-size"
+            )
+        from megatron_hexiseq.costmodel.tp import bundle_cluster, rank_model
+
+        cluster, model = bundle_cluster(cluster, t), rank_model(model, t)
+        tokens_per_gpu = (tokens_per_gpu[0] * t, tokens_per_gpu[1] * t)
     samples = global_batch_tokens // seq_length
     if samples < 1:
         raise HexiSeqError(
@@ -131,7 +151,7 @@ def compare_global(
     m = replace(model, seq_length=seq_length)
     batches = global_batches(doc_lengths, seq_length, samples, steps, seed)
     pricer = Pricer(cluster, m)
-    modes = modes_for(m)
+    modes = modes_for(m, t)
     results: dict[str, list[SchemeStep]] = {}
     tried: dict[str, list[dict[str, Any]]] = {}
     domains_rec: dict[str, Any] = {}
@@ -205,7 +225,7 @@ def compare_global(
         say("hexiseq-global: choosing the domains")
         chosen, cands = _job_or_choice(
             cluster, m, doc_lengths, seq_length, samples, job, pricer, time_limit_s, say,
-            tokens_per_gpu,
+            tokens_per_gpu, t,
         )  # fmt: skip
         if chosen is None:  # no candidate domain set holds the global batch
             domains_rec["hexiseq-global"] = {"chosen": None, "candidates": cands}
@@ -243,8 +263,9 @@ def compare_global(
         "version": VERSION,
         "mode": "global",
         "cluster": cluster.name,
-        "world_size": cluster.world_size,
-        "model": model.name,
+        "world_size": cluster.world_size * t,
+        "tensor_model_parallel_size": t,
+        "model": model_name,
         "seq_length": seq_length,
         "samples_per_step": samples,
         "global_batch_tokens": samples * seq_length,
@@ -258,7 +279,7 @@ def compare_global(
 
 
 def _job_or_choice(
-    cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say, tokens_per_gpu
+    cluster, model, doc_lengths, S, samples, job, pricer, time_limit_s, say, tokens_per_gpu, tp=1
 ):
     """The job's domains, or the fastest candidate domain set (``choose_domains``)."""
     if job is not None:
@@ -270,10 +291,13 @@ def _job_or_choice(
         doms = domains_from_job(job)
         return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
     cache: dict = {}
-    candidates = domain_candidates(cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache)
+    candidates = domain_candidates(
+        cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache,
+        tensor_model_parallel_size=tp,
+    )  # fmt: skip
     return choose_domains(
         cluster, model, doc_lengths, S, samples, pricer, candidates, time_limit_s=time_limit_s,
-        say=say, cache=cache,
+        say=say, cache=cache, tensor_model_parallel_size=tp,
     )  # fmt: skip
 
 
@@ -288,6 +312,7 @@ def choose_domains(
     *,
     variants: Sequence[tuple[str, Modes]] = (("", AUTO), ("+recompute", RECOMPUTE)),
     one_structure: bool = False,
+    tensor_model_parallel_size: int = 1,
     time_limit_s: float = 60.0,
     say: Callable[[str], None] | None = None,
     cache: dict | None = None,
@@ -331,6 +356,7 @@ def choose_domains(
             doms = plan_domains(
                 cluster, model, blocks, seq_length, samples, doc_lengths,
                 time_limit_s=time_limit_s, cache=cache, modes=modes, one_structure=one_structure,
+                tensor_model_parallel_size=tensor_model_parallel_size,
             )  # fmt: skip
         except HexiSeqError as e:
             rows.append({"name": label, "reason": str(e)})
