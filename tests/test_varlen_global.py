@@ -416,6 +416,9 @@ def test_compare_global_reports_every_scheme(typed) -> None:
     ours = res["schemes"]["hexiseq-global"]
     assert ours["schedule_ms_max"] > 0 and ours["domain_imbalance"] >= 1.0
     assert res["domains"]["hexiseq-global"]["chosen"]
+    # Megatron's CP groups and one domain per type are HexiSeq candidates too
+    names = [c["name"] for c in res["domains"]["hexiseq-global"]["candidates"]]
+    assert any("cp-groups(c=" in n for n in names) and any("per-type" in n for n in names)
     step = res["steps"][0]
     assert sum(len(s) for s in step["samples"]) > 0
     for rec in step["schemes"].values():

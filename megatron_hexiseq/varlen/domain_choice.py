@@ -3,7 +3,8 @@
 A candidate domain set is a list of blocks of cluster ranks (``hexiseq_candidates``: equal mixed
 data-parallel replicas and domains of one GPU type, of every size ``n`` with ``S / n`` tokens per
 GPU in range; ``fit_blocks``: domains of one GPU type each at its own size, the fewest GPUs of the
-type that hold a sample). ``plan_domains`` turns blocks into ``Domain``s: each kind of block gets
+type that hold a sample; with ``grids``, Megatron's CP groups and one domain per type, which
+``global_compare`` always adds). ``plan_domains`` turns blocks into ``Domain``s: each kind of block gets
 ``plan``'s layout for ``S`` tokens on its GPUs, the structure ``plan --doc-lengths`` would choose
 (``structure.choose_structure``) and its measured planning efficiency (``efficiency``); micro-batch
 counts by speed (``domains.speed_shares``), equal under Megatron-FSDP.

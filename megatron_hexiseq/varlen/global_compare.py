@@ -291,8 +291,11 @@ def _job_or_choice(
         doms = domains_from_job(job)
         return ("job", GlobalPlanner(doms, model)), [{"name": "job", "domains": len(doms)}]
     cache: dict = {}
+    # Megatron's CP groups and one domain per type are candidates too (``grids``): HexiSeq's
+    # layouts and scheduler on the groups speed-aware packing uses (on TP bundles the other
+    # candidate sets thin out: docs/varlen.md, "Every scheme at its best TP size")
     candidates = domain_candidates(
-        cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache,
+        cluster, model, S, samples, tokens_per_gpu, time_limit_s, cache, grids=True,
         tensor_model_parallel_size=tp,
     )  # fmt: skip
     return choose_domains(
