@@ -29,7 +29,7 @@ from dataclasses import replace
 import pytest
 import torch
 from test_job_runtime import job_tp
-from test_megatron_tp import reordering_tolerance
+from test_megatron_tp import assert_tp_shard_grads, reordering_tolerance
 
 from megatron_hexiseq.testbed.job_train import (
     JobTrainConfig,
@@ -93,20 +93,8 @@ def test_tp_job_matches_single_process(runs):
         torch.testing.assert_close(
             torch.tensor(res.losses), torch.tensor(ref.losses), rtol=tol, atol=0
         )
-    gated = cfg.model.swiglu
-    for tp_rank in range(TP):  # process ranks 0 and 1: the fast bundle's two TP ranks
-        got = per_rank[tp_rank].grads
-        assert got is not None and got.keys() == ref.grads.keys()
-        for name, full in ref.grads.items():
-            want = tp_slice(name, full, tp_rank, TP, gated_linear_unit=gated)
-            assert want.abs().max() > 0, name
-            torch.testing.assert_close(
-                got[name],
-                want,
-                rtol=tol,
-                atol=tol * float(full.abs().max()),
-                msg=lambda m, n=name, i=tp_rank: f"TP rank {i} gradient of {n}: {m}",
-            )
+    # process ranks 0 and 1: the fast bundle's two TP ranks
+    assert_tp_shard_grads([r.grads for r in per_rank[:TP]], ref.grads, tol, cfg.model.swiglu)
     # both TP ranks of the fast bundle start from their own shards: they differ where TP splits
     assert not torch.equal(
         per_rank[0].grads["decoder.layers.0.self_attention.linear_qkv.weight"],

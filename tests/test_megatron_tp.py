@@ -206,6 +206,24 @@ def reordering_tolerance(cfg: TrainConfig) -> float:
     return 2 * gamma * (m.num_layers + 1)
 
 
+def assert_tp_shard_grads(per_tp_rank: list, ref_grads: dict, tol: float, gated: bool) -> None:
+    """``per_tp_rank[i]``: TP rank i's gradients (one bundle's ranks) equal its shard of the
+    single-process ``ref_grads`` (``tp_slice``) within ``tol`` of each tensor's largest entry;
+    every reference shard is nonzero (the comparison can fail)."""
+    for tp_rank, got in enumerate(per_tp_rank):
+        assert got is not None and got.keys() == ref_grads.keys()
+        for name, full in ref_grads.items():
+            want = tp_slice(name, full, tp_rank, len(per_tp_rank), gated_linear_unit=gated)
+            assert want.abs().max() > 0, name
+            torch.testing.assert_close(
+                got[name],
+                want,
+                rtol=tol,
+                atol=tol * float(full.abs().max()),
+                msg=lambda m, n=name, i=tp_rank: f"TP rank {i} gradient of {n}: {m}",
+            )
+
+
 @pytest.fixture(scope="module")
 def runs():
     reference = run_ranks(reference_rank_many, 1, CASES, timeout_s=600)[0]

@@ -33,6 +33,7 @@ import pytest
 import torch
 from test_job_runtime import job_tp
 from test_megatron_gpt import FP32_UNIT_ROUNDOFF
+from test_megatron_tp import assert_tp_shard_grads
 
 from megatron_hexiseq.megatron.global_data import planned_scheme, replica_domains
 from megatron_hexiseq.megatron.job_runtime import domain_layout
@@ -42,7 +43,6 @@ from megatron_hexiseq.testbed.global_train import (
     train_global_reference,
 )
 from megatron_hexiseq.testbed.spawn import run_ranks
-from megatron_hexiseq.testbed.tp_cpu import tp_slice
 from megatron_hexiseq.testbed.train_config import TINY_GPT
 
 TP, REPLICAS, MICRO_BATCHES = 2, 2, 2
@@ -110,16 +110,5 @@ def test_global_batches_over_tp_bundles_match_single_process(runs) -> None:
         if sum(units[u] for u in b) % TP
     ]
     assert odd and all(n == tokens + 1 for tokens, n in odd), odd
-    for tp_rank in range(TP):  # process ranks 0, 1: replica 0's bundle 0
-        got = results[tp_rank].grads
-        assert got is not None and got.keys() == ref.grads.keys()
-        for name, full in ref.grads.items():
-            want = tp_slice(name, full, tp_rank, TP, gated_linear_unit=TINY_GPT.swiglu)
-            assert want.abs().max() > 0, name
-            torch.testing.assert_close(
-                got[name],
-                want,
-                rtol=tol,
-                atol=tol * float(full.abs().max()),
-                msg=lambda m, n=name, i=tp_rank: f"TP rank {i} gradient of {n}: {m}",
-            )
+    # process ranks 0, 1: replica 0's bundle 0
+    assert_tp_shard_grads([r.grads for r in results[:TP]], ref.grads, tol, TINY_GPT.swiglu)

@@ -233,16 +233,29 @@ def planner_inputs(
     return cluster, model, options
 
 
-def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
-    """``--hexiseq-batch-plan``'s provider: a ``BatchPlanner`` on ``layout``'s structure with the
-    cluster, model and options recorded in ``layout.meta`` (one line if they are missing)."""
-    from megatron_hexiseq.varlen.batch import BatchPlanner
-
-    cluster, model, options = planner_inputs(layout, source)
+def bundle_planner_inputs(
+    layout: Layout, source: str = "layout", flag: str = "--hexiseq-batch-plan"
+) -> tuple[Layout, Cluster, ModelSpec, TrainOptions]:
+    """What the batch planner plans ``layout``'s micro-batches on: ``planner_inputs`` and the
+    layout itself, or with TP bundles (t > 1) the bundle problem (``costmodel.tp.bundle_setting``:
+    one device per bundle, one TP rank's model, options with t) and the layout as a plain layout
+    of it (``over_bundles``)."""
+    cluster, model, options = planner_inputs(layout, source, flag)
     tp = layout.tensor_model_parallel_size
     if tp == 1:
-        return PlannerLayouts(BatchPlanner(layout, cluster, model, options))
+        return layout, cluster, model, options
     from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
 
     cluster, model, options = bundle_setting(cluster, model, options, tp)
-    return PlannerLayouts(BatchPlanner(over_bundles(layout), cluster, model, options), tp)
+    return over_bundles(layout), cluster, model, options
+
+
+def batch_planner_layouts(layout: Layout, source: str = "layout") -> PlannerLayouts:
+    """``--hexiseq-batch-plan``'s provider: a ``BatchPlanner`` on ``layout``'s structure with the
+    cluster, model and options recorded in ``layout.meta`` (one line if they are missing); over
+    TP bundles on the bundle problem (``bundle_planner_inputs``)."""
+    from megatron_hexiseq.varlen.batch import BatchPlanner
+
+    structure, cluster, model, options = bundle_planner_inputs(layout, source)
+    planner = BatchPlanner(structure, cluster, model, options)
+    return PlannerLayouts(planner, layout.tensor_model_parallel_size)

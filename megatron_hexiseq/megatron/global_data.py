@@ -41,7 +41,7 @@ from torch import Tensor
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.job import JobPlan
 from megatron_hexiseq.layout import Layout
-from megatron_hexiseq.megatron.batch_layout import planner_inputs
+from megatron_hexiseq.megatron.batch_layout import bundle_planner_inputs, planner_inputs
 from megatron_hexiseq.megatron.documents import eod_boundaries
 from megatron_hexiseq.megatron.job_runtime import domain_layout, domain_process_ranks
 from megatron_hexiseq.varlen.domains import Domain
@@ -183,18 +183,14 @@ def _domain(
     TP bundles of t GPUs, bundle ids), priced and planned on the cluster, model and options
     recorded in ``layout``: with t > 1 on its bundle problem (``costmodel.tp.bundle_setting``:
     one device per bundle, one TP rank's model), as ``--hexiseq-batch-plan`` plans."""
-    cluster, model, options = planner_inputs(layout, source, flag="--hexiseq-global-batch")
-    t = layout.tensor_model_parallel_size
-    if t > 1:
-        from megatron_hexiseq.costmodel.tp import bundle_setting, over_bundles
-
-        cluster, model, options = bundle_setting(cluster, model, options, t)
-        layout = over_bundles(layout)
+    structure, cluster, _, options = bundle_planner_inputs(
+        layout, source, flag="--hexiseq-global-batch"
+    )
     return Domain(
         index=index,
         ranks=tuple(bundles),
         micro_batches=micro_batches,
-        structure=layout,
+        structure=structure,
         cluster=cluster,
         options=options,
     )

@@ -41,7 +41,6 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.core import parallel_state as mpu
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from megatron_hexiseq.errors import HexiSeqError
 from megatron_hexiseq.layout import Layout
@@ -60,7 +59,7 @@ from megatron_hexiseq.megatron.loss import per_token_loss
 from megatron_hexiseq.megatron.runtime import build_runtime
 from megatron_hexiseq.model import ModelSpec
 from megatron_hexiseq.testbed.tp_cpu import cpu_sequence_parallel
-from megatron_hexiseq.testbed.train import build_gpt, run_shape, train_step
+from megatron_hexiseq.testbed.train import build_gpt, ddp_and_optimizer, run_shape, train_step
 from megatron_hexiseq.testbed.train_config import TINY_GPT, TrainConfig
 
 
@@ -242,15 +241,9 @@ def _train_global_rank(rank: int, cfg: GlobalTrainConfig) -> GlobalTrainResult:
     )
     runtime = replace(runtime, documents=documents, batch_layout=slot)
     model = build_gpt(cfg.train_config(), runtime=runtime)
-    ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=cfg.overlap_grad_reduce,
-        bucket_size=cfg.bucket_size,
-        grad_reduce_in_fp32=True,
+    ddp, params, opt = ddp_and_optimizer(
+        model, bucket_size=cfg.bucket_size, overlap=cfg.overlap_grad_reduce, lr=cfg.lr
     )
-    with cpu_device_shim():
-        ddp = DistributedDataParallel(model.config, ddp_config, model)
-    params = [p for p in ddp.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
     size = W * t  # a replica's process ranks (its bundles' GPUs), consecutive
     replicas = [list(range(d * size, (d + 1) * size)) for d in range(cfg.replicas)]
     # what a Megatron run computes (global_ahead.run_global_batches)
