@@ -24,6 +24,9 @@ domain by its own ``BatchPlanner`` (or, for the stock baselines, split THD zig-z
   min-heap of their loads, so a step costs O(units x kinds of domain x log domains).
 - **Small bins**: a bin with fewer tokens than its domain has ranks takes the smallest units of its
   domain's fullest bin (every rank needs a token).
+- **Exchanges**: a domain full in memory may still have time; it takes a long unit of a bin
+  that paces the step for its own shortest units, while that lowers the step
+  (``_swap_long_units``).
 - **Lockstep** (Megatron-FSDP: micro-batch ``k`` of every domain runs together, so the step is
   the sum over slots of the costliest bin): each domain's own units re-packed against the slots'
   levels, kept only where no level rises (``_level_domains``).
@@ -49,6 +52,14 @@ from megatron_hexiseq.varlen.digest import digest_ints
 ATTO = 10**18  # cost units per second
 OPEN_SCAN = 8  # open domains of one kind a unit is priced on, least loaded first (below)
 LEVEL_ROUNDS = 3  # lockstep re-packing rounds (``_level_domains``)
+SWAP_ROUNDS = 32  # exchanges of a long unit for short ones per step at most (``_swap_long_units``)
+SWAP_UNITS = 8  # the longest units of a pacing micro-batch offered in an exchange
+SWAP_DOMAINS = 8  # the least-loaded other domains each of them is offered to
+# an exchange must lower the step by the tables by 1/SWAP_GAIN of it at least: a table prices a
+# micro-batch it has not seen planned to a few per cent, and on case 8 of the suite (512 A100 /
+# A800 / L40S, llama3-8b 32K) an exchange that gained 1 ms of 5.3 s by the tables cost 354 ms
+# once its micro-batches were planned and priced; with the bar that step is left alone
+SWAP_GAIN = 256
 
 
 class LongUnit(NamedTuple):
@@ -244,7 +255,13 @@ def schedule_global(
         load[best.domain] = best.finish
         kinds[best.kind].update(best.domain, load, bins, moved)
     _fill_small_bins(bins, lengths, floor_tokens)
-    if lockstep and max(int(m) for m in micro_batches) > 1:
+    level = lockstep and max(int(m) for m in micro_batches) > 1
+    if level:
+        bins = _level_domains(bins, costs, lengths, floor_tokens)
+    # the exchanges after the re-packing, then it again: neither raises the step by the tables,
+    # so the step is never above the re-packing's alone (before it, on case 3 of the suite, the
+    # re-packing then found less to level: 1 step in 4 by the tables ended higher)
+    if D > 1 and _swap_long_units(bins, costs, lengths, floor_tokens, lockstep) and level:
         bins = _level_domains(bins, costs, lengths, floor_tokens)
     cost = [[_bin_cost(c, b, lengths) for b in bins[d]] for d, c in enumerate(costs)]
     # each domain's micro-batches costliest first (ties: as filled): under Megatron-FSDP the
@@ -450,6 +467,210 @@ def _give(
             b.tokens += lengths[u]
             return True
     return False
+
+
+def _refilled(cost: DomainCosts, units: Sequence[int], lengths: Sequence[int]) -> _Bin:
+    """A bin of ``units`` with its sums by ``cost`` (recomputed from scratch)."""
+    b = _Bin(cost.floor_as)
+    for u in units:
+        length = lengths[u]
+        work = cost.cost_as(length, length * (length + 1) // 2) + cost.unit_as
+        b.add(u, length, work, cost.long_unit_as(length))
+    return b
+
+
+class _Sorted:
+    """A bin's units shortest first (ties: index) with running sums, so that an exchange
+    (``_swap_long_units``) is priced without rebuilding the bin: ``tokens[i]`` and ``pairs[i]``
+    of the first ``i`` units, the bin's divided work with ``unit_as`` per unit, and its level
+    (``max(floor, work + long)``, what ``DomainCosts.bin_as`` adds to the fixed costs)."""
+
+    __slots__ = ("units", "tokens", "pairs", "work", "level")
+
+    def __init__(self, units: Sequence[int], cost: DomainCosts, lengths: Sequence[int]) -> None:
+        self.units = sorted(units, key=lambda j: (lengths[j], j))
+        n = len(self.units)
+        self.tokens, self.pairs = [0] * (n + 1), [0] * (n + 1)
+        for i, u in enumerate(self.units):
+            x = lengths[u]
+            self.tokens[i + 1] = self.tokens[i] + x
+            self.pairs[i + 1] = self.pairs[i] + x * (x + 1) // 2
+        self.work = cost.cost_as(self.tokens[n], self.pairs[n]) + cost.unit_as * n
+        longest = lengths[self.units[-1]] if n else 0
+        self.level = max(cost.floor_as, self.work + cost.long_unit_as(longest))
+
+
+def _exchange(
+    u: int,
+    src: _Sorted,
+    dst: _Sorted,
+    src_cost: DomainCosts,
+    dst_cost: DomainCosts,
+    lengths: Sequence[int],
+    need: tuple[int, int],
+) -> tuple[int, int, int] | None:
+    """Unit ``u`` of ``src`` into ``dst``, and the fewest shortest units of ``dst`` (each shorter
+    than ``u``) into ``src`` that leave ``dst`` room for it (``DomainCosts.room``): (how many
+    units of ``dst`` move, the new levels of ``src`` and ``dst``), or None when ``src`` has no room
+    for them or a bin would hold fewer tokens than its ``need``."""
+    length = lengths[u]
+    n = len(dst.units)
+    over = dst.tokens[n] + length - dst_cost.fill_tokens  # tokens that must leave ``dst``
+    e = 0 if over <= 0 else bisect.bisect_left(dst.tokens, over)
+    if e > n:  # not even all out leaves room within ``fill``: ``u`` alone, up to capacity
+        if length > dst_cost.capacity:
+            return None
+        e = n
+    if e and lengths[dst.units[e - 1]] >= length:
+        return None
+    out_tokens, out_pairs = dst.tokens[e], dst.pairs[e]
+    src_n = len(src.units) - 1 + e
+    src_tokens = src.tokens[-1] - length + out_tokens
+    if src_tokens > (src_cost.fill_tokens if src_n > 1 else src_cost.capacity):
+        return None
+    dst_tokens = dst.tokens[n] - out_tokens + length
+    if src_tokens < need[0] or dst_tokens < need[1]:
+        return None
+    pairs = length * (length + 1) // 2
+    src_work = src.work + src_cost.cost_as(out_tokens - length, out_pairs - pairs)
+    src_work += src_cost.unit_as * (e - 1)
+    rest = src.units[-1] if src.units[-1] != u else (src.units[-2] if len(src.units) > 1 else -1)
+    src_longest = max(lengths[rest] if rest >= 0 else 0, lengths[dst.units[e - 1]] if e else 0)
+    dst_work = dst.work + dst_cost.cost_as(length - out_tokens, pairs - out_pairs)
+    dst_work += dst_cost.unit_as * (1 - e)
+    dst_longest = max(length, lengths[dst.units[-1]] if e < n else 0)
+    return (
+        e,
+        max(src_cost.floor_as, src_work + src_cost.long_unit_as(src_longest)),
+        max(dst_cost.floor_as, dst_work + dst_cost.long_unit_as(dst_longest)),
+    )
+
+
+class _Pace(NamedTuple):
+    """The step by the tables before an exchange (``_swap_long_units``): every bin's level
+    (``profiles[d][k]``), every domain's load (fixed costs plus its levels), the step (``now``),
+    and what an exchange is measured against: the three slowest domains ``(load, -domain)``, or
+    under lockstep per slot the three costliest ``(level, domain)`` of the ``k``-th costliest
+    bins."""
+
+    lockstep: bool
+    profiles: list[list[int]]
+    loads: list[int]
+    now: int
+    top: list  # list[tuple[int, int]], or per slot a list of them under lockstep
+
+    @classmethod
+    def of(cls, profiles: list[list[int]], fixed: Sequence[int], lockstep: bool) -> _Pace:
+        loads = [f + sum(p) for f, p in zip(fixed, profiles)]
+        if not lockstep:
+            top = heapq.nlargest(3, ((x, -d) for d, x in enumerate(loads)))
+            return cls(False, profiles, loads, top[0][0], top)
+        ranked = [sorted(p, reverse=True) for p in profiles]
+        tops = [heapq.nlargest(3, ((r[k], d) for d, r in enumerate(ranked) if k < len(r)))
+                for k in range(max(len(r) for r in ranked))]  # fmt: skip
+        return cls(True, profiles, loads, sum(t[0][0] for t in tops), tops)
+
+    def sources(self) -> list[tuple[int, int]]:
+        """The bins that pace the step: the slowest domain's, or each slot's costliest."""
+        if not self.lockstep:
+            d = -self.top[0][1]
+            return [(d, k) for k in range(len(self.profiles[d]))]
+        out = []
+        for k, t in enumerate(self.top):
+            d = t[0][1]
+            out.append(
+                (
+                    d,
+                    sorted(range(len(self.profiles[d])), key=lambda j: (-self.profiles[d][j], j))[
+                        k
+                    ],
+                )
+            )
+        return out
+
+    def step_with(self, p: int, kp: int, vp: int, q: int, kq: int, vq: int) -> int:
+        """The step with bin ``kp`` of domain ``p`` at level ``vp`` and ``kq`` of ``q`` at ``vq``."""
+        pp, pq = self.profiles[p], self.profiles[q]
+        if not self.lockstep:
+            rest = next((x for x, nd in self.top if -nd not in (p, q)), 0)
+            return max(rest, self.loads[p] - pp[kp] + vp, self.loads[q] - pq[kq] + vq)
+        new_p = sorted(pp[:kp] + [vp] + pp[kp + 1 :], reverse=True)
+        new_q = sorted(pq[:kq] + [vq] + pq[kq + 1 :], reverse=True)
+        total = 0
+        for k, t in enumerate(self.top):
+            level = next((x for x, d in t if d not in (p, q)), 0)
+            if k < len(new_p):
+                level = max(level, new_p[k])
+            if k < len(new_q):
+                level = max(level, new_q[k])
+            total += level
+        return total
+
+
+def _swap_long_units(
+    bins: list[list[_Bin]],
+    costs: Sequence[DomainCosts],
+    lengths: Sequence[int],
+    need: Sequence[int],
+    lockstep: bool,
+) -> bool:
+    """Units go longest first to the earliest finish, so a long document lands on a domain that
+    is still empty, and the short ones that follow fill a domain **full in memory** before it is
+    busy: case 7 of ``bench/varlen_suite.py`` (64 L40S and 192 A100, llama3-70b at 128K under
+    Megatron-FSDP) put every document of 64K-128K tokens on the A100s, whose slots then ran 32.2
+    and 29.7 s, while the L40S domain, holding the 565,584 tokens its memory allows per
+    micro-batch, all short, ran 24.6 s in each. A long unit costs more per token (its pairs) in the
+    same memory, so for up to ``SWAP_ROUNDS`` rounds: each bin that paces the step (the slowest
+    domain's bins; under lockstep each slot's costliest) offers its ``SWAP_UNITS`` longest units
+    to the cheaper bins of the ``SWAP_DOMAINS`` least-loaded other domains, each taking the unit
+    for its own shortest units (``_exchange``); the exchange that lowers the step by the tables
+    most, by ``1 / SWAP_GAIN`` of it at least, is made (ties: the first found), and the rounds
+    stop when none does; True when one was made. Integers only,
+    like the rest of the schedule; a trial costs the units it moves (``_Sorted``'s running sums)
+    and the slots or the three slowest domains (``_Pace``), not a pass over every domain."""
+    D = len(bins)
+    fixed = [len(bins[d]) * c.batch_as + c.step_as for d, c in enumerate(costs)]
+    profiles = [[_bin_cost(c, b, lengths) for b in bins[d]] for d, c in enumerate(costs)]
+    view: dict[tuple[int, int], _Sorted] = {}  # built when a bin is first offered or offers
+    changed = False
+
+    def sorted_bin(d: int, k: int) -> _Sorted:
+        if (d, k) not in view:
+            view[d, k] = _Sorted(bins[d][k].units, costs[d], lengths)
+        return view[d, k]
+
+    for _ in range(SWAP_ROUNDS):
+        pace = _Pace.of(profiles, fixed, lockstep)
+        bar = pace.now - pace.now // SWAP_GAIN
+        best: tuple[int, int, int, int, int, int, int] | None = None
+        for p, kp in pace.sources():
+            src = sorted_bin(p, kp)
+            others = sorted((d for d in range(D) if d != p), key=lambda d: (pace.loads[d], d))
+            for u in src.units[::-1][:SWAP_UNITS]:
+                for q in others[:SWAP_DOMAINS]:
+                    for kq in range(len(bins[q])):
+                        if profiles[q][kq] >= profiles[p][kp]:
+                            continue
+                        dst = sorted_bin(q, kq)
+                        got = _exchange(
+                            u, src, dst, costs[p], costs[q], lengths, (need[p], need[q])
+                        )
+                        if got is None:
+                            continue
+                        step = pace.step_with(p, kp, got[1], q, kq, got[2])
+                        if step < bar and (best is None or step < best[0]):
+                            best = (step, p, kp, q, kq, u, got[0])
+        if best is None:
+            break
+        changed = True
+        _, p, kp, q, kq, u, e = best
+        src, dst = view[p, kp], view[q, kq]
+        view[p, kp] = _Sorted([j for j in src.units if j != u] + dst.units[:e], costs[p], lengths)
+        view[q, kq] = _Sorted(dst.units[e:] + [u], costs[q], lengths)
+        for d, k in ((p, kp), (q, kq)):
+            bins[d][k] = _refilled(costs[d], view[d, k].units, lengths)
+            profiles[d][k] = view[d, k].level
+    return changed
 
 
 def _levels(profiles: Sequence[Sequence[int]]) -> list[int]:
