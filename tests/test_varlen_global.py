@@ -256,13 +256,12 @@ def test_an_exchange_is_priced_as_the_rebuilt_bins() -> None:
             got = global_batch._exchange(u, src, dst, t[0], t[1], lengths, (1, 1))
             if got is None:
                 continue
-            e, level_src, level_dst = got
-            moved = dst.units[:e]
+            moved = dst.units[: got.moved]
             assert all(lengths[j] < lengths[u] for j in moved)
             new_src = [j for j in src.units if j != u] + moved
-            new_dst = dst.units[e:] + [u]
-            assert level_src == t[0].bin_as([lengths[j] for j in new_src]) - t[0].batch_as
-            assert level_dst == t[1].bin_as([lengths[j] for j in new_dst]) - t[1].batch_as
+            new_dst = dst.units[got.moved :] + [u]
+            assert got.src_level == t[0].bin_as([lengths[j] for j in new_src]) - t[0].batch_as
+            assert got.dst_level == t[1].bin_as([lengths[j] for j in new_dst]) - t[1].batch_as
             for table, b in ((t[0], new_src), (t[1], new_dst)):
                 limit = table.fill_tokens if len(b) > 1 else table.capacity
                 assert sum(lengths[j] for j in b) <= limit

@@ -500,6 +500,15 @@ class _Sorted:
         self.level = max(cost.floor_as, self.work + cost.long_unit_as(longest))
 
 
+class _Trade(NamedTuple):
+    """An exchange priced (``_exchange``): how many of the receiver's shortest units go back, and
+    the two bins' levels after it."""
+
+    moved: int
+    src_level: int
+    dst_level: int
+
+
 def _exchange(
     u: int,
     src: _Sorted,
@@ -508,11 +517,10 @@ def _exchange(
     dst_cost: DomainCosts,
     lengths: Sequence[int],
     need: tuple[int, int],
-) -> tuple[int, int, int] | None:
+) -> _Trade | None:
     """Unit ``u`` of ``src`` into ``dst``, and the fewest shortest units of ``dst`` (each shorter
-    than ``u``) into ``src`` that leave ``dst`` room for it (``DomainCosts.room``): (how many
-    units of ``dst`` move, the new levels of ``src`` and ``dst``), or None when ``src`` has no room
-    for them or a bin would hold fewer tokens than its ``need``."""
+    than ``u``) into ``src`` that leave ``dst`` room for it (``DomainCosts.room``); None when
+    ``src`` has no room for them or a bin would hold fewer tokens than its ``need``."""
     length = lengths[u]
     n = len(dst.units)
     over = dst.tokens[n] + length - dst_cost.fill_tokens  # tokens that must leave ``dst``
@@ -539,7 +547,7 @@ def _exchange(
     dst_work = dst.work + dst_cost.cost_as(length - out_tokens, pairs - out_pairs)
     dst_work += dst_cost.unit_as * (1 - e)
     dst_longest = max(length, lengths[dst.units[-1]] if e < n else 0)
-    return (
+    return _Trade(
         e,
         max(src_cost.floor_as, src_work + src_cost.long_unit_as(src_longest)),
         max(dst_cost.floor_as, dst_work + dst_cost.long_unit_as(dst_longest)),
@@ -576,16 +584,10 @@ class _Pace(NamedTuple):
             d = -self.top[0][1]
             return [(d, k) for k in range(len(self.profiles[d]))]
         out = []
-        for k, t in enumerate(self.top):
+        for k, t in enumerate(self.top):  # slot k's costliest: domain d's k-th costliest bin
             d = t[0][1]
-            out.append(
-                (
-                    d,
-                    sorted(range(len(self.profiles[d])), key=lambda j: (-self.profiles[d][j], j))[
-                        k
-                    ],
-                )
-            )
+            levels = self.profiles[d]
+            out.append((d, sorted(range(len(levels)), key=lambda j: (-levels[j], j))[k]))
         return out
 
     def step_with(self, p: int, kp: int, vp: int, q: int, kq: int, vq: int) -> int:
@@ -607,6 +609,20 @@ class _Pace(NamedTuple):
         return total
 
 
+class _Swap(NamedTuple):
+    """The best exchange of a round (``_swap_long_units``): the step after it, unit ``unit`` of
+    bin ``src_bin`` of domain ``src`` for the ``moved`` shortest units of bin ``dst_bin`` of
+    ``dst``."""
+
+    step: int
+    src: int
+    src_bin: int
+    dst: int
+    dst_bin: int
+    unit: int
+    moved: int
+
+
 def _swap_long_units(
     bins: list[list[_Bin]],
     costs: Sequence[DomainCosts],
@@ -625,9 +641,9 @@ def _swap_long_units(
     to the cheaper bins of the ``SWAP_DOMAINS`` least-loaded other domains, each taking the unit
     for its own shortest units (``_exchange``); the exchange that lowers the step by the tables
     most, by ``1 / SWAP_GAIN`` of it at least, is made (ties: the first found), and the rounds
-    stop when none does; True when one was made. Integers only,
-    like the rest of the schedule; a trial costs the units it moves (``_Sorted``'s running sums)
-    and the slots or the three slowest domains (``_Pace``), not a pass over every domain."""
+    stop when none does; True when one was made. Integers only, like the rest of the schedule; a
+    trial costs the units it moves (``_Sorted``'s running sums) and the slots or the three
+    slowest domains (``_Pace``), not a pass over every domain."""
     D = len(bins)
     fixed = [len(bins[d]) * c.batch_as + c.step_as for d, c in enumerate(costs)]
     profiles = [[_bin_cost(c, b, lengths) for b in bins[d]] for d, c in enumerate(costs)]
@@ -642,7 +658,7 @@ def _swap_long_units(
     for _ in range(SWAP_ROUNDS):
         pace = _Pace.of(profiles, fixed, lockstep)
         bar = pace.now - pace.now // SWAP_GAIN
-        best: tuple[int, int, int, int, int, int, int] | None = None
+        best: _Swap | None = None
         for p, kp in pace.sources():
             src = sorted_bin(p, kp)
             others = sorted((d for d in range(D) if d != p), key=lambda d: (pace.loads[d], d))
@@ -657,13 +673,13 @@ def _swap_long_units(
                         )
                         if got is None:
                             continue
-                        step = pace.step_with(p, kp, got[1], q, kq, got[2])
-                        if step < bar and (best is None or step < best[0]):
-                            best = (step, p, kp, q, kq, u, got[0])
+                        step = pace.step_with(p, kp, got.src_level, q, kq, got.dst_level)
+                        if step < bar and (best is None or step < best.step):
+                            best = _Swap(step, p, kp, q, kq, u, got.moved)
         if best is None:
             break
         changed = True
-        _, p, kp, q, kq, u, e = best
+        p, kp, q, kq, u, e = best[1:]
         src, dst = view[p, kp], view[q, kq]
         view[p, kp] = _Sorted([j for j in src.units if j != u] + dst.units[:e], costs[p], lengths)
         view[q, kq] = _Sorted(dst.units[e:] + [u], costs[q], lengths)
