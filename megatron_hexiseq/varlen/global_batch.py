@@ -104,6 +104,11 @@ class DomainCosts(NamedTuple):
     def cost_as(self, tokens: int, pairs: int) -> int:
         return self.token_as * tokens + self.pair_as * pairs
 
+    def unit_work_as(self, length: int) -> int:
+        """What a unit of ``length`` tokens adds to its micro-batch's divided work: its tokens,
+        its document-masked pairs and ``unit_as``."""
+        return self.cost_as(length, length * (length + 1) // 2) + self.unit_as
+
     def long_unit_as(self, length: int) -> int:
         """What a micro-batch whose longest unit has ``length`` tokens runs beyond its divided
         work: ``long_unit`` (points of increasing length) interpolated linearly (from 0 at 0
@@ -240,7 +245,7 @@ def schedule_global(
                 f"{biggest:,} tokens in memory); use larger domains, a memory mode with less per "
                 "GPU, or shorter samples"
             )
-        work = [kind.cost.cost_as(l_u, l_u * (l_u + 1) // 2) + kind.cost.unit_as for kind in kinds]
+        work = [kind.cost.unit_work_as(l_u) for kind in kinds]
         long = [kind.cost.long_unit_as(l_u) for kind in kinds]
         best: _Choice | None = None
         for _, i in sorted([(kind.least_load(), i) for i, kind in enumerate(kinds)]):
@@ -474,8 +479,7 @@ def _refilled(cost: DomainCosts, units: Sequence[int], lengths: Sequence[int]) -
     b = _Bin(cost.floor_as)
     for u in units:
         length = lengths[u]
-        work = cost.cost_as(length, length * (length + 1) // 2) + cost.unit_as
-        b.add(u, length, work, cost.long_unit_as(length))
+        b.add(u, length, cost.unit_work_as(length), cost.long_unit_as(length))
     return b
 
 
@@ -659,11 +663,12 @@ def _swap_long_units(
         pace = _Pace.of(profiles, fixed, lockstep)
         bar = pace.now - pace.now // SWAP_GAIN
         best: _Swap | None = None
+        by_load = sorted(range(D), key=lambda d: (pace.loads[d], d))
         for p, kp in pace.sources():
             src = sorted_bin(p, kp)
-            others = sorted((d for d in range(D) if d != p), key=lambda d: (pace.loads[d], d))
+            others = [d for d in by_load if d != p][:SWAP_DOMAINS]
             for u in src.units[::-1][:SWAP_UNITS]:
-                for q in others[:SWAP_DOMAINS]:
+                for q in others:
                     for kq in range(len(bins[q])):
                         if profiles[q][kq] >= profiles[p][kp]:
                             continue
@@ -766,7 +771,7 @@ def _repack(
     cap, fill = cost.capacity, cost.fill_tokens
     for u in units:
         length = lengths[u]
-        work = cost.cost_as(length, length * (length + 1) // 2) + cost.unit_as
+        work = cost.unit_work_as(length)
         long = cost.long_unit_as(length)
         pick, over = -1, None
         for k, b in enumerate(out):
