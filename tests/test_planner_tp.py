@@ -192,6 +192,42 @@ def test_auto_bounds_every_plan_and_keeps_the_fastest():
     assert lay.tensor_model_parallel_size == chosen[0]["tensor_model_parallel_size"]
 
 
+def test_human_output_shows_each_size_and_the_choice():
+    """``plan`` / ``show`` print auto's choice: every TP size with its bound and its plan's time, or
+    why it was not planned; a layout planned for one given t prints no such table."""
+    from rich.console import Console
+
+    from megatron_hexiseq.planner.report import print_layout
+
+    def text(lay: Layout) -> str:
+        console = Console(record=True, width=220)
+        print_layout(lay, console=console)
+        return console.export_text()
+
+    c, m = _cluster(), _model()
+    lay = plan_tp(c, m, SEQ, TrainOptions(), tensor_model_parallel_size="auto", modes=AUTO_MODES)
+    out = text(lay)
+    assert "tensor-parallel sizes (--tensor-model-parallel-size auto)" in out
+    sizes = lay.planner["tensor_parallel"]["sizes"]
+    table = out.split("tensor-parallel sizes (--tensor-model-parallel-size auto)")[1]
+    table = table.split("└")[0]  # up to the table's bottom border
+    rows = {int(line.split("│")[1]): line for line in table.splitlines() if line.count("│") == 6}
+    assert sorted(rows) == [s["tensor_model_parallel_size"] for s in sizes]
+    best = next(s for s in sizes if s.get("chosen"))["iteration_time_s"]
+    for s in sizes:
+        row = rows[s["tensor_model_parallel_size"]]
+        if s.get("chosen"):
+            assert "chosen" in row
+        elif "iteration_time_s" in s:
+            assert f"{s['iteration_time_s'] / best:.2f}x slower" in row and "planned" in row
+        else:
+            assert (s.get("skipped") or "infeasible")[:30] in row
+    planned = sum("iteration_time_s" in s for s in sizes)
+    assert f"{planned} size{'' if planned == 1 else 's'} planned" in out
+    fixed = plan_tp(c, m, SEQ, TrainOptions(), tensor_model_parallel_size=2, modes=AUTO_MODES)
+    assert "tensor-parallel sizes" not in text(fixed)
+
+
 def test_lower_bound_is_below_every_baseline():
     c, m = _cluster(), _model()
     for t in (1, 2, 4):

@@ -108,6 +108,45 @@ def baselines_table(layout: Layout) -> Table:
     return table
 
 
+def tp_sizes_table(layout: Layout) -> Table | None:
+    """``--tensor-model-parallel-size auto``'s choice (``planner.tensor_parallel.sizes``): each TP
+    size's lower bound, its plan's iteration time and how it compares with the chosen one, or why it
+    was not planned (its bound, the three-plan cap, memory). None when one size was given."""
+    record = (layout.planner or {}).get("tensor_parallel") or {}
+    sizes = record.get("sizes") or []
+    if len(sizes) < 2:
+        return None
+    chosen = next((s for s in sizes if s.get("chosen")), None)
+    best = chosen.get("iteration_time_s") if chosen else None
+    planned = sum(s.get("iteration_time_s") is not None for s in sizes)
+    search_s = record.get("time_s")  # 0 in a --reproducible file
+    table = Table(
+        title="tensor-parallel sizes (--tensor-model-parallel-size auto)",
+        caption=f"{planned} size{'' if planned == 1 else 's'} planned"
+        + (f" in {search_s:.2f} s" if search_s else ""),
+    )
+    for col in ("TP size", "lower bound", "iteration", "vs chosen", "outcome"):
+        table.add_column(col, justify="left" if col == "outcome" else "right")
+    for s in sizes:
+        time_s = s.get("iteration_time_s")
+        if s.get("chosen"):
+            outcome = "[bold]chosen[/bold]"
+        elif time_s is not None:
+            outcome = "planned"
+        else:
+            outcome = s.get("skipped") or f"infeasible: {s.get('infeasible', '?')}"
+        table.add_row(
+            f"[bold]{s['tensor_model_parallel_size']}[/bold]"
+            if s.get("chosen")
+            else str(s["tensor_model_parallel_size"]),
+            _fmt_time(s.get("lower_bound_s")),
+            _fmt_time(time_s),
+            f"{time_s / best:.2f}x slower" if time_s and best and not s.get("chosen") else "-",
+            outcome,
+        )
+    return table
+
+
 def make_console() -> Console:
     """A console as wide as the terminal, or 160 columns when output is piped (tables stay readable)."""
     c = Console()
@@ -125,6 +164,9 @@ def print_layout(layout: Layout, *, console: Console | None = None, title: str =
     )
     if layout.baselines:
         console.print(baselines_table(layout))
+    sizes = tp_sizes_table(layout)
+    if sizes is not None:
+        console.print(sizes)
     pl = layout.planner
     if pl:
         bits = [f"status {pl.get('status')}", f"solve time {pl.get('solve_time_s', 0):.2f} s"]
