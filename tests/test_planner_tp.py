@@ -228,6 +228,32 @@ def test_human_output_shows_each_size_and_the_choice():
     assert "tensor-parallel sizes" not in text(fixed)
 
 
+def test_a_cheaper_mode_that_only_an_uneven_layout_fits_is_planned():
+    """llama3-70b at 128K on four-types-64 in TP bundles of 8: no symmetric layout or heuristic fits
+    Megatron-FSDP without recompute (an L40S bundle holds about 8.8K tokens, and every layout that
+    splits the sequence evenly gives them 16K), but the planner's uneven split does. The planner
+    starts at the first mode some baseline or heuristic fits (fsdp + recompute) and then plans the
+    cheaper modes before it from that run's groupings: it must end in fsdp without recompute,
+    faster than the plan held to fsdp + recompute."""
+    from megatron_hexiseq.cluster import load_cluster
+
+    c = load_cluster("examples/clusters/four-types-64.yaml")
+    m = get_model("llama3-70b", overrides={"seq_length": 131072})
+    lay = plan_tp(c, m, 131072, TrainOptions(), tensor_model_parallel_size=8, modes=AUTO_MODES)
+    fixed = list(lay.baselines) + list(lay.planner["heuristics"])
+    fitted = {
+        (r["config"]["memory_mode"], r["config"]["recompute"])
+        for r in fixed
+        if r["iteration_time_s"] is not None
+    }
+    assert fitted == {("fsdp", True)}  # what makes the planner start at fsdp + recompute
+    assert (lay.meta["options"]["memory_mode"], lay.meta["options"]["recompute"]) == ("fsdp", False)
+    held = plan_tp(
+        c, m, 131072, TrainOptions(), tensor_model_parallel_size=8, modes=[("fsdp", True)]
+    )
+    assert lay.predicted["iteration_time_s"] < 0.9 * held.predicted["iteration_time_s"]
+
+
 def test_lower_bound_is_below_every_baseline():
     c, m = _cluster(), _model()
     for t in (1, 2, 4):

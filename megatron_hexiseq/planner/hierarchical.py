@@ -46,6 +46,8 @@ FEEDBACK_SCHEMES = ("one", "kv")
 FEEDBACK_CONVERGED = 0.001
 # Stage II's bound is proven for arrangements with at most this many prefix blocks (see solve_grouping)
 MAX_PROVEN_PREFIX_BLOCKS = 1
+# memory-feedback rounds before round 0 gives up on a memory mode (``planner_candidates``)
+MEMORY_FEEDBACK_ROUNDS = 4
 
 
 class ForkState(NamedTuple):
@@ -154,6 +156,9 @@ def planner_candidates(
     feedback_schemes: Sequence[str] = FEEDBACK_SCHEMES,
     progress: Callable[[str], None] | None = None,
     arranged: bool = True,
+    memory_feedback_rounds: int = MEMORY_FEEDBACK_ROUNDS,
+    seed_groupings: Sequence[Scored] | None = None,
+    stage_one_found: list[Scored] | None = None,
 ) -> list[Candidate]:
     """Stages I-III with memory and time feedback; every candidate scored by ``score``.
 
@@ -174,6 +179,10 @@ def planner_candidates(
     short message per round ("stage I: 3 groupings", "feedback kv round 2", ...). Once ``deadline``
     has passed, no further round starts (round 0 always runs). ``arranged=False``: only the mirrored
     arrangement (no slow-first prefix blocks; what the exact reference models).
+    ``memory_feedback_rounds``: how many memory-feedback rounds round 0 may take before it gives up.
+    ``seed_groupings``: round 0 re-splits these (grouping, arrangement) pairs (Stage I's of another
+    memory mode, ``stage_one_found``) for this mode instead of running Stage I; ``stage_one_found``,
+    when given, receives round 0's Stage I pairs.
     """
     say = progress or (lambda message: None)
     k_lin, k_att = calibrate(cluster, model, options, seq_length)
@@ -248,11 +257,17 @@ def planner_candidates(
                 return None
             if not groupings:  # Stage I; time-feedback rounds re-split the same groupings
                 groupings = stage_one(sur)
+                if stage_one_found is not None and round_ == 0:
+                    stage_one_found.extend(groupings)
             else:
                 say(
                     f"feedback {scheme} round {round_}"
                     if scheme
-                    else f"memory feedback round {round_}"
+                    else (
+                        f"memory feedback round {round_}"
+                        if round_
+                        else f"{len(groupings)} groupings of another memory mode (round 0)"
+                    )
                 )
                 rescored = [
                     score_arranged(sur, s.grouping, s.arrangement, node_of) for s in groupings
@@ -298,7 +313,7 @@ def planner_candidates(
             round_ += 1
             feasible = [(c, st) for c, st in new if c.estimate.feasible]
             if not feasible:
-                if not over or memory_rounds == 4:
+                if not over or memory_rounds >= memory_feedback_rounds:
                     return None
                 memory_rounds += 1
                 sur = lower_free(sur, over)
@@ -338,7 +353,7 @@ def planner_candidates(
             sur = sur.scaled(factors, kv_factors)
         return None
 
-    fork = rounds(sur0, [], 0, 0, feedback_rounds, None)
+    fork = rounds(sur0, list(seed_groupings or ()), 0, 0, feedback_rounds, None)
     if fork is not None:
         # one track of time-feedback rounds per (kept grouping, scheme), from the same round-0 state,
         # each calibrated on its own grouping's round-0 candidate: factors are averaged per (device,

@@ -41,6 +41,7 @@ from megatron_hexiseq.planner.exact import MAX_EXACT_GPUS, exact_candidates
 from megatron_hexiseq.planner.feasibility import explain_infeasible, may_fit
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
 from megatron_hexiseq.planner.hierarchical import planner_candidates
+from megatron_hexiseq.planner.stage1_groups import Scored
 from megatron_hexiseq.run_config import TrainOptions, mode_label, options_record
 
 METHODS = ("hierarchical", "node", "exact")
@@ -225,8 +226,11 @@ def _plan(
     # heuristic if that beats it
     t_stages = time.perf_counter()
     ran: dict[tuple[str, bool], list[Candidate]] = {}
+    stage_one_found: list[Scored] = []  # Stage I's pairs of the first mode planned
 
-    def run_mode(o: TrainOptions) -> Candidate | None:
+    def run_mode(o: TrainOptions, seeded: bool = False) -> Candidate | None:
+        """The fastest feasible candidate of the planner in mode ``o`` (run once per mode);
+        ``seeded``: from ``stage_one_found``, without memory feedback (the modes before ``first``)."""
         key = (o.memory_mode, o.recompute)
         if key not in ran:
             say(f"memory mode {mode_label(o)}")
@@ -244,6 +248,11 @@ def _plan(
                     deadline=deadline,
                     method=method,
                     progress=say,
+                    **(
+                        {"seed_groupings": stage_one_found, "memory_feedback_rounds": 0}
+                        if seeded
+                        else {"stage_one_found": stage_one_found}
+                    ),
                 )
         return fastest_feasible(ran[key])
 
@@ -261,6 +270,19 @@ def _plan(
         if best_c is not None:
             best_o = o
             break
+    # the modes before `first` (cheaper ones: no recompute, or no per-layer gathers) that no
+    # baseline or heuristic fits: an uneven layout can still fit them, putting the tokens where the
+    # memory is. Each is planned from the groupings Stage I found above and given up when its first
+    # round does not fit (no memory feedback: the rounds that starting at `first` saves)
+    if stage_one_found:
+        for o in usable[:first]:
+            if deadline.passed():
+                break
+            c = run_mode(o, seeded=True)
+            if c is not None and (
+                best_c is None or c.estimate.iteration_time_s < best_c.estimate.iteration_time_s
+            ):
+                best_c, best_o = c, o
     if (
         best_fixed is not None
         and (best_c is None or best_fixed["iteration_time_s"] < best_c.estimate.iteration_time_s)
