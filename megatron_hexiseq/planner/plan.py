@@ -12,8 +12,9 @@ the heuristics' records as ``baselines`` lists the baselines'.
 Memory modes (``run_config``; ``planner.feasibility`` skips those that cannot fit at all): each
 baseline and heuristic is scored in the first mode of ``modes`` where it fits (its best); the
 planner runs in the first mode where it finds a feasible layout, starting at the first mode where
-some baseline or heuristic fits, and also in the mode of the best baseline or heuristic when that
-one is faster. The chosen mode is in ``meta.options`` (``run_config.options_record``) with the
+some baseline or heuristic fits, then in the cheaper modes before that one (from its Stage I
+groupings, without memory feedback: an uneven layout can fit a mode no symmetric one fits), and
+also in the mode of the best baseline or heuristic when that one is faster. The chosen mode is in ``meta.options`` (``run_config.options_record``) with the
 Megatron flags it maps to.
 """
 
