@@ -14,8 +14,8 @@ baseline and heuristic is scored in the first mode of ``modes`` where it fits (i
 planner runs in the first mode where it finds a feasible layout, starting at the first mode where
 some baseline or heuristic fits, then in the cheaper modes before that one (from its Stage I
 groupings, without memory feedback: an uneven layout can fit a mode no symmetric one fits), and
-also in the mode of the best baseline or heuristic when that one is faster. The chosen mode is in ``meta.options`` (``run_config.options_record``) with the
-Megatron flags it maps to.
+also in the mode of the best baseline or heuristic when that one is faster. The chosen mode is in
+``meta.options`` (``run_config.options_record``) with the Megatron flags it maps to.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from megatron_hexiseq.planner.canonical import canonical_cluster, to_original
 from megatron_hexiseq.planner.exact import MAX_EXACT_GPUS, exact_candidates
 from megatron_hexiseq.planner.feasibility import explain_infeasible, may_fit
 from megatron_hexiseq.planner.heuristics import heuristic_layouts
-from megatron_hexiseq.planner.hierarchical import planner_candidates
+from megatron_hexiseq.planner.hierarchical import MEMORY_FEEDBACK_ROUNDS, planner_candidates
 from megatron_hexiseq.planner.stage1_groups import Scored
 from megatron_hexiseq.run_config import TrainOptions, mode_label, options_record
 
@@ -249,11 +249,9 @@ def _plan(
                     deadline=deadline,
                     method=method,
                     progress=say,
-                    **(
-                        {"seed_groupings": stage_one_found, "memory_feedback_rounds": 0}
-                        if seeded
-                        else {"stage_one_found": stage_one_found}
-                    ),
+                    seed_groupings=stage_one_found if seeded else None,
+                    memory_feedback_rounds=0 if seeded else MEMORY_FEEDBACK_ROUNDS,
+                    stage_one_found=None if seeded else stage_one_found,
                 )
         return fastest_feasible(ran[key])
 
