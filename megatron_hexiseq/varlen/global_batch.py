@@ -128,7 +128,12 @@ class DomainCosts(NamedTuple):
         adds."""
         work = self.cost_as(sum(lengths), sum(x * (x + 1) // 2 for x in lengths))
         work += self.unit_as * len(lengths)
-        return self.batch_as + max(self.floor_as, work + self.long_unit_as(max(lengths, default=0)))
+        return self.batch_as + self.level_as(work, max(lengths, default=0))
+
+    def level_as(self, work: int, longest: int) -> int:
+        """A micro-batch's cost beyond its fixed costs: the larger of ``floor_as`` and its divided
+        ``work`` plus what its longest unit (``longest`` tokens) adds."""
+        return max(self.floor_as, work + self.long_unit_as(longest))
 
 
 class GlobalSchedule(NamedTuple):
@@ -487,7 +492,7 @@ class _Sorted:
     """A bin's units shortest first (ties: index) with running sums, so that an exchange
     (``_swap_long_units``) is priced without rebuilding the bin: ``tokens[i]`` and ``pairs[i]``
     of the first ``i`` units, the bin's divided work with ``unit_as`` per unit, and its level
-    (``max(floor, work + long)``, what ``DomainCosts.bin_as`` adds to the fixed costs)."""
+    (``DomainCosts.level_as``: what ``DomainCosts.bin_as`` adds to the fixed costs)."""
 
     __slots__ = ("units", "tokens", "pairs", "work", "level")
 
@@ -500,8 +505,7 @@ class _Sorted:
             self.tokens[i + 1] = self.tokens[i] + x
             self.pairs[i + 1] = self.pairs[i] + x * (x + 1) // 2
         self.work = cost.cost_as(self.tokens[n], self.pairs[n]) + cost.unit_as * n
-        longest = lengths[self.units[-1]] if n else 0
-        self.level = max(cost.floor_as, self.work + cost.long_unit_as(longest))
+        self.level = cost.level_as(self.work, lengths[self.units[-1]] if n else 0)
 
 
 class _Trade(NamedTuple):
@@ -552,9 +556,7 @@ def _exchange(
     dst_work += dst_cost.unit_as * (1 - e)
     dst_longest = max(length, lengths[dst.units[-1]] if e < n else 0)
     return _Trade(
-        e,
-        max(src_cost.floor_as, src_work + src_cost.long_unit_as(src_longest)),
-        max(dst_cost.floor_as, dst_work + dst_cost.long_unit_as(dst_longest)),
+        e, src_cost.level_as(src_work, src_longest), dst_cost.level_as(dst_work, dst_longest)
     )
 
 
